@@ -1,0 +1,376 @@
+"""The parallel layout: every derived size and every rank group (contract: shared/design/layout.md).
+
+Pure integer arithmetic over six rank axes, no torch and no config library. The resolver plugin,
+the dry run and the trainer all ask a Layout; nothing else re-derives a size or a group.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, NamedTuple
+
+# Rank axes, fastest-varying first: TP is innermost, PP outermost.
+AXES = ("tp", "seq", "batch", "cp", "dp", "pp")
+
+# A group over some axes holds all ranks that agree on every other axis.
+GROUP_AXES: dict[str, tuple[str, ...]] = {
+    # Weight view: who holds which weight shard.
+    "tp": ("tp",),
+    "gtp_remat": ("seq", "batch"),
+    "weight_tile": ("tp", "seq", "batch"),
+    "weight_replica": ("cp", "dp"),
+    "model_parallel": ("tp", "seq", "batch", "pp"),
+    "pp": ("pp",),
+    # Batch and sequence view: who sees which tokens.
+    "context": ("seq", "cp"),
+    "batch_lane": ("batch", "dp"),
+    "token_distinct": ("seq", "batch", "cp", "dp"),
+}
+# "embedding" is not an axis product: it is the first and last stage of each pp group.
+GROUP_NAMES = (*GROUP_AXES, "embedding")
+
+GROUP_PURPOSE = {
+    "tp": "tensor parallel: splits each weight column/row-wise; SP splits activations over it",
+    "gtp_remat": "weight sharding beyond TP: all-gathers weights before use, "
+    "reduce-scatters their gradients",
+    "weight_tile": "TP x GTP_remat ranks that together hold one full copy of the weights",
+    "weight_replica": "ranks holding the same weight shard: gradients summed, "
+    "optimizer state sharded",
+    "model_parallel": "TP x GTP_remat x PP: one model replica",
+    "pp": "pipeline stages, first to last",
+    "embedding": "first and last pipeline stage (tied embedding gradients)",
+    "context": "runtime CP (configured CP x sequence shards): split one sequence, exchange K/V",
+    "batch_lane": "one rank per independent micro-batch stream; index = batch partition",
+    "token_distinct": "every rank that sees different tokens: the loss is summed here",
+}
+
+# The config key a user sets for each input, used in every error message.
+CONFIG_KEY = {
+    "world_size": "world_size",
+    "tensor_model_parallel_size": "parallel.tensor_model_parallel_size",
+    "sequence_parallel": "parallel.sequence_parallel",
+    "tensor_parallel_num_weight_shards": "parallel.tensor_parallel_num_weight_shards",
+    "tensor_parallel_num_sequence_shards": "parallel.tensor_parallel_num_sequence_shards",
+    "context_parallel_size": "parallel.context_parallel_size",
+    "pipeline_model_parallel_size": "parallel.pipeline_model_parallel_size",
+    "micro_batch_size": "train.micro_batch_size",
+    "global_batch_size": "train.global_batch_size",
+    "seq_length": "train.seq_length",
+}
+
+DERIVED_KEYS = (
+    "world_size", "sp_degree", "gtp_remat_size", "gtp_remat_num_sequence_shards",
+    "gtp_remat_num_batch_shards", "data_parallel_size", "batch_parallel_size",
+    "runtime_context_parallel_size", "num_weight_replicas", "num_microbatches",
+    "global_batch_size",
+)
+
+
+class LayoutError(ValueError):
+    """A parallel layout that breaks a rule of the contract; the message names keys and fix."""
+
+
+class RankCoords(NamedTuple):
+    """A rank's index on each axis."""
+
+    tp: int
+    seq: int
+    batch: int
+    cp: int
+    dp: int
+    pp: int
+
+
+def _multiples_near(value: int, base: int) -> str:
+    """'4 or 8': the multiples of base on either side of value (the usual fix)."""
+    below, above = (value // base) * base, -(-value // base) * base
+    if below < base:
+        return str(above if above >= base else base)
+    return str(below) if below == above else f"{below} or {above}"
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A validated layout. None inputs are replaced by their effective values at construction:
+    weight shards -> TP, sequence shards -> SP degree, global batch -> micro x batch_parallel."""
+
+    world_size: int
+    tensor_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    tensor_parallel_num_weight_shards: int | None = None
+    tensor_parallel_num_sequence_shards: int | None = None
+    context_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    seq_length: int | None = None
+
+    @classmethod
+    def from_config(cls, parallel: Any, cluster: Any, train: Any) -> Layout:
+        """From the parallel, cluster and train config nodes (DictConfig or dataclass)."""
+        for key in ("num_nodes", "procs_per_node"):
+            value = getattr(cluster, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise LayoutError(f"cluster.{key}={value!r} must be an integer >= 1.")
+        return cls(
+            world_size=cluster.num_nodes * cluster.procs_per_node,
+            tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+            sequence_parallel=parallel.sequence_parallel,
+            tensor_parallel_num_weight_shards=parallel.tensor_parallel_num_weight_shards,
+            tensor_parallel_num_sequence_shards=parallel.tensor_parallel_num_sequence_shards,
+            context_parallel_size=parallel.context_parallel_size,
+            pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+            micro_batch_size=train.micro_batch_size,
+            global_batch_size=train.global_batch_size,
+            seq_length=train.seq_length,
+        )
+
+    def __post_init__(self) -> None:
+        self._check_positive_integers()
+        if self.tensor_parallel_num_weight_shards is None:
+            object.__setattr__(self, "tensor_parallel_num_weight_shards", self.tp_size)
+        if self.tensor_parallel_num_sequence_shards is None:
+            object.__setattr__(self, "tensor_parallel_num_sequence_shards", self.sp_degree)
+        self._check_weight_and_sequence_shards()
+        self._check_world_size()
+        self._check_batch()
+        self._check_seq_length()
+
+    # ----------------------------------------------------------------------------- validation
+
+    def _check_positive_integers(self) -> None:
+        if not isinstance(self.sequence_parallel, bool):
+            raise LayoutError(
+                f"parallel.sequence_parallel={self.sequence_parallel!r} must be true or false.")
+        optional = ("tensor_parallel_num_weight_shards", "tensor_parallel_num_sequence_shards",
+                    "global_batch_size", "seq_length")
+        for name, key in CONFIG_KEY.items():
+            value = getattr(self, name)
+            if name == "sequence_parallel" or (value is None and name in optional):
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                hint = " (or null for its default)" if name in optional else ""
+                if name == "world_size":
+                    hint = " (world_size = cluster.num_nodes x cluster.procs_per_node)"
+                raise LayoutError(f"{key}={value!r} must be an integer >= 1{hint}.")
+
+    def _check_weight_and_sequence_shards(self) -> None:
+        tp, ws, ss, sp = (self.tp_size, self.tensor_parallel_num_weight_shards,
+                          self.tensor_parallel_num_sequence_shards, self.sp_degree)
+        ws_key, ss_key = CONFIG_KEY["tensor_parallel_num_weight_shards"], CONFIG_KEY[
+            "tensor_parallel_num_sequence_shards"]
+        if ws < tp or ws % tp:
+            raise LayoutError(
+                f"{ws_key}={ws} is not a multiple of parallel.tensor_model_parallel_size={tp}: "
+                f"weight shards count TP ranks too, so they must be a multiple of TP. Fix: set "
+                f"{ws_key} to {_multiples_near(ws, tp)}, or null for no sharding beyond TP.")
+        if ss < sp or ss % sp:
+            raise LayoutError(
+                f"{ss_key}={ss} is not a multiple of the SP degree {sp} (TP="
+                f"{tp}, sequence_parallel={self.sequence_parallel}): sequence shards count the "
+                f"SP ranks too. Fix: set {ss_key} to {_multiples_near(ss, sp)}, or null for {sp}.")
+        ns, g = ss // sp, ws // tp
+        if ns > 1 and tp > 1 and not self.sequence_parallel:
+            raise LayoutError(
+                f"{ss_key}={ss} shards sequences within GTP_remat, which requires "
+                f"sequence_parallel when parallel.tensor_model_parallel_size={tp} > 1. Fix: set "
+                f"parallel.sequence_parallel=true, or {ss_key}=null.")
+        if g % ns:
+            raise LayoutError(
+                f"{ss_key}={ss} gives {ns} sequence shards per GTP_remat group, which does not "
+                f"divide GTP_remat size {g} ({ws_key}={ws} / TP={tp}). Fix: make {ss_key} / "
+                f"SP degree {sp} a divisor of {g}, e.g. {ss_key}={sp * self._divisor_near(g, ns)}.")
+
+    @staticmethod
+    def _divisor_near(n: int, value: int) -> int:
+        return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - value), d))
+
+    def _check_world_size(self) -> None:
+        tile = self.tp_size * self.gtp_remat_size * self.context_parallel_size * self.pp_size
+        if self.world_size % tile:
+            raise LayoutError(
+                f"world_size={self.world_size} (cluster.num_nodes x cluster.procs_per_node) is "
+                f"not divisible by TP x "
+                f"GTP_remat x CP x PP = {self.tp_size} x {self.gtp_remat_size} x "
+                f"{self.context_parallel_size} x {self.pp_size} = {tile}. Fix: use a world size "
+                f"that is a multiple of {tile} ({_multiples_near(self.world_size, tile)}), or "
+                f"lower those degrees.")
+
+    def _check_batch(self) -> None:
+        step = self.micro_batch_size * self.batch_parallel_size
+        gbs = self.global_batch_size
+        if gbs is None:
+            object.__setattr__(self, "global_batch_size", step)
+        elif gbs % step:
+            raise LayoutError(
+                f"train.global_batch_size={gbs} is not a multiple of train.micro_batch_size="
+                f"{self.micro_batch_size} x batch_parallel_size={self.batch_parallel_size} = "
+                f"{step}. Fix: set train.global_batch_size to {_multiples_near(gbs, step)}, or "
+                f"null for {step}.")
+
+    def _check_seq_length(self) -> None:
+        cp, sp, seq = self.runtime_context_parallel_size, self.sp_degree, self.seq_length
+        if seq is None:
+            return
+        # Zigzag CP cuts a sequence into 2 x CP chunks; SP then splits each CP-local part over TP.
+        multiple = math.lcm(2 * cp if cp > 1 else 1, cp * sp)
+        if seq % multiple == 0:
+            return
+        why = []
+        if cp > 1:
+            why.append(f"2 x runtime CP = {2 * cp} (runtime CP = parallel.context_parallel_size "
+                       f"{self.context_parallel_size} x sequence shards per GTP_remat group "
+                       f"{self.gtp_remat_num_sequence_shards})")
+        if sp > 1:
+            why.append(f"runtime CP x SP degree = {cp} x {sp} (sequence parallel splits the "
+                       f"CP-local part over TP)")
+        raise LayoutError(
+            f"train.seq_length={seq} must be divisible by {' and by '.join(why)}. Fix: set "
+            f"train.seq_length to a multiple of {multiple} ({_multiples_near(seq, multiple)}).")
+
+    # -------------------------------------------------------------------------- derived sizes
+
+    @property
+    def tp_size(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp_size(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def sp_degree(self) -> int:
+        return self.tp_size if self.sequence_parallel else 1
+
+    @property
+    def gtp_remat_size(self) -> int:
+        return self.tensor_parallel_num_weight_shards // self.tp_size
+
+    @property
+    def gtp_remat_num_sequence_shards(self) -> int:
+        return self.tensor_parallel_num_sequence_shards // self.sp_degree
+
+    @property
+    def gtp_remat_num_batch_shards(self) -> int:
+        return self.gtp_remat_size // self.gtp_remat_num_sequence_shards
+
+    @property
+    def data_parallel_size(self) -> int:
+        model = self.tp_size * self.gtp_remat_size * self.context_parallel_size * self.pp_size
+        return self.world_size // model
+
+    @property
+    def batch_parallel_size(self) -> int:
+        return self.data_parallel_size * self.gtp_remat_num_batch_shards
+
+    @property
+    def runtime_context_parallel_size(self) -> int:
+        return self.context_parallel_size * self.gtp_remat_num_sequence_shards
+
+    @property
+    def num_weight_replicas(self) -> int:
+        return self.context_parallel_size * self.data_parallel_size
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch_size // (self.micro_batch_size * self.batch_parallel_size)
+
+    def derived(self) -> dict[str, int]:
+        """The values the config's read-only `layout` node carries, in DERIVED_KEYS order."""
+        return {key: getattr(self, key) for key in DERIVED_KEYS}
+
+    # ------------------------------------------------------------------- ranks and coordinates
+
+    @cached_property
+    def axis_sizes(self) -> dict[str, int]:
+        return dict(zip(AXES, (self.tp_size, self.gtp_remat_num_sequence_shards,
+                               self.gtp_remat_num_batch_shards, self.context_parallel_size,
+                               self.data_parallel_size, self.pp_size)))
+
+    @cached_property
+    def axis_strides(self) -> dict[str, int]:
+        strides, stride = {}, 1
+        for axis in AXES:
+            strides[axis] = stride
+            stride *= self.axis_sizes[axis]
+        return strides
+
+    def coords(self, rank: int) -> RankCoords:
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} is outside world size {self.world_size}")
+        return RankCoords(*(rank // self.axis_strides[a] % self.axis_sizes[a] for a in AXES))
+
+    def rank(self, coords: RankCoords) -> int:
+        for axis, index in zip(AXES, coords):
+            if not 0 <= index < self.axis_sizes[axis]:
+                raise IndexError(f"{axis} index {index} outside size {self.axis_sizes[axis]}")
+        return sum(index * self.axis_strides[a] for a, index in zip(AXES, coords))
+
+    # ------------------------------------------------------------------------------- groups
+
+    def _offsets(self, axes: tuple[str, ...]) -> list[int]:
+        """Rank offsets of a group's members from its lowest rank; list index = position."""
+        offsets = [0]
+        for axis in axes:  # fastest first, so each later axis is an outer loop: ascending
+            stride = self.axis_strides[axis]
+            offsets = [i * stride + o for i in range(self.axis_sizes[axis]) for o in offsets]
+        return offsets
+
+    def _axes_of(self, name: str) -> tuple[str, ...]:
+        if name not in GROUP_AXES:
+            raise KeyError(f"unknown group {name!r}; groups are {', '.join(GROUP_NAMES)}")
+        return GROUP_AXES[name]
+
+    def groups(self, name: str) -> list[list[int]]:
+        """Every group of this kind, in increasing order of its lowest rank."""
+        if name == "embedding":
+            return [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in self.groups("pp")]
+        axes = self._axes_of(name)
+        bases = self._offsets(tuple(a for a in AXES if a not in axes))
+        bases.sort()
+        offsets = self._offsets(axes)
+        return [[base + o for o in offsets] for base in bases]
+
+    def all_groups(self) -> dict[str, list[list[int]]]:
+        return {name: self.groups(name) for name in GROUP_NAMES}
+
+    def group(self, name: str, rank: int) -> list[int]:
+        """The group of this kind that holds `rank`."""
+        if name == "embedding":
+            pp = self.group("pp", rank)
+            return [pp[0], pp[-1]] if len(pp) > 1 else pp
+        axes, coords = self._axes_of(name), self.coords(rank)._asdict()
+        base = rank - sum(coords[a] * self.axis_strides[a] for a in axes)
+        return [base + o for o in self._offsets(axes)]
+
+    def position(self, name: str, rank: int) -> int:
+        """`rank`'s index inside its group: the mixed-radix index of the grouped axes."""
+        if name == "embedding":
+            return self.group(name, rank).index(rank)
+        coords, index, radix = self.coords(rank)._asdict(), 0, 1
+        for axis in self._axes_of(name):
+            index += coords[axis] * radix
+            radix *= self.axis_sizes[axis]
+        return index
+
+    def runtime_cp_rank(self, rank: int) -> int:
+        """seq_idx + ns * cp_idx: which pair of zigzag chunks of each sequence this rank keeps."""
+        return self.position("context", rank)
+
+    def batch_partition(self, rank: int) -> int:
+        """batch_idx + nb * dp_idx: which independent micro-batch stream this rank reads."""
+        return self.position("batch_lane", rank)
+
+    def weight_shard(self, rank: int) -> int:
+        """Which 1/G slice of its TP-local weights this rank stores (position in gtp_remat)."""
+        return self.position("gtp_remat", rank)
+
+    def weight_tiles_crossing(self, domain_size: int) -> list[list[int]]:
+        """Weight tiles (TP x GTP_remat consecutive ranks) that span more than one NVLink
+        domain of `domain_size` consecutive ranks: their gathers would leave NVLink."""
+        if domain_size < 1:
+            raise LayoutError(f"cluster.gpus_per_nvlink_domain={domain_size} must be >= 1.")
+        size = self.tp_size * self.gtp_remat_size
+        return [[start, start + size - 1] for start in range(0, self.world_size, size)
+                if start // domain_size != (start + size - 1) // domain_size]

@@ -1,0 +1,172 @@
+"""The Layout against the seed PR's worked examples, the contract's group example, and every
+validation rule with its message."""
+from __future__ import annotations
+
+import pytest
+
+from parallel.layout import GROUP_NAMES, Layout, LayoutError, RankCoords
+
+
+def test_seed_example_ws64_tp2_sp_ss16():
+    layout = Layout(64, tensor_model_parallel_size=2, sequence_parallel=True,
+                    tensor_parallel_num_weight_shards=64, tensor_parallel_num_sequence_shards=16)
+    assert (layout.gtp_remat_size, layout.gtp_remat_num_sequence_shards,
+            layout.gtp_remat_num_batch_shards) == (32, 8, 4)
+    assert layout.runtime_context_parallel_size == 8 and layout.batch_parallel_size == 4
+
+
+def test_seed_example_128_ranks_cp2():
+    layout = Layout(128, tensor_parallel_num_weight_shards=64,
+                    tensor_parallel_num_sequence_shards=64, context_parallel_size=2)
+    assert layout.derived() == {
+        "world_size": 128, "sp_degree": 1, "gtp_remat_size": 64,
+        "gtp_remat_num_sequence_shards": 64, "gtp_remat_num_batch_shards": 1,
+        "data_parallel_size": 1, "batch_parallel_size": 1, "runtime_context_parallel_size": 128,
+        "num_weight_replicas": 2, "num_microbatches": 1, "global_batch_size": 1}
+    # Each weight-sharding group is 64 consecutive ranks (one NVLink domain of 64).
+    assert layout.groups("gtp_remat") == [list(range(64)), list(range(64, 128))]
+    assert layout.weight_tiles_crossing(64) == []
+    assert layout.weight_tiles_crossing(8) == [[0, 63], [64, 127]]
+
+
+@pytest.mark.parametrize("sequence_shards,runtime_cp,bps", [(None, 1, 8), (2, 2, 4), (1, 1, 8)])
+def test_seed_review_case(sequence_shards, runtime_cp, bps):
+    layout = Layout(8, tensor_parallel_num_weight_shards=2,
+                    tensor_parallel_num_sequence_shards=sequence_shards)
+    assert layout.runtime_context_parallel_size == runtime_cp
+    assert layout.batch_parallel_size == bps and layout.data_parallel_size == 4
+
+
+def test_megatron_6886_cp64_is_ws64_ss64_cp1():
+    layout = Layout(64, tensor_parallel_num_weight_shards=64,
+                    tensor_parallel_num_sequence_shards=64)
+    assert layout.runtime_context_parallel_size == 64 and layout.gtp_remat_size == 64
+    assert layout.batch_parallel_size == 1
+
+
+def test_contract_group_example():
+    layout = Layout(16, tensor_model_parallel_size=2, sequence_parallel=True,
+                    tensor_parallel_num_weight_shards=8, tensor_parallel_num_sequence_shards=4,
+                    context_parallel_size=2)
+    assert (layout.gtp_remat_num_batch_shards, layout.data_parallel_size,
+            layout.batch_parallel_size, layout.runtime_context_parallel_size) == (2, 1, 2, 4)
+    assert layout.groups("context") == [[0, 2, 8, 10], [1, 3, 9, 11], [4, 6, 12, 14],
+                                        [5, 7, 13, 15]]
+    assert layout.groups("batch_lane") == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13],
+                                           [10, 14], [11, 15]]
+    assert layout.groups("token_distinct") == [list(range(0, 16, 2)), list(range(1, 16, 2))]
+    assert layout.groups("gtp_remat") == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14],
+                                          [9, 11, 13, 15]]
+    assert layout.groups("weight_replica") == [[r, r + 8] for r in range(8)]
+    assert layout.groups("weight_tile") == [list(range(8)), list(range(8, 16))]
+    assert layout.groups("tp") == [[r, r + 1] for r in range(0, 16, 2)]
+    assert layout.groups("embedding") == [[r] for r in range(16)]
+    # runtime CP rank = seq_idx + ns * cp_idx; batch partition = batch_idx + nb * dp_idx
+    assert [layout.runtime_cp_rank(r) for r in (0, 2, 8, 10)] == [0, 1, 2, 3]
+    assert [layout.batch_partition(r) for r in (0, 4)] == [0, 1]
+    assert layout.coords(11) == RankCoords(tp=1, seq=1, batch=0, cp=1, dp=0, pp=0)
+
+
+def test_pipeline_and_embedding_groups():
+    layout = Layout(8, tensor_model_parallel_size=2, pipeline_model_parallel_size=4)
+    assert layout.groups("pp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert layout.groups("embedding") == [[0, 6], [1, 7]]
+    assert layout.group("embedding", 4) == [0, 6]
+    assert layout.groups("model_parallel") == [list(range(8))]
+
+
+def test_effective_defaults_are_filled_in():
+    layout = Layout(8, tensor_model_parallel_size=2, sequence_parallel=True, micro_batch_size=3)
+    assert layout.tensor_parallel_num_weight_shards == 2
+    assert layout.tensor_parallel_num_sequence_shards == 2
+    assert layout.global_batch_size == 3 * 4 and layout.num_microbatches == 1
+
+
+def test_global_batch_gives_micro_batches():
+    layout = Layout(4, micro_batch_size=2, global_batch_size=24)
+    assert layout.batch_parallel_size == 4 and layout.num_microbatches == 3
+
+
+def test_unknown_group_and_out_of_range_rank():
+    layout = Layout(4)
+    with pytest.raises(KeyError, match="unknown group 'dp'"):
+        layout.groups("dp")
+    with pytest.raises(IndexError):
+        layout.coords(4)
+    assert set(layout.all_groups()) == set(GROUP_NAMES)
+
+
+# Each rule of the contract: the message names the keys and their values and gives a fix.
+RULES = [
+    (dict(world_size=0), ["world_size=0", "cluster.num_nodes x cluster.procs_per_node"]),
+    (dict(world_size=8, context_parallel_size=0), ["parallel.context_parallel_size=0", ">= 1"]),
+    (dict(world_size=8, tensor_model_parallel_size=-2),
+     ["parallel.tensor_model_parallel_size=-2"]),
+    (dict(world_size=8, pipeline_model_parallel_size=2.0),
+     ["parallel.pipeline_model_parallel_size=2.0"]),
+    (dict(world_size=8, tensor_parallel_num_weight_shards=0),
+     ["parallel.tensor_parallel_num_weight_shards=0", "null"]),
+    (dict(world_size=8, micro_batch_size=0), ["train.micro_batch_size=0"]),
+    (dict(world_size=8, sequence_parallel="yes"), ["parallel.sequence_parallel='yes'"]),
+    (dict(world_size=8, tensor_model_parallel_size=4, tensor_parallel_num_weight_shards=6),
+     ["parallel.tensor_parallel_num_weight_shards=6", "parallel.tensor_model_parallel_size=4",
+      "Fix:", "4 or 8"]),
+    (dict(world_size=8, tensor_model_parallel_size=4, tensor_parallel_num_weight_shards=2),
+     ["parallel.tensor_parallel_num_weight_shards=2", "tensor_model_parallel_size=4", "Fix:"]),
+    (dict(world_size=8, tensor_model_parallel_size=2, sequence_parallel=True,
+          tensor_parallel_num_weight_shards=4, tensor_parallel_num_sequence_shards=3),
+     ["parallel.tensor_parallel_num_sequence_shards=3", "SP degree 2", "Fix:", "2 or 4"]),
+    (dict(world_size=8, tensor_model_parallel_size=2, tensor_parallel_num_weight_shards=8,
+          tensor_parallel_num_sequence_shards=2),
+     ["parallel.tensor_parallel_num_sequence_shards=2", "requires sequence_parallel",
+      "parallel.tensor_model_parallel_size=2", "Fix: set parallel.sequence_parallel=true"]),
+    (dict(world_size=8, tensor_parallel_num_weight_shards=4,
+          tensor_parallel_num_sequence_shards=3),
+     ["parallel.tensor_parallel_num_sequence_shards=3", "GTP_remat size 4", "Fix:"]),
+    (dict(world_size=12, tensor_parallel_num_weight_shards=8),
+     ["world_size=12", "TP x GTP_remat x CP x PP", "= 8", "Fix:", "8 or 16"]),
+    (dict(world_size=8, context_parallel_size=3), ["world_size=8", "= 3", "Fix:"]),
+    (dict(world_size=8, micro_batch_size=2, global_batch_size=20),
+     ["train.global_batch_size=20", "train.micro_batch_size=2", "batch_parallel_size=8",
+      "Fix:", "16 or 32"]),
+    (dict(world_size=4, context_parallel_size=2, seq_length=130),
+     ["train.seq_length=130", "2 x runtime CP = 4", "Fix:", "128 or 132"]),
+    (dict(world_size=4, tensor_model_parallel_size=4, sequence_parallel=True, seq_length=126),
+     ["train.seq_length=126", "SP degree", "Fix:", "124 or 128"]),
+    (dict(world_size=8, tensor_model_parallel_size=4, sequence_parallel=True,
+          context_parallel_size=2, seq_length=132),  # 132 / 4 chunks fine, 66 / TP 4 is not
+     ["train.seq_length=132", "runtime CP x SP degree = 2 x 4", "Fix:", "128 or 136"]),
+]
+
+
+@pytest.mark.parametrize("inputs,phrases", RULES)
+def test_every_rule_raises_one_clear_error(inputs, phrases):
+    with pytest.raises(LayoutError) as error:
+        Layout(**inputs)
+    for phrase in phrases:
+        assert phrase in str(error.value), (phrase, str(error.value))
+
+
+@pytest.mark.parametrize("inputs", [
+    dict(world_size=4, context_parallel_size=2, seq_length=128),
+    dict(world_size=8, tensor_model_parallel_size=2, sequence_parallel=True,
+         context_parallel_size=2, seq_length=136),  # 136 = 8 x 17: chunks of 17, halves of 34
+    dict(world_size=4, tensor_model_parallel_size=2, tensor_parallel_num_weight_shards=4),
+])
+def test_valid_edge_cases_pass(inputs):
+    Layout(**inputs)
+
+
+def test_from_config_names_the_cluster_key():
+    class Node:
+        def __init__(self, **values):
+            self.__dict__.update(values)
+
+    parallel = Node(tensor_model_parallel_size=1, sequence_parallel=False,
+                    tensor_parallel_num_weight_shards=None,
+                    tensor_parallel_num_sequence_shards=None, context_parallel_size=1,
+                    pipeline_model_parallel_size=1)
+    train = Node(micro_batch_size=1, global_batch_size=None, seq_length=64)
+    assert Layout.from_config(parallel, Node(num_nodes=2, procs_per_node=4), train).world_size == 8
+    with pytest.raises(LayoutError, match=r"cluster.procs_per_node=0"):
+        Layout.from_config(parallel, Node(num_nodes=2, procs_per_node=0), train)
