@@ -1,0 +1,59 @@
+"""The single entry point: compose the config, validate it, then dry-run (or, later, train).
+
+    python launch.py [overrides] [dry_run=true]
+    python launch.py [overrides] --cfg job --resolve   # print the composed config with `layout`
+
+Heavy imports (torch) wait until the config is known to be valid, so a bad layout fails fast.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import CompactHydraException
+from omegaconf import DictConfig, OmegaConf
+
+import trainer.config  # noqa: F401  (registers the schemas with Hydra's ConfigStore)
+from parallel.layout import Layout
+from trainer.config import Config, unknown_keys
+
+
+class ConfigError(CompactHydraException):
+    """A bad config found after composition; Hydra prints just the message."""
+
+
+def settle(cfg: DictConfig) -> tuple[Config, Layout]:
+    """The one conversion from DictConfig to typed objects, and the layout they imply."""
+    unknown = unknown_keys(cfg)
+    if unknown:
+        raise ConfigError(
+            f"Unknown config key(s): {', '.join(unknown)}. Fix: check the spelling against "
+            f"`python launch.py --cfg job`; keys cannot be added with +key=value.")
+    settings: Config = OmegaConf.to_object(cfg)  # resolves `layout`: a bad layout fails here
+    layout = Layout.from_config(settings.parallel, settings.cluster, settings.train)
+    if settings.layout != layout.derived():
+        raise ConfigError(
+            f"layout={settings.layout} does not match what parallel.*, cluster.* and train.* "
+            f"give ({layout.derived()}). `layout` is derived and read-only: remove the override "
+            f"and set the parallel.* keys instead.")
+    return settings, layout
+
+
+@hydra.main(version_base="1.3", config_path="conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    settings, layout = settle(cfg)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)
+    if settings.dry_run:
+        from trainer.dry_run import dry_run
+
+        dry_run(settings, layout, run_dir)
+        return
+    print("Training is not built yet; this version validates and reports layouts. "
+          "Run with dry_run=true.", file=sys.stderr)
+    sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

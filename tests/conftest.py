@@ -1,0 +1,25 @@
+"""Shared test helpers: compose the project's config the way launch.py does, without a process."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+import trainer.config  # noqa: F401  (registers the schemas)
+
+ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = ROOT / "conf"
+
+
+def compose_config(*overrides: str, hydra_node: bool = False) -> DictConfig:
+    """The composed config for these command-line overrides (unresolved, like in launch.py)."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3", job_name="test"):
+        return compose(config_name="config", overrides=list(overrides),
+                       return_hydra_config=hydra_node)
+
+
+@pytest.fixture
+def compose_cfg():
+    return compose_config

@@ -1,0 +1,156 @@
+"""Typed schemas for every config group, registered with Hydra's ConfigStore.
+
+Schemas hold types, values live in conf/*.yaml: a key missing from YAML is an error, and so are
+an unknown key or a wrong type. launch.py turns the composed DictConfig into these dataclasses
+once; nothing below it sees a DictConfig.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import II, MISSING, DictConfig, OmegaConf
+
+
+class Precision(Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"  # bf16 weights and activations, fp32 master weights, grads and Adam moments
+
+
+class LrDecayStyle(Enum):
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+    wsd = "wsd"
+    inverse_sqrt = "inverse_sqrt"
+
+
+class LoggerName(Enum):
+    console = "console"
+    wandb = "wandb"
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    vocab_size: int = MISSING
+    hidden_size: int = MISSING
+    num_layers: int = MISSING
+    num_heads: int = MISSING
+    ffn_hidden_size: int = MISSING
+    rope_theta: float = MISSING
+    norm_eps: float = MISSING
+    init_std: float = MISSING
+
+
+@dataclass
+class ParallelConfig:
+    """Degrees only; every derived size comes from parallel.layout.Layout."""
+
+    tensor_model_parallel_size: int = MISSING
+    sequence_parallel: bool = MISSING
+    tensor_parallel_num_weight_shards: Optional[int] = MISSING  # null = TP
+    tensor_parallel_num_sequence_shards: Optional[int] = MISSING  # null = SP degree
+    context_parallel_size: int = MISSING
+    pipeline_model_parallel_size: int = MISSING
+
+
+@dataclass
+class ClusterConfig:
+    """World size = num_nodes x procs_per_node: a config value, never read from the environment
+    at compose time; the launcher checks the real world against it at start."""
+
+    num_nodes: int = MISSING
+    procs_per_node: int = MISSING
+    gpus_per_nvlink_domain: int = MISSING
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = MISSING
+    global_batch_size: Optional[int] = MISSING  # null = micro_batch_size x batch_parallel_size
+    seq_length: int = MISSING
+    precision: Precision = MISSING
+
+
+@dataclass
+class DataConfig:
+    path: Optional[str] = MISSING  # a prepared token dataset; null = the built-in corpus
+    tokenizer: str = MISSING
+
+
+@dataclass
+class OptimConfig:
+    name: str = MISSING
+    weight_decay: float = MISSING
+    beta1: float = MISSING
+    beta2: float = MISSING
+    eps: float = MISSING
+    clip_grad: Optional[float] = MISSING  # null = no clipping
+
+
+@dataclass
+class ScheduleConfig:
+    lr_decay_style: LrDecayStyle = MISSING
+    lr: float = MISSING
+    min_lr: float = MISSING
+    lr_warmup_samples: int = MISSING
+    lr_decay_samples: Optional[int] = MISSING  # null = the whole run
+
+
+@dataclass
+class LoggerConfig:
+    name: LoggerName = MISSING
+    log_interval: int = MISSING
+    project: Optional[str] = MISSING  # wandb project; unused by the console logger
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = MISSING  # null = <run dir>/checkpoints
+    save_interval: Optional[int] = MISSING  # in steps; null = only at the end
+    load: Optional[str] = MISSING  # a checkpoint folder, or a folder of them (the latest)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run_name: str = MISSING
+    dry_run: bool = MISSING
+    # Read-only, derived by the resolver plugin from parallel.*, cluster.* and train.*.
+    layout: Any = II("gtp.layout:${parallel},${cluster},${train}")
+
+
+def unknown_keys(cfg: DictConfig, schema: DictConfig | None = None, prefix: str = "") -> list[str]:
+    """Keys of the composed config that no schema declares. Hydra lets `+group.key=value` add
+    keys even to a typed node, so this check runs once more on the final config."""
+    schema = OmegaConf.structured(Config) if schema is None else schema
+    found, declared = [], set(schema.keys())  # `in` would skip keys whose value is ???
+    for key in cfg.keys():
+        path = f"{prefix}{key}"
+        if key not in declared:
+            found.append(path)
+        elif OmegaConf.is_dict(schema._get_node(key)) and OmegaConf.is_dict(cfg._get_node(key)):
+            found += unknown_keys(cfg[key], schema[key], f"{path}.")
+    return found
+
+
+SCHEMA_NAME = "gtp_trainer_schema"
+
+
+def register_schemas() -> None:
+    """Idempotent: ConfigStore.store replaces an entry of the same name."""
+    ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
+
+
+register_schemas()

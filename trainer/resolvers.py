@@ -1,0 +1,43 @@
+"""The OmegaConf resolvers behind the config's derived nodes (`layout`).
+
+The plugin in hydra_plugins/ calls register() whenever Hydra starts. The arithmetic itself is
+parallel.layout's; this module only adapts it to OmegaConf and to Hydra's error printing.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import omegaconf
+from hydra.errors import CompactHydraException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
+
+from parallel.layout import Layout, LayoutError
+
+RESOLVER = "gtp.layout"
+
+
+class LayoutResolutionError(InterpolationResolutionError, CompactHydraException):
+    """An invalid layout. OmegaConf re-raises its own error class unwrapped, and Hydra prints a
+    CompactHydraException as its message alone: one readable line, no traceback."""
+
+
+def layout_node(parallel: Any, cluster: Any, train: Any) -> DictConfig:
+    """The config's `layout` node: Layout.derived() as a read-only DictConfig (a plain dict
+    would break `--cfg job --resolve`)."""
+    try:
+        layout = Layout.from_config(parallel, cluster, train)
+    except LayoutError as error:
+        raise LayoutResolutionError(f"Invalid parallel layout: {error}") from None
+    return OmegaConf.create(layout.derived(), flags={"readonly": True})
+
+
+def register() -> None:
+    """Idempotent, so re-imports in workers are harmless."""
+    # omegaconf 2.4 gives register_resolver the modern semantics and deprecates
+    # register_new_resolver; in 2.3 register_resolver is the legacy string-only API.
+    major, minor = (int(part) for part in omegaconf.__version__.split(".")[:2])
+    modern = (major, minor) >= (2, 4)
+    register = OmegaConf.register_resolver if modern else OmegaConf.register_new_resolver
+    register(RESOLVER, layout_node, replace=True)
+
