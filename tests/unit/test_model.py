@@ -1,0 +1,62 @@
+"""The single-device model: shapes, causality, rotary positions, seeded initialisation."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.config import ModelConfig
+from trainer.model import Transformer, apply_rotary
+
+TINY = ModelConfig(name="tiny", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
+                   ffn_hidden_size=176, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02)
+
+
+def model(seed: int = 0) -> Transformer:
+    net = Transformer(TINY)
+    net.init_weights(seed)
+    return net
+
+
+def test_logits_shape_and_causality():
+    net = model()
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    logits = net(tokens)
+    assert logits.shape == (2, 16, 256)
+    changed = tokens.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % 256
+    again = net(changed)
+    torch.testing.assert_close(again[:, :10], logits[:, :10], rtol=0, atol=0)
+    assert not torch.allclose(again[:, 10:], logits[:, 10:])
+
+
+def test_same_seed_same_weights_other_seed_other_weights():
+    a, b, c = model(7).state_dict(), model(7).state_dict(), model(8).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not torch.equal(a["layers.0.attn.q.weight"], c["layers.0.attn.q.weight"])
+    assert torch.equal(a["norm.weight"], torch.ones(64))
+
+
+def test_explicit_positions_equal_the_default():
+    net = model()
+    tokens = torch.randint(0, 256, (1, 12))
+    positions = torch.arange(12)[None]
+    torch.testing.assert_close(net(tokens, positions), net(tokens), rtol=0, atol=0)
+
+
+def test_rotary_scores_depend_only_on_relative_position():
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(1, 1, 1, 16, generator=gen), torch.randn(1, 1, 1, 16, generator=gen)
+
+    def score(pq: int, pk: int) -> torch.Tensor:
+        rq = apply_rotary(q, torch.tensor([[pq]]), 10000.0)
+        rk = apply_rotary(k, torch.tensor([[pk]]), 10000.0)
+        return (rq * rk).sum()
+
+    torch.testing.assert_close(score(5, 2), score(105, 102), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(score(5, 2), score(5, 4))
+
+
+def test_bad_head_count_is_a_clear_error():
+    bad = ModelConfig(**{**TINY.__dict__, "num_heads": 5})
+    with pytest.raises(ValueError, match="model.hidden_size=64 is not divisible by model.num_heads=5"):
+        Transformer(bad)

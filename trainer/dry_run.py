@@ -1,0 +1,148 @@
+"""The dry run: print what a layout means and write layout.json; start no process, need no GPU.
+
+Everything shown is asked of the Layout; this module only formats it.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from parallel.layout import AXES, GROUP_AXES, GROUP_PURPOSE, Layout
+from trainer.config import Config
+from trainer.memory import memory_per_stage, parameter_shapes, unsharded_memory
+
+log = logging.getLogger(__name__)
+
+WEIGHT_VIEW = ("tp", "gtp_remat", "weight_tile", "weight_replica", "model_parallel", "pp",
+               "embedding")
+TOKEN_VIEW = ("context", "batch_lane", "token_distinct")
+MAX_TABLE_RANKS = 64  # larger worlds get the summary only; layout.json always has every rank
+
+
+def rank_rows(layout: Layout, procs_per_node: int) -> list[dict[str, int]]:
+    """Per rank: node, its index on each axis, and the positions the trainer uses."""
+    rows = []
+    for rank in range(layout.world_size):
+        coords = layout.coords(rank)._asdict()
+        rows.append({"rank": rank, "node": rank // procs_per_node, **coords,
+                     "weight_shard": layout.weight_shard(rank),
+                     "batch_partition": layout.batch_partition(rank),
+                     "runtime_cp_rank": layout.runtime_cp_rank(rank)})
+    return rows
+
+
+def nvlink_warnings(layout: Layout, domain: int) -> list[str]:
+    crossing = layout.weight_tiles_crossing(domain)
+    if not crossing:
+        return []
+    first, last = crossing[0]
+    size = layout.tp_size * layout.gtp_remat_size
+    return [f"{len(crossing)} of {layout.world_size // size} weight tiles (TP x GTP_remat = "
+            f"{size} ranks) span more than one NVLink domain of "
+            f"cluster.gpus_per_nvlink_domain={domain} ranks (first: ranks {first}..{last}); their "
+            f"weight all-gathers and gradient reduce-scatters will leave NVLink. Fix: make "
+            f"parallel.tensor_parallel_num_weight_shards divide {domain}, or set "
+            f"cluster.gpus_per_nvlink_domain if the domain is larger."]
+
+
+def _bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:10.2f} {unit}"
+    return f"{n:10d} B  "
+
+
+def format_report(settings: Config, layout: Layout, memory: dict[str, Any],
+                  rows: list[dict[str, int]]) -> str:
+    p, c = settings.parallel, settings.cluster
+    lines = [
+        f"gtp-trainer dry run: {settings.run_name}",
+        f"world {layout.world_size} = {c.num_nodes} nodes x {c.procs_per_node} procs; "
+        f"NVLink domain {c.gpus_per_nvlink_domain} ranks",
+        f"inputs: TP={p.tensor_model_parallel_size} SP={'on' if p.sequence_parallel else 'off'} "
+        f"weight_shards={layout.tensor_parallel_num_weight_shards} "
+        f"sequence_shards={layout.tensor_parallel_num_sequence_shards} "
+        f"CP={p.context_parallel_size} PP={p.pipeline_model_parallel_size} "
+        f"micro_batch={settings.train.micro_batch_size} seq_length={settings.train.seq_length}",
+        "", "derived (config node `layout`):",
+    ]
+    lines += [f"  {key:32s} {value}" for key, value in layout.derived().items()]
+    lines += ["", "rank axes, fastest first:  " + "  ".join(
+        f"{axis}={size}" for axis, size in layout.axis_sizes.items())]
+    for title, names in (("weight view (who holds which weight shard)", WEIGHT_VIEW),
+                         ("batch and sequence view (who sees which tokens)", TOKEN_VIEW)):
+        lines += ["", f"{title}:",
+                  f"  {'group':15s} {'axes':22s} {'size':>5s} {'count':>6s}  rank 0's group"]
+        for name in names:
+            group = layout.group(name, 0)
+            axes = "first+last of pp" if name == "embedding" else ",".join(GROUP_AXES[name])
+            shown = str(group) if len(group) <= 8 else f"[{group[0]}, {group[1]}, ..., {group[-1]}]"
+            count = len(layout.groups(name)) if name == "embedding" else (
+                layout.world_size // len(group))
+            lines += [f"  {name:15s} {axes:22s} {len(group):5d} {count:6d}  {shown}",
+                      f"  {'':15s} {GROUP_PURPOSE[name]}"]
+    if rows and layout.world_size <= MAX_TABLE_RANKS:
+        columns = list(rows[0])
+        lines += ["", "per rank:", "  " + " ".join(f"{col:>{max(4, len(col))}s}" for col in columns)]
+        lines += ["  " + " ".join(f"{row[col]:>{max(4, len(col))}d}" for col in columns)
+                  for row in rows]
+    lines += ["", f"memory per rank: model={settings.model.name} "
+              f"({memory['unsharded']['parameters']:,} parameters), "
+              f"precision={settings.train.precision.value}",
+              f"  {'':18s} {'params':>14s} {'grads':>14s} {'optimizer':>14s} {'total':>14s}"]
+    for entry in memory["per_stage"]:
+        label = f"stage {entry['stage']}" if layout.pp_size > 1 else "each rank"
+        lines.append(f"  {label:18s} " + " ".join(_bytes(entry[k]) for k in (
+            "param_bytes", "grad_bytes", "optim_bytes", "total_bytes")))
+    one = memory["unsharded"]
+    lines.append(f"  {'one process':18s} " + " ".join(_bytes(one[k]) for k in (
+        "param_bytes", "grad_bytes", "optim_bytes", "total_bytes")))
+    lines.append("  (2-D weights split over TP x GTP_remat; norms whole; optimizer state split "
+                 "over weight_replica; activations not counted)")
+    return "\n".join(lines)
+
+
+def layout_record(settings: Config, layout: Layout, memory: dict[str, Any],
+                  rows: list[dict[str, int]], warnings: list[str]) -> dict[str, Any]:
+    return {
+        "inputs": {
+            "world_size": layout.world_size,
+            "tensor_model_parallel_size": layout.tp_size,
+            "sequence_parallel": layout.sequence_parallel,
+            "tensor_parallel_num_weight_shards": layout.tensor_parallel_num_weight_shards,
+            "tensor_parallel_num_sequence_shards": layout.tensor_parallel_num_sequence_shards,
+            "context_parallel_size": layout.context_parallel_size,
+            "pipeline_model_parallel_size": layout.pp_size,
+            "micro_batch_size": layout.micro_batch_size,
+            "seq_length": layout.seq_length,
+        },
+        "derived": layout.derived(),
+        "axes": {"order": list(AXES), "sizes": layout.axis_sizes, "strides": layout.axis_strides},
+        "groups": layout.all_groups(),
+        "ranks": rows,
+        "memory": memory,
+        "warnings": warnings,
+    }
+
+
+def dry_run(settings: Config, layout: Layout, run_dir: Path) -> dict[str, Any]:
+    shapes = parameter_shapes(settings.model)
+    precision = settings.train.precision
+    memory = {
+        "per_stage": [m.as_dict() for m in memory_per_stage(
+            shapes, settings.model.num_layers, layout, precision)],
+        "unsharded": unsharded_memory(shapes, precision).as_dict(),
+    }
+    rows = rank_rows(layout, settings.cluster.procs_per_node)
+    warnings = nvlink_warnings(layout, settings.cluster.gpus_per_nvlink_domain)
+    print(format_report(settings, layout, memory, rows), flush=True)
+    for warning in warnings:
+        log.warning(warning)
+    record = layout_record(settings, layout, memory, rows, warnings)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "layout.json"
+    path.write_text(json.dumps(record, indent=1))
+    print(f"\nwrote {path}")
+    return record

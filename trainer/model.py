@@ -1,0 +1,131 @@
+"""The model: a decoder-only transformer as plain single-device PyTorch.
+
+It knows nothing of ranks or groups. Parallel code wraps or replaces its layers from outside, by
+module name; `attention_fn` is the one hook context parallel needs.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.config import ModelConfig
+
+# (q, k, v) each [batch, heads, seq, head_dim] -> [batch, heads, seq, head_dim]
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotary embedding of x [batch, seq, heads, head_dim] at integer `positions` [batch, seq].
+    Positions are global token positions, so a sequence split over ranks rotates the same."""
+    half = x.shape[-1] // 2
+    freqs = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
+    angles = positions.to(torch.float32)[..., None] * freqs  # [batch, seq, half]
+    cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h = cfg.hidden_size
+        self.head_dim = h // cfg.num_heads
+        self.rope_theta = cfg.rope_theta
+        self.q, self.k, self.v = (nn.Linear(h, h, bias=False) for _ in range(3))
+        self.o = nn.Linear(h, h, bias=False)
+        self.attention_fn: AttentionFn = causal_attention
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # Head count comes from the projection's width, so a TP-split projection just works.
+        q, k, v = (proj(x).view(b, s, -1, self.head_dim) for proj in (self.q, self.k, self.v))
+        q, k = apply_rotary(q, positions, self.rope_theta), apply_rotary(k, positions, self.rope_theta)
+        out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        h, f = cfg.hidden_size, cfg.ffn_hidden_size
+        self.gate, self.up = nn.Linear(h, f, bias=False), nn.Linear(h, f, bias=False)
+        self.down = nn.Linear(f, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm, self.mlp_norm = (RMSNorm(cfg.hidden_size, cfg.norm_eps) for _ in range(2))
+        self.attn, self.mlp = Attention(cfg), SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    """tokens [batch, seq] (+ positions [batch, seq]) -> logits [batch, seq, vocab]."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        check_model_config(cfg)
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        x = self.embed(tokens)
+        for block in self.layers:
+            x = block(x, positions)
+        return self.head(self.norm(x))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Same seed, same full weights, whatever the layout: every rank initialises the whole
+        model from one generator before parallel transforms cut it."""
+        gen = torch.Generator().manual_seed(seed)
+        std = self.cfg.init_std
+        # Residual-branch outputs shrink with depth so the residual stream keeps its scale.
+        out_std = std / math.sqrt(2 * self.cfg.num_layers)
+        for name, param in self.named_parameters():
+            if param.ndim == 1:
+                param.fill_(1.0)
+            else:
+                scale = out_std if name.endswith(("attn.o.weight", "mlp.down.weight")) else std
+                param.copy_(torch.randn(param.shape, generator=gen) * scale)
+
+
+def check_model_config(cfg: ModelConfig) -> None:
+    if cfg.hidden_size % cfg.num_heads:
+        raise ValueError(
+            f"model.hidden_size={cfg.hidden_size} is not divisible by model.num_heads="
+            f"{cfg.num_heads}. Fix: choose num_heads that divides hidden_size.")
+    if (cfg.hidden_size // cfg.num_heads) % 2:
+        raise ValueError(
+            f"head dim model.hidden_size / model.num_heads = {cfg.hidden_size // cfg.num_heads} "
+            f"is odd; rotary embeddings need an even head dim. Fix: change num_heads.")
