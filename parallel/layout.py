@@ -336,10 +336,11 @@ class Layout:
         return {name: self.groups(name) for name in GROUP_NAMES}
 
     def group(self, name: str, rank: int) -> list[int]:
-        """The group of this kind that holds `rank`."""
+        """The group of this kind that holds `rank`; for "embedding", [] on a middle stage."""
         if name == "embedding":
             pp = self.group("pp", rank)
-            return [pp[0], pp[-1]] if len(pp) > 1 else pp
+            members = [pp[0], pp[-1]] if len(pp) > 1 else pp
+            return members if rank in members else []
         axes, coords = self._axes_of(name), self.coords(rank)._asdict()
         base = rank - sum(coords[a] * self.axis_strides[a] for a in axes)
         return [base + o for o in self._offsets(axes)]
@@ -347,7 +348,11 @@ class Layout:
     def position(self, name: str, rank: int) -> int:
         """`rank`'s index inside its group: the mixed-radix index of the grouped axes."""
         if name == "embedding":
-            return self.group(name, rank).index(rank)
+            members = self.group(name, rank)
+            if not members:
+                raise ValueError(f"rank {rank} is a middle pipeline stage: it is in no "
+                                 f"embedding group")
+            return members.index(rank)
         coords, index, radix = self.coords(rank)._asdict(), 0, 1
         for axis in self._axes_of(name):
             index += coords[axis] * radix

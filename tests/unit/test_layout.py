@@ -71,7 +71,10 @@ def test_pipeline_and_embedding_groups():
     layout = Layout(8, tensor_model_parallel_size=2, pipeline_model_parallel_size=4)
     assert layout.groups("pp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert layout.groups("embedding") == [[0, 6], [1, 7]]
-    assert layout.group("embedding", 4) == [0, 6]
+    assert layout.group("embedding", 6) == [0, 6] and layout.position("embedding", 6) == 1
+    assert layout.group("embedding", 4) == []  # a middle stage holds no embedding
+    with pytest.raises(ValueError, match="middle pipeline stage"):
+        layout.position("embedding", 4)
     assert layout.groups("model_parallel") == [list(range(8))]
 
 
