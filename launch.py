@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 import trainer.config  # noqa: F401  (registers the schemas with Hydra's ConfigStore)
 from parallel.layout import Layout
 from trainer.config import Config, unknown_keys
+from trainer.resolvers import build_layout
 
 
 class ConfigError(CompactHydraException):
@@ -26,13 +27,14 @@ class ConfigError(CompactHydraException):
 
 def settle(cfg: DictConfig) -> tuple[Config, Layout]:
     """The one conversion from DictConfig to typed objects, and the layout they imply."""
+    # Layout first: a rule violation then prints as its own line, not wrapped by OmegaConf.
+    layout = build_layout(cfg.parallel, cfg.cluster, cfg.train)
     unknown = unknown_keys(cfg)
     if unknown:
         raise ConfigError(
             f"Unknown config key(s): {', '.join(unknown)}. Fix: check the spelling against "
             f"`python launch.py --cfg job`; keys cannot be added with +key=value.")
-    settings: Config = OmegaConf.to_object(cfg)  # resolves `layout`: a bad layout fails here
-    layout = Layout.from_config(settings.parallel, settings.cluster, settings.train)
+    settings: Config = OmegaConf.to_object(cfg)
     if settings.layout != layout.derived():
         raise ConfigError(
             f"layout={settings.layout} does not match what parallel.*, cluster.* and train.* "

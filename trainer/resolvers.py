@@ -22,13 +22,18 @@ class LayoutResolutionError(InterpolationResolutionError, CompactHydraException)
     CompactHydraException as its message alone: one readable line, no traceback."""
 
 
+def build_layout(parallel: Any, cluster: Any, train: Any) -> Layout:
+    """Layout.from_config, with a rule violation turned into the one-line error."""
+    try:
+        return Layout.from_config(parallel, cluster, train)
+    except LayoutError as error:
+        raise LayoutResolutionError(f"Invalid parallel layout: {error}") from None
+
+
 def layout_node(parallel: Any, cluster: Any, train: Any) -> DictConfig:
     """The config's `layout` node: Layout.derived() as a read-only DictConfig (a plain dict
     would break `--cfg job --resolve`)."""
-    try:
-        layout = Layout.from_config(parallel, cluster, train)
-    except LayoutError as error:
-        raise LayoutResolutionError(f"Invalid parallel layout: {error}") from None
+    layout = build_layout(parallel, cluster, train)
     return OmegaConf.create(layout.derived(), flags={"readonly": True})
 
 
