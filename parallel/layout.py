@@ -371,6 +371,28 @@ class Layout:
         """Which 1/G slice of its TP-local weights this rank stores (position in gtp_remat)."""
         return self.position("gtp_remat", rank)
 
+    def micro_batch_samples(self, lane: int, micro: int) -> range:
+        """Indices, within the global batch, of batch lane `lane`'s micro-batch `micro`. The
+        global batch is read as [num_microbatches, batch_parallel_size, micro_batch_size]."""
+        if not (0 <= lane < self.batch_parallel_size and 0 <= micro < self.num_microbatches):
+            raise IndexError(f"lane {lane} / micro-batch {micro} outside "
+                             f"{self.batch_parallel_size} lanes x {self.num_microbatches}")
+        start = (micro * self.batch_parallel_size + lane) * self.micro_batch_size
+        return range(start, start + self.micro_batch_size)
+
+    def context_chunks(self, rank: int) -> list[range]:
+        """Token positions of a sequence that `rank` keeps: with runtime CP = C > 1 the
+        sequence is cut into 2C chunks and runtime CP rank r keeps chunks r and 2C-1-r, so
+        every rank gets the same share of causal-attention work."""
+        if self.seq_length is None:
+            raise ValueError("context_chunks needs seq_length")
+        cp, seq = self.runtime_context_parallel_size, self.seq_length
+        if cp == 1:
+            return [range(seq)]
+        chunk, r = seq // (2 * cp), self.runtime_cp_rank(rank)
+        return [range(r * chunk, (r + 1) * chunk),
+                range((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)]
+
     def weight_tiles_crossing(self, domain_size: int) -> list[list[int]]:
         """Weight tiles (TP x GTP_remat consecutive ranks) that span more than one NVLink
         domain of `domain_size` consecutive ranks: their gathers would leave NVLink."""

@@ -73,6 +73,7 @@ class TrainConfig:
     global_batch_size: Optional[int] = MISSING  # null = micro_batch_size x batch_parallel_size
     seq_length: int = MISSING
     precision: Precision = MISSING
+    seed: int = MISSING  # model initialisation (the same full weights under every layout)
 
 
 @dataclass

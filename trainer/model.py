@@ -49,14 +49,17 @@ class Attention(nn.Module):
         h = cfg.hidden_size
         self.head_dim = h // cfg.num_heads
         self.rope_theta = cfg.rope_theta
-        self.q, self.k, self.v = (nn.Linear(h, h, bias=False) for _ in range(3))
+        # q, k and v in one projection: one GEMM, and under TP one collective for all three.
+        self.qkv = nn.Linear(h, 3 * h, bias=False)
         self.o = nn.Linear(h, h, bias=False)
         self.attention_fn: AttentionFn = causal_attention
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        # Head count comes from the projection's width, so a TP-split projection just works.
-        q, k, v = (proj(x).view(b, s, -1, self.head_dim) for proj in (self.q, self.k, self.v))
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        # Shapes come from the projections, not from x: a tensor-parallel projection has fewer
+        # heads, and a sequence-parallel one sees the whole sequence while x holds a slice.
+        b, s = q.shape[:2]
+        q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
         q, k = apply_rotary(q, positions, self.rope_theta), apply_rotary(k, positions, self.rope_theta)
         out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.o(out.transpose(1, 2).reshape(b, s, -1))
@@ -66,11 +69,12 @@ class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
-        self.gate, self.up = nn.Linear(h, f, bias=False), nn.Linear(h, f, bias=False)
+        self.gate_up = nn.Linear(h, 2 * f, bias=False)  # fused like qkv
         self.down = nn.Linear(f, h, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
 
 
 class Block(nn.Module):

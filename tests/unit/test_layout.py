@@ -173,3 +173,29 @@ def test_from_config_names_the_cluster_key():
     assert Layout.from_config(parallel, Node(num_nodes=2, procs_per_node=4), train).world_size == 8
     with pytest.raises(LayoutError, match=r"cluster.procs_per_node=0"):
         Layout.from_config(parallel, Node(num_nodes=2, procs_per_node=0), train)
+
+
+def test_lanes_and_micro_batches_partition_the_global_batch():
+    layout = Layout(8, tensor_parallel_num_weight_shards=2, micro_batch_size=3,
+                    global_batch_size=48)
+    assert (layout.batch_parallel_size, layout.num_microbatches) == (8, 2)
+    seen = [i for lane in range(8) for micro in range(2)
+            for i in layout.micro_batch_samples(lane, micro)]
+    assert sorted(seen) == list(range(48))
+    assert list(layout.micro_batch_samples(1, 1)) == [27, 28, 29]  # (1 x 8 + 1) x 3
+    with pytest.raises(IndexError):
+        layout.micro_batch_samples(8, 0)
+
+
+def test_context_chunks_are_zigzag_and_cover_each_sequence_once():
+    layout = Layout(16, tensor_model_parallel_size=2, sequence_parallel=True,
+                    tensor_parallel_num_weight_shards=8, tensor_parallel_num_sequence_shards=4,
+                    context_parallel_size=2, seq_length=64)
+    # runtime CP 4: 8 chunks of 8 tokens; runtime CP rank r keeps chunks r and 7 - r.
+    assert layout.context_chunks(0) == [range(0, 8), range(56, 64)]
+    assert layout.context_chunks(10) == [range(24, 32), range(32, 40)]  # runtime CP rank 3
+    for group in layout.groups("context"):
+        covered = sorted(p for rank in group for chunk in layout.context_chunks(rank)
+                         for p in chunk)
+        assert covered == list(range(64))
+    assert Layout(2, seq_length=10).context_chunks(1) == [range(10)]

@@ -48,5 +48,5 @@ def test_pipeline_stages_partition_the_model():
                               Precision.fp32)
     assert sum(s.parameters for s in stages) == unsharded_memory(SHAPES, Precision.fp32).parameters
     assert stage_of("embed.weight", 2, 2) == 0 and stage_of("head.weight", 2, 2) == 1
-    assert [stage_of(f"layers.{i}.attn.q.weight", 8, 4) for i in range(8)] == [0, 0, 1, 1, 2, 2,
+    assert [stage_of(f"layers.{i}.attn.qkv.weight", 8, 4) for i in range(8)] == [0, 0, 1, 1, 2, 2,
                                                                                3, 3]

@@ -32,7 +32,7 @@ def test_logits_shape_and_causality():
 def test_same_seed_same_weights_other_seed_other_weights():
     a, b, c = model(7).state_dict(), model(7).state_dict(), model(8).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
-    assert not torch.equal(a["layers.0.attn.q.weight"], c["layers.0.attn.q.weight"])
+    assert not torch.equal(a["layers.0.attn.qkv.weight"], c["layers.0.attn.qkv.weight"])
     assert torch.equal(a["norm.weight"], torch.ones(64))
 
 
@@ -60,3 +60,15 @@ def test_bad_head_count_is_a_clear_error():
     bad = ModelConfig(**{**TINY.__dict__, "num_heads": 5})
     with pytest.raises(ValueError, match="model.hidden_size=64 is not divisible by model.num_heads=5"):
         Transformer(bad)
+
+
+def test_training_refuses_what_the_engine_cannot_split_yet():
+    from parallel.layout import Layout
+    from trainer.engine import check_model_fits_layout
+
+    with pytest.raises(ValueError, match="pipeline stages are not supported in training yet"):
+        check_model_fits_layout(TINY, Layout(2, pipeline_model_parallel_size=2))
+    with pytest.raises(ValueError, match="model.num_heads=4 is not divisible by "
+                                         "parallel.tensor_model_parallel_size=8"):
+        check_model_fits_layout(TINY, Layout(8, tensor_model_parallel_size=8))
+    check_model_fits_layout(TINY, Layout(4, tensor_model_parallel_size=4))
