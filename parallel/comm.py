@@ -1,0 +1,89 @@
+"""A process group this rank belongs to, with the collectives we use, each counted in CommStats.
+
+Every byte the engine moves goes through a Group, so benchmarks and logs can read bytes per step
+by collective kind. Bytes are what this rank sends under the bandwidth-optimal ring algorithm
+(NCCL's "bus bytes"): all-gather and reduce-scatter (n-1) x shard, all-reduce 2(n-1)/n x tensor,
+point-to-point the tensor. A group of one rank moves nothing and calls nothing.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, P2P = "all_gather", "reduce_scatter", "all_reduce", "p2p"
+
+
+@dataclass
+class CommStats:
+    """Bytes sent and calls made by this rank, keyed by (group kind, collective kind)."""
+
+    bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+
+    def record(self, group: str, op: str, nbytes: int) -> None:
+        self.bytes[(group, op)] += nbytes
+        self.calls[(group, op)] += 1
+
+    def by_op(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for (_, op), nbytes in self.bytes.items():
+            out[op] += nbytes
+        return dict(out)
+
+    def reset(self) -> None:
+        self.bytes.clear()
+        self.calls.clear()
+
+
+class Group:
+    """One of this rank's process groups: its kind (a Layout group name), its global ranks in
+    group order, this rank's position in it, and counted collectives."""
+
+    def __init__(self, kind: str, ranks: list[int], rank: int,
+                 handle: dist.ProcessGroup | None, stats: CommStats):
+        self.kind, self.ranks, self.stats = kind, list(ranks), stats
+        self.size = len(ranks)
+        self.rank = ranks.index(rank)  # position in the group, not the global rank
+        self.handle = handle
+        if self.size > 1 and handle is None:
+            raise ValueError(f"group {kind} {ranks} needs a process group")
+
+    def __repr__(self) -> str:
+        return f"Group({self.kind}, ranks={self.ranks}, rank={self.rank})"
+
+    def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
+        """output[i * len(shard) : (i+1) * len(shard)] = shard of group rank i (along dim 0)."""
+        if self.size == 1:
+            return output.copy_(shard)
+        self.stats.record(self.kind, ALL_GATHER, (self.size - 1) * _nbytes(shard))
+        dist.all_gather_into_tensor(output, shard.contiguous(), group=self.handle)
+        return output
+
+    def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
+        out = shard.new_empty((self.size * shard.shape[0], *shard.shape[1:]))
+        return self.all_gather_into(out, shard)
+
+    def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
+        """Sum over the group of `full` (dim 0 divisible by size); returns this rank's slice."""
+        if self.size == 1:
+            return full
+        out = full.new_empty((full.shape[0] // self.size, *full.shape[1:]))
+        self.stats.record(self.kind, REDUCE_SCATTER, (self.size - 1) * _nbytes(out))
+        dist.reduce_scatter_tensor(out, full.contiguous(), group=self.handle)
+        return out
+
+    def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM
+                   ) -> torch.Tensor:
+        """In place."""
+        if self.size == 1:
+            return tensor
+        self.stats.record(self.kind, ALL_REDUCE, 2 * (self.size - 1) * _nbytes(tensor) // self.size)
+        dist.all_reduce(tensor, op=op, group=self.handle)
+        return tensor
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

@@ -1,0 +1,101 @@
+"""parallelize: apply the layout to a single-device model from outside, by module name.
+
+In a fixed order: tensor parallel (+ sequence parallel) layers with GTP-sharded weights replace
+the model's linears and embedding, then context-parallel attention is injected. The model keeps
+its own code; what it holds afterwards is this rank's shards.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parallel.comm import Group
+from parallel.context import ContextParallelAttention
+from parallel.groups import Groups
+from parallel.layout import Layout
+from parallel.tensor import ParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
+
+# Module-name suffix -> (TP style, fused parts). Column then row keeps one collective per pair.
+TP_PLAN = {
+    "attn.qkv": ("column", 3), "attn.o": ("row", 1),
+    "mlp.gate_up": ("column", 2), "mlp.down": ("row", 1),
+    "head": ("column", 1),  # vocab-parallel logits, consumed by the vocab-parallel loss
+}
+ParallelLayer = (ParallelLinear, VocabParallelEmbedding)
+
+
+class ParallelModel(nn.Module):
+    """The parallelized model plus what the step needs: this rank's loss and gradient sync."""
+
+    def __init__(self, module: nn.Module, groups: Groups, sequence_parallel: bool):
+        super().__init__()
+        self.module, self.groups, self.sequence_parallel = module, groups, sequence_parallel
+        self.layers = {n: m for n, m in module.named_modules() if isinstance(m, ParallelLayer)}
+        sharded = {f"{n}.weight" for n in self.layers}
+        # Whole on every rank of a weight tile (norms): gradients need a sum over gtp_remat, and
+        # over TP too with SP (each TP rank saw different tokens).
+        self.replicated = [(n, p) for n, p in module.named_parameters() if n not in sharded]
+        self.vocab_start = self.layers["head"].tp.rank * self.layers["head"].rows
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.module(tokens, positions)
+
+    def token_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, labels, self.groups.tp, self.vocab_start)
+
+    def is_sharded(self, name: str) -> bool:
+        return name.removesuffix(".weight") in self.layers
+
+    def reduce_replicated_grads(self) -> None:
+        """Coalesced: one all-reduce per group for all small tensors."""
+        grads = [p.grad for _, p in self.replicated if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.groups.gtp_remat.all_reduce(flat)
+        if self.sequence_parallel:
+            self.groups.tp.all_reduce(flat)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter at its full single-device shape (collective over gtp_remat and tp)."""
+        out = {}
+        for name, param in self.module.named_parameters():
+            layer = self.layers.get(name.removesuffix(".weight"))
+            out[name] = param.detach().clone() if layer is None else layer.full_weight().clone()
+        return out
+
+
+def parallelize(model: nn.Module, layout: Layout, groups: Groups, rank: int) -> ParallelModel:
+    if layout.pp_size > 1:
+        raise NotImplementedError("pipeline stages are not supported in training yet")
+    tp, gtp, sp = groups.tp, groups.gtp_remat, layout.sequence_parallel and layout.tp_size > 1
+    for name, child in list(model.named_modules()):
+        replacement = _parallel_layer(name, child, tp, gtp, sp)
+        if replacement is not None:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, replacement)
+    if layout.runtime_context_parallel_size > 1:
+        attention = ContextParallelAttention(groups.context, layout, rank)
+        for module in model.modules():
+            if hasattr(module, "attention_fn"):
+                module.attention_fn = attention
+    return ParallelModel(model, groups, sp)
+
+
+def _parallel_layer(name: str, module: nn.Module, tp: Group, gtp: Group,
+                    sp: bool) -> nn.Module | None:
+    if isinstance(module, nn.Embedding):
+        return VocabParallelEmbedding(module, tp, gtp, sp, name)
+    if not isinstance(module, nn.Linear):
+        return None
+    plan = next((p for suffix, p in TP_PLAN.items()
+                 if name == suffix or name.endswith("." + suffix)), None)
+    if plan is None:
+        raise ValueError(f"{name}: a linear layer the TP plan does not cover; add it to TP_PLAN")
+    style, parts = plan
+    return ParallelLinear(module, style, tp, gtp, sp, name, parts)

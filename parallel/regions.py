@@ -1,0 +1,92 @@
+"""Autograd-aware collectives: each forward collective paired with its backward dual.
+
+    copy_to        identity   | all-reduce    (input of a column-parallel layer without SP)
+    reduce_from    all-reduce | identity      (output of a row-parallel layer without SP)
+    gather_along   all-gather | reduce-scatter (SP before column-parallel; K/V for CP)
+    scatter_along  reduce-scatter | all-gather (SP after row-parallel)
+
+All are identities on a one-rank group. Incoming gradients are made contiguous before any
+collective: gloo silently mixes up strided gradients.
+"""
+from __future__ import annotations
+
+import torch
+
+from parallel.comm import Group
+
+
+def all_gather_dim(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    front = x.movedim(dim, 0).contiguous()
+    return group.all_gather(front).movedim(0, dim)
+
+
+def reduce_scatter_dim(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    if x.shape[dim] % group.size:
+        raise ValueError(f"dim {dim} of size {x.shape[dim]} does not split over {group}")
+    front = x.movedim(dim, 0).contiguous()
+    return group.reduce_scatter(front).movedim(0, dim)
+
+
+class _CopyTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.group.all_reduce(grad.contiguous().clone()), None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
+        return group.all_reduce(x.contiguous().clone())
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+class _GatherAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return all_gather_dim(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return reduce_scatter_dim(grad.contiguous(), ctx.group, ctx.dim), None, None
+
+
+class _ScatterAlong(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+        ctx.group, ctx.dim = group, dim
+        return reduce_scatter_dim(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return all_gather_dim(grad.contiguous(), ctx.group, ctx.dim), None, None
+
+
+def copy_to(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _CopyTo.apply(x, group)
+
+
+def reduce_from(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _ReduceFrom.apply(x, group)
+
+
+def gather_along(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    return x if group.size == 1 else _GatherAlong.apply(x, group, dim)
+
+
+def scatter_along(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    return x if group.size == 1 else _ScatterAlong.apply(x, group, dim)
+
+
+def split_along(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
+    """This rank's contiguous slice of `x` along dim (no communication, no autograd dual)."""
+    size = x.shape[dim] // group.size
+    return x.narrow(dim, group.rank * size, size)

@@ -1,0 +1,139 @@
+"""Tensor parallel layers (optionally sequence parallel) whose TP-local weights are GTP-sharded.
+
+Each replaces a layer of the single-device model: it takes the full weight, keeps this rank's
+TP slice, and stores 1/G of that slice's rows (parallel.sharding). With SP, activations between
+layers are split along the sequence (dim 1) over TP: gathered before a column-parallel layer,
+reduce-scattered after a row-parallel one.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parallel.comm import Group
+from parallel.regions import (all_gather_dim, copy_to, gather_along, reduce_from, scatter_along,
+                              split_along)
+from parallel.sharding import gather_rows, shard_rows_of, sharded_embedding, sharded_linear
+
+SEQ_DIM = 1  # activations are [batch, seq, features]
+
+
+class ParallelLinear(nn.Module):
+    """column: output features split over TP; row: input features split over TP. A fused
+    column layer (`parts` > 1, e.g. q|k|v) splits each part over TP, so a rank's output is
+    its slice of every part, in order, and the model's chunk() still finds q, k and v."""
+
+    def __init__(self, full: nn.Linear, style: str, tp: Group, gtp: Group,
+                 sequence_parallel: bool, name: str, parts: int = 1):
+        super().__init__()
+        if style not in ("column", "row"):
+            raise ValueError(f"{name}: style {style!r} is neither 'column' nor 'row'")
+        if full.bias is not None:
+            raise ValueError(f"{name}: linear layers with a bias are not supported")
+        self.style, self.tp, self.gtp, self.sequence_parallel = style, tp, gtp, sequence_parallel
+        self.tp_dim = 0 if style == "column" else 1
+        self.full_shape = tuple(full.weight.shape)
+        if self.full_shape[self.tp_dim] % tp.size:
+            raise ValueError(
+                f"{name}: {self.full_shape[self.tp_dim]} {'output' if style == 'column' else 'input'}"
+                f" features do not split over tensor_model_parallel_size={tp.size}")
+        if self.full_shape[self.tp_dim] % (tp.size * parts) or (parts > 1 and style == "row"):
+            raise ValueError(f"{name}: {parts} fused parts of {self.full_shape} do not split "
+                             f"over tensor_model_parallel_size={tp.size}")
+        self.parts = parts
+        chunks = full.weight.detach().chunk(parts, dim=0)
+        local = torch.cat([split_along(c, tp, self.tp_dim) for c in chunks], dim=0)
+        self.rows = local.shape[0]  # TP-local rows before GTP padding
+        self.weight = nn.Parameter(shard_rows_of(local, gtp))
+
+    def full_weight(self) -> torch.Tensor:
+        """The single-device weight (collective over gtp_remat and tp)."""
+        local = gather_rows(self.weight.detach(), self.gtp, self.rows)
+        gathered = all_gather_dim(local, self.tp, self.tp_dim)  # [tp0 parts..., tp1 parts...]
+        if self.parts == 1:
+            return gathered
+        per_rank = gathered.view(self.tp.size, self.parts, -1, gathered.shape[-1])
+        return per_rank.transpose(0, 1).reshape(self.full_shape)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.style == "column":
+            x = gather_along(x, self.tp, SEQ_DIM) if self.sequence_parallel else copy_to(x, self.tp)
+        y = sharded_linear(x, self.weight, self.gtp, self.rows)
+        if self.style == "row":
+            y = scatter_along(y, self.tp, SEQ_DIM) if self.sequence_parallel else reduce_from(y, self.tp)
+        return y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Rows (the vocabulary) split over TP; each rank looks up the tokens in its range."""
+
+    def __init__(self, full: nn.Embedding, tp: Group, gtp: Group, sequence_parallel: bool,
+                 name: str):
+        super().__init__()
+        vocab = full.weight.shape[0]
+        if vocab % tp.size:
+            raise ValueError(f"{name}: vocabulary {vocab} does not split over "
+                             f"tensor_model_parallel_size={tp.size}")
+        self.tp, self.gtp, self.sequence_parallel = tp, gtp, sequence_parallel
+        self.tp_dim, self.full_shape = 0, tuple(full.weight.shape)
+        self.rows = vocab // tp.size
+        self.vocab_start = tp.rank * self.rows
+        local = split_along(full.weight.detach(), tp, 0)
+        self.weight = nn.Parameter(shard_rows_of(local, gtp))
+
+    def full_weight(self) -> torch.Tensor:
+        local = gather_rows(self.weight.detach(), self.gtp, self.rows)
+        return all_gather_dim(local, self.tp, 0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local_ids = ids - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= self.rows)
+        out = sharded_embedding(local_ids.masked_fill(outside, 0), self.weight, self.gtp, self.rows)
+        if self.tp.size > 1:
+            out = out.masked_fill(outside[..., None], 0.0)
+        if self.sequence_parallel:
+            return scatter_along(out, self.tp, SEQ_DIM)
+        return reduce_from(out, self.tp)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross entropy of logits split over TP along the vocabulary (Megatron's
+    formulation); full logits are never materialised on one rank."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, tp: Group, vocab_start: int):
+        logits = logits.to(_at_least_fp32(logits.dtype))
+        max_logit = tp.all_reduce(logits.max(dim=-1).values, torch.distributed.ReduceOp.MAX)
+        shifted = logits - max_logit[..., None]
+        local = labels - vocab_start
+        outside = (local < 0) | (local >= logits.shape[-1])
+        local = local.masked_fill(outside, 0)
+        target = shifted.gather(-1, local[..., None]).squeeze(-1).masked_fill(outside, 0.0)
+        tp.all_reduce(target)
+        exp = shifted.exp()
+        sum_exp = tp.all_reduce(exp.sum(dim=-1))
+        softmax = exp.div_(sum_exp[..., None])
+        ctx.save_for_backward(softmax, local, outside)
+        return sum_exp.log() - target
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        softmax, local, outside = ctx.saved_tensors
+        grad = softmax.clone()
+        own = (~outside).to(grad.dtype)
+        grad.scatter_add_(-1, local[..., None], -own[..., None])
+        return grad * grad_loss[..., None], None, None, None
+
+
+def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
+    return torch.promote_types(dtype, torch.float32)
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp: Group,
+                                 vocab_start: int) -> torch.Tensor:
+    """logits [..., vocab / TP] -> per-token loss [...] (the same on every TP rank)."""
+    if tp.size == 1:
+        logits = logits.to(_at_least_fp32(logits.dtype))
+        return nn.functional.cross_entropy(logits.flatten(0, -2), labels.flatten(),
+                                           reduction="none").view(labels.shape)
+    return _VocabParallelCrossEntropy.apply(logits, labels, tp, vocab_start)
