@@ -1,0 +1,97 @@
+"""AdamW with its state sharded over weight_replica (ZeRO-1 on top of the GTP weight shards).
+
+Parameters live as views into two flat buffers, one for GTP-sharded weights (with weight decay)
+and one for small replicated tensors such as norms (without). Each weight_replica rank owns one
+contiguous part of each buffer: gradients are reduce-scattered onto the parts, torch's own AdamW
+updates the parts in place, and the parts are all-gathered back into the buffers.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from parallel.comm import Group
+from parallel.parallelize import ParallelModel
+from trainer.config import OptimConfig
+
+
+@dataclass
+class FlatBuffer:
+    """Parameters (and their gradients) as views into one padded flat buffer per kind."""
+
+    params: torch.Tensor  # [parts x part_size]
+    grads: torch.Tensor
+    part: torch.Tensor  # this rank's slice of `params`: what its AdamW updates
+    counted: bool  # whether this rank's part enters the gradient norm
+
+    @classmethod
+    def build(cls, params: list[torch.nn.Parameter], replica: Group, counted: bool) -> FlatBuffer:
+        numel = sum(p.numel() for p in params)
+        part_size = math.ceil(numel / replica.size)
+        first = params[0]
+        flat = first.new_zeros(part_size * replica.size)
+        grads = torch.zeros_like(flat)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            flat[offset:offset + n].copy_(p.detach().reshape(-1))
+            p.data = flat[offset:offset + n].view_as(p)
+            # Autograd accumulates in place into an existing .grad, so grads land in the buffer.
+            p.grad = grads[offset:offset + n].view_as(p)
+            offset += n
+        part = flat[replica.rank * part_size:(replica.rank + 1) * part_size]
+        return cls(flat, grads, part, counted)
+
+
+class ShardedAdamW:
+    def __init__(self, model: ParallelModel, cfg: OptimConfig):
+        groups = model.groups
+        self.replica, self.world, self.clip = groups.weight_replica, groups.world, cfg.clip_grad
+        sharded, replicated = [], []
+        for name, param in model.module.named_parameters():
+            (sharded if model.is_sharded(name) else replicated).append(param)
+            if model.is_sharded(name) != (param.ndim >= 2):
+                raise ValueError(f"{name}: weight decay follows sharding here, and this "
+                                 f"{param.ndim}-D parameter breaks that rule")
+        # Replicated tensors are whole on every rank of a weight tile: count them once.
+        tile_root = groups.tp.rank == 0 and groups.gtp_remat.rank == 0
+        self.buffers, param_groups = [], []
+        for params, decay, counted in ((sharded, cfg.weight_decay, True),
+                                       (replicated, 0.0, tile_root)):
+            if params:
+                buffer = FlatBuffer.build(params, self.replica, counted)
+                self.buffers.append(buffer)
+                param_groups.append({"params": [buffer.part], "weight_decay": decay})
+        # foreach=False: the same per-tensor kernels as a plain single-process AdamW.
+        self.adam = torch.optim.AdamW(param_groups, lr=0.0, betas=(cfg.beta1, cfg.beta2),
+                                      eps=cfg.eps, foreach=False)
+
+    def zero_grad(self) -> None:
+        for buffer in self.buffers:
+            buffer.grads.zero_()
+
+    @torch.no_grad()
+    def step(self, lr: float) -> float:
+        """Reduce-scatter gradients over weight_replica, clip by the global norm, update this
+        rank's parts, all-gather them. Returns the gradient norm before clipping."""
+        for buffer in self.buffers:
+            buffer.part.grad = self.replica.reduce_scatter(buffer.grads)
+        square = torch.zeros((), dtype=torch.float64, device=self.buffers[0].part.device)
+        for buffer in self.buffers:
+            if buffer.counted:
+                square += buffer.part.grad.double().pow(2).sum()
+        grad_norm = self.world.all_reduce(square).sqrt().item()
+        if self.clip is not None:
+            # torch.nn.utils.clip_grad_norm_'s rule, so one process clips identically.
+            scale = min(self.clip / (grad_norm + 1e-6), 1.0)
+            if scale < 1.0:
+                for buffer in self.buffers:
+                    buffer.part.grad.mul_(scale)
+        for group in self.adam.param_groups:
+            group["lr"] = lr
+        self.adam.step()
+        for buffer in self.buffers:
+            self.replica.all_gather_into(buffer.params, buffer.part.clone())
+        return grad_norm

@@ -1,0 +1,56 @@
+"""One training step: micro-batches forward and backward, gradient sync, clipped AdamW update.
+
+The loss of the step is the sum of per-token losses over the whole global batch divided by its
+number of loss tokens, so every layout trains the same model as one process: each rank divides
+its own sum by the global count before backward, and gradients are then summed (never averaged)
+over the ranks that saw different tokens.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from parallel.parallelize import ParallelModel
+from trainer.optim import ShardedAdamW
+
+IGNORE = -100  # label of a position that carries no loss
+
+
+@dataclass
+class MicroBatch:
+    """This rank's tokens of one micro-batch: [micro_batch_size, local seq] each."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor  # global positions within the sequence (RoPE, causal masks)
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean per-token loss of the global batch
+    grad_norm: float  # before clipping
+    loss_tokens: int
+
+
+def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: list[MicroBatch],
+               lr: float) -> StepResult:
+    groups, device = model.groups, next(model.parameters()).device
+    # Counted over token_distinct: TP ranks (and pipeline stages) share their tokens.
+    local = sum(int((mb.labels != IGNORE).sum()) for mb in micro_batches)
+    count = torch.tensor(float(local), dtype=torch.float64, device=device)
+    total_tokens = int(groups.token_distinct.all_reduce(count).item())
+    if total_tokens == 0:
+        raise ValueError("the global batch has no loss tokens (every label is ignored)")
+    optimizer.zero_grad()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    for mb in micro_batches:
+        logits = model(mb.tokens, mb.positions)
+        losses = model.token_losses(logits, mb.labels)
+        summed = losses.masked_fill(mb.labels == IGNORE, 0.0).sum()
+        (summed / total_tokens).backward()
+        loss_sum += summed.detach().double()
+    model.reduce_replicated_grads()
+    grad_norm = optimizer.step(lr)
+    loss = groups.token_distinct.all_reduce(loss_sum).item() / total_tokens
+    return StepResult(loss=loss, grad_norm=grad_norm, loss_tokens=total_tokens)
