@@ -17,6 +17,7 @@ from harness import run_ranks
 from parallel.layout import Layout
 from test_parity import OPTIM, SEED, TINY, make_data, make_layout
 from trainer.batch import rank_micro_batches
+from trainer.engine import build_engine
 from trainer.memory import parameter_shapes
 from trainer.step import train_step
 
@@ -24,19 +25,10 @@ FP32 = 4
 
 
 def one_step_stats(rank: int, layout: Layout, batch: torch.Tensor) -> dict:
-    from parallel.groups import build_groups
-    from parallel.parallelize import parallelize
-    from trainer.model import Transformer
-    from trainer.optim import ShardedAdamW
-
-    groups = build_groups(layout)
-    model = Transformer(TINY)
-    model.init_weights(SEED)
-    parallel = parallelize(model, layout, groups, rank)
-    optimizer = ShardedAdamW(parallel, OPTIM)
-    groups.stats.reset()
-    train_step(parallel, optimizer, rank_micro_batches(batch, layout, rank), 1e-3)
-    return {"bytes": dict(groups.stats.bytes), "calls": dict(groups.stats.calls)}
+    engine = build_engine(TINY, OPTIM, SEED, layout, torch.device("cpu"))
+    engine.groups.stats.reset()
+    train_step(engine.model, engine.optimizer, rank_micro_batches(batch, layout, rank), 1e-3)
+    return {"bytes": dict(engine.groups.stats.bytes), "calls": dict(engine.groups.stats.calls)}
 
 
 def expected(layout: Layout) -> tuple[dict, dict]:

@@ -26,7 +26,7 @@ from harness import run_ranks
 from parallel.layout import Layout
 from trainer.batch import rank_micro_batches
 from trainer.config import ModelConfig, OptimConfig
-from trainer.engine import check_model_fits_layout
+from trainer.engine import build_engine
 from trainer.model import Transformer
 from trainer.step import IGNORE, train_step
 
@@ -112,26 +112,17 @@ def reference(rank: int, batches: list[torch.Tensor], dtype: torch.dtype) -> dic
 
 
 def train_rank(rank: int, layout: Layout, batches: list[torch.Tensor], dtype: torch.dtype) -> dict:
-    from parallel.groups import build_groups
-    from parallel.parallelize import parallelize
-    from trainer.optim import ShardedAdamW
-
     torch.set_default_dtype(dtype)
-    check_model_fits_layout(TINY, layout)
-    groups = build_groups(layout)
-    model = Transformer(TINY)
-    model.init_weights(SEED)
-    parallel = parallelize(model, layout, groups, rank)
-    optimizer = ShardedAdamW(parallel, OPTIM)
+    engine = build_engine(TINY, OPTIM, SEED, layout, torch.device("cpu"))
     losses, norms = [], []
     for batch, lr in zip(batches, LRS):
         micro_batches = rank_micro_batches(batch, layout, rank)
         for mb in micro_batches:  # inputs may not hold the ignore marker; labels keep it
             mb.tokens = mb.tokens.clamp(min=0)
-        result = train_step(parallel, optimizer, micro_batches, lr)
+        result = train_step(engine.model, engine.optimizer, micro_batches, lr)
         losses.append(result.loss)
         norms.append(result.grad_norm)
-    params = parallel.full_state_dict()
+    params = engine.model.full_state_dict()
     return {"losses": losses, "norms": norms, "params": params if rank == 0 else None}
 
 
