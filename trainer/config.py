@@ -74,12 +74,18 @@ class TrainConfig:
     seq_length: int = MISSING
     precision: Precision = MISSING
     seed: int = MISSING  # model initialisation (the same full weights under every layout)
+    train_samples: int = MISSING  # the run ends after this many samples (a multiple of the GBS)
+    eval_interval: Optional[int] = MISSING  # steps between evaluations; null = never
+    eval_samples: int = MISSING  # validation samples per evaluation
 
 
 @dataclass
 class DataConfig:
-    path: Optional[str] = MISSING  # a prepared token dataset; null = the built-in corpus
-    tokenizer: str = MISSING
+    path: Optional[str] = MISSING  # a prepared token dataset folder; null = the built-in corpus
+    tokenizer: str = MISSING  # for the built-in corpus; a prepared dataset names its own
+    cache_dir: Optional[str] = MISSING  # where the built-in corpus is prepared; null = ~/.cache
+    seed: int = MISSING  # the shuffled sample order (independent of the layout)
+    valid_fraction: float = MISSING  # share of documents held out for evaluation
 
 
 @dataclass
@@ -97,8 +103,10 @@ class ScheduleConfig:
     lr_decay_style: LrDecayStyle = MISSING
     lr: float = MISSING
     min_lr: float = MISSING
-    lr_warmup_samples: int = MISSING
-    lr_decay_samples: Optional[int] = MISSING  # null = the whole run
+    lr_warmup_samples: Optional[int] = MISSING  # null = use lr_warmup_fraction (or none)
+    lr_warmup_fraction: Optional[float] = MISSING  # of the decay span; not with warmup samples
+    lr_decay_samples: Optional[int] = MISSING  # null = the whole run (train.train_samples)
+    lr_wsd_decay_samples: Optional[int] = MISSING  # wsd: length of the final anneal
 
 
 @dataclass

@@ -55,7 +55,8 @@ def test_layout_node_matches_layout_and_is_read_only():
                          "parallel.tensor_parallel_num_weight_shards=8",
                          "parallel.tensor_parallel_num_sequence_shards=4",
                          "parallel.context_parallel_size=2")
-    expected = Layout(16, 2, True, 8, 4, 2, 1, micro_batch_size=4, seq_length=128).derived()
+    expected = Layout(16, 2, True, 8, 4, 2, 1, micro_batch_size=cfg.train.micro_batch_size,
+                      seq_length=cfg.train.seq_length).derived()
     assert OmegaConf.to_container(cfg.layout) == expected
     assert list(cfg.layout) == list(DERIVED_KEYS)
     with pytest.raises(ReadonlyConfigError):
