@@ -1,0 +1,333 @@
+"""Token datasets: prepare text into a flat memory-mapped token file, open it, and serve the
+shuffled sample stream by global sample index. Pure data code: no process groups, no layouts;
+the trainer decides which indices a rank fetches.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import uuid
+from pathlib import Path
+from typing import Literal, Sequence
+
+import numpy as np
+import torch
+
+FORMAT_VERSION = 1
+DTYPES = {"uint8": np.dtype("<u1"), "uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+META_KEYS = ("format_version", "tokenizer", "vocab_size", "dtype", "num_tokens", "doc_starts",
+             "splits", "fingerprint")
+BUILTIN_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib"})
+
+
+class ByteTokenizer:
+    """Token = byte value: vocabulary 256, no special tokens, any file encodes losslessly."""
+
+    name, vocab_size = "byte", 256
+
+    def encode(self, data: bytes) -> np.ndarray:
+        return np.frombuffer(data, dtype=np.uint8)
+
+    def decode(self, token_ids) -> str:
+        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        # An id outside a byte (a model's padded vocabulary) becomes 0xFF, which is never valid
+        # UTF-8, so it prints as U+FFFD like any other undecodable byte.
+        ids = np.where((ids >= 0) & (ids < 256), ids, 0xFF).astype(np.uint8)
+        return ids.tobytes().decode("utf-8", errors="replace")
+
+
+TOKENIZERS = {"byte": ByteTokenizer()}
+
+
+def get_tokenizer(name: str) -> ByteTokenizer:
+    if name not in TOKENIZERS:
+        raise ValueError(f"tokenizer={name!r} is unknown; choose one of {sorted(TOKENIZERS)}")
+    return TOKENIZERS[name]
+
+
+def decode(token_ids) -> str:
+    """Text of byte-tokenizer ids (a list, array or tensor); undecodable bytes print as U+FFFD."""
+    return TOKENIZERS["byte"].decode(token_ids)
+
+
+def token_dtype(vocab_size: int) -> str:
+    return next(name for name, dt in DTYPES.items() if vocab_size <= np.iinfo(dt).max + 1)
+
+
+def looks_like_text(path: Path) -> bool:
+    """git's test: a file is binary when its first 8000 bytes hold a NUL byte."""
+    with open(path, "rb") as f:
+        return b"\0" not in f.read(8000)
+
+
+def find_files(folder: Path, suffix: str = "", skip_dirs: frozenset = frozenset()) -> list[Path]:
+    """Files under folder, sorted by path; hidden entries, skip_dirs and symlinked folders are
+    left out (os.walk does not follow links, so a link loop cannot hang it)."""
+    found = []
+    for root, dirs, files in os.walk(folder):
+        dirs[:] = [d for d in dirs if d not in skip_dirs and not d.startswith(".")]
+        found += [Path(root, f) for f in files if f.endswith(suffix) and not f.startswith(".")]
+    return sorted(found, key=lambda p: p.parts)
+
+
+def collect_documents(sources: list[Path]) -> list[Path]:
+    """Every named file, and every text file under each named folder, sorted by path."""
+    files = set()
+    for src in sources:
+        if src.is_dir():
+            files |= {p for p in find_files(src) if looks_like_text(p)}
+        elif src.is_file():
+            if not looks_like_text(src):
+                raise ValueError(f"{src} is not a text file (it holds a NUL byte); remove it "
+                                 "from the sources")
+            files.add(src)
+        else:
+            raise ValueError(f"source {src} does not exist; pass text files or folders of them")
+    if not files:
+        raise ValueError(f"no text files found in {', '.join(map(str, sources))}; pass a folder "
+                         "that holds text files")
+    return sorted(files, key=lambda p: p.parts)
+
+
+def split_point(doc_starts: list[int], num_tokens: int, valid_fraction: float) -> int:
+    """First token of the valid split: whole documents from the end until they hold at least
+    valid_fraction of the tokens. A single document is split by tokens instead."""
+    if valid_fraction == 0:
+        return num_tokens
+    want = valid_fraction * num_tokens
+    if len(doc_starts) == 1:
+        start = num_tokens - int(np.ceil(want))
+    else:
+        start = next((s for s in reversed(doc_starts) if num_tokens - s >= want), 0)
+    if start == 0:
+        raise ValueError(f"valid_fraction={valid_fraction} leaves no training tokens out of "
+                         f"{num_tokens} in {len(doc_starts)} documents; lower it")
+    return start
+
+
+def prepare(sources: list[Path] | Path, out_dir: Path, valid_fraction: float,
+            tokenizer: str = "byte") -> Path:
+    """Tokenize the sources into out_dir (tokens.bin + meta.json), atomically.
+
+    The dataset is written into a hidden sibling folder and renamed into place, so out_dir either
+    does not exist or is complete. If out_dir already holds a dataset (another process won the
+    race, or an earlier run), it is kept when it is this same dataset; a different one is an error.
+    """
+    tok, out_dir = get_tokenizer(tokenizer), Path(out_dir)
+    sources = [Path(s) for s in ([sources] if isinstance(sources, (str, Path)) else sources)]
+    if not 0 <= valid_fraction < 1:
+        raise ValueError(f"valid_fraction={valid_fraction} must be in [0, 1)")
+    files = collect_documents(sources)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        meta = write_dataset(files, tmp, tok, valid_fraction)
+        meta["sources"] = [str(s) for s in sources]
+        write_json(tmp / "meta.json", meta)
+        try:
+            os.rename(tmp, out_dir)  # atomic; fails when out_dir exists and is not empty
+            return out_dir
+        except OSError:
+            if not out_dir.exists():
+                raise
+        existing = TokenDataset.open(out_dir).meta
+        if any(existing[k] != meta[k] for k in META_KEYS):
+            raise ValueError(f"{out_dir} already holds a different dataset (fingerprint "
+                             f"{existing['fingerprint']}, this one {meta['fingerprint']}); "
+                             "remove it or choose another out_dir")
+        return out_dir
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def write_dataset(files: list[Path], folder: Path, tok: ByteTokenizer,
+                  valid_fraction: float) -> dict:
+    """Write tokens.bin into folder; the meta.json fields that describe it."""
+    dtype_name = token_dtype(tok.vocab_size)
+    sha, doc_starts, num_tokens = hashlib.sha256(), [], 0
+    with open(folder / "tokens.bin", "wb") as f:
+        for path in files:
+            ids = tok.encode(path.read_bytes()).astype(DTYPES[dtype_name], copy=False)
+            if ids.size == 0:
+                continue  # an empty file is no document
+            doc_starts.append(num_tokens)
+            num_tokens += ids.size
+            sha.update(ids.tobytes())
+            f.write(ids.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    if num_tokens == 0:
+        raise ValueError(f"the sources ({len(files)} files) hold no tokens: every file is empty")
+    start = split_point(doc_starts, num_tokens, valid_fraction)
+    return {"format_version": FORMAT_VERSION, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
+            "dtype": dtype_name, "num_tokens": num_tokens, "doc_starts": doc_starts,
+            "splits": {"train": [0, start], "valid": [start, num_tokens]},
+            "fingerprint": f"sha256:{sha.hexdigest()}"}
+
+
+def write_json(path: Path, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def builtin_corpus(cache_dir: Path | None, valid_fraction: float) -> Path:
+    """This Python's standard library source (*.py, no tests, no site-packages), prepared once
+    into the cache; it needs no network. The cache is keyed by the Python minor version."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    root = Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "gtp-trainer"
+    v = sys.version_info
+    out_dir = root / f"builtin-stdlib-py{v.major}{v.minor}-{float(valid_fraction)!r}"
+    if (out_dir / "meta.json").exists():
+        TokenDataset.open(out_dir)  # complete and valid, or a ValueError saying what is wrong
+        return out_dir
+    return prepare(find_files(stdlib, ".py", BUILTIN_SKIP_DIRS), out_dir, valid_fraction)
+
+
+class TokenDataset:
+    """A prepared dataset folder: tokens.bin memory-mapped read-only, and its meta.json."""
+
+    def __init__(self, path: Path, meta: dict, tokens: np.ndarray):
+        self.path, self.meta, self.tokens = path, meta, tokens
+
+    @classmethod
+    def open(cls, path: Path | str) -> TokenDataset:
+        path = Path(path)
+        meta = read_meta(path)
+        bin_path, dtype = path / "tokens.bin", DTYPES[meta["dtype"]]
+        if not bin_path.is_file():
+            raise ValueError(f"{bin_path} is missing; prepare the dataset again")
+        size, want = bin_path.stat().st_size, meta["num_tokens"] * dtype.itemsize
+        if size != want:
+            raise ValueError(f"{bin_path} has {size} bytes but {path / 'meta.json'} says "
+                             f"num_tokens={meta['num_tokens']} of {meta['dtype']} ({want} "
+                             "bytes): truncated or not this dataset's file; prepare it again")
+        return cls(path, meta, np.memmap(bin_path, dtype=dtype, mode="r"))
+
+    @property
+    def num_tokens(self) -> int:
+        return self.meta["num_tokens"]
+
+    @property
+    def vocab_size(self) -> int:
+        return self.meta["vocab_size"]
+
+    @property
+    def fingerprint(self) -> str:
+        return self.meta["fingerprint"]
+
+    def split(self, name: str) -> tuple[int, int]:
+        """[start, end) token range of the split "train" or "valid"."""
+        splits = self.meta["splits"]
+        if name not in splits:
+            raise ValueError(f"split={name!r} is unknown; choose one of {list(splits)}")
+        start, end = splits[name]
+        return start, end
+
+    def num_documents(self, name: str) -> int:
+        """Documents that start inside the split."""
+        start, end = self.split(name)
+        return int(np.searchsorted(self.meta["doc_starts"], end)
+                   - np.searchsorted(self.meta["doc_starts"], start))
+
+
+def read_meta(path: Path) -> dict:
+    """meta.json of a dataset folder, checked; a ValueError names the file and the problem."""
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():
+        raise ValueError(f"{meta_path} is missing: {path} is not a prepared dataset; prepare it "
+                         "with `python -m trainer.prepare SRC_FOLDER OUT_DIR`")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{meta_path} is not valid JSON ({e}); prepare the dataset again") from e
+    missing = [k for k in META_KEYS if k not in meta]
+    if missing:
+        raise ValueError(f"{meta_path} lacks the keys {missing}; prepare the dataset again")
+    if meta["format_version"] != FORMAT_VERSION:
+        raise ValueError(f"{meta_path} has format_version={meta['format_version']}, this "
+                         f"trainer reads {FORMAT_VERSION}; prepare the dataset again")
+    if meta["dtype"] not in DTYPES:
+        raise ValueError(f"{meta_path} has dtype={meta['dtype']!r}; expected one of {list(DTYPES)}")
+    n, starts = meta["num_tokens"], np.asarray(meta["doc_starts"], dtype=np.int64)
+    if not (n >= 1 and starts.size and starts[0] == 0 and (np.diff(starts) > 0).all()
+            and starts[-1] < n):
+        raise ValueError(f"{meta_path} has num_tokens={n} and doc_starts that are not an "
+                         "increasing list from 0 below it; prepare the dataset again")
+    try:
+        (a, b), (c, d) = meta["splits"]["train"], meta["splits"]["valid"]
+    except (KeyError, TypeError, ValueError):
+        a = b = c = d = None
+    if not (a == 0 and b == c and 0 < b <= d == n):
+        raise ValueError(f"{meta_path} has splits={meta['splits']}: expected train [0, t) and "
+                         f"valid [t, {n}) with t > 0; prepare the dataset again")
+    return meta
+
+
+class SampleStream:
+    """The endless sample stream of one split, epoch after epoch.
+
+    Sample j of the split is tokens[start + j*seq_length : start + (j+1)*seq_length + 1], so a
+    sample's last token is the next sample's first. Stream index i is position i % n of epoch
+    i // n, where epoch e is a permutation of range(n) seeded by (seed, e). get() is a pure
+    function of the indices: no state advances, so any rank fetches any index in any order.
+    """
+
+    def __init__(self, dataset: TokenDataset, split: Literal["train", "valid"], seq_length: int,
+                 seed: int, shuffle: bool):
+        if seq_length < 1:
+            raise ValueError(f"seq_length={seq_length} must be at least 1")
+        if not 0 <= seed < 2**32:
+            raise ValueError(f"seed={seed} must be in [0, 2**32)")
+        self.dataset, self.split, self.seq_length = dataset, split, seq_length
+        self.seed, self.shuffle = seed, shuffle
+        self.start, end = dataset.split(split)
+        self.num_samples_per_epoch = (end - self.start - 1) // seq_length
+        if self.num_samples_per_epoch < 1:
+            raise ValueError(f"the {split} split of {dataset.path} has {end - self.start} tokens,"
+                             f" too few for one sample of seq_length={seq_length} (needs "
+                             f"{seq_length + 1}); lower seq_length or change data.valid_fraction")
+        # windows[j] = sample j, a read-only view of the memory map: indexing copies only rows.
+        step = dataset.tokens.itemsize
+        self.windows = np.lib.stride_tricks.as_strided(
+            dataset.tokens[self.start:], shape=(self.num_samples_per_epoch, seq_length + 1),
+            strides=(seq_length * step, step), writeable=False)
+        self._orders: dict[int, np.ndarray] = {}  # the last two epochs: a batch may span both
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The split's sample positions in epoch's order."""
+        if epoch not in self._orders:
+            n = self.num_samples_per_epoch
+            # Legacy RandomState: NEP 19 freezes its streams, so the order survives numpy
+            # upgrades and a resumed run sees the samples it would have seen.
+            order = (np.random.RandomState([self.seed, epoch]).permutation(n) if self.shuffle
+                     else np.arange(n))
+            if len(self._orders) >= 2:
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[epoch] = order
+        return self._orders[epoch]
+
+    def get(self, indices: Sequence[int]) -> torch.Tensor:
+        """[len(indices), seq_length + 1] int64 tokens of these stream indices."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size and idx.min() < 0:
+            raise ValueError(f"sample indices must be >= 0, got {int(idx.min())}")
+        epochs, positions = np.divmod(idx, self.num_samples_per_epoch)
+        samples = np.empty_like(positions)
+        for epoch in np.unique(epochs):
+            here = epochs == epoch
+            samples[here] = self.epoch_order(int(epoch))[positions[here]]
+        return torch.from_numpy(np.array(self.windows[samples], dtype=np.int64))
+
+    @property
+    def identity(self) -> dict:
+        """What fixes the stream's content; a checkpoint stores it to refuse a different one."""
+        return {"fingerprint": self.dataset.fingerprint, "split": self.split,
+                "token_range": list(self.dataset.split(self.split)),
+                "seq_length": self.seq_length, "seed": self.seed, "shuffle": self.shuffle}

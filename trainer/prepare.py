@@ -1,0 +1,37 @@
+"""Command line: tokenize a folder of text files into a dataset the trainer reads.
+
+    python -m trainer.prepare SRC_FOLDER OUT_DIR [--valid-fraction F]
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from trainer.data import TokenDataset, prepare
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trainer.prepare", description=__doc__)
+    parser.add_argument("src", type=Path, help="a text file or a folder of text files")
+    parser.add_argument("out_dir", type=Path, help="the dataset folder to write")
+    parser.add_argument("--valid-fraction", type=float, default=0.01,
+                        help="share of tokens held out as whole documents at the end (0.01)")
+    parser.add_argument("--tokenizer", default="byte", help="tokenizer name (byte)")
+    args = parser.parse_args(argv)
+    try:
+        out = prepare(args.src, args.out_dir, args.valid_fraction, args.tokenizer)
+    except ValueError as e:
+        parser.exit(2, f"error: {e}\n")
+    ds = TokenDataset.open(out)
+    size = (out / "tokens.bin").stat().st_size
+    print(f"wrote {out}: tokens.bin ({size:,} bytes, {ds.meta['dtype']}), meta.json")
+    print(f"  tokenizer {ds.meta['tokenizer']} (vocab {ds.vocab_size}), {ds.num_tokens:,} tokens, "
+          f"{len(ds.meta['doc_starts']):,} documents, {ds.fingerprint[:19]}...")
+    for name in ("train", "valid"):
+        start, end = ds.split(name)
+        print(f"  {name}: tokens [{start:,}, {end:,}) = {end - start:,} tokens, "
+              f"{ds.num_documents(name):,} documents")
+
+
+if __name__ == "__main__":
+    main()
