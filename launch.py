@@ -1,4 +1,4 @@
-"""The single entry point: compose the config, validate it, then dry-run (or, later, train).
+"""The single entry point: compose the config, validate it, then dry-run or train.
 
     python launch.py [overrides] [dry_run=true]
     python launch.py [overrides] --cfg job --resolve   # print the composed config with `layout`
@@ -7,7 +7,6 @@ Heavy imports (torch) wait until the config is known to be valid, so a bad layou
 """
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import hydra
@@ -17,7 +16,9 @@ from omegaconf import DictConfig, OmegaConf
 
 import trainer.config  # noqa: F401  (registers the schemas with Hydra's ConfigStore)
 from parallel.layout import Layout
+from trainer.accounting import RunPlan
 from trainer.config import Config, unknown_keys
+from trainer.schedule import LrSchedule
 from trainer.resolvers import build_layout
 
 
@@ -40,6 +41,11 @@ def settle(cfg: DictConfig) -> tuple[Config, Layout]:
             f"layout={settings.layout} does not match what parallel.*, cluster.* and train.* "
             f"give ({layout.derived()}). `layout` is derived and read-only: remove the override "
             f"and set the parallel.* keys instead.")
+    try:  # the run's sample accounting and schedule, before any process starts
+        RunPlan.from_config(settings.train, settings.checkpoint, layout)
+        LrSchedule.from_config(settings.schedule, settings.train.train_samples)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
     return settings, layout
 
 
@@ -52,9 +58,9 @@ def main(cfg: DictConfig) -> None:
 
         dry_run(settings, layout, run_dir)
         return
-    print("Training is not built yet; this version validates and reports layouts. "
-          "Run with dry_run=true.", file=sys.stderr)
-    sys.exit(2)
+    from trainer.run import run_single_process
+
+    run_single_process(cfg, settings, layout, run_dir)
 
 
 if __name__ == "__main__":

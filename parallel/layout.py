@@ -82,7 +82,7 @@ class RankCoords(NamedTuple):
     pp: int
 
 
-def _multiples_near(value: int, base: int) -> str:
+def multiples_near(value: int, base: int) -> str:
     """'4 or 8': the multiples of base on either side of value (the usual fix)."""
     below, above = (value // base) * base, -(-value // base) * base
     if below < base:
@@ -164,12 +164,12 @@ class Layout:
             raise LayoutError(
                 f"{ws_key}={ws} is not a multiple of parallel.tensor_model_parallel_size={tp}: "
                 f"weight shards count TP ranks too, so they must be a multiple of TP. Fix: set "
-                f"{ws_key} to {_multiples_near(ws, tp)}, or null for no sharding beyond TP.")
+                f"{ws_key} to {multiples_near(ws, tp)}, or null for no sharding beyond TP.")
         if ss < sp or ss % sp:
             raise LayoutError(
                 f"{ss_key}={ss} is not a multiple of the SP degree {sp} (TP="
                 f"{tp}, sequence_parallel={self.sequence_parallel}): sequence shards count the "
-                f"SP ranks too. Fix: set {ss_key} to {_multiples_near(ss, sp)}, or null for {sp}.")
+                f"SP ranks too. Fix: set {ss_key} to {multiples_near(ss, sp)}, or null for {sp}.")
         ns, g = ss // sp, ws // tp
         if ns > 1 and tp > 1 and not self.sequence_parallel:
             raise LayoutError(
@@ -194,7 +194,7 @@ class Layout:
                 f"not divisible by TP x "
                 f"GTP_remat x CP x PP = {self.tp_size} x {self.gtp_remat_size} x "
                 f"{self.context_parallel_size} x {self.pp_size} = {tile}. Fix: use a world size "
-                f"that is a multiple of {tile} ({_multiples_near(self.world_size, tile)}), or "
+                f"that is a multiple of {tile} ({multiples_near(self.world_size, tile)}), or "
                 f"lower those degrees.")
 
     def _check_batch(self) -> None:
@@ -206,7 +206,7 @@ class Layout:
             raise LayoutError(
                 f"train.global_batch_size={gbs} is not a multiple of train.micro_batch_size="
                 f"{self.micro_batch_size} x batch_parallel_size={self.batch_parallel_size} = "
-                f"{step}. Fix: set train.global_batch_size to {_multiples_near(gbs, step)}, or "
+                f"{step}. Fix: set train.global_batch_size to {multiples_near(gbs, step)}, or "
                 f"null for {step}.")
 
     def _check_seq_length(self) -> None:
@@ -227,7 +227,7 @@ class Layout:
                        f"CP-local part over TP)")
         raise LayoutError(
             f"train.seq_length={seq} must be divisible by {' and by '.join(why)}. Fix: set "
-            f"train.seq_length to a multiple of {multiple} ({_multiples_near(seq, multiple)}).")
+            f"train.seq_length to a multiple of {multiple} ({multiples_near(seq, multiple)}).")
 
     # -------------------------------------------------------------------------- derived sizes
 

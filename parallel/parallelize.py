@@ -13,7 +13,8 @@ from parallel.comm import Group
 from parallel.context import ContextParallelAttention
 from parallel.groups import Groups
 from parallel.layout import Layout
-from parallel.tensor import ParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy
+from parallel.tensor import (ParallelLinear, VocabParallelEmbedding, global_chunks,
+                             vocab_parallel_cross_entropy)
 
 # Module-name suffix -> (TP style, fused parts). Column then row keeps one collective per pair.
 TP_PLAN = {
@@ -45,6 +46,19 @@ class ParallelModel(nn.Module):
 
     def is_sharded(self, name: str) -> bool:
         return name.removesuffix(".weight") in self.layers
+
+    def global_shape(self, name: str) -> tuple[int, ...]:
+        layer = self.layers.get(name.removesuffix(".weight"))
+        return layer.full_shape if layer else tuple(self.module.get_parameter(name).shape)
+
+    def global_chunks(self, name: str, local: torch.Tensor
+                      ) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+        """Where the values of `local` (parameter `name` as this rank stores it, or a tensor
+        of the same shape) sit in the single-device parameter: (offsets, view) pairs."""
+        layer = self.layers.get(name.removesuffix(".weight"))
+        if layer is None:  # whole on every rank
+            return [((0,) * local.ndim, local)]
+        return global_chunks(layer, local)
 
     def reduce_replicated_grads(self) -> None:
         """Coalesced: one all-reduce per group for all small tensors."""

@@ -64,6 +64,31 @@ class ParallelLinear(nn.Module):
         return y
 
 
+def global_chunks(layer: ParallelLinear | VocabParallelEmbedding, shard: torch.Tensor
+                  ) -> list[tuple[tuple[int, int], torch.Tensor]]:
+    """The rectangles of the single-device weight that this rank's shard holds, as (global
+    offsets, view of `shard`), padding rows excluded. `shard` is the weight itself or anything
+    of its shape (an optimizer moment): this is how checkpoints find every value's place."""
+    per_rank = shard.shape[0]
+    start = layer.gtp.rank * per_rank
+    end = min(start + per_rank, layer.rows)  # TP-local rows this rank stores
+    if end <= start:
+        return []
+    if layer.tp_dim == 1:  # row-parallel: all rows, this rank's block of columns
+        return [((start, layer.tp.rank * shard.shape[1]), shard[:end - start])]
+    # Column-parallel (and the vocabulary): TP-local rows are each part's TP slice, in order.
+    part_rows = layer.full_shape[0] // layer.parts
+    local_part_rows = part_rows // layer.tp.size
+    chunks, row = [], start
+    while row < end:
+        part, within = divmod(row, local_part_rows)
+        count = min(end, (part + 1) * local_part_rows) - row
+        offset = part * part_rows + layer.tp.rank * local_part_rows + within
+        chunks.append(((offset, 0), shard[row - start:row - start + count]))
+        row += count
+    return chunks
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows (the vocabulary) split over TP; each rank looks up the tokens in its range."""
 
@@ -75,7 +100,7 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"{name}: vocabulary {vocab} does not split over "
                              f"tensor_model_parallel_size={tp.size}")
         self.tp, self.gtp, self.sequence_parallel = tp, gtp, sequence_parallel
-        self.tp_dim, self.full_shape = 0, tuple(full.weight.shape)
+        self.tp_dim, self.parts, self.full_shape = 0, 1, tuple(full.weight.shape)
         self.rows = vocab // tp.size
         self.vocab_start = tp.rank * self.rows
         local = split_along(full.weight.detach(), tp, 0)

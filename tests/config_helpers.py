@@ -1,9 +1,9 @@
-"""Shared test helpers: compose the project's config the way launch.py does, without a process."""
+"""Compose the project's config the way launch.py does, without a process (tests import it as
+`config_helpers`; the tests folder is on sys.path through tests/conftest.py)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -19,7 +19,3 @@ def compose_config(*overrides: str, hydra_node: bool = False) -> DictConfig:
         return compose(config_name="config", overrides=list(overrides),
                        return_hydra_config=hydra_node)
 
-
-@pytest.fixture
-def compose_cfg():
-    return compose_config

@@ -104,9 +104,18 @@ def format_report(settings: Config, layout: Layout, memory: dict[str, Any],
     return "\n".join(lines)
 
 
-def layout_record(settings: Config, layout: Layout, memory: dict[str, Any],
-                  rows: list[dict[str, int]], warnings: list[str]) -> dict[str, Any]:
-    return {
+def layout_record(settings: Config, layout: Layout) -> tuple[dict[str, Any], str]:
+    """layout.json's content, and the readable report of the same facts."""
+    shapes = parameter_shapes(settings.model)
+    precision = settings.train.precision
+    memory = {
+        "per_stage": [m.as_dict() for m in memory_per_stage(
+            shapes, settings.model.num_layers, layout, precision)],
+        "unsharded": unsharded_memory(shapes, precision).as_dict(),
+    }
+    rows = rank_rows(layout, settings.cluster.procs_per_node)
+    warnings = nvlink_warnings(layout, settings.cluster.gpus_per_nvlink_domain)
+    record = {
         "inputs": {
             "world_size": layout.world_size,
             "tensor_model_parallel_size": layout.tp_size,
@@ -125,24 +134,20 @@ def layout_record(settings: Config, layout: Layout, memory: dict[str, Any],
         "memory": memory,
         "warnings": warnings,
     }
+    return record, format_report(settings, layout, memory, rows)
 
 
-def dry_run(settings: Config, layout: Layout, run_dir: Path) -> dict[str, Any]:
-    shapes = parameter_shapes(settings.model)
-    precision = settings.train.precision
-    memory = {
-        "per_stage": [m.as_dict() for m in memory_per_stage(
-            shapes, settings.model.num_layers, layout, precision)],
-        "unsharded": unsharded_memory(shapes, precision).as_dict(),
-    }
-    rows = rank_rows(layout, settings.cluster.procs_per_node)
-    warnings = nvlink_warnings(layout, settings.cluster.gpus_per_nvlink_domain)
-    print(format_report(settings, layout, memory, rows), flush=True)
-    for warning in warnings:
-        log.warning(warning)
-    record = layout_record(settings, layout, memory, rows, warnings)
+def write_layout_json(record: dict[str, Any], run_dir: Path) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / "layout.json"
     path.write_text(json.dumps(record, indent=1))
-    print(f"\nwrote {path}")
+    return path
+
+
+def dry_run(settings: Config, layout: Layout, run_dir: Path) -> dict[str, Any]:
+    record, report = layout_record(settings, layout)
+    print(report, flush=True)
+    for warning in record["warnings"]:
+        log.warning(warning)
+    print(f"\nwrote {write_layout_json(record, run_dir)}")
     return record

@@ -25,24 +25,32 @@ class FlatBuffer:
     grads: torch.Tensor
     part: torch.Tensor  # this rank's slice of `params`: what its AdamW updates
     counted: bool  # whether this rank's part enters the gradient norm
+    slots: list[tuple[str, int, torch.Size]]  # (name, offset, shape) of each parameter
+
+    def part_of(self, flat: torch.Tensor, replica: Group) -> torch.Tensor:
+        size = self.part.numel()
+        return flat[replica.rank * size:(replica.rank + 1) * size]
 
     @classmethod
-    def build(cls, params: list[torch.nn.Parameter], replica: Group, counted: bool) -> FlatBuffer:
+    def build(cls, named: list[tuple[str, torch.nn.Parameter]], replica: Group,
+              counted: bool) -> FlatBuffer:
+        params = [p for _, p in named]
         numel = sum(p.numel() for p in params)
         part_size = math.ceil(numel / replica.size)
         first = params[0]
         flat = first.new_zeros(part_size * replica.size)
         grads = torch.zeros_like(flat)
-        offset = 0
-        for p in params:
+        offset, slots = 0, []
+        for name, p in named:
             n = p.numel()
+            slots.append((name, offset, p.shape))
             flat[offset:offset + n].copy_(p.detach().reshape(-1))
             p.data = flat[offset:offset + n].view_as(p)
             # Autograd accumulates in place into an existing .grad, so grads land in the buffer.
             p.grad = grads[offset:offset + n].view_as(p)
             offset += n
         part = flat[replica.rank * part_size:(replica.rank + 1) * part_size]
-        return cls(flat, grads, part, counted)
+        return cls(flat, grads, part, counted, slots)
 
 
 class ShardedAdamW:
@@ -51,7 +59,7 @@ class ShardedAdamW:
         self.replica, self.world, self.clip = groups.weight_replica, groups.world, cfg.clip_grad
         sharded, replicated = [], []
         for name, param in model.module.named_parameters():
-            (sharded if model.is_sharded(name) else replicated).append(param)
+            (sharded if model.is_sharded(name) else replicated).append((name, param))
             if model.is_sharded(name) != (param.ndim >= 2):
                 raise ValueError(f"{name}: weight decay follows sharding here, and this "
                                  f"{param.ndim}-D parameter breaks that rule")
@@ -95,3 +103,52 @@ class ShardedAdamW:
         for buffer in self.buffers:
             self.replica.all_gather_into(buffer.params, buffer.part.clone())
         return grad_norm
+
+    # ------------------------------------------------------------------ checkpoint support
+    # Adam moments leave and enter as whole flat buffers (every replica's part), so each
+    # moment can be viewed at its parameter's local shape and saved at the parameter's offsets.
+
+    def gather_moments(self) -> Moments:
+        """Collective over weight_replica."""
+        moments = self.empty_moments()
+        for buffer, avg, avg_sq in zip(self.buffers, moments.exp_avg, moments.exp_avg_sq):
+            state = self.adam.state.get(buffer.part)
+            if state:  # before the first step every moment is zero
+                self.replica.all_gather_into(avg, state["exp_avg"])
+                self.replica.all_gather_into(avg_sq, state["exp_avg_sq"])
+                moments.step = int(state["step"].item())
+        return moments
+
+    def empty_moments(self) -> Moments:
+        return Moments(0, [torch.zeros_like(b.params) for b in self.buffers],
+                       [torch.zeros_like(b.params) for b in self.buffers])
+
+    def moment_views(self, moments: Moments) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Parameter name -> (exp_avg, exp_avg_sq) views shaped like the local parameter."""
+        views = {}
+        for buffer, avg, avg_sq in zip(self.buffers, moments.exp_avg, moments.exp_avg_sq):
+            for name, offset, shape in buffer.slots:
+                n = shape.numel()
+                views[name] = (avg[offset:offset + n].view(shape),
+                               avg_sq[offset:offset + n].view(shape))
+        return views
+
+    def load_moments(self, moments: Moments) -> None:
+        for buffer, avg, avg_sq in zip(self.buffers, moments.exp_avg, moments.exp_avg_sq):
+            if moments.step == 0:
+                self.adam.state.pop(buffer.part, None)
+                continue
+            self.adam.state[buffer.part] = {
+                "step": torch.tensor(float(moments.step)),
+                "exp_avg": buffer.part_of(avg, self.replica).clone(),
+                "exp_avg_sq": buffer.part_of(avg_sq, self.replica).clone(),
+            }
+
+
+@dataclass
+class Moments:
+    """AdamW's state as whole flat buffers (one per FlatBuffer), and its step count."""
+
+    step: int
+    exp_avg: list[torch.Tensor]
+    exp_avg_sq: list[torch.Tensor]

@@ -45,12 +45,27 @@ def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: lis
     optimizer.zero_grad()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     for mb in micro_batches:
-        logits = model(mb.tokens, mb.positions)
-        losses = model.token_losses(logits, mb.labels)
-        summed = losses.masked_fill(mb.labels == IGNORE, 0.0).sum()
+        summed = _loss_sum(model, mb)
         (summed / total_tokens).backward()
         loss_sum += summed.detach().double()
     model.reduce_replicated_grads()
     grad_norm = optimizer.step(lr)
     loss = groups.token_distinct.all_reduce(loss_sum).item() / total_tokens
     return StepResult(loss=loss, grad_norm=grad_norm, loss_tokens=total_tokens)
+
+
+@torch.no_grad()
+def evaluate(model: ParallelModel, micro_batches: list[MicroBatch]) -> float:
+    """Mean per-token loss over every rank's micro-batches (the whole evaluation batch)."""
+    device = next(model.parameters()).device
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, loss tokens
+    for mb in micro_batches:
+        sums[0] += _loss_sum(model, mb).double()
+        sums[1] += int((mb.labels != IGNORE).sum())
+    total, tokens = model.groups.token_distinct.all_reduce(sums).tolist()
+    return total / tokens
+
+
+def _loss_sum(model: ParallelModel, mb: MicroBatch) -> torch.Tensor:
+    losses = model.token_losses(model(mb.tokens, mb.positions), mb.labels)
+    return losses.masked_fill(mb.labels == IGNORE, 0.0).sum()

@@ -6,7 +6,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ReadonlyConfigError, ValidationError
 
-from conftest import CONF_DIR, compose_config
+from config_helpers import CONF_DIR, compose_config
 from trainer.resolvers import LayoutResolutionError
 from parallel.layout import DERIVED_KEYS, Layout
 from trainer.config import unknown_keys

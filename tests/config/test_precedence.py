@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import compose_config
+from config_helpers import compose_config
 
 WORLD_8_WS_2 = ("cluster.procs_per_node=8", "parallel.tensor_parallel_num_weight_shards=2")
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import ROOT
+from config_helpers import ROOT
 from parallel.layout import AXES, DERIVED_KEYS, GROUP_NAMES, Layout
 
 

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import CONF_DIR, compose_config
+from config_helpers import CONF_DIR, compose_config
 from launch import settle
 from trainer.dry_run import dry_run
 

@@ -27,7 +27,8 @@ FP32 = 4
 def one_step_stats(rank: int, layout: Layout, batch: torch.Tensor) -> dict:
     engine = build_engine(TINY, OPTIM, SEED, layout, torch.device("cpu"))
     engine.groups.stats.reset()
-    train_step(engine.model, engine.optimizer, rank_micro_batches(batch, layout, rank), 1e-3)
+    micro_batches = rank_micro_batches(lambda idx: batch[idx], layout, rank)
+    train_step(engine.model, engine.optimizer, micro_batches, 1e-3)
     return {"bytes": dict(engine.groups.stats.bytes), "calls": dict(engine.groups.stats.calls)}
 
 

@@ -116,7 +116,7 @@ def train_rank(rank: int, layout: Layout, batches: list[torch.Tensor], dtype: to
     engine = build_engine(TINY, OPTIM, SEED, layout, torch.device("cpu"))
     losses, norms = [], []
     for batch, lr in zip(batches, LRS):
-        micro_batches = rank_micro_batches(batch, layout, rank)
+        micro_batches = rank_micro_batches(lambda idx: batch[idx], layout, rank)
         for mb in micro_batches:  # inputs may not hold the ignore marker; labels keep it
             mb.tokens = mb.tokens.clamp(min=0)
         result = train_step(engine.model, engine.optimizer, micro_batches, lr)

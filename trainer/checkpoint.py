@@ -1,0 +1,163 @@
+"""Checkpoints with torch.distributed.checkpoint (DCP), loadable under any layout.
+
+Every value is saved at its place in the single-device tensor (global offsets), so a checkpoint
+does not know the layout that wrote it: DCP reads, for each rank, just the overlap with what the
+rank now holds. Parameters and Adam moments come back bit-exactly. A checkpoint is written into
+`step_XXXXXXXX.tmp` and renamed when every rank has finished, so a crash mid-save leaves the
+last good checkpoint untouched.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (TensorWriteData, WriteItem,
+                                                  WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from trainer.engine import Engine
+
+PREFIX, TMP_SUFFIX = "step_", ".tmp"
+
+
+@dataclass
+class TrainState:
+    """Where the run stands; the data position is consumed_samples (the stream is stateless)."""
+
+    step: int = 0
+    consumed_samples: int = 0
+    data: dict[str, Any] = dataclasses.field(default_factory=dict)  # the sample stream's identity
+
+
+@dataclass
+class Chunked:
+    """A global tensor of which this rank holds some rectangles: (offsets, view) pairs."""
+
+    shape: tuple[int, ...]
+    chunks: list[tuple[tuple[int, ...], torch.Tensor]]
+
+
+class _ChunkSavePlanner(DefaultSavePlanner):
+    """Writes each rank's rectangles at their global offsets. Replicas write the same
+    rectangles; DCP's dedup keeps one copy of each."""
+
+    def __init__(self, tensors: dict[str, Chunked]):
+        super().__init__()
+        self.tensors = tensors
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        items = [
+            WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                      tensor_data=TensorWriteData(
+                          chunk=ChunkStorageMetadata(torch.Size(offsets), view.shape),
+                          properties=TensorProperties.create_from_tensor(view),
+                          size=torch.Size(chunked.shape)))
+            for fqn, chunked in self.tensors.items() for offsets, view in chunked.chunks]
+        self.plan = dataclasses.replace(plan, items=plan.items + items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem):
+        chunked = self.tensors.get(write_item.index.fqn)
+        if chunked is None:
+            return super().resolve_data(write_item)
+        offsets = tuple(write_item.index.offset)
+        return next(view for o, view in chunked.chunks if o == offsets).contiguous()
+
+
+class _ChunkLoadPlanner(DefaultLoadPlanner):
+    """Reads into each rank's rectangles whatever overlaps them in the checkpoint."""
+
+    def __init__(self, tensors: dict[str, Chunked]):
+        super().__init__()
+        self.tensors = tensors
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        items = []
+        for fqn, chunked in self.tensors.items():
+            saved = self.metadata.state_dict_metadata.get(fqn)
+            if not isinstance(saved, TensorStorageMetadata):
+                raise ValueError(f"checkpoint has no tensor {fqn!r}: it was written by another "
+                                 f"model. Fix: load a checkpoint of this model config.")
+            if tuple(saved.size) != tuple(chunked.shape):
+                raise ValueError(f"checkpoint tensor {fqn!r} has shape {tuple(saved.size)}, this "
+                                 f"model's is {chunked.shape}. Fix: use the model config the "
+                                 f"checkpoint was saved with.")
+            local = [ChunkStorageMetadata(torch.Size(o), v.shape) for o, v in chunked.chunks]
+            items += create_read_items_for_chunk_list(fqn, saved, local)
+        return dataclasses.replace(plan, items=plan.items + items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        chunked = self.tensors.get(index.fqn)
+        if chunked is None:
+            return super().lookup_tensor(index)
+        return chunked.chunks[index.index][1]
+
+
+def _tensors(engine: Engine, moments_views: dict) -> dict[str, Chunked]:
+    model, out = engine.model, {}
+    for name, param in model.module.named_parameters():
+        shape = model.global_shape(name)
+        avg, avg_sq = moments_views[name]
+        out[f"model.{name}"] = Chunked(shape, model.global_chunks(name, param.data))
+        out[f"optim.exp_avg.{name}"] = Chunked(shape, model.global_chunks(name, avg))
+        out[f"optim.exp_avg_sq.{name}"] = Chunked(shape, model.global_chunks(name, avg_sq))
+    return out
+
+
+def save(engine: Engine, state: TrainState, directory: Path, meta: dict[str, Any]) -> Path:
+    """Collective. Returns the finished checkpoint folder."""
+    final = directory / f"{PREFIX}{state.step:08d}"
+    tmp = final.with_name(final.name + TMP_SUFFIX)
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    moments = engine.optimizer.gather_moments()
+    tensors = _tensors(engine, engine.optimizer.moment_views(moments))
+    objects = {"train_state": json.dumps(asdict(state)), "optim_step": moments.step}
+    dcp.save(objects, checkpoint_id=tmp, planner=_ChunkSavePlanner(tensors))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        (tmp / "meta.json").write_text(json.dumps({**meta, **asdict(state)}, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    dist.barrier()
+    return final
+
+
+def resolve(path: Path) -> Path:
+    """A checkpoint folder, or a folder of them (the latest finished one)."""
+    if (path / ".metadata").exists():
+        return path
+    found = sorted(p for p in path.glob(f"{PREFIX}*") if p.is_dir()
+                   and not p.name.endswith(TMP_SUFFIX) and (p / ".metadata").exists())
+    if not found:
+        raise FileNotFoundError(
+            f"checkpoint.load={path}: no checkpoint there (a folder with .metadata, or a folder "
+            f"of {PREFIX}* checkpoints). Fix: point checkpoint.load at one, or set it to null.")
+    return found[-1]
+
+
+def load(engine: Engine, path: Path) -> TrainState:
+    """Collective. Fills this rank's parameters and Adam moments, whatever the saving layout."""
+    path = resolve(path)
+    moments = engine.optimizer.empty_moments()
+    tensors = _tensors(engine, engine.optimizer.moment_views(moments))
+    objects: dict[str, Any] = {"train_state": "", "optim_step": 0}
+    with torch.no_grad():
+        dcp.load(objects, checkpoint_id=path, planner=_ChunkLoadPlanner(tensors))
+    moments.step = int(objects["optim_step"])
+    engine.optimizer.load_moments(moments)
+    return TrainState(**json.loads(objects["train_state"]))

@@ -1,0 +1,113 @@
+"""The training loop of one rank: data, schedule, steps, evaluation, checkpoints, logging.
+
+Every rank runs it with the same typed config; the default process group must already exist.
+Counts are samples: step s trains on samples [s x GBS, (s+1) x GBS) of the shuffled stream, and
+the learning rate is the schedule's value at the samples consumed by the end of the step.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallel.layout import Layout
+from trainer import checkpoint
+from trainer.accounting import RunPlan
+from trainer.batch import rank_micro_batches
+from trainer.config import Config
+from trainer.data import SampleStream, TokenDataset, builtin_corpus
+from trainer.engine import Engine, build_engine
+from trainer.metrics import MetricsLogger
+from trainer.schedule import LrSchedule
+from trainer.step import evaluate, train_step
+
+
+def dataset_path(settings: Config) -> Path:
+    """The prepared dataset: data.path, or the built-in corpus (prepared on first use)."""
+    data = settings.data
+    if data.path is not None:
+        return Path(data.path)
+    if data.tokenizer != "byte":
+        raise ValueError(f"data.tokenizer={data.tokenizer!r}: the built-in corpus is prepared "
+                         f"with the byte tokenizer. Fix: set data.tokenizer=byte, or data.path.")
+    cache = Path(data.cache_dir) if data.cache_dir is not None else None
+    return builtin_corpus(cache, data.valid_fraction)
+
+
+def open_streams(settings: Config, plan: RunPlan) -> tuple[SampleStream, SampleStream | None]:
+    dataset = TokenDataset.open(dataset_path(settings))
+    if dataset.vocab_size > settings.model.vocab_size:
+        raise ValueError(
+            f"the dataset {dataset.path} has a vocabulary of {dataset.vocab_size} tokens but "
+            f"model.vocab_size={settings.model.vocab_size}. Fix: raise model.vocab_size.")
+    seq, seed = settings.train.seq_length, settings.data.seed
+    train = SampleStream(dataset, "train", seq, seed, shuffle=True)
+    valid = SampleStream(dataset, "valid", seq, seed, shuffle=False) if plan.eval_interval else None
+    return train, valid
+
+
+def resume(engine: Engine, settings: Config, stream: SampleStream) -> checkpoint.TrainState:
+    state = checkpoint.load(engine, Path(settings.checkpoint.load))
+    if state.data != stream.identity:
+        raise ValueError(
+            f"checkpoint.load={settings.checkpoint.load} was trained on the sample stream "
+            f"{state.data}, this run's is {stream.identity}. Fix: use the same dataset, "
+            f"train.seq_length and data.seed, or start without checkpoint.load.")
+    return state
+
+
+def train(settings: Config, layout: Layout, run_dir: Path, device: torch.device,
+          meta: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Collective. Returns the records this rank computed (every rank computes the same)."""
+    rank = dist.get_rank()
+    plan = RunPlan.from_config(settings.train, settings.checkpoint, layout)
+    schedule = LrSchedule.from_config(settings.schedule, settings.train.train_samples)
+    train_stream, valid_stream = open_streams(settings, plan)
+    engine = build_engine(settings.model, settings.optim, settings.train.seed, layout, device)
+    state = checkpoint.TrainState(data=train_stream.identity)
+    if settings.checkpoint.load is not None:
+        state = resume(engine, settings, train_stream)
+    save_dir = Path(settings.checkpoint.dir) if settings.checkpoint.dir else run_dir / "checkpoints"
+    logger = MetricsLogger(run_dir, settings.logger, rank == 0, plan.train_steps)
+    logger.note(f"{layout.world_size} rank(s), global batch {plan.global_batch_size} samples, "
+                f"{plan.train_steps} steps from step {state.step}; {schedule.describe()}")
+    gbs, tokens_per_step = plan.global_batch_size, plan.global_batch_size * layout.seq_length
+    records, saved_at = [], None
+    while state.step < plan.train_steps:
+        started, consumed = time.perf_counter(), state.consumed_samples
+        micro_batches = rank_micro_batches(
+            lambda idx: train_stream.get([consumed + i for i in idx]), layout, rank, device)
+        lr = schedule.lr(consumed + gbs)
+        result = train_step(engine.model, engine.optimizer, micro_batches, lr)
+        state.step, state.consumed_samples = state.step + 1, consumed + gbs
+        record = {"consumed_samples": state.consumed_samples, "loss": result.loss, "lr": lr,
+                  "grad_norm": result.grad_norm,
+                  "tokens_per_s": tokens_per_step / (time.perf_counter() - started)}
+        records.append({"step": state.step, **record})
+        logger.log(state.step, record)
+        if plan.eval_interval and (state.step % plan.eval_interval == 0
+                                   or state.step == plan.train_steps):
+            eval_loss = run_eval(engine, valid_stream, plan, rank, device)
+            records.append({"step": state.step, "eval_loss": eval_loss})
+            logger.log_eval(state.step, {"eval_loss": eval_loss,
+                                         "eval_samples": plan.eval_layout.global_batch_size})
+        interval = settings.checkpoint.save_interval
+        if (interval and state.step % interval == 0) or state.step == plan.train_steps:
+            path = checkpoint.save(engine, state, save_dir, meta or {})
+            saved_at = state.step
+            logger.note(f"saved {path}")
+    if saved_at is None:
+        logger.note(f"nothing to train: the checkpoint is at step {state.step} of "
+                    f"{plan.train_steps}")
+    logger.close()
+    return records
+
+
+def run_eval(engine: Engine, stream: SampleStream, plan: RunPlan, rank: int,
+             device: torch.device) -> float:
+    """The same first eval_samples of the validation split every time, so evals compare."""
+    micro_batches = rank_micro_batches(stream.get, plan.eval_layout, rank, device)
+    return evaluate(engine.model, micro_batches)

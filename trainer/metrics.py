@@ -1,0 +1,64 @@
+"""Progress output from one rank: console lines, metrics.jsonl in the run directory, and wandb
+when `logger=wandb`. Other ranks get a logger that writes nothing."""
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from trainer.config import LoggerConfig, LoggerName
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+class MetricsLogger:
+    def __init__(self, run_dir: Path, cfg: LoggerConfig, writer: bool, total_steps: int,
+                 config: dict[str, Any] | None = None):
+        self.cfg, self.writer, self.total_steps = cfg, writer, total_steps
+        self.path = run_dir / "metrics.jsonl"
+        self.started, self.first_step = time.perf_counter(), None
+        self.wandb = None
+        if writer and cfg.name is LoggerName.wandb:
+            import wandb  # only the writing rank pays for the import
+
+            self.wandb = wandb.init(project=cfg.project, dir=str(run_dir), config=config)
+
+    def log(self, step: int, record: dict[str, Any]) -> None:
+        """One training step: written every log_interval steps and at the last step."""
+        if self.first_step is None:  # a resumed run times only its own steps
+            self.first_step, self.started = step - 1, time.perf_counter()
+        if not self.writer or (step % self.cfg.log_interval and step != self.total_steps):
+            return
+        done = step - self.first_step
+        left = (time.perf_counter() - self.started) / done * (self.total_steps - step)
+        print(f"step {step:>6d}/{self.total_steps} | samples {record['consumed_samples']:>9,d} | "
+              f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+              f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:>9,.0f} tok/s | "
+              f"left {_duration(left)}", flush=True)
+        self._write({"step": step, **record})
+
+    def log_eval(self, step: int, record: dict[str, Any]) -> None:
+        if not self.writer:
+            return
+        print(f"eval at step {step}: loss {record['eval_loss']:.4f} "
+              f"({record['eval_samples']} samples)", flush=True)
+        self._write({"step": step, **record})
+
+    def note(self, message: str) -> None:
+        if self.writer:
+            print(message, flush=True)
+
+    def _write(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(record, step=record["step"])
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
