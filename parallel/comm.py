@@ -59,7 +59,7 @@ class Group:
         if self.size == 1:
             return output.copy_(shard)
         self.stats.record(self.kind, ALL_GATHER, (self.size - 1) * _nbytes(shard))
-        dist.all_gather_into_tensor(output, shard.contiguous(), group=self.handle)
+        dist.all_gather_single(output, shard.contiguous(), group=self.handle)
         return output
 
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
@@ -72,7 +72,7 @@ class Group:
             return full
         out = full.new_empty((full.shape[0] // self.size, *full.shape[1:]))
         self.stats.record(self.kind, REDUCE_SCATTER, (self.size - 1) * _nbytes(out))
-        dist.reduce_scatter_tensor(out, full.contiguous(), group=self.handle)
+        dist.reduce_scatter_single(out, full.contiguous(), group=self.handle)
         return out
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM

@@ -59,55 +59,69 @@ def resume(engine: Engine, settings: Config, stream: SampleStream) -> checkpoint
     return state
 
 
+class Trainer:
+    """One rank's run: everything built from the config, then run() to the end."""
+
+    def __init__(self, settings: Config, layout: Layout, run_dir: Path, device: torch.device,
+                 meta: dict[str, Any] | None = None):
+        self.settings, self.layout, self.device = settings, layout, device
+        self.rank, self.meta = dist.get_rank(), meta or {}
+        self.plan = RunPlan.from_config(settings.train, settings.checkpoint, layout)
+        self.schedule = LrSchedule.from_config(settings.schedule, settings.train.train_samples)
+        self.train_stream, self.valid_stream = open_streams(settings, self.plan)
+        self.engine = build_engine(settings.model, settings.optim, settings.train.seed, layout,
+                                   device)
+        self.state = checkpoint.TrainState(data=self.train_stream.identity)
+        if settings.checkpoint.load is not None:
+            self.state = resume(self.engine, settings, self.train_stream)
+        ckpt = settings.checkpoint
+        self.save_dir = Path(ckpt.dir) if ckpt.dir else run_dir / "checkpoints"
+        self.logger = MetricsLogger(run_dir, settings.logger, self.rank == 0,
+                                    self.plan.train_steps)
+
+    def run(self) -> list[dict[str, Any]]:
+        """Collective. Returns the records this rank computed (every rank computes the same)."""
+        plan, state, layout, logger = self.plan, self.state, self.layout, self.logger
+        logger.note(f"{layout.world_size} rank(s), global batch {plan.global_batch_size} "
+                    f"samples, {plan.train_steps} steps from step {state.step}; "
+                    f"{self.schedule.describe()}")
+        gbs, tokens_per_step = plan.global_batch_size, plan.global_batch_size * layout.seq_length
+        records = []
+        if state.step >= plan.train_steps:
+            logger.note(f"nothing to train: the checkpoint is at step {state.step} of "
+                        f"{plan.train_steps}")
+        while state.step < plan.train_steps:
+            started, consumed = time.perf_counter(), state.consumed_samples
+            micro_batches = rank_micro_batches(
+                lambda idx: self.train_stream.get([consumed + i for i in idx]), layout,
+                self.rank, self.device)
+            lr = self.schedule.lr(consumed + gbs)
+            result = train_step(self.engine.model, self.engine.optimizer, micro_batches, lr)
+            state.step, state.consumed_samples = state.step + 1, consumed + gbs
+            record = {"consumed_samples": state.consumed_samples, "loss": result.loss, "lr": lr,
+                      "grad_norm": result.grad_norm,
+                      "tokens_per_s": tokens_per_step / (time.perf_counter() - started)}
+            records.append({"step": state.step, **record})
+            logger.log(state.step, record)
+            if plan.eval_interval and (state.step % plan.eval_interval == 0
+                                       or state.step == plan.train_steps):
+                records.append({"step": state.step, "eval_loss": self.evaluate()})
+                logger.log_eval(state.step, {"eval_loss": records[-1]["eval_loss"],
+                                             "eval_samples": plan.eval_layout.global_batch_size})
+            interval = self.settings.checkpoint.save_interval
+            if (interval and state.step % interval == 0) or state.step == plan.train_steps:
+                logger.note(f"saved {checkpoint.save(self.engine, state, self.save_dir, self.meta)}")
+        logger.close()
+        return records
+
+    def evaluate(self) -> float:
+        """The same first eval_samples of the validation split every time, so evals compare."""
+        micro_batches = rank_micro_batches(self.valid_stream.get, self.plan.eval_layout,
+                                           self.rank, self.device)
+        return evaluate(self.engine.model, micro_batches)
+
+
 def train(settings: Config, layout: Layout, run_dir: Path, device: torch.device,
           meta: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Collective. Returns the records this rank computed (every rank computes the same)."""
-    rank = dist.get_rank()
-    plan = RunPlan.from_config(settings.train, settings.checkpoint, layout)
-    schedule = LrSchedule.from_config(settings.schedule, settings.train.train_samples)
-    train_stream, valid_stream = open_streams(settings, plan)
-    engine = build_engine(settings.model, settings.optim, settings.train.seed, layout, device)
-    state = checkpoint.TrainState(data=train_stream.identity)
-    if settings.checkpoint.load is not None:
-        state = resume(engine, settings, train_stream)
-    save_dir = Path(settings.checkpoint.dir) if settings.checkpoint.dir else run_dir / "checkpoints"
-    logger = MetricsLogger(run_dir, settings.logger, rank == 0, plan.train_steps)
-    logger.note(f"{layout.world_size} rank(s), global batch {plan.global_batch_size} samples, "
-                f"{plan.train_steps} steps from step {state.step}; {schedule.describe()}")
-    gbs, tokens_per_step = plan.global_batch_size, plan.global_batch_size * layout.seq_length
-    records, saved_at = [], None
-    while state.step < plan.train_steps:
-        started, consumed = time.perf_counter(), state.consumed_samples
-        micro_batches = rank_micro_batches(
-            lambda idx: train_stream.get([consumed + i for i in idx]), layout, rank, device)
-        lr = schedule.lr(consumed + gbs)
-        result = train_step(engine.model, engine.optimizer, micro_batches, lr)
-        state.step, state.consumed_samples = state.step + 1, consumed + gbs
-        record = {"consumed_samples": state.consumed_samples, "loss": result.loss, "lr": lr,
-                  "grad_norm": result.grad_norm,
-                  "tokens_per_s": tokens_per_step / (time.perf_counter() - started)}
-        records.append({"step": state.step, **record})
-        logger.log(state.step, record)
-        if plan.eval_interval and (state.step % plan.eval_interval == 0
-                                   or state.step == plan.train_steps):
-            eval_loss = run_eval(engine, valid_stream, plan, rank, device)
-            records.append({"step": state.step, "eval_loss": eval_loss})
-            logger.log_eval(state.step, {"eval_loss": eval_loss,
-                                         "eval_samples": plan.eval_layout.global_batch_size})
-        interval = settings.checkpoint.save_interval
-        if (interval and state.step % interval == 0) or state.step == plan.train_steps:
-            path = checkpoint.save(engine, state, save_dir, meta or {})
-            saved_at = state.step
-            logger.note(f"saved {path}")
-    if saved_at is None:
-        logger.note(f"nothing to train: the checkpoint is at step {state.step} of "
-                    f"{plan.train_steps}")
-    logger.close()
-    return records
-
-
-def run_eval(engine: Engine, stream: SampleStream, plan: RunPlan, rank: int,
-             device: torch.device) -> float:
-    """The same first eval_samples of the validation split every time, so evals compare."""
-    micro_batches = rank_micro_batches(stream.get, plan.eval_layout, rank, device)
-    return evaluate(engine.model, micro_batches)
+    """Collective: build this rank's trainer and run it."""
+    return Trainer(settings, layout, run_dir, device, meta).run()

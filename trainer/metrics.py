@@ -23,6 +23,8 @@ class MetricsLogger:
         self.path = run_dir / "metrics.jsonl"
         self.started, self.first_step = time.perf_counter(), None
         self.wandb = None
+        if writer:
+            run_dir.mkdir(parents=True, exist_ok=True)
         if writer and cfg.name is LoggerName.wandb:
             import wandb  # only the writing rank pays for the import
 

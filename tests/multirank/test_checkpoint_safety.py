@@ -1,0 +1,50 @@
+"""A crash while saving never damages the last good checkpoint, and loading finds it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from harness import RankFailure, run_ranks
+from test_layout_changes import GBS, dataset, settings_for  # noqa: F401  (dataset: a fixture)
+from trainer import checkpoint
+from trainer.loop import Trainer
+
+OVERRIDES = ("cluster.procs_per_node=2", "parallel.tensor_parallel_num_weight_shards=2")
+
+
+def job_crash_in_second_save(rank, settings, layout, run_dir):
+    trainer = Trainer(settings, layout, run_dir, torch.device("cpu"))
+    real_save = checkpoint.dcp.save
+
+    def dying_save(state_dict, checkpoint_id, planner):
+        if checkpoint_id.name.startswith("step_00000004"):
+            (checkpoint_id / f"__{rank}_0.distcp").write_bytes(b"half a file")
+            raise OSError("disk full (simulated)")
+        return real_save(state_dict, checkpoint_id=checkpoint_id, planner=planner)
+
+    checkpoint.dcp.save = dying_save
+    trainer.run()
+
+
+def job_load(rank, settings, layout, path):
+    trainer = Trainer(settings, layout, path.parent.parent, torch.device("cpu"))
+    return trainer.state
+
+
+def test_a_crash_during_save_keeps_the_last_good_checkpoint(dataset, tmp_path):
+    settings, layout = settings_for(dataset, tmp_path, OVERRIDES, f"train.train_samples={4 * GBS}",
+                                    "checkpoint.save_interval=2")
+    with pytest.raises(RankFailure, match="disk full"):
+        run_ranks(2, job_crash_in_second_save, settings, layout, tmp_path)
+    ckpt_dir = tmp_path / "checkpoints"
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step_00000002", "step_00000004.tmp"]
+    assert checkpoint.resolve(ckpt_dir).name == "step_00000002"
+    resumed, _ = settings_for(dataset, tmp_path, OVERRIDES, f"train.train_samples={4 * GBS}",
+                              f"checkpoint.load={ckpt_dir}")
+    state = run_ranks(2, job_load, resumed, layout, ckpt_dir / "step_00000002")[0]
+    assert (state.step, state.consumed_samples) == (2, 2 * GBS)
+
+
+def test_loading_from_a_folder_without_checkpoints_names_the_key(tmp_path):
+    with pytest.raises(FileNotFoundError, match="checkpoint.load=.*no checkpoint there"):
+        checkpoint.resolve(tmp_path)
