@@ -11,19 +11,14 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import CompactHydraException
 from omegaconf import DictConfig, OmegaConf
 
 import trainer.config  # noqa: F401  (registers the schemas with Hydra's ConfigStore)
 from parallel.layout import Layout
 from trainer.accounting import RunPlan
-from trainer.config import Config, unknown_keys
+from trainer.config import Config, ConfigError, unknown_keys
 from trainer.schedule import LrSchedule
 from trainer.resolvers import build_layout
-
-
-class ConfigError(CompactHydraException):
-    """A bad config found after composition; Hydra prints just the message."""
 
 
 def settle(cfg: DictConfig) -> tuple[Config, Layout]:

@@ -31,7 +31,8 @@ class RunPlan:
         if train.eval_interval is not None:
             if train.eval_interval < 1:
                 raise ValueError(f"train.eval_interval={train.eval_interval} must be >= 1 "
-                                 f"(steps), or null for no evaluation.")
+                                 f"(steps). Fix: set it to a number of steps, or null for no "
+                                 f"evaluation.")
             lanes = layout.micro_batch_size * layout.batch_parallel_size
             if train.eval_samples < 1 or train.eval_samples % lanes:
                 raise ValueError(
@@ -42,6 +43,7 @@ class RunPlan:
             eval_layout = replace(layout, global_batch_size=train.eval_samples)
         if checkpoint.save_interval is not None and checkpoint.save_interval < 1:
             raise ValueError(f"checkpoint.save_interval={checkpoint.save_interval} must be >= 1 "
-                             f"(steps), or null to save only at the end.")
+                             f"(steps). Fix: set it to a number of steps, or null to save only "
+                             f"at the end.")
         return cls(gbs, train.train_samples // gbs, train.eval_interval, eval_layout)
 

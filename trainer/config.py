@@ -11,7 +11,12 @@ from enum import Enum
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
+from hydra.errors import CompactHydraException
 from omegaconf import II, MISSING, DictConfig, OmegaConf
+
+
+class ConfigError(CompactHydraException):
+    """A bad config or input found before any process starts; Hydra prints just the message."""
 
 
 class Precision(Enum):
