@@ -126,7 +126,11 @@ def save(engine: Engine, state: TrainState, directory: Path, meta: dict[str, Any
     dist.barrier()
     moments = engine.optimizer.gather_moments()
     tensors = _tensors(engine, engine.optimizer.moment_views(moments))
-    objects = {"train_state": json.dumps(asdict(state)), "optim_step": moments.step}
+    # The trainer draws no random numbers after initialisation (the sample order is a function of
+    # data.seed and the sample index), so every rank's generator state is the same; it is kept
+    # so that anything random added later (dropout) resumes exactly.
+    objects = {"train_state": json.dumps(asdict(state)), "optim_step": moments.step,
+               "rng": torch.get_rng_state()}
     dcp.save(objects, checkpoint_id=tmp, planner=_ChunkSavePlanner(tensors))
     dist.barrier()
     if dist.get_rank() == 0:
@@ -155,9 +159,11 @@ def load(engine: Engine, path: Path) -> TrainState:
     path = resolve(path)
     moments = engine.optimizer.empty_moments()
     tensors = _tensors(engine, engine.optimizer.moment_views(moments))
-    objects: dict[str, Any] = {"train_state": "", "optim_step": 0}
+    objects: dict[str, Any] = {"train_state": "", "optim_step": 0,
+                               "rng": torch.empty_like(torch.get_rng_state())}
     with torch.no_grad():
         dcp.load(objects, checkpoint_id=path, planner=_ChunkLoadPlanner(tensors))
+    torch.set_rng_state(objects["rng"])
     moments.step = int(objects["optim_step"])
     engine.optimizer.load_moments(moments)
     return TrainState(**json.loads(objects["train_state"]))

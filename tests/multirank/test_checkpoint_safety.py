@@ -48,3 +48,18 @@ def test_a_crash_during_save_keeps_the_last_good_checkpoint(dataset, tmp_path):
 def test_loading_from_a_folder_without_checkpoints_names_the_key(tmp_path):
     with pytest.raises(FileNotFoundError, match="checkpoint.load=.*no checkpoint there"):
         checkpoint.resolve(tmp_path)
+
+
+def job_rng_round_trip(rank, settings, layout, run_dir):
+    trainer = Trainer(settings, layout, run_dir, torch.device("cpu"))
+    torch.manual_seed(99)
+    saved = torch.get_rng_state()
+    path = checkpoint.save(trainer.engine, trainer.state, run_dir / "rng", {})
+    torch.manual_seed(7)
+    checkpoint.load(trainer.engine, path)
+    return torch.equal(torch.get_rng_state(), saved)
+
+
+def test_the_random_generator_state_comes_back(dataset, tmp_path):
+    settings, layout = settings_for(dataset, tmp_path, OVERRIDES, f"train.train_samples={GBS}")
+    assert run_ranks(2, job_rng_round_trip, settings, layout, tmp_path) == [True, True]
