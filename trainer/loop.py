@@ -96,11 +96,13 @@ class Trainer:
                 lambda idx: self.train_stream.get([consumed + i for i in idx]), layout,
                 self.rank, self.device)
             lr = self.schedule.lr(consumed + gbs)
+            self.engine.groups.stats.reset()
             result = train_step(self.engine.model, self.engine.optimizer, micro_batches, lr)
             state.step, state.consumed_samples = state.step + 1, consumed + gbs
             record = {"consumed_samples": state.consumed_samples, "loss": result.loss, "lr": lr,
                       "grad_norm": result.grad_norm,
-                      "tokens_per_s": tokens_per_step / (time.perf_counter() - started)}
+                      "tokens_per_s": tokens_per_step / (time.perf_counter() - started),
+                      "comm_bytes": self.engine.groups.stats.by_op()}  # this rank, this step
             records.append({"step": state.step, **record})
             logger.log(state.step, record)
             if plan.eval_interval and (state.step % plan.eval_interval == 0

@@ -168,3 +168,6 @@ def test_sequence_shards_and_cp_leave_sample_counts_alone(changed, dataset, tmp_
     assert [r["lr"] for r in new_records] == [r["lr"] for r in base_records]
     for new, old in zip(new_records, base_records):
         assert abs(new["loss"] - old["loss"]) <= 1e-5 * abs(old["loss"])
+    # Each step logs the bytes this rank sent; a fixed layout sends the same every step.
+    assert new_records[0]["comm_bytes"]["all_gather"] > 0
+    assert all(r["comm_bytes"] == new_records[0]["comm_bytes"] for r in new_records)
