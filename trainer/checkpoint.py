@@ -141,17 +141,23 @@ def save(engine: Engine, state: TrainState, directory: Path, meta: dict[str, Any
     return final
 
 
+def latest(directory: Path) -> Path | None:
+    """The newest finished checkpoint in a folder of them (unfinished .tmp ones never count)."""
+    found = sorted(p for p in directory.glob(f"{PREFIX}*") if p.is_dir()
+                   and not p.name.endswith(TMP_SUFFIX) and (p / ".metadata").exists())
+    return found[-1] if found else None
+
+
 def resolve(path: Path) -> Path:
     """A checkpoint folder, or a folder of them (the latest finished one)."""
     if (path / ".metadata").exists():
         return path
-    found = sorted(p for p in path.glob(f"{PREFIX}*") if p.is_dir()
-                   and not p.name.endswith(TMP_SUFFIX) and (p / ".metadata").exists())
-    if not found:
+    found = latest(path)
+    if found is None:
         raise FileNotFoundError(
             f"checkpoint.load={path}: no checkpoint there (a folder with .metadata, or a folder "
             f"of {PREFIX}* checkpoints). Fix: point checkpoint.load at one, or set it to null.")
-    return found[-1]
+    return found
 
 
 def load(engine: Engine, path: Path) -> TrainState:

@@ -70,6 +70,7 @@ class ClusterConfig:
     num_nodes: int = MISSING
     procs_per_node: int = MISSING
     gpus_per_nvlink_domain: int = MISSING
+    timeout_s: int = MISSING  # a collective waiting longer fails its rank (a peer died or hung)
 
 
 @dataclass
@@ -126,6 +127,7 @@ class CheckpointConfig:
     dir: Optional[str] = MISSING  # null = <run dir>/checkpoints
     save_interval: Optional[int] = MISSING  # in steps; null = only at the end
     load: Optional[str] = MISSING  # a checkpoint folder, or a folder of them (the latest)
+    resume: bool = MISSING  # load null and checkpoint.dir holds a checkpoint: continue from it
 
 
 @dataclass

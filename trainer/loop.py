@@ -21,6 +21,7 @@ from trainer.config import Config
 from trainer.data import SampleStream, TokenDataset, builtin_corpus
 from trainer.engine import Engine, build_engine
 from trainer.metrics import MetricsLogger
+from trainer.preemption import PreemptionWatch
 from trainer.schedule import LrSchedule
 from trainer.step import evaluate, train_step
 
@@ -49,33 +50,40 @@ def open_streams(settings: Config, plan: RunPlan) -> tuple[SampleStream, SampleS
     return train, valid
 
 
-def resume(engine: Engine, settings: Config, stream: SampleStream) -> checkpoint.TrainState:
-    state = checkpoint.load(engine, Path(settings.checkpoint.load))
+def resume(engine: Engine, path: Path, stream: SampleStream) -> checkpoint.TrainState:
+    state = checkpoint.load(engine, path)
     if state.data != stream.identity:
         raise ValueError(
-            f"checkpoint.load={settings.checkpoint.load} was trained on the sample stream "
-            f"{state.data}, this run's is {stream.identity}. Fix: use the same dataset, "
-            f"train.seq_length and data.seed, or start without checkpoint.load.")
+            f"the checkpoint {path} was trained on the sample stream {state.data}, this run's "
+            f"is {stream.identity}. Fix: use the same dataset, train.seq_length and data.seed, "
+            f"or start from another checkpoint.dir / checkpoint.load.")
     return state
+
+
+class Preempted(Exception):
+    """The run stopped early on request (a checkpoint of the last step is saved)."""
 
 
 class Trainer:
     """One rank's run: everything built from the config, then run() to the end."""
 
     def __init__(self, settings: Config, layout: Layout, run_dir: Path, device: torch.device,
-                 meta: dict[str, Any] | None = None):
+                 meta: dict[str, Any] | None = None, watch: PreemptionWatch | None = None):
         self.settings, self.layout, self.device = settings, layout, device
-        self.rank, self.meta = dist.get_rank(), meta or {}
+        self.rank, self.meta, self.watch = dist.get_rank(), meta or {}, watch
         self.plan = RunPlan.from_config(settings.train, settings.checkpoint, layout)
         self.schedule = LrSchedule.from_config(settings.schedule, settings.train.train_samples)
         self.train_stream, self.valid_stream = open_streams(settings, self.plan)
         self.engine = build_engine(settings.model, settings.optim, settings.train.seed, layout,
                                    device)
         self.state = checkpoint.TrainState(data=self.train_stream.identity)
-        if settings.checkpoint.load is not None:
-            self.state = resume(self.engine, settings, self.train_stream)
         ckpt = settings.checkpoint
         self.save_dir = Path(ckpt.dir) if ckpt.dir else run_dir / "checkpoints"
+        load = Path(ckpt.load) if ckpt.load is not None else None
+        if load is None and ckpt.resume:
+            load = checkpoint.latest(self.save_dir)  # a relaunch continues where it stopped
+        if load is not None:
+            self.state = resume(self.engine, load, self.train_stream)
         self.logger = MetricsLogger(run_dir, settings.logger, self.rank == 0,
                                     self.plan.train_steps)
 
@@ -111,10 +119,26 @@ class Trainer:
                 logger.log_eval(state.step, {"eval_loss": records[-1]["eval_loss"],
                                              "eval_samples": plan.eval_layout.global_batch_size})
             interval = self.settings.checkpoint.save_interval
-            if (interval and state.step % interval == 0) or state.step == plan.train_steps:
+            saved = (interval and state.step % interval == 0) or state.step == plan.train_steps
+            if saved:
                 logger.note(f"saved {checkpoint.save(self.engine, state, self.save_dir, self.meta)}")
+            if state.step < plan.train_steps and self.stop_requested():
+                path = (self.save_dir / f"{checkpoint.PREFIX}{state.step:08d}" if saved
+                        else checkpoint.save(self.engine, state, self.save_dir, self.meta))
+                logger.note(f"preempted at step {state.step}: saved {path}; run the same "
+                            f"command again to resume")
+                logger.close()
+                raise Preempted(state.step)
         logger.close()
         return records
+
+    def stop_requested(self) -> bool:
+        """Whether any rank got the preemption signal: every rank must stop at the same step."""
+        if self.watch is None:
+            return False
+        flag = torch.tensor([float(self.watch.requested)], device=self.device)
+        self.engine.groups.world.all_reduce(flag, dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def evaluate(self) -> float:
         """The same first eval_samples of the validation split every time, so evals compare."""

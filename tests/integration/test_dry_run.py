@@ -6,7 +6,7 @@ import json
 import pytest
 
 from config_helpers import CONF_DIR, compose_config
-from launch import settle
+from trainer.settle import settle
 from trainer.dry_run import dry_run
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))

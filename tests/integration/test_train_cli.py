@@ -25,7 +25,8 @@ from trainer.data import prepare
 
 MICRO, STEPS = 4, 8  # one process: global batch = micro_batch_size = 4
 SMALL_RUN = ("train.micro_batch_size=4", "train.seq_length=32", "logger.log_interval=1",
-             "train.eval_interval=4", "train.eval_samples=8", "schedule.lr_warmup_samples=8")
+             "train.eval_interval=4", "train.eval_samples=8", "schedule.lr_warmup_samples=8",
+             "schedule.lr_warmup_fraction=null")
 WORDS = "the quick brown fox jumps over a lazy dog while seven bold wizards hum".split()
 STEP_KEYS = ("step", "consumed_samples", "loss", "lr", "grad_norm", "tokens_per_s")
 
@@ -167,7 +168,8 @@ def test_resuming_mid_run_reproduces_the_uninterrupted_run_bitwise(base, dataset
 BAD_INPUT = {
     "train_samples": (["train.train_samples=66"],
                       ["train.train_samples=66", "global batch size 4", "64 or 68"]),
-    "warmup": (["train.train_samples=64", "schedule.lr_warmup_samples=64"],
+    "warmup": (["train.train_samples=64", "schedule.lr_warmup_samples=64",
+                "schedule.lr_warmup_fraction=null"],
                ["schedule.lr_warmup_samples=64", "schedule.lr_decay_samples"]),
     "empty_checkpoint": (["train.train_samples=64", "checkpoint.load={empty}"],
                          ["checkpoint.load=", "no checkpoint there"]),

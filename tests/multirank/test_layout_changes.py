@@ -23,7 +23,7 @@ import torch
 
 from config_helpers import compose_config
 from harness import run_ranks
-from launch import settle
+from trainer.settle import settle
 from trainer import checkpoint
 from trainer.data import prepare
 from trainer.engine import build_engine
@@ -32,7 +32,8 @@ from trainer.loop import Trainer
 STEPS_BEFORE, STEPS_TOTAL, GBS = 3, 6, 8
 BASE = ("model=tiny", "train.seq_length=32", "train.micro_batch_size=2",
         f"train.global_batch_size={GBS}", "train.eval_interval=null", "logger.log_interval=1",
-        "schedule.lr_warmup_samples=8", f"schedule.lr_decay_samples={STEPS_TOTAL * GBS}")
+        "schedule.lr_warmup_samples=8", "schedule.lr_warmup_fraction=null",
+        f"schedule.lr_decay_samples={STEPS_TOTAL * GBS}")
 
 # name -> (layout X overrides, layout Y overrides)
 CHANGES = {

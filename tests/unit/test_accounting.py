@@ -1,13 +1,14 @@
 """RunPlan: a run is whole global batches, evaluation is whole micro-batches per batch lane, the
 intervals are positive, and every count is independent samples, so layouts that only change who
-reads a sample (sequence shards, CP) give the same steps. Also that launch.settle turns each rule
+reads a sample (sequence shards, CP) give the same steps. Also that trainer.settle.settle turns each rule
 into one line before anything starts."""
 from __future__ import annotations
 
 import pytest
 
 from config_helpers import compose_config
-from launch import ConfigError, settle
+from trainer.config import ConfigError
+from trainer.settle import settle
 from parallel.layout import Layout
 from trainer.accounting import RunPlan
 from trainer.config import CheckpointConfig, Precision, TrainConfig
@@ -121,7 +122,8 @@ def seed_review(*overrides: str):
     return settle(compose_config(
         "cluster.procs_per_node=8", "parallel.tensor_parallel_num_weight_shards=2",
         "train.micro_batch_size=2", "train.global_batch_size=32", "train.train_samples=320",
-        "train.eval_samples=32", "schedule.lr_warmup_samples=32", *overrides))
+        "train.eval_samples=32", "schedule.lr_warmup_samples=32",
+        "schedule.lr_warmup_fraction=null", *overrides))
 
 
 def test_counts_are_independent_samples_whatever_the_sequence_split():
@@ -153,7 +155,8 @@ def test_counts_are_independent_samples_whatever_the_sequence_split():
     (["checkpoint.save_interval=0"], "checkpoint.save_interval=0 must be >= 1"),
 ])
 def test_settle_turns_a_plan_error_into_one_line(overrides, expected):
-    cfg = compose_config("train.train_samples=64", "schedule.lr_warmup_samples=8", *overrides)
+    cfg = compose_config("train.train_samples=64", "schedule.lr_warmup_samples=8",
+                         "schedule.lr_warmup_fraction=null", *overrides)
     with pytest.raises(ConfigError) as error:
         settle(cfg)
     message = str(error.value)
