@@ -5,6 +5,7 @@ parallel.layout's; this module only adapts it to OmegaConf and to Hydra's error 
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import omegaconf
@@ -37,6 +38,18 @@ def layout_node(parallel: Any, cluster: Any, train: Any) -> DictConfig:
     return OmegaConf.create(layout.derived(), flags={"readonly": True})
 
 
+def folder_name(overrides: str, limit: int = 120) -> str:
+    """A run folder named by its overrides (Hydra's override_dirname) as one path component:
+    slashes (data.path=/x/y) would nest folders, and a long name ends in a hash of the whole
+    (file names stop at 255 bytes)."""
+    if not overrides:
+        return "."
+    name = overrides.replace("/", "_")
+    if len(name) > limit:
+        name = f"{name[:limit - 11]}-{hashlib.sha1(overrides.encode()).hexdigest()[:10]}"
+    return name
+
+
 def register() -> None:
     """Idempotent, so re-imports in workers are harmless."""
     # omegaconf 2.4 gives register_resolver the modern semantics and deprecates
@@ -45,4 +58,5 @@ def register() -> None:
     modern = (major, minor) >= (2, 4)
     register = OmegaConf.register_resolver if modern else OmegaConf.register_new_resolver
     register(RESOLVER, layout_node, replace=True)
+    register("gtp.folder", folder_name, replace=True)
 

@@ -10,19 +10,20 @@ PATH=$PATH:/usr/sbin:/sbin
 
 log() { echo "down.sh: $*" >&2; }
 
-# alive PIDFILE NAME: the process named in PIDFILE is running and is NAME.
+# alive PIDFILE NAME: the process named in PIDFILE is running (not a zombie) and is NAME.
 alive() {
   local pid
-  [[ -s $1 ]] || return 1
-  pid=$(<"$1")
-  [[ $pid =~ ^[0-9]+$ && $(cat "/proc/$pid/comm" 2>/dev/null) == "$2" ]]
+  pid=$(cat "$1" 2>/dev/null) || return 1 # a daemon removes its PID file as it exits
+  [[ $pid =~ ^[0-9]+$ && $(cat "/proc/$pid/comm" 2>/dev/null) == "$2" ]] || return 1
+  # Without an init that reaps them (PID 1 in a container), exited daemons linger as zombies.
+  [[ $(cut -d ' ' -f 3 "/proc/$pid/stat" 2>/dev/null) != Z ]]
 }
 
 # stop PIDFILE NAME: SIGTERM the process if it is still NAME, then wait for it (bounded).
 stop() {
   local i pid
   alive "$1" "$2" || return 0
-  pid=$(<"$1")
+  pid=$(cat "$1" 2>/dev/null) || return 0
   kill -TERM "$pid" 2>/dev/null || true
   for ((i = 0; i < 50; i++)); do
     alive "$1" "$2" || return 0

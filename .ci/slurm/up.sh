@@ -14,12 +14,13 @@ sock=$state/munge/munge.socket.2
 
 log() { echo "up.sh: $*" >&2; }
 
-# alive PIDFILE NAME: the process named in PIDFILE is running and is NAME (never match by name alone).
+# alive PIDFILE NAME: the process named in PIDFILE runs (not a zombie) and is NAME; never match by name.
 alive() {
   local pid
-  [[ -s $1 ]] || return 1
-  pid=$(<"$1")
-  [[ $pid =~ ^[0-9]+$ && $(cat "/proc/$pid/comm" 2>/dev/null) == "$2" ]]
+  pid=$(cat "$1" 2>/dev/null) || return 1 # a daemon removes its PID file as it exits
+  [[ $pid =~ ^[0-9]+$ && $(cat "/proc/$pid/comm" 2>/dev/null) == "$2" ]] || return 1
+  # Without an init that reaps them (PID 1 in a container), exited daemons linger as zombies.
+  [[ $(cut -d ' ' -f 3 "/proc/$pid/stat" 2>/dev/null) != Z ]]
 }
 
 install_packages() {
@@ -30,9 +31,17 @@ install_packages() {
   ((missing)) || return 0
   [[ $(id -u) == 0 ]] || { log "SLURM packages are missing and installing them needs root"; exit 1; }
   log "installing slurmctld slurmd slurm-client munge"
+  local apt_log
+  apt_log=$(mktemp)
   export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq >&2
-  apt-get install -y -qq --no-install-recommends slurmctld slurmd slurm-client munge >&2
+  if ! { apt-get update -q && apt-get install -y -q --no-install-recommends \
+    slurmctld slurmd slurm-client munge; } >"$apt_log" 2>&1; then
+    tail -n 40 "$apt_log" >&2
+    rm -f "$apt_log"
+    log "installing the packages failed"
+    exit 1
+  fi
+  rm -f "$apt_log"
 }
 
 # The sacct stand-in: real sacct needs slurmdbd + MariaDB. Without any sacct, submitit reads every
@@ -155,7 +164,7 @@ ReturnToService=2
 JobRequeue=1
 PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
-MailProg=/bin/true
+MailProg=/bin/true # the default mail program is missing: an error in the log otherwise
 # Advertise more CPUs than the machine has, so multi-task jobs fit on a small CI box.
 SlurmdParameters=config_overrides
 NodeName=$node NodeAddr=127.0.0.1 CPUs=$cpus RealMemory=$mem State=UNKNOWN
@@ -181,8 +190,15 @@ wait_for() { # wait_for SECONDS DESCRIPTION COMMAND...: poll COMMAND every 0.2 s
   done
 }
 
-node_ready() { # idle, or busy with jobs when up.sh runs again on a live cluster (one line per partition)
-  [[ $(sinfo -h -N -n "$(hostname -s)" -o %T 2>/dev/null | sort -u) =~ ^(idle|mixed|allocated|completing)$ ]]
+# node_ready: idle, or busy with jobs when up.sh runs on a live cluster (sinfo: a line per partition).
+# A drain survives restarts (e.g. "Kill task failed" after a stuck job): resume it.
+node_ready() {
+  local node states
+  node=$(hostname -s)
+  states=$(sinfo -h -N -n "$node" -o %T 2>/dev/null | sort -u)
+  [[ $states =~ ^(idle|mixed|allocated|completing)$ ]] && return 0
+  [[ $states =~ drain ]] && scontrol update NodeName="$node" State=RESUME >/dev/null 2>&1
+  return 1
 }
 
 show_logs() {
@@ -220,6 +236,13 @@ main() {
   wait_for 15 "slurmctld" scontrol ping || { show_logs; exit 1; }
   alive "$state/run/slurmd.pid" slurmd || slurmd -f "$conf"
   wait_for 30 "node $(hostname -s) to be idle in sinfo" node_ready || { show_logs; exit 1; }
+  # Another cluster on the same ports would answer the checks above: insist on our own daemons.
+  if ! { alive "$state/munge/munged.pid" munged && alive "$state/run/slurmctld.pid" slurmctld &&
+    alive "$state/run/slurmd.pid" slurmd; }; then
+    log "a daemon of this cluster is not running (ports 6817/6818 taken by another cluster?)"
+    show_logs
+    exit 1
+  fi
 
   local env_line="export GTP_SLURM_DIR=$state; export SLURM_CONF=$conf; export PATH=$state/bin:\$PATH"
   echo "$env_line" >"$state/env.sh"

@@ -49,12 +49,15 @@ def slurm_env() -> dict[str, str]:
         pytest.skip(f"{NO_CLUSTER} ({env_file} not found)")
     try:
         env = _sourced(env_file)
-        sinfo = subprocess.run(["sinfo", "-h", "-o", "%P %a"], env={**os.environ, **env},
-                               capture_output=True, text=True, timeout=5)
+        # `scontrol ping` fails at once when slurmctld is down; sinfo would retry for ~9 s.
+        for command in (["scontrol", "ping"], ["sinfo", "-h", "-o", "%P %a"]):
+            out = subprocess.run(command, env={**os.environ, **env}, capture_output=True,
+                                 text=True, timeout=5)
+            if out.returncode != 0 or not out.stdout.strip():
+                said = (out.stdout + out.stderr).strip().splitlines() or ["no output"]
+                pytest.skip(f"{NO_CLUSTER} ({' '.join(command)}: {said[0]})")
     except (OSError, subprocess.SubprocessError) as e:
         pytest.skip(f"{NO_CLUSTER} ({type(e).__name__}: {e})")
-    if sinfo.returncode != 0 or not sinfo.stdout.strip():
-        pytest.skip(f"{NO_CLUSTER} (sinfo: {sinfo.stderr.strip() or 'no partitions'})")
     return env
 
 

@@ -47,5 +47,9 @@ def mark_and_sleep(marker: str, seconds: float) -> str:
     return "slept"
 
 
+def square(x: int) -> int:
+    return x * x
+
+
 def fail(message: str) -> None:
     raise ValueError(message)
