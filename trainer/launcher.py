@@ -45,7 +45,9 @@ def launched_rank() -> RankEnv | None:
     if os.environ.get("SUBMITIT_EXECUTOR"):  # a submitit task, on SLURM or local
         from submitit.helpers import TorchDistributedEnvironment
 
-        env = TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+        # overwrite: sbatch copies the submitting shell's environment, which may hold stale
+        # RANK or MASTER_PORT values from another launcher.
+        env = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         return RankEnv(env.rank, env.world_size, env.local_rank, "env://", "submitit")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return RankEnv(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),

@@ -1,0 +1,117 @@
+"""The trainer on a real SLURM cluster through hydra-submitit-launcher (hydra/launcher=slurm_cpu):
+a two-point sweep of 2-rank jobs, a cancelled job that is reported rather than waited on, and a
+preempted job (SIGUSR2) that saves, is requeued by submitit, and resumes where it stopped.
+Every wait is bounded."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ("train.seq_length=32", "train.micro_batch_size=2", "train.eval_interval=null",
+        "logger.log_interval=1", "cluster.timeout_s=60")
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    sys.path.insert(0, str(ROOT))
+    from trainer.data import prepare
+
+    src = tmp_path_factory.mktemp("text")
+    for doc in range(6):
+        (src / f"d{doc}.txt").write_text(" ".join(f"w{(doc * 7 + i) % 50}" for i in range(800)))
+    return prepare(src, tmp_path_factory.mktemp("data") / "dataset", valid_fraction=0.2)
+
+
+def sweep(slurm_env: dict, partition: str, sweep_dir: Path, dataset: Path, *overrides: str,
+          log: Path) -> subprocess.Popen:
+    env = {**{k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}, **slurm_env}
+    args = [sys.executable, str(ROOT / "launch.py"), "-m", "hydra/launcher=slurm_cpu",
+            f"hydra.launcher.partition={partition}", "hydra.launcher.timeout_min=5",
+            f"hydra.sweep.dir={sweep_dir}", f"data.path={dataset}", "cluster.procs_per_node=2",
+            *TINY, *overrides]
+    with log.open("w") as out:
+        return subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+
+
+def run_folders(sweep_dir: Path) -> list[Path]:
+    return sorted(p for p in sweep_dir.iterdir() if p.is_dir() and not p.name.startswith("."))
+
+
+def steps(folder: Path) -> list[int]:
+    path = folder / "metrics.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] \
+        if path.exists() else []
+
+
+def wait_for(condition, limit: float, what: str, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + limit
+    while not condition():
+        assert proc.poll() is None, f"launch.py exited ({proc.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+
+
+def squeue_ids(slurm_env: dict) -> list[str]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i"], env={**os.environ, **slurm_env},
+                         capture_output=True, text=True, timeout=10, check=True)
+    return out.stdout.split()
+
+
+def test_a_two_point_sweep_of_two_rank_jobs(slurm_env, slurm_partition, dataset, tmp_path):
+    proc = sweep(slurm_env, slurm_partition, tmp_path / "sweep", dataset,
+                 "train.train_samples=16", "parallel.tensor_parallel_num_weight_shards=1,2",
+                 log=tmp_path / "log.txt")
+    assert proc.wait(timeout=180) == 0, (tmp_path / "log.txt").read_text()
+    folders = run_folders(tmp_path / "sweep")
+    assert len(folders) == 2
+    for folder in folders:
+        assert steps(folder) == [1, 2, 3, 4]
+        layout = json.loads((folder / "layout.json").read_text())["derived"]
+        assert layout["world_size"] == 2
+    assert {json.loads((f / "layout.json").read_text())["derived"]["gtp_remat_size"]
+            for f in folders} == {1, 2}
+
+
+def test_a_cancelled_job_is_reported_not_waited_on(slurm_env, slurm_partition, dataset,
+                                                   tmp_path):
+    proc = sweep(slurm_env, slurm_partition, tmp_path / "sweep", dataset,
+                 "train.train_samples=400000", log=tmp_path / "log.txt")
+    wait_for(lambda: (tmp_path / "sweep").exists() and run_folders(tmp_path / "sweep")
+             and len(steps(run_folders(tmp_path / "sweep")[0])) >= 2, 120, "training", proc)
+    (job,) = squeue_ids(slurm_env)
+    subprocess.run(["scancel", job], env={**os.environ, **slurm_env}, check=True, timeout=10)
+    cancelled = time.monotonic()
+    code = proc.wait(timeout=90)
+    log = (tmp_path / "log.txt").read_text()
+    assert code != 0, log
+    assert time.monotonic() - cancelled < 60
+    assert "CANCELLED" in log or "cancel" in log.lower(), log
+    assert squeue_ids(slurm_env) == []
+
+
+def test_a_preempted_job_saves_requeues_and_resumes(slurm_env, slurm_partition, dataset,
+                                                    tmp_path):
+    proc = sweep(slurm_env, slurm_partition, tmp_path / "sweep", dataset,
+                 "train.train_samples=2000", log=tmp_path / "log.txt")  # 500 steps
+    wait_for(lambda: (tmp_path / "sweep").exists() and run_folders(tmp_path / "sweep")
+             and len(steps(run_folders(tmp_path / "sweep")[0])) >= 3, 120, "training", proc)
+    (job,) = squeue_ids(slurm_env)
+    # What SLURM sends ahead of a time limit (the preset's signal); scancel sends it at once.
+    subprocess.run(["scancel", "--signal=USR2", job], env={**os.environ, **slurm_env},
+                   check=True, timeout=10)
+    assert proc.wait(timeout=240) == 0, (tmp_path / "log.txt").read_text()
+    (folder,) = run_folders(tmp_path / "sweep")
+    logged = steps(folder)
+    assert logged == list(range(1, 501))  # every step once: resumed exactly where it stopped
+    job_output = "".join(p.read_text() for p in (tmp_path / "sweep" / ".submitit").rglob("*.out"))
+    stopped = int(job_output.split("preempted at step ")[1].split(":")[0])
+    assert 3 <= stopped < 500
+    assert f"500 steps from step {stopped}" in job_output
+    assert (folder / "checkpoints" / f"step_{stopped:08d}" / ".metadata").exists()
