@@ -85,7 +85,12 @@ class ShardedAdamW:
         """Reduce-scatter gradients over weight_replica, clip by the global norm, update this
         rank's parts, all-gather them. Returns the gradient norm before clipping."""
         for buffer in self.buffers:
-            buffer.part.grad = self.replica.reduce_scatter(buffer.grads)
+            # The summed part lands in this rank's own slice of the gradient buffer, so the
+            # optimizer holds no second copy of it.
+            part_grad = buffer.part_of(buffer.grads, self.replica)
+            if self.replica.size > 1:
+                part_grad.copy_(self.replica.reduce_scatter(buffer.grads))
+            buffer.part.grad = part_grad
         square = torch.zeros((), dtype=torch.float64, device=self.buffers[0].part.device)
         for buffer in self.buffers:
             if buffer.counted:
