@@ -28,9 +28,13 @@ ParallelLayer = (ParallelLinear, VocabParallelEmbedding)
 class ParallelModel(nn.Module):
     """The parallelized model plus what the step needs: this rank's loss and gradient sync."""
 
-    def __init__(self, module: nn.Module, groups: Groups, sequence_parallel: bool):
+    def __init__(self, module: nn.Module, groups: Groups, sequence_parallel: bool,
+                 compute_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.module, self.groups, self.sequence_parallel = module, groups, sequence_parallel
+        # bf16: autocast the forward (and so the backward) while weights, gradients and
+        # optimizer state stay in the parameters' fp32; the loss is computed in fp32.
+        self.compute_dtype = compute_dtype
         self.layers = {n: m for n, m in module.named_modules() if isinstance(m, ParallelLayer)}
         sharded = {f"{n}.weight" for n in self.layers}
         # Whole on every rank of a weight tile (norms): gradients need a sum over gtp_remat, and
@@ -39,7 +43,9 @@ class ParallelModel(nn.Module):
         self.vocab_start = self.layers["head"].tp.rank * self.layers["head"].rows
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.module(tokens, positions)
+        autocast = self.compute_dtype != torch.float32
+        with torch.autocast(tokens.device.type, dtype=self.compute_dtype, enabled=autocast):
+            return self.module(tokens, positions)
 
     def token_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, labels, self.groups.tp, self.vocab_start)
@@ -84,7 +90,8 @@ class ParallelModel(nn.Module):
         return out
 
 
-def parallelize(model: nn.Module, layout: Layout, groups: Groups, rank: int) -> ParallelModel:
+def parallelize(model: nn.Module, layout: Layout, groups: Groups, rank: int,
+                compute_dtype: torch.dtype = torch.float32) -> ParallelModel:
     if layout.pp_size > 1:
         raise NotImplementedError("pipeline stages are not supported in training yet")
     tp, gtp, sp = groups.tp, groups.gtp_remat, layout.sequence_parallel and layout.tp_size > 1
@@ -98,7 +105,7 @@ def parallelize(model: nn.Module, layout: Layout, groups: Groups, rank: int) -> 
         for module in model.modules():
             if hasattr(module, "attention_fn"):
                 module.attention_fn = attention
-    return ParallelModel(model, groups, sp)
+    return ParallelModel(model, groups, sp, compute_dtype)
 
 
 def _parallel_layer(name: str, module: nn.Module, tp: Group, gtp: Group,

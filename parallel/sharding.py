@@ -49,10 +49,13 @@ class _ShardedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         x, shard = ctx.saved_tensors
-        weight = gather_rows(shard, ctx.group, ctx.rows)
+        # Under autocast the forward ran in grad_y's dtype; backward runs outside autocast, so
+        # it casts explicitly. The gradient returns to the shard's (master) dtype.
+        weight = gather_rows(shard, ctx.group, ctx.rows).to(grad_y.dtype)
         grad_x = grad_y @ weight if ctx.needs_input_grad[0] else None
-        grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
-        return grad_x, _scatter_rows(grad_w, ctx.group), None, None
+        grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(
+            grad_y.dtype)
+        return grad_x, _scatter_rows(grad_w.to(shard.dtype), ctx.group), None, None
 
 
 class _ShardedEmbedding(torch.autograd.Function):
@@ -60,15 +63,15 @@ class _ShardedEmbedding(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ids: torch.Tensor, shard: torch.Tensor, group: Group, rows: int):
-        ctx.group, ctx.rows = group, rows
+        ctx.group, ctx.rows, ctx.dtype = group, rows, shard.dtype
         ctx.save_for_backward(ids)
         return F.embedding(ids, gather_rows(shard, group, rows))
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         (ids,) = ctx.saved_tensors
-        grad_w = grad_out.new_zeros((ctx.rows, grad_out.shape[-1]))
-        grad_w.index_add_(0, ids.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1]))
+        grad_w = grad_out.new_zeros((ctx.rows, grad_out.shape[-1]), dtype=ctx.dtype)
+        grad_w.index_add_(0, ids.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.dtype))
         return None, _scatter_rows(grad_w, ctx.group), None, None
 
 

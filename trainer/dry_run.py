@@ -107,11 +107,10 @@ def format_report(settings: Config, layout: Layout, memory: dict[str, Any],
 def layout_record(settings: Config, layout: Layout) -> tuple[dict[str, Any], str]:
     """layout.json's content, and the readable report of the same facts."""
     shapes = parameter_shapes(settings.model)
-    precision = settings.train.precision
     memory = {
         "per_stage": [m.as_dict() for m in memory_per_stage(
-            shapes, settings.model.num_layers, layout, precision)],
-        "unsharded": unsharded_memory(shapes, precision).as_dict(),
+            shapes, settings.model.num_layers, layout)],
+        "unsharded": unsharded_memory(shapes).as_dict(),
     }
     rows = rank_rows(layout, settings.cluster.procs_per_node)
     warnings = nvlink_warnings(layout, settings.cluster.gpus_per_nvlink_domain)

@@ -13,7 +13,7 @@ from parallel.comm import CommStats
 from parallel.groups import Groups, build_groups
 from parallel.layout import Layout
 from parallel.parallelize import ParallelModel, parallelize
-from trainer.config import ModelConfig, OptimConfig
+from trainer.config import ModelConfig, OptimConfig, Precision
 from trainer.model import Transformer, check_model_config
 from trainer.optim import ShardedAdamW
 
@@ -42,12 +42,16 @@ def check_model_fits_layout(model: ModelConfig, layout: Layout) -> None:
             f"supported in training yet (dry runs accept them). Fix: set it to 1.")
 
 
+COMPUTE_DTYPE = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16}
+
+
 def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layout: Layout,
-                 device: torch.device) -> Engine:
+                 device: torch.device, precision: Precision = Precision.fp32) -> Engine:
     """Collective over the default process group."""
     check_model_fits_layout(model_cfg, layout)
     groups = build_groups(layout, CommStats())
     model = Transformer(model_cfg)
     model.init_weights(seed)
-    parallel = parallelize(model, layout, groups, torch.distributed.get_rank()).to(device)
+    parallel = parallelize(model, layout, groups, torch.distributed.get_rank(),
+                           COMPUTE_DTYPE[precision]).to(device)
     return Engine(layout, groups, parallel, ShardedAdamW(parallel, optim_cfg))

@@ -75,7 +75,7 @@ class Trainer:
         self.schedule = LrSchedule.from_config(settings.schedule, settings.train.train_samples)
         self.train_stream, self.valid_stream = open_streams(settings, self.plan)
         self.engine = build_engine(settings.model, settings.optim, settings.train.seed, layout,
-                                   device)
+                                   device, settings.train.precision)
         self.state = checkpoint.TrainState(data=self.train_stream.identity)
         ckpt = settings.checkpoint
         self.save_dir = Path(ckpt.dir) if ckpt.dir else run_dir / "checkpoints"

@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from parallel.layout import Layout
-from trainer.config import ModelConfig, Precision
+from trainer.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -50,19 +50,19 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def bytes_per_element(precision: Precision) -> tuple[int, int, int]:
-    """(param, grad, optimizer) bytes per element. bf16 keeps fp32 gradients, a fp32 master copy
-    and two fp32 Adam moments; fp32 keeps fp32 everything and needs no master copy."""
-    return (2, 4, 12) if precision is Precision.bf16 else (4, 4, 8)
+# (param, grad, optimizer) bytes per element. Weights, gradients and both AdamW moments are fp32
+# under every train.precision: bf16 autocasts the compute (and halves activations); it does not
+# change what a rank keeps between steps.
+BYTES_PER_ELEMENT = (4, 4, 8)
 
 
-def memory_per_stage(shapes: dict[str, tuple[int, ...]], num_layers: int, layout: Layout,
-                     precision: Precision) -> list[StageMemory]:
+def memory_per_stage(shapes: dict[str, tuple[int, ...]], num_layers: int,
+                     layout: Layout) -> list[StageMemory]:
     """Per-rank memory for one rank of each pipeline stage (every rank of a stage holds the
     same amount, up to the rounding of uneven shards, which is rounded up here)."""
     weight_tile = layout.tp_size * layout.gtp_remat_size
     replicas = layout.num_weight_replicas
-    p_bytes, g_bytes, o_bytes = bytes_per_element(precision)
+    p_bytes, g_bytes, o_bytes = BYTES_PER_ELEMENT
     stored = [0] * layout.pp_size
     optim = [0] * layout.pp_size
     for name, shape in shapes.items():
@@ -75,9 +75,9 @@ def memory_per_stage(shapes: dict[str, tuple[int, ...]], num_layers: int, layout
                         optim[s] * o_bytes) for s in range(layout.pp_size)]
 
 
-def unsharded_memory(shapes: dict[str, tuple[int, ...]], precision: Precision) -> StageMemory:
+def unsharded_memory(shapes: dict[str, tuple[int, ...]]) -> StageMemory:
     """The same model in one process: the reference the per-rank figures divide."""
     numel = sum(math.prod(shape) for shape in shapes.values())
-    p_bytes, g_bytes, o_bytes = bytes_per_element(precision)
+    p_bytes, g_bytes, o_bytes = BYTES_PER_ELEMENT
     return StageMemory(0, numel, numel * p_bytes, numel * g_bytes, numel * o_bytes)
 

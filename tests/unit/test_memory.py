@@ -4,7 +4,6 @@ from __future__ import annotations
 import math
 
 from parallel.layout import Layout
-from trainer.config import Precision
 from trainer.memory import memory_per_stage, parameter_shapes, stage_of, unsharded_memory
 from test_model import TINY
 
@@ -18,8 +17,8 @@ def test_shapes_come_from_the_real_model():
 
 
 def test_one_process_is_the_unsharded_model():
-    (one,) = memory_per_stage(SHAPES, 2, Layout(1), Precision.fp32)
-    full = unsharded_memory(SHAPES, Precision.fp32)
+    (one,) = memory_per_stage(SHAPES, 2, Layout(1))
+    full = unsharded_memory(SHAPES)
     assert one.as_dict() == full.as_dict()
     assert full.parameters == sum(math.prod(s) for s in SHAPES.values())
     assert full.param_bytes == 4 * full.parameters and full.optim_bytes == 8 * full.parameters
@@ -27,7 +26,7 @@ def test_one_process_is_the_unsharded_model():
 
 def test_weight_tile_splits_matrices_and_keeps_norms_whole():
     layout = Layout(8, tensor_model_parallel_size=2, tensor_parallel_num_weight_shards=4)
-    (rank,) = memory_per_stage(SHAPES, 2, layout, Precision.fp32)
+    (rank,) = memory_per_stage(SHAPES, 2, layout)
     matrices = sum(math.prod(s) for s in SHAPES.values() if len(s) == 2)
     vectors = sum(math.prod(s) for s in SHAPES.values() if len(s) == 1)
     assert all(math.prod(s) % 4 == 0 for s in SHAPES.values() if len(s) == 2)
@@ -37,16 +36,15 @@ def test_weight_tile_splits_matrices_and_keeps_norms_whole():
                                         if len(s) == 2) // 2 + vectors // 2)
 
 
-def test_bf16_keeps_fp32_master_and_moments():
-    (rank,) = memory_per_stage(SHAPES, 2, Layout(1), Precision.bf16)
-    assert rank.param_bytes == 2 * rank.parameters and rank.grad_bytes == 4 * rank.parameters
-    assert rank.optim_bytes == 12 * rank.parameters
+def test_fp32_weights_gradients_and_moments_are_kept():
+    (rank,) = memory_per_stage(SHAPES, 2, Layout(1))
+    assert rank.param_bytes == 4 * rank.parameters and rank.grad_bytes == 4 * rank.parameters
+    assert rank.optim_bytes == 8 * rank.parameters
 
 
 def test_pipeline_stages_partition_the_model():
-    stages = memory_per_stage(SHAPES, 2, Layout(2, pipeline_model_parallel_size=2),
-                              Precision.fp32)
-    assert sum(s.parameters for s in stages) == unsharded_memory(SHAPES, Precision.fp32).parameters
+    stages = memory_per_stage(SHAPES, 2, Layout(2, pipeline_model_parallel_size=2))
+    assert sum(s.parameters for s in stages) == unsharded_memory(SHAPES).parameters
     assert stage_of("embed.weight", 2, 2) == 0 and stage_of("head.weight", 2, 2) == 1
     assert [stage_of(f"layers.{i}.attn.qkv.weight", 8, 4) for i in range(8)] == [0, 0, 1, 1, 2, 2,
                                                                                3, 3]
