@@ -10,15 +10,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
-import multiprocessing.connection
-import os
 import statistics
 import sys
-import tempfile
 import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Callable
 
@@ -40,6 +34,7 @@ from trainer.config import ModelConfig, OptimConfig  # noqa: E402
 from trainer.engine import build_engine  # noqa: E402
 from trainer.model import Transformer  # noqa: E402
 from trainer.step import train_step  # noqa: E402
+from ranks import run_ranks  # noqa: E402
 
 MODEL = ModelConfig(name="bench", vocab_size=256, hidden_size=256, num_layers=4, num_heads=8,
                     ffn_hidden_size=688, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02)
@@ -170,58 +165,6 @@ def run_rank(rank: int, world: int, impl: str, warmup: int, steps: int) -> dict:
             "rss": peak_rss_bytes() - before}
 
 
-def _child(rank: int, world: int, tmp: str, args: tuple) -> None:
-    code = 1
-    try:
-        torch.set_num_threads(1)  # ranks share the cores; a forked OpenMP pool would hang
-        store = dist.FileStore(os.path.join(tmp, "store"), world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120))
-        result = run_rank(rank, world, *args)
-        with open(os.path.join(tmp, f"result{rank}.json"), "w") as f:
-            json.dump(result, f)
-        dist.destroy_process_group()
-        code = 0
-    except BaseException:  # noqa: BLE001
-        with open(os.path.join(tmp, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)  # leave without running the parent's atexit handlers
-
-
-def run_ranks(world: int, impl: str, warmup: int, steps: int, timeout: float = 300.0) -> list:
-    """One repetition of one implementation in `world` fresh forked processes (FileStore, no
-    ports), so neither implementation's memory shows in the other's."""
-    ctx = multiprocessing.get_context("fork")
-    with tempfile.TemporaryDirectory(prefix="bench-fsdp2-") as tmp:
-        procs = [ctx.Process(target=_child, args=(r, world, tmp, (impl, warmup, steps)))
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        deadline, running = time.monotonic() + timeout, list(procs)
-        try:  # until all end, one fails (its peers would wait for gloo's timeout) or time is up
-            while running and time.monotonic() < deadline:
-                multiprocessing.connection.wait([p.sentinel for p in running],
-                                                deadline - time.monotonic())
-                running = [p for p in running if p.exitcode is None]
-                if any(p.exitcode for p in procs if p.exitcode is not None):
-                    break
-        finally:
-            for p in procs:
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-        errors = [Path(tmp, f"error{r}.txt") for r in range(world)]
-        failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]  # -9: killed
-        if failed:
-            detail = "\n".join(e.read_text() for e in errors if e.exists())
-            raise RuntimeError(f"{impl} on {world} ranks failed (rank, exit code): {failed}\n"
-                               f"{detail}")
-        return [json.loads(Path(tmp, f"result{r}.json").read_text()) for r in range(world)]
-
-
 def measure(world: int, quick: bool = True) -> dict:
     """Step time (median over repetitions of each repetition's mean step, a step timed by its
     slowest rank), its min/max, ours / fsdp2, and per-rank memory for both implementations."""
@@ -232,7 +175,8 @@ def measure(world: int, quick: bool = True) -> dict:
     reps: dict[str, list[list[dict]]] = {impl: [] for impl in IMPLS}
     for _ in range(mode["repeats"]):
         for impl in IMPLS:  # interleaved, so drifting machine load hits both alike
-            reps[impl].append(run_ranks(world, impl, mode["warmup"], mode["steps"]))
+            reps[impl].append(run_ranks(world, run_rank, world, impl, mode["warmup"],
+                                        mode["steps"], timeout=300))
     out: dict = {"world": world, "mode": "quick" if quick else "full",
                  "warmup_steps": mode["warmup"], "timed_steps": mode["steps"],
                  "repetitions": mode["repeats"], "micro_batch_size": MICRO, "seq_length": SEQ,

@@ -15,6 +15,10 @@ import torch.distributed as dist
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, P2P = "all_gather", "reduce_scatter", "all_reduce", "p2p"
 
+# torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old ones.
+_all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class CommStats:
@@ -59,7 +63,7 @@ class Group:
         if self.size == 1:
             return output.copy_(shard)
         self.stats.record(self.kind, ALL_GATHER, (self.size - 1) * _nbytes(shard))
-        dist.all_gather_single(output, shard.contiguous(), group=self.handle)
+        _all_gather_tensor(output, shard.contiguous(), group=self.handle)
         return output
 
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
@@ -72,7 +76,7 @@ class Group:
             return full
         out = full.new_empty((full.shape[0] // self.size, *full.shape[1:]))
         self.stats.record(self.kind, REDUCE_SCATTER, (self.size - 1) * _nbytes(out))
-        dist.reduce_scatter_single(out, full.contiguous(), group=self.handle)
+        _reduce_scatter_tensor(out, full.contiguous(), group=self.handle)
         return out
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM

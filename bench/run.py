@@ -1,0 +1,101 @@
+"""Benchmarks: the trainer against its peers and against the analytic limits, as ratios measured
+side by side in one run (absolute times on a shared 2-core CPU mean little; ratios and byte
+counts do). Prints a table and writes bench/results.json.
+
+    python bench/run.py           # quick mode for this machine (a few minutes)
+    python bench/run.py --full    # longer runs, more repetitions
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import comm_memory  # noqa: E402
+import compose  # noqa: E402
+import fsdp2  # noqa: E402
+import loader  # noqa: E402
+import overhead  # noqa: E402
+
+
+def _worst(ratios: dict[str, dict[str, float]]) -> float:
+    """The ratio furthest from 1.00 over every layout and collective kind."""
+    return max((r for by_op in ratios.values() for r in by_op.values()), key=lambda r: abs(r - 1))
+
+
+def run(quick: bool) -> dict:
+    started = time.perf_counter()
+    figures: dict = {}
+    over = overhead.measure(quick)
+    figures["overhead_vs_plain_loop"] = over
+    for world in (2, 4):
+        figures[f"step_time_vs_fsdp2_w{world}"] = fsdp2.measure(world, quick)
+    comm = comm_memory.measure(quick)
+    figures["comm_bytes_vs_analytic"] = {name: r["ratio_by_op"] for name, r in comm.items()}
+    figures["memory_vs_analytic"] = {name: r["memory_ratio"] for name, r in comm.items()}
+    figures["comm_memory_details"] = comm
+    figures["compose_vs_bare_hydra"] = compose.measure(quick)
+    step_s = sorted(over["step_s_ours"])[len(over["step_s_ours"]) // 2]
+    figures["loader_headroom"] = loader.measure(step_s, overhead.MICRO, overhead.SEQ, quick)
+    gpu = HERE / "gpu_results.json"
+    figures["gpu"] = json.loads(gpu.read_text()) if gpu.exists() else None
+    return {
+        "measured": datetime.date.today().isoformat(),
+        "mode": "quick" if quick else "full",
+        "machine": f"{platform.machine()}, {platform.python_version()}, "
+                   f"{__import__('os').cpu_count()} CPUs",
+        "wall_s": round(time.perf_counter() - started, 1),
+        "figures": figures,
+    }
+
+
+def table(result: dict) -> str:
+    f = result["figures"]
+    w2, w4 = f["step_time_vs_fsdp2_w2"], f["step_time_vs_fsdp2_w4"]
+    rows = [
+        ("overhead_vs_plain_loop", f["overhead_vs_plain_loop"]["overhead_vs_plain_loop"],
+         "<= 1.05", f"spread {f['overhead_vs_plain_loop']['ratio_spread']}"),
+        ("step_time_vs_fsdp2_w2", round(w2["ratio"], 3), "<= 1.0",
+         f"ours {w2['ours']['step_s_median']:.3f} s, fsdp2 {w2['fsdp2']['step_s_median']:.3f} s"),
+        ("step_time_vs_fsdp2_w4", round(w4["ratio"], 3), "<= 1.0",
+         f"ours {w4['ours']['step_s_median']:.3f} s, fsdp2 {w4['fsdp2']['step_s_median']:.3f} s"),
+        ("comm_bytes_vs_analytic", _worst(f["comm_bytes_vs_analytic"]), "1.00",
+         "worst over " + ", ".join(f["comm_bytes_vs_analytic"])),
+        ("memory_vs_analytic", max(f["memory_vs_analytic"].values()), "<= 1.05",
+         "worst over the same layouts"),
+        ("compose_vs_bare_hydra", f["compose_vs_bare_hydra"]["compose_vs_bare_hydra"], "<= 1.3",
+         f"groups of 16,384 ranks: {f['compose_vs_bare_hydra']['groups_16384_ranks_s']} s"),
+        ("loader_headroom", f["loader_headroom"]["loader_headroom"], ">= 50",
+         f"{f['loader_headroom']['loader_samples_per_s']:,} samples/s delivered"),
+    ]
+    gpu = f.get("gpu")
+    if gpu:
+        plain = gpu["variants"]["plain"]
+        rows.append(("gpu_bf16_mfu (plain)", round(plain["mfu"], 3), "-",
+                     f"{gpu['device']}, {plain['tokens_per_s']:,.0f} tok/s, "
+                     f"transformer-engine: {gpu['variants']['te_bf16']['status']}"))
+    lines = [f"{'figure':26s} {'value':>8s}  {'goal':8s} notes"]
+    lines += [f"{n:26s} {v:>8}  {g:8s} {note}" for n, v, g, note in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--full", action="store_true", help="longer runs, more repetitions")
+    args = parser.parse_args()
+    result = run(quick=not args.full)
+    (HERE / "results.json").write_text(json.dumps(result, indent=1))
+    print(table(result))
+    print(f"\nwrote {HERE / 'results.json'} ({result['wall_s']} s, {result['mode']} mode)")
+
+
+if __name__ == "__main__":
+    main()
