@@ -20,7 +20,9 @@ WAIT_S = 120  # longest any job here may take, queueing included
 def make_executor(folder: Path, partition: str, **params) -> submitit.AutoExecutor:
     executor = submitit.AutoExecutor(folder=folder, cluster="slurm")
     executor.update_parameters(
-        slurm_partition=partition, nodes=1, tasks_per_node=1, cpus_per_task=1, timeout_min=2,
+        # submitit asks SLURM for SIGUSR2 90 s before the time limit; a short limit would
+        # signal a job still importing torch from a cold disk (seen in fresh clones).
+        slurm_partition=partition, nodes=1, tasks_per_node=1, cpus_per_task=1, timeout_min=10,
         # The job unpickles slurm_jobs.<function> by reference: its Python must import slurm_jobs.
         slurm_setup=[f"export PYTHONPATH={HERE}${{PYTHONPATH:+:$PYTHONPATH}}"],
     )

@@ -33,7 +33,7 @@ def sweep(slurm_env: dict, partition: str, sweep_dir: Path, dataset: Path, *over
           log: Path) -> subprocess.Popen:
     env = {**{k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}, **slurm_env}
     args = [sys.executable, str(ROOT / "launch.py"), "-m", "hydra/launcher=slurm_cpu",
-            f"hydra.launcher.partition={partition}", "hydra.launcher.timeout_min=5",
+            f"hydra.launcher.partition={partition}", "hydra.launcher.timeout_min=10",
             f"hydra.sweep.dir={sweep_dir}", f"data.path={dataset}", "cluster.procs_per_node=2",
             *TINY, *overrides]
     with log.open("w") as out:
