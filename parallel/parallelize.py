@@ -13,6 +13,7 @@ from parallel.comm import Group
 from parallel.context import ContextParallelAttention
 from parallel.groups import Groups
 from parallel.layout import Layout
+from parallel.sharding import ShardBundle
 from parallel.tensor import (ParallelLinear, VocabParallelEmbedding, global_chunks,
                              vocab_parallel_cross_entropy)
 
@@ -100,6 +101,12 @@ def parallelize(model: nn.Module, layout: Layout, groups: Groups, rank: int,
         if replacement is not None:
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, replacement)
+    if gtp.size > 1:  # one collective per transformer block, not one per weight
+        bundles: dict[str, ShardBundle] = {}
+        for name, child in model.named_modules():
+            if isinstance(child, ParallelLinear) and name.startswith("layers."):
+                block = ".".join(name.split(".")[:2])
+                child.join_bundle(bundles.setdefault(block, ShardBundle(gtp)))
     if layout.runtime_context_parallel_size > 1:
         attention = ContextParallelAttention(groups.context, layout, rank)
         for module in model.modules():

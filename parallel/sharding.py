@@ -2,7 +2,9 @@
 
 Rows are padded to a multiple of G. The full weight is all-gathered just before use in forward
 and freed after; a linear layer gathers it again in backward (weight rematerialisation) and
-reduce-scatters its gradient back to the shard, so only the shard persists between uses.
+reduce-scatters its gradient back to the shard, so only the shard persists between uses. The
+linears of one transformer block form a ShardBundle: one collective for all of them instead of
+one each (the shards, the optimizer and checkpoints do not change, only the messages merge).
 """
 from __future__ import annotations
 
@@ -86,3 +88,94 @@ def sharded_embedding(ids: torch.Tensor, shard: torch.Tensor, group: Group,
     if group.size == 1:
         return F.embedding(ids, shard)
     return _ShardedEmbedding.apply(ids, shard, group, rows)
+
+
+class ShardBundle:
+    """Sharded linears used together once per forward pass (one block). In forward the first
+    use gathers every member's weight in one all-gather, the last use frees them; in backward
+    the first gradient gathers them again, and when every member's gradient is in, one
+    reduce-scatter returns all the shard gradients, which are added to the shards' .grad."""
+
+    def __init__(self, group: Group):
+        self.group = group
+        self.members: list[tuple[torch.nn.Parameter, int]] = []  # (shard, TP-local rows)
+        self._forward: list[torch.Tensor] | None = None
+        self._uses = 0
+        self._backward: list[torch.Tensor] | None = None
+        self._grads: dict[int, torch.Tensor] = {}
+
+    def add(self, shard: torch.nn.Parameter, rows: int) -> int:
+        self.members.append((shard, rows))
+        return len(self.members) - 1
+
+    def _gather(self) -> list[torch.Tensor]:
+        shards = [shard.detach() for shard, _ in self.members]
+        flat = torch.cat([shard.reshape(-1) for shard in shards])
+        gathered = self.group.all_gather(flat).view(self.group.size, -1)  # row i: rank i's shards
+        out, offset = [], 0
+        for shard, (_, rows) in zip(shards, self.members):
+            block = gathered[:, offset:offset + shard.numel()]
+            out.append(block.reshape(self.group.size * shard.shape[0], *shard.shape[1:])[:rows])
+            offset += shard.numel()
+        return out
+
+    def forward_weight(self, index: int) -> torch.Tensor:
+        if self._forward is None:
+            self._forward = self._gather()
+        weight = self._forward[index]
+        self._uses += 1
+        if self._uses == len(self.members):  # the block's forward is done: free the weights
+            self._forward, self._uses = None, 0
+        return weight
+
+    def backward_weight(self, index: int) -> torch.Tensor:
+        if self._backward is None:
+            self._backward = self._gather()
+        return self._backward[index]
+
+    def add_grad(self, index: int, grad_full: torch.Tensor) -> None:
+        self._grads[index] = grad_full
+        if len(self._grads) < len(self.members):
+            return
+        size = self.group.size
+        rows_per_rank = [shard.shape[0] for shard, _ in self.members]
+        stacked = torch.cat([F.pad(self._grads[i], (0, 0, 0, per * size - rows)).view(size, -1)
+                             for i, ((_, rows), per) in enumerate(zip(self.members, rows_per_rank))],
+                            dim=1)
+        mine = self.group.reduce_scatter(stacked.reshape(-1))
+        offset = 0
+        for shard, _ in self.members:
+            grad = mine[offset:offset + shard.numel()].view_as(shard)
+            offset += shard.numel()
+            if shard.grad is None:
+                shard.grad = grad.clone()
+            else:
+                shard.grad.add_(grad)
+        self._grads.clear()
+        self._backward = None
+
+
+class _BundledLinear(torch.autograd.Function):
+    """y = x @ W^T with W from its bundle; the shard's gradient goes through the bundle."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, shard: torch.Tensor, bundle: ShardBundle, index: int):
+        ctx.bundle, ctx.index = bundle, index
+        ctx.save_for_backward(x)
+        return F.linear(x, bundle.forward_weight(index))
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        bundle, index = ctx.bundle, ctx.index
+        weight = bundle.backward_weight(index).to(grad_y.dtype)
+        grad_x = grad_y @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(
+            grad_y.dtype)
+        bundle.add_grad(index, grad_w.to(bundle.members[index][0].dtype))
+        return grad_x, None, None, None  # the shard's gradient was added by the bundle
+
+
+def bundled_linear(x: torch.Tensor, shard: torch.Tensor, bundle: ShardBundle,
+                   index: int) -> torch.Tensor:
+    return _BundledLinear.apply(x, shard, bundle, index)

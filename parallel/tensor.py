@@ -13,7 +13,8 @@ from torch import nn
 from parallel.comm import Group
 from parallel.regions import (all_gather_dim, copy_to, gather_along, reduce_from, scatter_along,
                               split_along)
-from parallel.sharding import gather_rows, shard_rows_of, sharded_embedding, sharded_linear
+from parallel.sharding import (ShardBundle, bundled_linear, gather_rows, shard_rows_of,
+                                sharded_embedding, sharded_linear)
 
 SEQ_DIM = 1  # activations are [batch, seq, features]
 
@@ -45,6 +46,12 @@ class ParallelLinear(nn.Module):
         local = torch.cat([split_along(c, tp, self.tp_dim) for c in chunks], dim=0)
         self.rows = local.shape[0]  # TP-local rows before GTP padding
         self.weight = nn.Parameter(shard_rows_of(local, gtp))
+        self.bundle: ShardBundle | None = None  # set by join_bundle
+        self.bundle_index = -1
+
+    def join_bundle(self, bundle: ShardBundle) -> None:
+        """Gather and reduce-scatter together with the bundle's other layers."""
+        self.bundle, self.bundle_index = bundle, bundle.add(self.weight, self.rows)
 
     def full_weight(self) -> torch.Tensor:
         """The single-device weight (collective over gtp_remat and tp)."""
@@ -58,7 +65,10 @@ class ParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.style == "column":
             x = gather_along(x, self.tp, SEQ_DIM) if self.sequence_parallel else copy_to(x, self.tp)
-        y = sharded_linear(x, self.weight, self.gtp, self.rows)
+        if self.bundle is not None:
+            y = bundled_linear(x, self.weight, self.bundle, self.bundle_index)
+        else:
+            y = sharded_linear(x, self.weight, self.gtp, self.rows)
         if self.style == "row":
             y = scatter_along(y, self.tp, SEQ_DIM) if self.sequence_parallel else reduce_from(y, self.tp)
         return y

@@ -2,7 +2,8 @@
 
 Layout: weight shards 2 x DP 2 (world 4), 2 micro-batches. Per micro-batch every GTP-sharded
 linear weight is gathered twice (forward, and again in backward), the embedding once (its
-backward needs only the token ids), and every sharded gradient is reduce-scattered once. Per
+backward needs only the token ids), and every sharded gradient is reduce-scattered once; the
+linears of a transformer block share each of those collectives (one message for all). Per
 step the small replicated gradients are all-reduced over gtp_remat, both flat buffers are
 reduce-scattered and all-gathered over weight_replica, and three scalars are all-reduced.
 Bytes are what one rank sends under a ring algorithm (see parallel/comm.py).
@@ -54,9 +55,11 @@ def expected(layout: Layout) -> tuple[dict, dict]:
         ("token_distinct", "all_reduce"): 2 * (2 * (token_distinct - 1) * scalar // token_distinct),
         ("world", "all_reduce"): 2 * (world - 1) * scalar // world,
     }
+    blocks = TINY.num_layers  # a block's linears share one collective (a ShardBundle)
     calls = {
-        ("gtp_remat", "all_gather"): micro * (2 * len(linears) + 1),
-        ("gtp_remat", "reduce_scatter"): micro * len(matrices),
+        # embedding once, the head twice, each block twice (forward, then again in backward)
+        ("gtp_remat", "all_gather"): micro * (1 + 2 + 2 * blocks),
+        ("gtp_remat", "reduce_scatter"): micro * (2 + blocks),
         ("gtp_remat", "all_reduce"): 1,
         ("weight_replica", "reduce_scatter"): 2,
         ("weight_replica", "all_gather"): 2,
