@@ -105,8 +105,9 @@ class ShardedAdamW:
         for group in self.adam.param_groups:
             group["lr"] = lr
         self.adam.step()
-        for buffer in self.buffers:
-            self.replica.all_gather_into(buffer.params, buffer.part.clone())
+        if self.replica.size > 1:  # with one replica the part is the whole buffer, in place
+            for buffer in self.buffers:
+                self.replica.all_gather_into(buffer.params, buffer.part.clone())
         return grad_norm
 
     # ------------------------------------------------------------------ checkpoint support
