@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 import traceback
+import zlib
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -43,10 +44,15 @@ class RankEnv:
 def launched_rank() -> RankEnv | None:
     """The rank this process already is, if torchrun or submitit started it."""
     if os.environ.get("SUBMITIT_EXECUTOR"):  # a submitit task, on SLURM or local
+        import submitit
         from submitit.helpers import TorchDistributedEnvironment
 
-        # overwrite: sbatch copies the submitting shell's environment, which may hold stale
-        # RANK or MASTER_PORT values from another launcher.
+        # Every task of the job derives the same port from the job id, below Linux's ephemeral
+        # range (32768-60999): submitit's own choice can collide with a port another job's
+        # connections already hold. Set here, it also replaces a stale MASTER_PORT that sbatch
+        # copied from the submitting shell (as overwrite does for RANK and the others).
+        job_id = submitit.JobEnvironment().job_id
+        os.environ["MASTER_PORT"] = str(20000 + zlib.crc32(job_id.encode()) % 12000)
         env = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         return RankEnv(env.rank, env.world_size, env.local_rank, "env://", "submitit")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
