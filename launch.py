@@ -16,21 +16,21 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import trainer.config  # noqa: F401  (registers the schemas with Hydra's ConfigStore)
-from trainer.settle import settle
+from trainer.spec.runspec import settle
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")
 def main(cfg: DictConfig) -> None:
-    settings, layout = settle(cfg)
+    spec = settle(cfg)
     run_dir = Path(HydraConfig.get().runtime.output_dir)
-    if settings.dry_run:
-        from trainer.dry_run import dry_run
+    if spec.config.dry_run:
+        from trainer.report.dry_run import dry_run
 
-        dry_run(settings, layout, run_dir)
+        dry_run(spec, run_dir)
         return
-    from trainer.run import run
+    from trainer.launch.run import run
 
-    run(cfg, settings, layout, run_dir)
+    run(cfg, spec, run_dir)
 
 
 if __name__ == "__main__":

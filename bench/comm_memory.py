@@ -19,10 +19,10 @@ import torch
 from parallel.layout import Layout
 from ranks import run_ranks
 from trainer.config import ModelConfig, OptimConfig
-from trainer.engine import build_engine
-from trainer.step import MicroBatch, train_step
+from trainer.train.engine import build_engine
+from trainer.train.step import MicroBatch, train_step
 
-MODEL = ModelConfig(name="bench", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
+MODEL = ModelConfig(name="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
                     ffn_hidden_size=176, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02)
 OPTIM = OptimConfig(name="adamw", weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
                     clip_grad=1.0)

@@ -29,14 +29,14 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from parallel.layout import Layout  # noqa: E402
-from trainer.batch import rank_micro_batches  # noqa: E402
+from trainer.data.batch import rank_micro_batches  # noqa: E402
 from trainer.config import ModelConfig, OptimConfig  # noqa: E402
-from trainer.engine import build_engine  # noqa: E402
-from trainer.model import Transformer  # noqa: E402
-from trainer.step import train_step  # noqa: E402
+from trainer.train.engine import build_engine  # noqa: E402
+from trainer.model.transformer import Transformer  # noqa: E402
+from trainer.train.step import train_step  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
-MODEL = ModelConfig(name="bench", vocab_size=256, hidden_size=256, num_layers=4, num_heads=8,
+MODEL = ModelConfig(name="llama", vocab_size=256, hidden_size=256, num_layers=4, num_heads=8,
                     ffn_hidden_size=688, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02)
 OPTIM = OptimConfig(name="adamw", weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
                     clip_grad=1.0)

@@ -1,4 +1,4 @@
-"""Single-GPU bf16 training speed and MFU of a ~1B trainer.model.Transformer: plain PyTorch
+"""Single-GPU bf16 training speed and MFU of a ~1B trainer.model.transformer.Transformer: plain PyTorch
 against the same model with transformer-engine layers. A benchmark that prints a table and
 writes JSON, not a test; it downloads nothing (synthetic tokens, default initialisers).
 
@@ -23,14 +23,14 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from trainer.config import ModelConfig  # noqa: E402
-from trainer.model import RMSNorm, Transformer  # noqa: E402
+from trainer.model.transformer import RMSNorm, Transformer  # noqa: E402
 
 # Llama-style widths (TinyLlama's hidden and ffn, full multi-head attention) at 18 layers:
 # 1,055,991,808 parameters, printed and checked at run time.
-ONE_B = ModelConfig(name="bench-1b", vocab_size=32000, hidden_size=2048, num_layers=18,
+ONE_B = ModelConfig(name="llama", vocab_size=32000, hidden_size=2048, num_layers=18,
                     num_heads=16, ffn_hidden_size=5632, rope_theta=10000.0, norm_eps=1e-5,
                     init_std=0.02)
-TINY = ModelConfig(name="smoke", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
+TINY = ModelConfig(name="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
                    ffn_hidden_size=176, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02)
 
 # Dense (not 2:4 sparse) bf16 tensor-core peak from the datasheets; the first substring of the

@@ -12,8 +12,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from parallel.layout import Layout  # noqa: E402
-from trainer.batch import rank_micro_batches  # noqa: E402
-from trainer.data import SampleStream, TokenDataset, builtin_corpus  # noqa: E402
+from trainer.data.batch import rank_micro_batches  # noqa: E402
+from trainer.data.dataset import TokenDataset, builtin_corpus  # noqa: E402
+from trainer.data.stream import SampleStream  # noqa: E402
 
 
 def loader_samples_per_s(micro: int, seq: int, steps: int) -> float:

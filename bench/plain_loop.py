@@ -13,10 +13,11 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from trainer.config import ModelConfig  # noqa: E402
-from trainer.data import SampleStream, TokenDataset, builtin_corpus  # noqa: E402
-from trainer.model import Transformer  # noqa: E402
+from trainer.data.dataset import TokenDataset, builtin_corpus  # noqa: E402
+from trainer.data.stream import SampleStream  # noqa: E402
+from trainer.model.transformer import Transformer  # noqa: E402
 
-TINY = ModelConfig(name="tiny", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
+TINY = ModelConfig(name="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
                    ffn_hidden_size=176, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02)
 
 

@@ -39,7 +39,7 @@ class LoggerName(Enum):
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING
+    name: str = MISSING  # the architecture (trainer.spec.checks.ARCHITECTURES): llama
     vocab_size: int = MISSING
     hidden_size: int = MISSING
     num_layers: int = MISSING
@@ -88,15 +88,15 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     path: Optional[str] = MISSING  # a prepared token dataset folder; null = the built-in corpus
-    tokenizer: str = MISSING  # for the built-in corpus; a prepared dataset names its own
+    tokenizer: Optional[str] = MISSING  # built-in corpus only (null = byte); data.path names its own
     cache_dir: Optional[str] = MISSING  # where the built-in corpus is prepared; null = ~/.cache
     seed: int = MISSING  # the shuffled sample order (independent of the layout)
-    valid_fraction: float = MISSING  # share of documents held out for evaluation
+    valid_fraction: Optional[float] = MISSING  # built-in corpus only: held-out share (null = 0.01)
 
 
 @dataclass
 class OptimConfig:
-    name: str = MISSING
+    name: str = MISSING  # the optimizer (trainer.spec.checks.OPTIMIZERS): adamw
     weight_decay: float = MISSING
     beta1: float = MISSING
     beta2: float = MISSING

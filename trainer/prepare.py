@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from trainer.data import TokenDataset, prepare
+from trainer.data.dataset import TokenDataset, prepare
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,7 +7,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ReadonlyConfigError, ValidationError
 
 from config_helpers import CONF_DIR, compose_config
-from trainer.resolvers import LayoutResolutionError
+from trainer.spec.resolvers import LayoutResolutionError
 from parallel.layout import DERIVED_KEYS, Layout
 from trainer.config import unknown_keys
 

@@ -60,7 +60,7 @@ def test_dry_run_writes_layout_json_and_warns_about_nvlink(tmp_path):
     assert {axis: record["ranks"][70][axis] for axis in AXES} == layout.coords(70)._asdict()
     assert "span more than one NVLink domain" in out.stdout + out.stderr
     assert record["warnings"] and "gpus_per_nvlink_domain=8" in record["warnings"][0]
-    assert "memory per rank: model=llama_8b" in out.stdout
+    assert "memory per rank: model=llama, 32 layers x hidden 4096" in out.stdout
 
 
 def test_dry_run_of_the_default_prints_a_per_rank_table(tmp_path):

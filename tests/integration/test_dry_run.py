@@ -6,16 +6,17 @@ import json
 import pytest
 
 from config_helpers import CONF_DIR, compose_config
-from trainer.settle import settle
-from trainer.dry_run import dry_run
+from trainer.spec.runspec import settle
+from trainer.report.dry_run import dry_run
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_dry_runs(experiment, tmp_path, capsys):
-    settings, layout = settle(compose_config(f"experiment={experiment}"))
-    record = dry_run(settings, layout, tmp_path)
+    spec = settle(compose_config(f"experiment={experiment}"))
+    settings, layout = spec.config, spec.layout
+    record = dry_run(spec, tmp_path)
     assert json.loads((tmp_path / "layout.json").read_text())["derived"] == layout.derived()
     assert record["warnings"] == []  # the presets keep each weight tile inside one domain
     per_rank = record["memory"]["per_stage"][0]["total_bytes"]
@@ -27,9 +28,9 @@ def test_every_experiment_dry_runs(experiment, tmp_path, capsys):
 
 
 def test_seed_presets_give_the_seed_numbers():
-    _, ws64 = settle(compose_config("experiment=seed_ws64_tp2_sp"))
+    ws64 = settle(compose_config("experiment=seed_ws64_tp2_sp")).layout
     assert (ws64.gtp_remat_size, ws64.gtp_remat_num_sequence_shards,
             ws64.gtp_remat_num_batch_shards) == (32, 8, 4)
-    _, big = settle(compose_config("experiment=seed_128rank_cp2"))
+    big = settle(compose_config("experiment=seed_128rank_cp2")).layout
     assert (big.world_size, big.data_parallel_size, big.batch_parallel_size,
             big.runtime_context_parallel_size, big.num_weight_replicas) == (128, 1, 1, 128, 2)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from config_helpers import ROOT
-from trainer.data import prepare
+from trainer.data.dataset import prepare
 
 TINY_RUN = ("train.seq_length=32", "train.micro_batch_size=2", "train.eval_interval=null",
             "logger.log_interval=1", "cluster.timeout_s=20")

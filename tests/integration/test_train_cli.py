@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from config_helpers import ROOT
-from trainer.data import prepare
+from trainer.data.dataset import prepare
 
 MICRO, STEPS = 4, 8  # one process: global batch = micro_batch_size = 4
 SMALL_RUN = ("train.micro_batch_size=4", "train.seq_length=32", "logger.log_interval=1",

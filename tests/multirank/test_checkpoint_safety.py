@@ -6,14 +6,14 @@ import torch
 
 from harness import RankFailure, run_ranks
 from test_layout_changes import GBS, dataset, settings_for  # noqa: F401  (dataset: a fixture)
-from trainer import checkpoint
-from trainer.loop import Trainer
+from trainer.checkpoint import dcp as checkpoint
+from trainer.train.loop import Trainer
 
 OVERRIDES = ("cluster.procs_per_node=2", "parallel.tensor_parallel_num_weight_shards=2")
 
 
-def job_crash_in_second_save(rank, settings, layout, run_dir):
-    trainer = Trainer(settings, layout, run_dir, torch.device("cpu"))
+def job_crash_in_second_save(rank, spec, run_dir):
+    trainer = Trainer(spec, run_dir, torch.device("cpu"))
     real_save = checkpoint.dcp.save
 
     def dying_save(state_dict, checkpoint_id, planner):
@@ -26,22 +26,22 @@ def job_crash_in_second_save(rank, settings, layout, run_dir):
     trainer.run()
 
 
-def job_load(rank, settings, layout, path):
-    trainer = Trainer(settings, layout, path.parent.parent, torch.device("cpu"))
+def job_load(rank, spec, path):
+    trainer = Trainer(spec, path.parent.parent, torch.device("cpu"))
     return trainer.state
 
 
 def test_a_crash_during_save_keeps_the_last_good_checkpoint(dataset, tmp_path):
-    settings, layout = settings_for(dataset, tmp_path, OVERRIDES, f"train.train_samples={4 * GBS}",
-                                    "checkpoint.save_interval=2")
+    spec = settings_for(dataset, tmp_path, OVERRIDES, f"train.train_samples={4 * GBS}",
+                        "checkpoint.save_interval=2")
     with pytest.raises(RankFailure, match="disk full"):
-        run_ranks(2, job_crash_in_second_save, settings, layout, tmp_path)
+        run_ranks(2, job_crash_in_second_save, spec, tmp_path)
     ckpt_dir = tmp_path / "checkpoints"
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step_00000002", "step_00000004.tmp"]
     assert checkpoint.resolve(ckpt_dir).name == "step_00000002"
-    resumed, _ = settings_for(dataset, tmp_path, OVERRIDES, f"train.train_samples={4 * GBS}",
-                              f"checkpoint.load={ckpt_dir}")
-    state = run_ranks(2, job_load, resumed, layout, ckpt_dir / "step_00000002")[0]
+    resumed = settings_for(dataset, tmp_path, OVERRIDES, f"train.train_samples={4 * GBS}",
+                           f"checkpoint.load={ckpt_dir}")
+    state = run_ranks(2, job_load, resumed, ckpt_dir / "step_00000002")[0]
     assert (state.step, state.consumed_samples) == (2, 2 * GBS)
 
 
@@ -50,8 +50,8 @@ def test_loading_from_a_folder_without_checkpoints_names_the_key(tmp_path):
         checkpoint.resolve(tmp_path)
 
 
-def job_rng_round_trip(rank, settings, layout, run_dir):
-    trainer = Trainer(settings, layout, run_dir, torch.device("cpu"))
+def job_rng_round_trip(rank, spec, run_dir):
+    trainer = Trainer(spec, run_dir, torch.device("cpu"))
     torch.manual_seed(99)
     saved = torch.get_rng_state()
     path = checkpoint.save(trainer.engine, trainer.state, run_dir / "rng", {})
@@ -61,5 +61,5 @@ def job_rng_round_trip(rank, settings, layout, run_dir):
 
 
 def test_the_random_generator_state_comes_back(dataset, tmp_path):
-    settings, layout = settings_for(dataset, tmp_path, OVERRIDES, f"train.train_samples={GBS}")
-    assert run_ranks(2, job_rng_round_trip, settings, layout, tmp_path) == [True, True]
+    spec = settings_for(dataset, tmp_path, OVERRIDES, f"train.train_samples={GBS}")
+    assert run_ranks(2, job_rng_round_trip, spec, tmp_path) == [True, True]

@@ -17,10 +17,10 @@ import torch
 from harness import run_ranks
 from parallel.layout import Layout
 from test_parity import OPTIM, SEED, TINY, make_data, make_layout
-from trainer.batch import rank_micro_batches
-from trainer.engine import build_engine
-from trainer.memory import parameter_shapes
-from trainer.step import train_step
+from trainer.data.batch import rank_micro_batches
+from trainer.train.engine import build_engine
+from trainer.report.memory import parameter_shapes
+from trainer.train.step import train_step
 
 FP32 = 4
 

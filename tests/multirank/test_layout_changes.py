@@ -23,11 +23,11 @@ import torch
 
 from config_helpers import compose_config
 from harness import run_ranks
-from trainer.settle import settle
-from trainer import checkpoint
-from trainer.data import prepare
-from trainer.engine import build_engine
-from trainer.loop import Trainer
+from trainer.spec.runspec import settle
+from trainer.checkpoint import dcp as checkpoint
+from trainer.data.dataset import prepare
+from trainer.train.engine import build_engine
+from trainer.train.loop import Trainer
 
 STEPS_BEFORE, STEPS_TOTAL, GBS = 3, 6, 8
 BASE = ("model=tiny", "train.seq_length=32", "train.micro_batch_size=2",
@@ -97,35 +97,37 @@ def assemble(results: list[dict]) -> dict[tuple[str, str], torch.Tensor]:
     return full
 
 
-def job_train_and_save(rank, settings, layout, run_dir):
-    trainer = Trainer(settings, layout, run_dir, torch.device("cpu"))
+def job_train_and_save(rank, spec, run_dir):
+    trainer = Trainer(spec, run_dir, torch.device("cpu"))
     records = trainer.run()  # saves at its last step
     return {"records": records, "state": state_chunks(trainer.engine)}
 
 
-def job_load(rank, settings, layout, path):
-    engine = build_engine(settings.model, settings.optim, settings.train.seed, layout,
+def job_load(rank, spec, path):
+    settings = spec.config
+    engine = build_engine(settings.model, settings.optim, settings.train.seed, spec.layout,
                           torch.device("cpu"))
     state = checkpoint.load(engine, path)
     return {"train_state": state, "state": state_chunks(engine)}
 
 
-def job_run(rank, settings, layout, run_dir):
-    return Trainer(settings, layout, run_dir, torch.device("cpu")).run()
+def job_run(rank, spec, run_dir):
+    return Trainer(spec, run_dir, torch.device("cpu")).run()
 
 
 @pytest.mark.parametrize("change", list(CHANGES))
 def test_checkpoint_loads_under_another_layout(change, dataset, tmp_path):
     before, after = CHANGES[change]
-    x_settings, x_layout = settings_for(dataset, tmp_path / "a", before,
-                                        f"train.train_samples={STEPS_BEFORE * GBS}")
-    y_settings, y_layout = settings_for(dataset, tmp_path / "c", after,
-                                        f"train.train_samples={STEPS_TOTAL * GBS}")
+    x_spec = settings_for(dataset, tmp_path / "a", before,
+                          f"train.train_samples={STEPS_BEFORE * GBS}")
+    y_spec = settings_for(dataset, tmp_path / "c", after,
+                          f"train.train_samples={STEPS_TOTAL * GBS}")
+    x_layout, y_layout = x_spec.layout, y_spec.layout
     assert x_layout.derived() != y_layout.derived()
-    a = run_ranks(x_layout.world_size, job_train_and_save, x_settings, x_layout, tmp_path / "a")
+    a = run_ranks(x_layout.world_size, job_train_and_save, x_spec, tmp_path / "a")
     saved = tmp_path / "a" / "checkpoints" / f"step_{STEPS_BEFORE:08d}"
 
-    b = run_ranks(y_layout.world_size, job_load, y_settings, y_layout, saved)
+    b = run_ranks(y_layout.world_size, job_load, y_spec, saved)
     expected, loaded = assemble([r["state"] for r in a]), assemble([r["state"] for r in b])
     assert expected.keys() == loaded.keys()
     for key in expected:
@@ -133,13 +135,13 @@ def test_checkpoint_loads_under_another_layout(change, dataset, tmp_path):
     assert all(loaded[kind, name].abs().sum() > 0 for kind, name in loaded)  # trained moments
     assert b[0]["train_state"].consumed_samples == STEPS_BEFORE * GBS
 
-    y_resume, _ = settings_for(dataset, tmp_path / "c", after,
+    y_resume = settings_for(dataset, tmp_path / "c", after,
                                f"train.train_samples={STEPS_TOTAL * GBS}",
                                f"checkpoint.load={saved}")
-    c = run_ranks(y_layout.world_size, job_run, y_resume, y_layout, tmp_path / "c")[0]
-    x_full, _ = settings_for(dataset, tmp_path / "d", before,
+    c = run_ranks(y_layout.world_size, job_run, y_resume, tmp_path / "c")[0]
+    x_full = settings_for(dataset, tmp_path / "d", before,
                              f"train.train_samples={STEPS_TOTAL * GBS}")
-    d = run_ranks(x_layout.world_size, job_run, x_full, x_layout, tmp_path / "d")[0]
+    d = run_ranks(x_layout.world_size, job_run, x_full, tmp_path / "d")[0]
     assert [r["step"] for r in c] == list(range(STEPS_BEFORE + 1, STEPS_TOTAL + 1))
     assert [r["loss"] for r in d[:STEPS_BEFORE]] == [r["loss"] for r in a[0]["records"]]
     for resumed, straight in zip(c, d[STEPS_BEFORE:]):
@@ -157,8 +159,8 @@ def test_sequence_shards_and_cp_leave_sample_counts_alone(changed, dataset, tmp_
             f"train.train_samples={4 * GBS}")
     runs = {}
     for name, overrides in (("base", base), ("changed", base + changed)):
-        settings, layout = settings_for(dataset, tmp_path / name, overrides)
-        runs[name] = (layout, run_ranks(4, job_run, settings, layout, tmp_path / name)[0])
+        spec = settings_for(dataset, tmp_path / name, overrides)
+        runs[name] = (spec.layout, run_ranks(4, job_run, spec, tmp_path / name)[0])
     (base_layout, base_records), (new_layout, new_records) = runs["base"], runs["changed"]
     # Different work per rank ...
     assert new_layout.runtime_context_parallel_size == 2 * base_layout.runtime_context_parallel_size

@@ -24,13 +24,13 @@ import torch.nn.functional as F
 
 from harness import run_ranks
 from parallel.layout import Layout
-from trainer.batch import rank_micro_batches
+from trainer.data.batch import rank_micro_batches
 from trainer.config import ModelConfig, OptimConfig, Precision
-from trainer.engine import build_engine
-from trainer.model import Transformer
-from trainer.step import IGNORE, train_step
+from trainer.train.engine import build_engine
+from trainer.model.transformer import Transformer
+from trainer.train.step import IGNORE, train_step
 
-TINY = ModelConfig(name="tiny", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
+TINY = ModelConfig(name="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
                    ffn_hidden_size=176, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02)
 OPTIM = OptimConfig(name="adamw", weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
                     clip_grad=1.0)

@@ -21,7 +21,7 @@ TINY = ("train.seq_length=32", "train.micro_batch_size=2", "train.eval_interval=
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory) -> Path:
     sys.path.insert(0, str(ROOT))
-    from trainer.data import prepare
+    from trainer.data.dataset import prepare
 
     src = tmp_path_factory.mktemp("text")
     for doc in range(6):

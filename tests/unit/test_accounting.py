@@ -1,6 +1,6 @@
 """RunPlan: a run is whole global batches, evaluation is whole micro-batches per batch lane, the
 intervals are positive, and every count is independent samples, so layouts that only change who
-reads a sample (sequence shards, CP) give the same steps. Also that trainer.settle.settle turns each rule
+reads a sample (sequence shards, CP) give the same steps. Also that trainer.spec.runspec.settle turns each rule
 into one line before anything starts."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 
 from config_helpers import compose_config
 from trainer.config import ConfigError
-from trainer.settle import settle
+from trainer.spec.runspec import settle
 from parallel.layout import Layout
-from trainer.accounting import RunPlan
+from trainer.train.accounting import RunPlan
 from trainer.config import CheckpointConfig, Precision, TrainConfig
 
 
@@ -129,7 +129,8 @@ def seed_review(*overrides: str):
 def test_counts_are_independent_samples_whatever_the_sequence_split():
     plans, layouts = {}, {}
     for name, overrides in SEED_REVIEW_LAYOUTS.items():
-        settings, layout = seed_review(*overrides)
+        spec = seed_review(*overrides)
+        settings, layout = spec.config, spec.layout
         layouts[name] = layout
         plans[name] = RunPlan.from_config(settings.train, settings.checkpoint, layout)
     # Sequence shards 1: DP 4 x 2 batch shards = 8 lanes, 2 micro-batches of 2 per step.
@@ -166,6 +167,7 @@ def test_settle_turns_a_plan_error_into_one_line(overrides, expected):
 
 
 def test_settle_accepts_the_default_config_and_its_plan():
-    settings, layout = settle(compose_config())
+    spec = settle(compose_config())
+    settings, layout = spec.config, spec.layout
     p = RunPlan.from_config(settings.train, settings.checkpoint, layout)
     assert (p.global_batch_size, p.train_steps) == (8, 2048)  # conf/train/default.yaml

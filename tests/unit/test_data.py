@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from trainer import data
-from trainer.data import SampleStream, TokenDataset, builtin_corpus, decode, prepare
+from trainer.data import dataset as data
+from trainer.data.dataset import TokenDataset, builtin_corpus, decode, prepare
+from trainer.data.stream import SampleStream
 
 DOCS = {"a.txt": b"first document\n", "b/c.md": b"second, in a subfolder\n",
         "b/d.txt": "third: caf\u00e9 \u2713\n".encode(), "e.txt": b"fourth and last\n"}

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from trainer.config import ModelConfig
-from trainer.model import Transformer, apply_rotary
+from trainer.model.transformer import Transformer, apply_rotary
 
-TINY = ModelConfig(name="tiny", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
+TINY = ModelConfig(name="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
                    ffn_hidden_size=176, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02)
 
 
@@ -64,7 +64,7 @@ def test_bad_head_count_is_a_clear_error():
 
 def test_training_refuses_what_the_engine_cannot_split_yet():
     from parallel.layout import Layout
-    from trainer.engine import check_model_fits_layout
+    from trainer.spec.checks import check_model_fits_layout
 
     with pytest.raises(ValueError, match="pipeline stages are not supported in training yet"):
         check_model_fits_layout(TINY, Layout(2, pipeline_model_parallel_size=2))

@@ -10,7 +10,7 @@ from omegaconf import OmegaConf
 
 from config_helpers import compose_config
 from trainer.config import LrDecayStyle, ScheduleConfig
-from trainer.schedule import LrSchedule
+from trainer.train.schedule import LrSchedule
 
 LR, MIN_LR, WARMUP, DECAY, TRAIN = 1e-3, 1e-4, 100, 1000, 1200
 WSD = 200  # anneal from 800 to 1000
@@ -138,7 +138,8 @@ def test_lr_depends_only_on_consumed_samples(style):
 
 
 @pytest.mark.parametrize("overrides,train,keys", [
-    (dict(lr=0.0), TRAIN, ["schedule.lr=0.0"]),
+    (dict(lr=float("nan")), TRAIN, ["schedule.lr=nan"]),
+    (dict(lr=float("inf")), TRAIN, ["schedule.lr=inf"]),
     (dict(lr=-1e-3), TRAIN, ["schedule.lr=-0.001"]),
     (dict(min_lr=-1e-5), TRAIN, ["schedule.min_lr=-1e-05"]),
     (dict(min_lr=2e-3), TRAIN, ["schedule.min_lr=0.002", "schedule.lr=0.001"]),

@@ -13,7 +13,7 @@ from hydra.errors import CompactHydraException, HydraException
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.settle import settle
+from trainer.spec.runspec import settle
 
 
 class SweepRejected(CompactHydraException):

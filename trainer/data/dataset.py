@@ -1,6 +1,5 @@
-"""Token datasets: prepare text into a flat memory-mapped token file, open it, and serve the
-shuffled sample stream by global sample index. Pure data code: no process groups, no layouts;
-the trainer decides which indices a rank fetches.
+"""Token datasets: prepare text into a flat memory-mapped token file and open it (checked).
+Pure data code: no torch, no process groups, no layouts (the sample stream is data.stream).
 """
 from __future__ import annotations
 
@@ -12,10 +11,8 @@ import sys
 import sysconfig
 import uuid
 from pathlib import Path
-from typing import Literal, Sequence
 
 import numpy as np
-import torch
 
 FORMAT_VERSION = 1
 DTYPES = {"uint8": np.dtype("<u1"), "uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -177,16 +174,21 @@ def write_json(path: Path, obj: dict) -> None:
         os.fsync(f.fileno())
 
 
-def builtin_corpus(cache_dir: Path | None, valid_fraction: float) -> Path:
-    """This Python's standard library source (*.py, no tests, no site-packages), prepared once
-    into the cache; it needs no network. The cache is keyed by the Python minor version."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
+def builtin_location(cache_dir: Path | None, valid_fraction: float) -> Path:
+    """Where the built-in corpus is (or will be) prepared: keyed by the Python minor version."""
     root = Path(cache_dir) if cache_dir is not None else Path.home() / ".cache" / "gtp-trainer"
     v = sys.version_info
-    out_dir = root / f"builtin-stdlib-py{v.major}{v.minor}-{float(valid_fraction)!r}"
+    return root / f"builtin-stdlib-py{v.major}{v.minor}-{float(valid_fraction)!r}"
+
+
+def builtin_corpus(cache_dir: Path | None, valid_fraction: float) -> Path:
+    """This Python's standard library source (*.py, no tests, no site-packages), prepared once
+    into the cache; it needs no network."""
+    out_dir = builtin_location(cache_dir, valid_fraction)
     if (out_dir / "meta.json").exists():
         TokenDataset.open(out_dir)  # complete and valid, or a ValueError saying what is wrong
         return out_dir
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
     return prepare(find_files(stdlib, ".py", BUILTIN_SKIP_DIRS), out_dir, valid_fraction)
 
 
@@ -269,65 +271,3 @@ def read_meta(path: Path) -> dict:
                          f"valid [t, {n}) with t > 0; prepare the dataset again")
     return meta
 
-
-class SampleStream:
-    """The endless sample stream of one split, epoch after epoch.
-
-    Sample j of the split is tokens[start + j*seq_length : start + (j+1)*seq_length + 1], so a
-    sample's last token is the next sample's first. Stream index i is position i % n of epoch
-    i // n, where epoch e is a permutation of range(n) seeded by (seed, e). get() is a pure
-    function of the indices: no state advances, so any rank fetches any index in any order.
-    """
-
-    def __init__(self, dataset: TokenDataset, split: Literal["train", "valid"], seq_length: int,
-                 seed: int, shuffle: bool):
-        if seq_length < 1:
-            raise ValueError(f"seq_length={seq_length} must be at least 1")
-        if not 0 <= seed < 2**32:
-            raise ValueError(f"seed={seed} must be in [0, 2**32)")
-        self.dataset, self.split, self.seq_length = dataset, split, seq_length
-        self.seed, self.shuffle = seed, shuffle
-        self.start, end = dataset.split(split)
-        self.num_samples_per_epoch = (end - self.start - 1) // seq_length
-        if self.num_samples_per_epoch < 1:
-            raise ValueError(f"the {split} split of {dataset.path} has {end - self.start} tokens,"
-                             f" too few for one sample of seq_length={seq_length} (needs "
-                             f"{seq_length + 1}); lower seq_length or change data.valid_fraction")
-        # windows[j] = sample j, a read-only view of the memory map: indexing copies only rows.
-        step = dataset.tokens.itemsize
-        self.windows = np.lib.stride_tricks.as_strided(
-            dataset.tokens[self.start:], shape=(self.num_samples_per_epoch, seq_length + 1),
-            strides=(seq_length * step, step), writeable=False)
-        self._orders: dict[int, np.ndarray] = {}  # the last two epochs: a batch may span both
-
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """The split's sample positions in epoch's order."""
-        if epoch not in self._orders:
-            n = self.num_samples_per_epoch
-            # Legacy RandomState: NEP 19 freezes its streams, so the order survives numpy
-            # upgrades and a resumed run sees the samples it would have seen.
-            order = (np.random.RandomState([self.seed, epoch]).permutation(n) if self.shuffle
-                     else np.arange(n))
-            if len(self._orders) >= 2:
-                self._orders.pop(next(iter(self._orders)))
-            self._orders[epoch] = order
-        return self._orders[epoch]
-
-    def get(self, indices: Sequence[int]) -> torch.Tensor:
-        """[len(indices), seq_length + 1] int64 tokens of these stream indices."""
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        if idx.size and idx.min() < 0:
-            raise ValueError(f"sample indices must be >= 0, got {int(idx.min())}")
-        epochs, positions = np.divmod(idx, self.num_samples_per_epoch)
-        samples = np.empty_like(positions)
-        for epoch in np.unique(epochs):
-            here = epochs == epoch
-            samples[here] = self.epoch_order(int(epoch))[positions[here]]
-        return torch.from_numpy(np.array(self.windows[samples], dtype=np.int64))
-
-    @property
-    def identity(self) -> dict:
-        """What fixes the stream's content; a checkpoint stores it to refuse a different one."""
-        return {"fingerprint": self.dataset.fingerprint, "split": self.split,
-                "token_range": list(self.dataset.split(self.split)),
-                "seq_length": self.seq_length, "seed": self.seed, "shuffle": self.shuffle}

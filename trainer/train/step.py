@@ -7,23 +7,25 @@ over the ranks that saw different tokens.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from parallel.parallelize import ParallelModel
-from trainer.optim import ShardedAdamW
+from trainer.data.batch import MicroBatch
+from trainer.train.optim import ShardedAdamW
 
 IGNORE = -100  # label of a position that carries no loss
 
 
-@dataclass
-class MicroBatch:
-    """This rank's tokens of one micro-batch: [micro_batch_size, local seq] each."""
+class NonFiniteStep(Exception):
+    """The global loss or gradient norm is not finite; the update was not applied (Megatron's
+    check_for_nan_in_loss_and_grad)."""
 
-    tokens: torch.Tensor
-    labels: torch.Tensor
-    positions: torch.Tensor  # global positions within the sequence (RoPE, causal masks)
+    def __init__(self, loss: float, grad_norm: float):
+        super().__init__(f"loss {loss}, gradient norm {grad_norm}")
+        self.loss, self.grad_norm = loss, grad_norm
 
 
 @dataclass
@@ -49,8 +51,12 @@ def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: lis
         (summed / total_tokens).backward()
         loss_sum += summed.detach().double()
     model.reduce_replicated_grads()
-    grad_norm = optimizer.step(lr)
+    # Both are global values, so every rank refuses a non-finite step together.
     loss = groups.token_distinct.all_reduce(loss_sum).item() / total_tokens
+    grad_norm = optimizer.reduce_gradients()
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise NonFiniteStep(loss, grad_norm)
+    optimizer.update(lr, grad_norm)
     return StepResult(loss=loss, grad_norm=grad_norm, loss_tokens=total_tokens)
 
 

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from parallel.layout import AXES, GROUP_AXES, GROUP_PURPOSE, Layout
-from trainer.config import Config
-from trainer.memory import memory_per_stage, parameter_shapes, unsharded_memory
+from trainer.spec.runspec import RunSpec
+from trainer.report.memory import memory_per_stage, parameter_shapes, unsharded_memory
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,8 @@ def _bytes(n: int) -> str:
     return f"{n:10d} B  "
 
 
-def format_report(settings: Config, layout: Layout, memory: dict[str, Any],
-                  rows: list[dict[str, int]]) -> str:
+def format_report(spec: RunSpec, memory: dict[str, Any], rows: list[dict[str, int]]) -> str:
+    settings, layout = spec.config, spec.layout
     p, c = settings.parallel, settings.cluster
     lines = [
         f"gtp-trainer dry run: {settings.run_name}",
@@ -88,8 +88,9 @@ def format_report(settings: Config, layout: Layout, memory: dict[str, Any],
         lines += ["", "per rank:", "  " + " ".join(f"{col:>{max(4, len(col))}s}" for col in columns)]
         lines += ["  " + " ".join(f"{row[col]:>{max(4, len(col))}d}" for col in columns)
                   for row in rows]
-    lines += ["", f"memory per rank: model={settings.model.name} "
-              f"({memory['unsharded']['parameters']:,} parameters), "
+    m = settings.model
+    lines += ["", f"memory per rank: model={m.name}, {m.num_layers} layers x hidden "
+              f"{m.hidden_size} ({memory['unsharded']['parameters']:,} parameters), "
               f"precision={settings.train.precision.value}",
               f"  {'':18s} {'params':>14s} {'grads':>14s} {'optimizer':>14s} {'total':>14s}"]
     for entry in memory["per_stage"]:
@@ -104,8 +105,9 @@ def format_report(settings: Config, layout: Layout, memory: dict[str, Any],
     return "\n".join(lines)
 
 
-def layout_record(settings: Config, layout: Layout) -> tuple[dict[str, Any], str]:
+def layout_record(spec: RunSpec) -> tuple[dict[str, Any], str]:
     """layout.json's content, and the readable report of the same facts."""
+    settings, layout = spec.config, spec.layout
     shapes = parameter_shapes(settings.model)
     memory = {
         "per_stage": [m.as_dict() for m in memory_per_stage(
@@ -133,7 +135,7 @@ def layout_record(settings: Config, layout: Layout) -> tuple[dict[str, Any], str
         "memory": memory,
         "warnings": warnings,
     }
-    return record, format_report(settings, layout, memory, rows)
+    return record, format_report(spec, memory, rows)
 
 
 def write_layout_json(record: dict[str, Any], run_dir: Path) -> Path:
@@ -143,8 +145,8 @@ def write_layout_json(record: dict[str, Any], run_dir: Path) -> Path:
     return path
 
 
-def dry_run(settings: Config, layout: Layout, run_dir: Path) -> dict[str, Any]:
-    record, report = layout_record(settings, layout)
+def dry_run(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
+    record, report = layout_record(spec)
     print(report, flush=True)
     for warning in record["warnings"]:
         log.warning(warning)

@@ -32,7 +32,7 @@ class StageMemory:
 def parameter_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     import torch
 
-    from trainer.model import Transformer
+    from trainer.model.transformer import Transformer
 
     with torch.device("meta"):
         model = Transformer(model_cfg)

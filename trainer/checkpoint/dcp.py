@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.planner import (TensorWriteData, WriteItem,
                                                   WriteItemType)
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from trainer.engine import Engine
+from trainer.train.engine import Engine
 
 PREFIX, TMP_SUFFIX = "step_", ".tmp"
 

@@ -116,10 +116,12 @@ class LrSchedule:
 def _check_values(schedule: ScheduleConfig) -> None:
     """The checks that need no resolved sample counts; each names its keys, values and fix."""
     s = schedule
-    if s.lr <= 0:
-        raise ValueError(f"schedule.lr={s.lr} is not positive. Fix: set schedule.lr > 0.")
-    if s.min_lr < 0:
-        raise ValueError(f"schedule.min_lr={s.min_lr} is negative. Fix: set schedule.min_lr >= 0.")
+    if not (math.isfinite(s.lr) and s.lr >= 0):
+        raise ValueError(f"schedule.lr={s.lr} must be a finite number >= 0. Fix: set e.g. "
+                         "schedule.lr=3e-4.")
+    if not (math.isfinite(s.min_lr) and s.min_lr >= 0):
+        raise ValueError(f"schedule.min_lr={s.min_lr} must be a finite number >= 0. Fix: set "
+                         "schedule.min_lr >= 0 (e.g. a tenth of schedule.lr).")
     if s.min_lr > s.lr:
         raise ValueError(f"schedule.min_lr={s.min_lr} is above schedule.lr={s.lr}: the schedule "
                          "would rise while decaying. Fix: set schedule.min_lr <= schedule.lr.")

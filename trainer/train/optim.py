@@ -81,9 +81,9 @@ class ShardedAdamW:
             buffer.grads.zero_()
 
     @torch.no_grad()
-    def step(self, lr: float) -> float:
-        """Reduce-scatter gradients over weight_replica, clip by the global norm, update this
-        rank's parts, all-gather them. Returns the gradient norm before clipping."""
+    def reduce_gradients(self) -> float:
+        """Reduce-scatter gradients over weight_replica; the global gradient norm (before
+        clipping). Nothing is updated yet, so a caller can refuse a non-finite step."""
         for buffer in self.buffers:
             # The summed part lands in this rank's own slice of the gradient buffer, so the
             # optimizer holds no second copy of it.
@@ -95,7 +95,11 @@ class ShardedAdamW:
         for buffer in self.buffers:
             if buffer.counted:
                 square += buffer.part.grad.double().pow(2).sum()
-        grad_norm = self.world.all_reduce(square).sqrt().item()
+        return self.world.all_reduce(square).sqrt().item()
+
+    @torch.no_grad()
+    def update(self, lr: float, grad_norm: float) -> None:
+        """Clip by the global norm, update this rank's parts, all-gather them."""
         if self.clip is not None:
             # torch.nn.utils.clip_grad_norm_'s rule, so one process clips identically.
             scale = min(self.clip / (grad_norm + 1e-6), 1.0)
@@ -108,7 +112,6 @@ class ShardedAdamW:
         if self.replica.size > 1:  # with one replica the part is the whole buffer, in place
             for buffer in self.buffers:
                 self.replica.all_gather_into(buffer.params, buffer.part.clone())
-        return grad_norm
 
     # ------------------------------------------------------------------ checkpoint support
     # Adam moments leave and enter as whole flat buffers (every replica's part), so each

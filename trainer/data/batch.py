@@ -6,13 +6,23 @@ last seq_length. Which samples and which positions a rank keeps is the Layout's 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from parallel.context import keep_local, local_positions
 from parallel.layout import Layout
-from trainer.step import MicroBatch
+
+
+@dataclass
+class MicroBatch:
+    """This rank's tokens of one micro-batch: [micro_batch_size, local seq] each."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    positions: torch.Tensor  # global positions within the sequence (RoPE, causal masks)
+
 
 # Positions within the global batch -> those samples, [n, seq_length + 1] token ids.
 Fetch = Callable[[Sequence[int]], torch.Tensor]

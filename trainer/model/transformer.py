@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import ModelConfig
+from trainer.spec.checks import check_model
 
 # (q, k, v) each [batch, heads, seq, head_dim] -> [batch, heads, seq, head_dim]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -93,7 +94,7 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        check_model_config(cfg)
+        check_model(cfg)
         self.cfg = cfg
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
@@ -123,13 +124,3 @@ class Transformer(nn.Module):
                 scale = out_std if name.endswith(("attn.o.weight", "mlp.down.weight")) else std
                 param.copy_(torch.randn(param.shape, generator=gen) * scale)
 
-
-def check_model_config(cfg: ModelConfig) -> None:
-    if cfg.hidden_size % cfg.num_heads:
-        raise ValueError(
-            f"model.hidden_size={cfg.hidden_size} is not divisible by model.num_heads="
-            f"{cfg.num_heads}. Fix: choose num_heads that divides hidden_size.")
-    if (cfg.hidden_size // cfg.num_heads) % 2:
-        raise ValueError(
-            f"head dim model.hidden_size / model.num_heads = {cfg.hidden_size // cfg.num_heads} "
-            f"is odd; rotary embeddings need an even head dim. Fix: change num_heads.")

@@ -12,52 +12,40 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hydra.errors import CompactHydraException
 
-from parallel.layout import Layout
-from trainer import checkpoint
-from trainer.accounting import RunPlan
-from trainer.batch import rank_micro_batches
-from trainer.config import Config
-from trainer.data import SampleStream, TokenDataset, builtin_corpus
-from trainer.engine import Engine, build_engine
-from trainer.metrics import MetricsLogger
-from trainer.preemption import PreemptionWatch
-from trainer.schedule import LrSchedule
-from trainer.step import evaluate, train_step
-
-
-def dataset_path(settings: Config) -> Path:
-    """The prepared dataset: data.path, or the built-in corpus (prepared on first use)."""
-    data = settings.data
-    if data.path is not None:
-        return Path(data.path)
-    if data.tokenizer != "byte":
-        raise ValueError(f"data.tokenizer={data.tokenizer!r}: the built-in corpus is prepared "
-                         f"with the byte tokenizer. Fix: set data.tokenizer=byte, or data.path.")
-    cache = Path(data.cache_dir) if data.cache_dir is not None else None
-    return builtin_corpus(cache, data.valid_fraction)
+from trainer.checkpoint import dcp as checkpoint
+from trainer.config import ConfigError
+from trainer.data.batch import rank_micro_batches
+from trainer.data.stream import SampleStream
+from trainer.train.engine import Engine, build_engine
+from trainer.report.metrics import MetricsLogger
+from trainer.spec.runspec import RunSpec
+from trainer.launch.signals import PreemptionWatch
+from trainer.train.step import NonFiniteStep, evaluate, train_step
 
 
-def open_streams(settings: Config, plan: RunPlan) -> tuple[SampleStream, SampleStream | None]:
-    dataset = TokenDataset.open(dataset_path(settings))
-    if dataset.vocab_size > settings.model.vocab_size:
-        raise ValueError(
-            f"the dataset {dataset.path} has a vocabulary of {dataset.vocab_size} tokens but "
-            f"model.vocab_size={settings.model.vocab_size}. Fix: raise model.vocab_size.")
-    seq, seed = settings.train.seq_length, settings.data.seed
+def open_streams(spec: RunSpec) -> tuple[SampleStream, SampleStream | None]:
+    dataset = spec.data.open()  # checked when the spec was settled
+    seq, seed = spec.layout.seq_length, spec.config.data.seed
     train = SampleStream(dataset, "train", seq, seed, shuffle=True)
-    valid = SampleStream(dataset, "valid", seq, seed, shuffle=False) if plan.eval_interval else None
+    valid = (SampleStream(dataset, "valid", seq, seed, shuffle=False)
+             if spec.plan.eval_interval else None)
     return train, valid
 
 
 def resume(engine: Engine, path: Path, stream: SampleStream) -> checkpoint.TrainState:
     state = checkpoint.load(engine, path)
     if state.data != stream.identity:
-        raise ValueError(
+        raise ConfigError(
             f"the checkpoint {path} was trained on the sample stream {state.data}, this run's "
             f"is {stream.identity}. Fix: use the same dataset, train.seq_length and data.seed, "
             f"or start from another checkpoint.dir / checkpoint.load.")
     return state
+
+
+class TrainingDiverged(CompactHydraException):
+    """A non-finite loss or gradient norm stopped the run (one line, no traceback)."""
 
 
 class Preempted(Exception):
@@ -67,13 +55,14 @@ class Preempted(Exception):
 class Trainer:
     """One rank's run: everything built from the config, then run() to the end."""
 
-    def __init__(self, settings: Config, layout: Layout, run_dir: Path, device: torch.device,
+    def __init__(self, spec: RunSpec, run_dir: Path, device: torch.device,
                  meta: dict[str, Any] | None = None, watch: PreemptionWatch | None = None):
-        self.settings, self.layout, self.device = settings, layout, device
+        settings = spec.config
+        self.spec, self.settings, self.layout, self.device = spec, settings, spec.layout, device
         self.rank, self.meta, self.watch = dist.get_rank(), meta or {}, watch
-        self.plan = RunPlan.from_config(settings.train, settings.checkpoint, layout)
-        self.schedule = LrSchedule.from_config(settings.schedule, settings.train.train_samples)
-        self.train_stream, self.valid_stream = open_streams(settings, self.plan)
+        self.plan, self.schedule = spec.plan, spec.schedule
+        self.train_stream, self.valid_stream = open_streams(spec)
+        layout = self.layout
         self.engine = build_engine(settings.model, settings.optim, settings.train.seed, layout,
                                    device, settings.train.precision)
         self.state = checkpoint.TrainState(data=self.train_stream.identity)
@@ -105,7 +94,11 @@ class Trainer:
                 self.rank, self.device)
             lr = self.schedule.lr(consumed + gbs)
             self.engine.groups.stats.reset()
-            result = train_step(self.engine.model, self.engine.optimizer, micro_batches, lr)
+            try:
+                result = train_step(self.engine.model, self.engine.optimizer, micro_batches, lr)
+            except NonFiniteStep as error:
+                logger.close()
+                raise self.diverged(state.step + 1, error) from None
             state.step, state.consumed_samples = state.step + 1, consumed + gbs
             record = {"consumed_samples": state.consumed_samples, "loss": result.loss, "lr": lr,
                       "grad_norm": result.grad_norm,
@@ -132,6 +125,15 @@ class Trainer:
         logger.close()
         return records
 
+    def diverged(self, step: int, error: NonFiniteStep) -> TrainingDiverged:
+        good = checkpoint.latest(self.save_dir)
+        lr = self.schedule.lr(self.state.consumed_samples + self.plan.global_batch_size)
+        return TrainingDiverged(
+            f"Training diverged at step {step}: {error} (lr {lr:.3g}). "
+            f"The step was not applied and nothing of it was saved; the last good checkpoint is "
+            f"{good or 'none'}. Fix: lower schedule.lr, set optim.clip_grad, or check the data; "
+            f"rerunning the same command resumes from that checkpoint.")
+
     def stop_requested(self) -> bool:
         """Whether any rank got the preemption signal: every rank must stop at the same step."""
         if self.watch is None:
@@ -147,7 +149,7 @@ class Trainer:
         return evaluate(self.engine.model, micro_batches)
 
 
-def train(settings: Config, layout: Layout, run_dir: Path, device: torch.device,
+def train(spec: RunSpec, run_dir: Path, device: torch.device,
           meta: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Collective: build this rank's trainer and run it."""
-    return Trainer(settings, layout, run_dir, device, meta).run()
+    return Trainer(spec, run_dir, device, meta).run()

@@ -20,8 +20,8 @@ from typing import Any
 
 from hydra.errors import CompactHydraException
 
-from parallel.layout import Layout
-from trainer.config import Config, ConfigError
+from trainer.config import ConfigError
+from trainer.spec.runspec import RunSpec
 
 GRACE_S = 5.0  # how long a rank gets to exit after SIGTERM before SIGKILL
 
@@ -61,9 +61,10 @@ def launched_rank() -> RankEnv | None:
     return None
 
 
-def check_world(env: RankEnv, settings: Config, layout: Layout) -> None:
+def check_world(env: RankEnv, spec: RunSpec) -> None:
+    layout = spec.layout
     if env.world_size != layout.world_size:
-        cluster = settings.cluster
+        cluster = spec.config.cluster
         raise ConfigError(
             f"{env.launcher} started {env.world_size} processes (WORLD_SIZE={env.world_size}) "
             f"but the config's world size is cluster.num_nodes x cluster.procs_per_node = "
@@ -71,14 +72,13 @@ def check_world(env: RankEnv, settings: Config, layout: Layout) -> None:
             f"them agree (e.g. cluster.procs_per_node={env.world_size // cluster.num_nodes}).")
 
 
-def run_rank(env: RankEnv, settings: Config, layout: Layout, run_dir: Path,
-             meta: dict[str, Any]) -> None:
+def run_rank(env: RankEnv, spec: RunSpec, run_dir: Path, meta: dict[str, Any]) -> None:
     """Train as one rank: join the process group, train, leave (cleanly on preemption)."""
     import torch
     import torch.distributed as dist
 
-    from trainer.loop import Preempted, Trainer
-    from trainer.preemption import PreemptionWatch
+    from trainer.train.loop import Preempted, Trainer
+    from trainer.launch.signals import PreemptionWatch
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
@@ -86,33 +86,34 @@ def run_rank(env: RankEnv, settings: Config, layout: Layout, run_dir: Path,
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=env.init_method,
                             rank=env.rank, world_size=env.world_size,
-                            timeout=timedelta(seconds=settings.cluster.timeout_s))
+                            timeout=timedelta(seconds=spec.config.cluster.timeout_s))
     try:
         with PreemptionWatch() as watch:
             try:
-                Trainer(settings, layout, run_dir, device, meta, watch).run()
+                Trainer(spec, run_dir, device, meta, watch).run()
             except Preempted:
                 watch.hand_over()  # submitit requeues the job from rank 0; elsewhere nothing
     finally:
         dist.destroy_process_group()
 
 
-def _local_rank_main(env: RankEnv, settings: Config, layout: Layout, run_dir: Path,
-                     meta: dict[str, Any], errors: Any) -> None:
+def _local_rank_main(env: RankEnv, spec: RunSpec, run_dir: Path, meta: dict[str, Any],
+                     errors: Any) -> None:
     """Body of a process started by launch_local; reports its error to the parent."""
     try:
-        run_rank(env, settings, layout, run_dir, meta)
+        run_rank(env, spec, run_dir, meta)
     except BaseException as error:  # noqa: BLE001  (every failure must reach the parent)
         traceback.print_exc()
         errors.put((env.rank, f"{type(error).__name__}: {error}".strip()))
         sys.exit(1)
 
 
-def launch_local(settings: Config, layout: Layout, run_dir: Path, meta: dict[str, Any]) -> None:
+def launch_local(spec: RunSpec, run_dir: Path, meta: dict[str, Any]) -> None:
     """Start every rank on this machine and supervise them."""
-    if settings.cluster.num_nodes != 1:
+    layout = spec.layout
+    if spec.config.cluster.num_nodes != 1:
         raise ConfigError(
-            f"cluster.num_nodes={settings.cluster.num_nodes}: launch.py starts processes on this "
+            f"cluster.num_nodes={spec.config.cluster.num_nodes}: launch.py starts processes on this "
             f"machine only. Fix: set cluster.num_nodes=1, or start the ranks with torchrun on "
             f"each node, or with SLURM (-m hydra/launcher=slurm).")
     context = multiprocessing.get_context("spawn")
@@ -121,8 +122,8 @@ def launch_local(settings: Config, layout: Layout, run_dir: Path, meta: dict[str
         init = f"file://{meeting}/store"
         procs = [context.Process(
             target=_local_rank_main, name=f"rank{r}",
-            args=(RankEnv(r, layout.world_size, r, init, "launch.py"), settings, layout,
-                  run_dir, meta, errors)) for r in range(layout.world_size)]
+            args=(RankEnv(r, layout.world_size, r, init, "launch.py"), spec, run_dir, meta,
+                  errors)) for r in range(layout.world_size)]
         for proc in procs:
             proc.start()
         print("started " + ", ".join(f"rank {r} (pid {p.pid})" for r, p in enumerate(procs)),

@@ -1,0 +1,1 @@
+"""Checkpoints: DCP save/load at global offsets (any layout), and which one to resume."""

@@ -1,0 +1,73 @@
+"""The shuffled sample stream of a dataset split, served by global sample index: a pure function
+of the index, so any rank fetches any sample in any order and a resumed run sees the same ones."""
+from __future__ import annotations
+
+from typing import Literal, Sequence
+
+import numpy as np
+import torch
+
+from trainer.data.dataset import TokenDataset
+
+
+class SampleStream:
+    """The endless sample stream of one split, epoch after epoch.
+
+    Sample j of the split is tokens[start + j*seq_length : start + (j+1)*seq_length + 1], so a
+    sample's last token is the next sample's first. Stream index i is position i % n of epoch
+    i // n, where epoch e is a permutation of range(n) seeded by (seed, e). get() is a pure
+    function of the indices: no state advances, so any rank fetches any index in any order.
+    """
+
+    def __init__(self, dataset: TokenDataset, split: Literal["train", "valid"], seq_length: int,
+                 seed: int, shuffle: bool):
+        if seq_length < 1:
+            raise ValueError(f"seq_length={seq_length} must be at least 1")
+        if not 0 <= seed < 2**32:
+            raise ValueError(f"seed={seed} must be in [0, 2**32)")
+        self.dataset, self.split, self.seq_length = dataset, split, seq_length
+        self.seed, self.shuffle = seed, shuffle
+        self.start, end = dataset.split(split)
+        self.num_samples_per_epoch = (end - self.start - 1) // seq_length
+        if self.num_samples_per_epoch < 1:
+            raise ValueError(f"the {split} split of {dataset.path} has {end - self.start} tokens,"
+                             f" too few for one sample of seq_length={seq_length} (needs "
+                             f"{seq_length + 1}); lower seq_length or change data.valid_fraction")
+        # windows[j] = sample j, a read-only view of the memory map: indexing copies only rows.
+        step = dataset.tokens.itemsize
+        self.windows = np.lib.stride_tricks.as_strided(
+            dataset.tokens[self.start:], shape=(self.num_samples_per_epoch, seq_length + 1),
+            strides=(seq_length * step, step), writeable=False)
+        self._orders: dict[int, np.ndarray] = {}  # the last two epochs: a batch may span both
+
+    def epoch_order(self, epoch: int) -> np.ndarray:
+        """The split's sample positions in epoch's order."""
+        if epoch not in self._orders:
+            n = self.num_samples_per_epoch
+            # Legacy RandomState: NEP 19 freezes its streams, so the order survives numpy
+            # upgrades and a resumed run sees the samples it would have seen.
+            order = (np.random.RandomState([self.seed, epoch]).permutation(n) if self.shuffle
+                     else np.arange(n))
+            if len(self._orders) >= 2:
+                self._orders.pop(next(iter(self._orders)))
+            self._orders[epoch] = order
+        return self._orders[epoch]
+
+    def get(self, indices: Sequence[int]) -> torch.Tensor:
+        """[len(indices), seq_length + 1] int64 tokens of these stream indices."""
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if idx.size and idx.min() < 0:
+            raise ValueError(f"sample indices must be >= 0, got {int(idx.min())}")
+        epochs, positions = np.divmod(idx, self.num_samples_per_epoch)
+        samples = np.empty_like(positions)
+        for epoch in np.unique(epochs):
+            here = epochs == epoch
+            samples[here] = self.epoch_order(int(epoch))[positions[here]]
+        return torch.from_numpy(np.array(self.windows[samples], dtype=np.int64))
+
+    @property
+    def identity(self) -> dict:
+        """What fixes the stream's content; a checkpoint stores it to refuse a different one."""
+        return {"fingerprint": self.dataset.fingerprint, "split": self.split,
+                "token_range": list(self.dataset.split(self.split)),
+                "seq_length": self.seq_length, "seed": self.seed, "shuffle": self.shuffle}

@@ -1,0 +1,1 @@
+"""Starting and stopping ranks: local processes, torchrun/submitit, signals, run-folder locks."""

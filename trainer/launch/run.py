@@ -1,0 +1,51 @@
+"""Start a run from launch.py: check the inputs that need files (the dataset, prepared now if it
+is the built-in one; the checkpoint to load), write the run directory's artifacts, and start the
+ranks the way this process was launched (trainer.launch.ranks)."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from trainer.checkpoint import dcp as checkpoint
+from trainer.config import ConfigError
+from trainer.launch.ranks import RankEnv, check_world, launch_local, launched_rank, run_rank
+from trainer.report.dry_run import layout_record, write_layout_json
+from trainer.spec.runspec import RunSpec
+
+
+def check_inputs(spec: RunSpec) -> None:
+    """Before any rank starts; a problem is one line naming the key."""
+    try:
+        spec.data.open()
+        if spec.config.checkpoint.load is not None:
+            checkpoint.resolve(Path(spec.config.checkpoint.load))
+    except (ValueError, FileNotFoundError) as error:
+        raise ConfigError(str(error)) from None
+
+
+def write_run_artifacts(cfg: DictConfig, spec: RunSpec, run_dir: Path) -> None:
+    """The resolved config and layout.json, so a run directory explains itself."""
+    record, _ = layout_record(spec)
+    write_layout_json(record, run_dir)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+
+def run(cfg: DictConfig, spec: RunSpec, run_dir: Path) -> None:
+    meta = {"run_dir": str(run_dir)}
+    env = launched_rank()
+    if env is not None:  # torchrun or submitit started this process as one rank
+        check_world(env, spec)
+        check_inputs(spec)
+        if env.rank == 0:
+            write_run_artifacts(cfg, spec, run_dir)
+        run_rank(env, spec, run_dir, meta)
+        return
+    check_inputs(spec)
+    write_run_artifacts(cfg, spec, run_dir)
+    if spec.layout.world_size > 1:
+        launch_local(spec, run_dir, meta)
+        return
+    with tempfile.TemporaryDirectory(prefix="gtp-rendezvous-") as meeting:
+        run_rank(RankEnv(0, 1, 0, f"file://{meeting}/store", "launch.py"), spec, run_dir, meta)

@@ -1,0 +1,1 @@
+"""What a person sees: the dry run, the memory plan, metrics, logs and plots."""

@@ -1,0 +1,117 @@
+"""Every check of a config value that needs no process, no torch and no data: one place, so a
+new key gets its check here. Each failure is one ValueError line naming the key, the value and
+the fix; settle() turns it into the run's one-line error. The layout's own rules live in
+parallel.layout, the sample accounting train.accounting's, the schedule train.schedule's,
+the data's data.source's.
+"""
+from __future__ import annotations
+
+import math
+
+from parallel.layout import Layout
+from trainer.config import (ClusterConfig, Config, LoggerConfig, LoggerName, ModelConfig,
+                            OptimConfig)
+
+# What a `name` key selects; the implementations live in model/ and train/ (which import torch).
+ARCHITECTURES = ("llama",)
+OPTIMIZERS = ("adamw",)
+
+
+def _positive_int(key: str, value: int, fix: str = "") -> None:
+    if value < 1:
+        raise ValueError(f"{key}={value} must be >= 1. Fix: {fix or f'set {key} to 1 or more'}.")
+
+
+def _finite(key: str, value: float, low: float, low_ok: bool, high: float | None = None,
+            high_ok: bool = True, fix: str = "") -> None:
+    """value finite and in the interval; e.g. low=0, low_ok=False is `> 0`."""
+    inside = math.isfinite(value) and (value >= low if low_ok else value > low)
+    if inside and high is not None:
+        inside = value <= high if high_ok else value < high
+    if not inside:
+        low_side = f"{'[' if low_ok else '('}{low:g}"
+        high_side = f"{high:g}{']' if high_ok else ')'}" if high is not None else "inf)"
+        raise ValueError(f"{key}={value} must be a finite number in {low_side}, {high_side}. "
+                         f"Fix: {fix or f'set {key} inside that range'}.")
+
+
+def _one_of(key: str, value: str, choices: tuple[str, ...], what: str) -> None:
+    if value not in choices:
+        raise ValueError(f"{key}={value!r} selects no {what}. Fix: choose one of "
+                         f"{', '.join(choices)}.")
+
+
+def check_model(model: ModelConfig) -> None:
+    """The model's own shape rules (the Transformer calls this too)."""
+    _one_of("model.name", model.name, ARCHITECTURES, "model architecture")
+    for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size"):
+        _positive_int(f"model.{key}", getattr(model, key))
+    if model.hidden_size % model.num_heads:
+        raise ValueError(
+            f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads="
+            f"{model.num_heads}. Fix: choose num_heads that divides hidden_size.")
+    if (model.hidden_size // model.num_heads) % 2:
+        raise ValueError(
+            f"head dim model.hidden_size / model.num_heads = {model.hidden_size // model.num_heads}"
+            f" is odd; rotary embeddings need an even head dim. Fix: change num_heads.")
+    _finite("model.rope_theta", model.rope_theta, 0, False, fix="use e.g. 10000.0")
+    _finite("model.norm_eps", model.norm_eps, 0, False, fix="use e.g. 1e-5")
+    _finite("model.init_std", model.init_std, 0, False, fix="use e.g. 0.02")
+
+
+def check_model_fits_layout(model: ModelConfig, layout: Layout) -> None:
+    """Shapes tensor parallel must split evenly (GTP_remat pads rows, so it needs nothing)."""
+    tp = layout.tp_size
+    for key in ("num_heads", "ffn_hidden_size", "vocab_size"):
+        value = getattr(model, key)
+        if value % tp:
+            raise ValueError(
+                f"model.{key}={value} is not divisible by parallel.tensor_model_parallel_size="
+                f"{tp}. Fix: choose a TP degree that divides it, or change the model.")
+    if layout.pp_size > 1:
+        raise ValueError(
+            f"parallel.pipeline_model_parallel_size={layout.pp_size}: pipeline stages are not "
+            f"supported in training yet. Fix: set it to 1.")
+
+
+def check_optim(optim: OptimConfig) -> None:
+    _one_of("optim.name", optim.name, OPTIMIZERS, "optimizer")
+    _finite("optim.weight_decay", optim.weight_decay, 0, True, fix="use e.g. 0.1, or 0 for none")
+    for key in ("beta1", "beta2"):
+        _finite(f"optim.{key}", getattr(optim, key), 0, True, 1, False, fix="use e.g. 0.9")
+    _finite("optim.eps", optim.eps, 0, False, fix="use e.g. 1e-8")
+    if optim.clip_grad is not None:
+        _finite("optim.clip_grad", optim.clip_grad, 0, False,
+                fix="use e.g. 1.0, or null for no clipping")
+
+
+def check_cluster(cluster: ClusterConfig) -> None:
+    _positive_int("cluster.num_nodes", cluster.num_nodes)
+    _positive_int("cluster.procs_per_node", cluster.procs_per_node)
+    _positive_int("cluster.gpus_per_nvlink_domain", cluster.gpus_per_nvlink_domain,
+                  "set it to the GPUs one NVLink domain connects (8 on a DGX H100)")
+    _positive_int("cluster.timeout_s", cluster.timeout_s,
+                  "set it to the seconds a collective may wait (default 300)")
+
+
+def check_logger(logger: LoggerConfig) -> None:
+    _positive_int("logger.log_interval", logger.log_interval, "set it to a number of steps")
+    if logger.name is LoggerName.console and logger.project is not None:
+        raise ValueError(f"logger.project={logger.project!r} is ignored by logger=console. "
+                         f"Fix: use logger=wandb, or remove the override.")
+
+
+def check_seeds(cfg: Config) -> None:
+    for key, value in (("train.seed", cfg.train.seed), ("data.seed", cfg.data.seed)):
+        if not 0 <= value < 2**32:
+            raise ValueError(f"{key}={value} must be in [0, 2**32). Fix: choose such a seed.")
+
+
+def check_values(cfg: Config, layout: Layout) -> None:
+    """Everything above, in the order a reader meets the config."""
+    check_model(cfg.model)
+    check_model_fits_layout(cfg.model, layout)
+    check_cluster(cfg.cluster)
+    check_seeds(cfg)
+    check_optim(cfg.optim)
+    check_logger(cfg.logger)

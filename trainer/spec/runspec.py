@@ -1,0 +1,68 @@
+"""settle: the one conversion of a composed DictConfig into a RunSpec, with every check that
+needs no process and no torch. launch.py settles once per process (the dry run, the parent of
+local ranks, each torchrun/submitit rank); the validating sweeper settles every point of a sweep
+before any job starts. Nothing below a RunSpec re-derives what it holds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from parallel.layout import Layout
+from trainer.config import Config, ConfigError, unknown_keys
+from trainer.data.source import DataSource
+from trainer.spec.checks import check_cluster, check_values
+from trainer.spec.resolvers import build_layout
+from trainer.train.accounting import RunPlan
+from trainer.train.schedule import LrSchedule
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """A run, checked: the typed config and everything derived from it before any rank starts.
+    Frozen and picklable: launch.py hands the same value to every rank it starts."""
+
+    config: Config
+    layout: Layout
+    plan: RunPlan  # steps, evaluation batches, intervals
+    schedule: LrSchedule
+    data: DataSource  # where the tokens are, and what is known of them before opening
+
+
+def settle(cfg: DictConfig) -> RunSpec:
+    if "hydra" in cfg:  # a sweep point's config carries Hydra's own node; it is not ours
+        cfg = cfg.copy()
+        with open_dict(cfg):
+            del cfg["hydra"]
+    missing = sorted(OmegaConf.missing_keys(cfg))
+    if missing:
+        raise ConfigError(f"Missing config value(s) (???): {', '.join(missing)}. Fix: set them "
+                          f"on the command line, e.g. {missing[0]}=VALUE, or in a config file.")
+    unknown = unknown_keys(cfg)
+    if unknown:
+        raise ConfigError(
+            f"Unknown config key(s): {', '.join(unknown)}. Fix: check the spelling against "
+            f"`python launch.py --cfg job`; keys cannot be added with +key=value.")
+    if cfg._get_node("layout")._value() != Config.layout:  # an override replaced the resolver
+        raise ConfigError(
+            "layout is derived from parallel.*, cluster.* and train.* and is read-only. Fix: "
+            "remove the override of layout and set the parallel.* keys instead.")
+    try:
+        check_cluster(cfg.cluster)  # before the Layout, whose world size it makes
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    # Layout first among the rest: a rule violation prints as its own line.
+    layout = build_layout(cfg.parallel, cfg.cluster, cfg.train)
+    cfg = cfg.copy()
+    cfg.layout = layout.derived()  # resolved from the one Layout, not by the resolver again
+    config: Config = OmegaConf.to_object(cfg)
+    try:
+        check_values(config, layout)
+        plan = RunPlan.from_config(config.train, config.checkpoint, layout)
+        schedule = LrSchedule.from_config(config.schedule, config.train.train_samples)
+        data = DataSource.from_config(config.data, config.model, config.train)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    return RunSpec(config, layout, plan, schedule, data)
+

@@ -1,0 +1,1 @@
+"""One rank training: the engine it builds, the step, the optimizer, the schedule, the loop."""
