@@ -11,7 +11,9 @@ from omegaconf import DictConfig, OmegaConf
 from trainer.checkpoint import dcp as checkpoint
 from trainer.config import ConfigError
 from trainer.launch.ranks import RankEnv, check_world, launch_local, launched_rank, run_rank
+from trainer.report.console import console_log
 from trainer.report.dry_run import layout_record, write_layout_json
+from trainer.report.plot import write_curves
 from trainer.spec.runspec import RunSpec
 
 
@@ -40,12 +42,22 @@ def run(cfg: DictConfig, spec: RunSpec, run_dir: Path) -> None:
         check_inputs(spec)
         if env.rank == 0:
             write_run_artifacts(cfg, spec, run_dir)
-        run_rank(env, spec, run_dir, meta)
+        with console_log(run_dir, writer=env.rank == 0):
+            try:
+                run_rank(env, spec, run_dir, meta)
+            finally:
+                if env.rank == 0:
+                    write_curves(run_dir)
         return
     check_inputs(spec)
     write_run_artifacts(cfg, spec, run_dir)
-    if spec.layout.world_size > 1:
-        launch_local(spec, run_dir, meta)
-        return
-    with tempfile.TemporaryDirectory(prefix="gtp-rendezvous-") as meeting:
-        run_rank(RankEnv(0, 1, 0, f"file://{meeting}/store", "launch.py"), spec, run_dir, meta)
+    with console_log(run_dir, writer=True):
+        try:
+            if spec.layout.world_size > 1:
+                launch_local(spec, run_dir, meta)
+            else:
+                with tempfile.TemporaryDirectory(prefix="gtp-rendezvous-") as meeting:
+                    run_rank(RankEnv(0, 1, 0, f"file://{meeting}/store", "launch.py"), spec,
+                             run_dir, meta)
+        finally:
+            write_curves(run_dir)
