@@ -10,7 +10,6 @@ rank over params/(TP x G) + the same for gradients + 2 moments/(weight replicas)
 """
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import replace
 
@@ -87,7 +86,7 @@ def analytic_bytes(layout: Layout) -> dict[str, int]:
     for name, (rows, cols) in matrices.items():
         column = not name.endswith((".o", ".down"))  # row-parallel layers split the columns
         local_rows, local_cols = (rows // t, cols) if column else (rows, cols // t)
-        shard[name] = math.ceil(local_rows / g) * local_cols * F32
+        shard[name] = layout.shard_rows(local_rows) * local_cols * F32
     norms = (2 * layers + 1) * h * F32
     out = defaultdict(int)
     # GTP_remat, per micro-batch: linears gathered twice (remat), the embedding once.
@@ -108,7 +107,7 @@ def analytic_bytes(layout: Layout) -> dict[str, int]:
     # The optimizer over weight replicas: both flat buffers reduce-scattered and gathered.
     sharded_numel = sum(shard.values()) // F32
     for numel in (sharded_numel, norms // F32):
-        part = math.ceil(numel / r) * F32
+        part = layout.optimizer_part(numel) * F32
         out["reduce_scatter"] += _ring("reduce_scatter", r, part)
         out["all_gather"] += _ring("all_gather", r, part)
     # Scalars: loss-token count and loss sum over token_distinct, gradient norm over the world.
@@ -122,7 +121,7 @@ def analytic_memory(layout: Layout) -> int:
     """params/(TP x G) unpadded, the same for gradients, two fp32 moments over the replicas."""
     h, f, v, layers = MODEL.hidden_size, MODEL.ffn_hidden_size, MODEL.vocab_size, MODEL.num_layers
     matrices = 2 * v * h + layers * (4 * h * h + 3 * h * f)  # embed, head; qkv+o, gate_up+down
-    local = matrices / (layout.tp_size * layout.gtp_remat_size) + (2 * layers + 1) * h
+    local = matrices / layout.weight_tile_size + (2 * layers + 1) * h
     return round(F32 * (2 * local + 2 * local / layout.num_weight_replicas))
 
 

@@ -276,6 +276,21 @@ class Layout:
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.batch_parallel_size)
 
+    @property
+    def weight_tile_size(self) -> int:
+        """TP x GTP_remat: the ranks that together hold one full copy of the weights."""
+        return self.tp_size * self.gtp_remat_size
+
+    def shard_rows(self, tp_local_rows: int) -> int:
+        """Rows of a TP-local weight that one gtp_remat rank stores: padded up to a multiple of
+        GTP_remat, so every rank of the group holds the same number (parallel.sharding)."""
+        return -(-tp_local_rows // self.gtp_remat_size)
+
+    def optimizer_part(self, numel: int) -> int:
+        """Elements of a flat buffer of `numel` that one weight_replica rank updates: padded up
+        to a multiple of the replicas (ZeRO-1 over weight_replica)."""
+        return -(-numel // self.num_weight_replicas)
+
     def derived(self) -> dict[str, int]:
         """The values the config's read-only `layout` node carries, in DERIVED_KEYS order."""
         return {key: getattr(self, key) for key in DERIVED_KEYS}

@@ -13,23 +13,18 @@ from parallel.comm import Group
 from parallel.context import ContextParallelAttention
 from parallel.groups import Groups
 from parallel.layout import Layout
+from parallel.plan import ParallelPlan
 from parallel.sharding import ShardBundle
 from parallel.tensor import (ParallelLinear, VocabParallelEmbedding, global_chunks,
                              vocab_parallel_cross_entropy)
 
-# Module-name suffix -> (TP style, fused parts). Column then row keeps one collective per pair.
-TP_PLAN = {
-    "attn.qkv": ("column", 3), "attn.o": ("row", 1),
-    "mlp.gate_up": ("column", 2), "mlp.down": ("row", 1),
-    "head": ("column", 1),  # vocab-parallel logits, consumed by the vocab-parallel loss
-}
 ParallelLayer = (ParallelLinear, VocabParallelEmbedding)
 
 
 class ParallelModel(nn.Module):
     """The parallelized model plus what the step needs: this rank's loss and gradient sync."""
 
-    def __init__(self, module: nn.Module, groups: Groups, sequence_parallel: bool,
+    def __init__(self, module: nn.Module, groups: Groups, sequence_parallel: bool, head: str,
                  compute_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.module, self.groups, self.sequence_parallel = module, groups, sequence_parallel
@@ -41,7 +36,7 @@ class ParallelModel(nn.Module):
         # Whole on every rank of a weight tile (norms): gradients need a sum over gtp_remat, and
         # over TP too with SP (each TP rank saw different tokens).
         self.replicated = [(n, p) for n, p in module.named_parameters() if n not in sharded]
-        self.vocab_start = self.layers["head"].tp.rank * self.layers["head"].rows
+        self.vocab_start = self.layers[head].tp.rank * self.layers[head].rows
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         autocast = self.compute_dtype != torch.float32
@@ -91,20 +86,20 @@ class ParallelModel(nn.Module):
         return out
 
 
-def parallelize(model: nn.Module, layout: Layout, groups: Groups, rank: int,
+def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Groups, rank: int,
                 compute_dtype: torch.dtype = torch.float32) -> ParallelModel:
     if layout.pp_size > 1:
         raise NotImplementedError("pipeline stages are not supported in training yet")
     tp, gtp, sp = groups.tp, groups.gtp_remat, layout.sequence_parallel and layout.tp_size > 1
     for name, child in list(model.named_modules()):
-        replacement = _parallel_layer(name, child, tp, gtp, sp)
+        replacement = _parallel_layer(name, child, plan, tp, gtp, sp)
         if replacement is not None:
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, replacement)
     if gtp.size > 1:  # one collective per transformer block, not one per weight
         bundles: dict[str, ShardBundle] = {}
         for name, child in model.named_modules():
-            if isinstance(child, ParallelLinear) and name.startswith("layers."):
+            if isinstance(child, ParallelLinear) and name.startswith(f"{plan.blocks}."):
                 block = ".".join(name.split(".")[:2])
                 child.join_bundle(bundles.setdefault(block, ShardBundle(gtp)))
     if layout.runtime_context_parallel_size > 1:
@@ -112,18 +107,14 @@ def parallelize(model: nn.Module, layout: Layout, groups: Groups, rank: int,
         for module in model.modules():
             if hasattr(module, "attention_fn"):
                 module.attention_fn = attention
-    return ParallelModel(model, groups, sp, compute_dtype)
+    return ParallelModel(model, groups, sp, plan.head, compute_dtype)
 
 
-def _parallel_layer(name: str, module: nn.Module, tp: Group, gtp: Group,
+def _parallel_layer(name: str, module: nn.Module, plan: ParallelPlan, tp: Group, gtp: Group,
                     sp: bool) -> nn.Module | None:
     if isinstance(module, nn.Embedding):
         return VocabParallelEmbedding(module, tp, gtp, sp, name)
     if not isinstance(module, nn.Linear):
         return None
-    plan = next((p for suffix, p in TP_PLAN.items()
-                 if name == suffix or name.endswith("." + suffix)), None)
-    if plan is None:
-        raise ValueError(f"{name}: a linear layer the TP plan does not cover; add it to TP_PLAN")
-    style, parts = plan
+    style, parts = plan.linear_style(name)
     return ParallelLinear(module, style, tp, gtp, sp, name, parts)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import math
 
 from parallel.layout import Layout
-from trainer.report.memory import memory_per_stage, parameter_shapes, stage_of, unsharded_memory
+from trainer.model.plan import stage_of
+from trainer.report.memory import memory_per_stage, parameter_shapes, unsharded_memory
 from test_model import TINY
 
 SHAPES = parameter_shapes(TINY)

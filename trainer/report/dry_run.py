@@ -38,7 +38,7 @@ def nvlink_warnings(layout: Layout, domain: int) -> list[str]:
     if not crossing:
         return []
     first, last = crossing[0]
-    size = layout.tp_size * layout.gtp_remat_size
+    size = layout.weight_tile_size
     return [f"{len(crossing)} of {layout.world_size // size} weight tiles (TP x GTP_remat = "
             f"{size} ranks) span more than one NVLink domain of "
             f"cluster.gpus_per_nvlink_domain={domain} ranks (first: ranks {first}..{last}); their "

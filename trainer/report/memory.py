@@ -1,8 +1,9 @@
 """Bytes each rank holds for parameters, gradients and optimizer state under a layout.
 
 The model's parameter shapes come from the real model built on the meta device (no memory, no
-GPU); the placement rules are the contract's: 2-D weights are split over TP x GTP_remat, small
-tensors stay whole, optimizer state is sharded over weight_replica.
+GPU); the placement follows the model's plan and the Layout: planned weights are split over TP
+and their rows over GTP_remat (padded), small tensors stay whole, optimizer state is sharded
+over weight_replica.
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import asdict, dataclass
 
 from parallel.layout import Layout
 from trainer.config import ModelConfig
+from trainer.model.plan import PLAN, stage_of
 
 
 @dataclass(frozen=True)
@@ -39,15 +41,20 @@ def parameter_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
-def stage_of(name: str, num_layers: int, num_stages: int) -> int:
-    """Contiguous, balanced split of the blocks; embedding first, final norm and head last."""
-    if name.startswith("layers."):
-        return int(name.split(".")[1]) * num_stages // num_layers
-    return 0 if name.startswith("embed.") else num_stages - 1
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
+def local_numel(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[int, bool]:
+    """(elements this rank stores of parameter `name`, whether it is sharded): the TP slice of
+    a planned weight, its rows padded to a multiple of GTP_remat as parallel.sharding pads
+    them; anything else (norms) whole."""
+    module = name.removesuffix(".weight")
+    if module == PLAN.embedding:
+        style = "column"  # vocab-parallel: the rows (vocabulary) split over TP
+    elif len(shape) == 2:
+        style, _ = PLAN.linear_style(module)
+    else:
+        return math.prod(shape), False
+    rows, cols = shape
+    rows, cols = (rows // layout.tp_size, cols) if style == "column" else (rows, cols // layout.tp_size)
+    return layout.shard_rows(rows) * cols, True
 
 
 # (param, grad, optimizer) bytes per element. Weights, gradients and both AdamW moments are fp32
@@ -58,21 +65,23 @@ BYTES_PER_ELEMENT = (4, 4, 8)
 
 def memory_per_stage(shapes: dict[str, tuple[int, ...]], num_layers: int,
                      layout: Layout) -> list[StageMemory]:
-    """Per-rank memory for one rank of each pipeline stage (every rank of a stage holds the
-    same amount, up to the rounding of uneven shards, which is rounded up here)."""
-    weight_tile = layout.tp_size * layout.gtp_remat_size
-    replicas = layout.num_weight_replicas
+    """Per-rank memory for one rank of each pipeline stage, exactly as the trainer allocates
+    it: shards padded by rows (GTP_remat), and the optimizer's two flat buffers (sharded
+    weights, replicated tensors) padded to a multiple of the weight replicas, each replica
+    updating one part (train.optim.FlatBuffer)."""
     p_bytes, g_bytes, o_bytes = BYTES_PER_ELEMENT
-    stored = [0] * layout.pp_size
-    optim = [0] * layout.pp_size
-    for name, shape in shapes.items():
-        numel = math.prod(shape)
-        local = _ceil_div(numel, weight_tile) if len(shape) >= 2 else numel
-        stage = stage_of(name, num_layers, layout.pp_size)
-        stored[stage] += local
-        optim[stage] += _ceil_div(local, replicas)
-    return [StageMemory(s, stored[s], stored[s] * p_bytes, stored[s] * g_bytes,
-                        optim[s] * o_bytes) for s in range(layout.pp_size)]
+    out = []
+    for stage in range(layout.pp_size):
+        kinds = {True: 0, False: 0}  # sharded, replicated elements
+        for name, shape in shapes.items():
+            if stage_of(name, num_layers, layout.pp_size) == stage:
+                numel, sharded = local_numel(name, shape, layout)
+                kinds[sharded] += numel
+        parts = [layout.optimizer_part(n) for n in kinds.values() if n]
+        buffers = sum(parts) * layout.num_weight_replicas
+        out.append(StageMemory(stage, sum(kinds.values()), buffers * p_bytes, buffers * g_bytes,
+                               sum(parts) * o_bytes))
+    return out
 
 
 def unsharded_memory(shapes: dict[str, tuple[int, ...]]) -> StageMemory:

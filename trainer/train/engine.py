@@ -14,6 +14,7 @@ from parallel.groups import Groups, build_groups
 from parallel.layout import Layout
 from parallel.parallelize import ParallelModel, parallelize
 from trainer.config import ModelConfig, OptimConfig, Precision
+from trainer.model.plan import PLAN
 from trainer.model.transformer import Transformer
 from trainer.spec.checks import check_model_fits_layout
 from trainer.train.optim import ShardedAdamW
@@ -41,6 +42,6 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layo
     groups = build_groups(layout, CommStats())
     model = ARCHITECTURES[model_cfg.name](model_cfg)
     model.init_weights(seed)
-    parallel = parallelize(model, layout, groups, torch.distributed.get_rank(),
+    parallel = parallelize(model, PLAN, layout, groups, torch.distributed.get_rank(),
                            COMPUTE_DTYPE[precision]).to(device)
-    return Engine(layout, groups, parallel, OPTIMIZERS[optim_cfg.name](parallel, optim_cfg))
+    return Engine(layout, groups, parallel, OPTIMIZERS[optim_cfg.name](parallel, optim_cfg, layout))

@@ -7,12 +7,12 @@ updates the parts in place, and the parts are all-gathered back into the buffers
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from parallel.comm import Group
+from parallel.layout import Layout
 from parallel.parallelize import ParallelModel
 from trainer.config import OptimConfig
 
@@ -32,11 +32,10 @@ class FlatBuffer:
         return flat[replica.rank * size:(replica.rank + 1) * size]
 
     @classmethod
-    def build(cls, named: list[tuple[str, torch.nn.Parameter]], replica: Group,
+    def build(cls, named: list[tuple[str, torch.nn.Parameter]], replica: Group, layout: Layout,
               counted: bool) -> FlatBuffer:
         params = [p for _, p in named]
-        numel = sum(p.numel() for p in params)
-        part_size = math.ceil(numel / replica.size)
+        part_size = layout.optimizer_part(sum(p.numel() for p in params))
         first = params[0]
         flat = first.new_zeros(part_size * replica.size)
         grads = torch.zeros_like(flat)
@@ -54,8 +53,9 @@ class FlatBuffer:
 
 
 class ShardedAdamW:
-    def __init__(self, model: ParallelModel, cfg: OptimConfig):
+    def __init__(self, model: ParallelModel, cfg: OptimConfig, layout: Layout):
         groups = model.groups
+        assert groups.weight_replica.size == layout.num_weight_replicas
         self.replica, self.world, self.clip = groups.weight_replica, groups.world, cfg.clip_grad
         sharded, replicated = [], []
         for name, param in model.module.named_parameters():
@@ -69,7 +69,7 @@ class ShardedAdamW:
         for params, decay, counted in ((sharded, cfg.weight_decay, True),
                                        (replicated, 0.0, tile_root)):
             if params:
-                buffer = FlatBuffer.build(params, self.replica, counted)
+                buffer = FlatBuffer.build(params, self.replica, layout, counted)
                 self.buffers.append(buffer)
                 param_groups.append({"params": [buffer.part], "weight_decay": decay})
         # foreach=False: the same per-tensor kernels as a plain single-process AdamW.

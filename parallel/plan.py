@@ -1,0 +1,24 @@
+"""ParallelPlan: what parallelize does to a model, by module name. Pure data (no torch), so the
+dry run's memory plan reads the same plan the engine applies; each model's room holds its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """What to do to a model, by module name; the model's own room holds its plan."""
+
+    linears: dict[str, tuple[str, int]]  # module-name suffix -> ("column"|"row", fused parts)
+    embedding: str  # the token embedding (vocab-parallel)
+    head: str  # the output projection whose logits feed the vocab-parallel loss
+    blocks: str  # the ModuleList of blocks; each block's sharded linears share one bundle
+
+    def linear_style(self, name: str) -> tuple[str, int]:
+        style = next((p for suffix, p in self.linears.items()
+                      if name == suffix or name.endswith("." + suffix)), None)
+        if style is None:
+            raise ValueError(f"{name}: a linear layer the parallelize plan does not cover; add "
+                             f"it to the model's plan (linears)")
+        return style
