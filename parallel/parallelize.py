@@ -102,6 +102,9 @@ def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Gr
             if isinstance(child, ParallelLinear) and name.startswith(f"{plan.blocks}."):
                 block = ".".join(name.split(".")[:2])
                 child.join_bundle(bundles.setdefault(block, ShardBundle(gtp)))
+        for block, bundle in bundles.items():  # the gathered weights live for one block forward
+            model.get_submodule(block).register_forward_hook(
+                lambda module, args, output, bundle=bundle: bundle.release_forward())
     if layout.runtime_context_parallel_size > 1:
         attention = ContextParallelAttention(groups.context, layout, rank)
         for module in model.modules():

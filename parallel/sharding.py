@@ -91,17 +91,23 @@ def sharded_embedding(ids: torch.Tensor, shard: torch.Tensor, group: Group,
 
 
 class ShardBundle:
-    """Sharded linears used together once per forward pass (one block). In forward the first
-    use gathers every member's weight in one all-gather, the last use frees them; in backward
-    the first gradient gathers them again, and when every member's gradient is in, one
-    reduce-scatter returns all the shard gradients, which are added to the shards' .grad."""
+    """Sharded linears of one block, gathered and reduce-scattered together: one message for
+    all of them instead of one each. No assumption on how often a member runs per forward:
+
+    forward: the first use gathers every member's weight; they are freed when the block's
+    forward ends (release_forward, a forward hook on the block set by parallelize), so a
+    member may run twice and a recomputed forward gathers again.
+    backward: every use recorded in the autograd graph is counted; the first backward use
+    gathers the weights again, each use's gradient is added to its member's, and when the
+    last counted use is done one reduce-scatter returns all shard gradients.
+    """
 
     def __init__(self, group: Group):
         self.group = group
         self.members: list[tuple[torch.nn.Parameter, int]] = []  # (shard, TP-local rows)
         self._forward: list[torch.Tensor] | None = None
-        self._uses = 0
         self._backward: list[torch.Tensor] | None = None
+        self._pending = 0  # recorded uses whose backward has not run yet
         self._grads: dict[int, torch.Tensor] = {}
 
     def add(self, shard: torch.nn.Parameter, rows: int) -> int:
@@ -119,14 +125,15 @@ class ShardBundle:
             offset += shard.numel()
         return out
 
-    def forward_weight(self, index: int) -> torch.Tensor:
+    def forward_weight(self, index: int, recorded: bool) -> torch.Tensor:
+        """`recorded`: this use enters the autograd graph, so its backward will come."""
         if self._forward is None:
             self._forward = self._gather()
-        weight = self._forward[index]
-        self._uses += 1
-        if self._uses == len(self.members):  # the block's forward is done: free the weights
-            self._forward, self._uses = None, 0
-        return weight
+        self._pending += recorded
+        return self._forward[index]
+
+    def release_forward(self) -> None:
+        self._forward = None
 
     def backward_weight(self, index: int) -> torch.Tensor:
         if self._backward is None:
@@ -134,15 +141,19 @@ class ShardBundle:
         return self._backward[index]
 
     def add_grad(self, index: int, grad_full: torch.Tensor) -> None:
-        self._grads[index] = grad_full
-        if len(self._grads) < len(self.members):
+        previous = self._grads.get(index)
+        self._grads[index] = grad_full if previous is None else previous + grad_full
+        self._pending -= 1
+        if self._pending > 0:
             return
         size = self.group.size
-        rows_per_rank = [shard.shape[0] for shard, _ in self.members]
-        stacked = torch.cat([F.pad(self._grads[i], (0, 0, 0, per * size - rows)).view(size, -1)
-                             for i, ((_, rows), per) in enumerate(zip(self.members, rows_per_rank))],
-                            dim=1)
-        mine = self.group.reduce_scatter(stacked.reshape(-1))
+        parts = []
+        for i, (shard, rows) in enumerate(self.members):
+            grad = self._grads.get(i)
+            if grad is None:  # a member this forward did not use
+                grad = shard.new_zeros((rows, *shard.shape[1:]))
+            parts.append(F.pad(grad, (0, 0, 0, shard.shape[0] * size - rows)).view(size, -1))
+        mine = self.group.reduce_scatter(torch.cat(parts, dim=1).reshape(-1))
         offset = 0
         for shard, _ in self.members:
             grad = mine[offset:offset + shard.numel()].view_as(shard)
@@ -155,14 +166,21 @@ class ShardBundle:
         self._backward = None
 
 
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass now: a forward run from there is activation
+    recompute, whose uses the original forward already counted."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class _BundledLinear(torch.autograd.Function):
     """y = x @ W^T with W from its bundle; the shard's gradient goes through the bundle."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, shard: torch.Tensor, bundle: ShardBundle, index: int):
+    def forward(ctx, x: torch.Tensor, shard: torch.Tensor, bundle: ShardBundle, index: int,
+                recorded: bool):
         ctx.bundle, ctx.index = bundle, index
         ctx.save_for_backward(x)
-        return F.linear(x, bundle.forward_weight(index))
+        return F.linear(x, bundle.forward_weight(index, recorded))
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
@@ -173,9 +191,13 @@ class _BundledLinear(torch.autograd.Function):
         grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(
             grad_y.dtype)
         bundle.add_grad(index, grad_w.to(bundle.members[index][0].dtype))
-        return grad_x, None, None, None  # the shard's gradient was added by the bundle
+        return grad_x, None, None, None, None  # the shard's gradient was added by the bundle
 
 
 def bundled_linear(x: torch.Tensor, shard: torch.Tensor, bundle: ShardBundle,
                    index: int) -> torch.Tensor:
-    return _BundledLinear.apply(x, shard, bundle, index)
+    # Autograd records the node (and will run its backward) only under grad mode with an input
+    # that needs a gradient; inside Function.forward grad mode is always off, so decide here.
+    recorded = (torch.is_grad_enabled() and (x.requires_grad or shard.requires_grad)
+                and not _in_backward())
+    return _BundledLinear.apply(x, shard, bundle, index, recorded)
