@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -44,3 +46,74 @@ def test_hydra_finds_the_plugin_on_its_own_and_compose_imports_no_torch():
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd="/")
+
+
+# ------------------------------------------------------------------ the rooms' dependency rules
+PACKAGES = ("trainer", "parallel", "hydra_plugins")
+
+
+def project_modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+MODULES = project_modules()
+
+
+def project_imports(name: str) -> set[str]:
+    """The project modules `name` imports (a package import counts as its __init__)."""
+    out = set()
+    for imported in imported_modules(MODULES[name]):
+        while imported and imported not in MODULES:
+            imported = imported.rpartition(".")[0]
+        if imported and imported != name:
+            out.add(imported)
+    return out
+
+
+def closure(name: str) -> set[str]:
+    seen, todo = set(), [name]
+    while todo:
+        for dep in project_imports(todo.pop()):
+            if dep not in seen:
+                seen.add(dep)
+                todo.append(dep)
+    return seen
+
+
+def test_no_module_imports_itself_back():
+    cycles = [name for name in MODULES if name in closure(name)]
+    assert not cycles, f"import cycles through {cycles}"
+
+
+# Modules that run at compose time (the resolver, the sweeper, settle, the dry run's checks):
+# nothing they import, directly or not, may import torch.
+COMPOSE_TIME = ("trainer.config", "trainer.spec.runspec", "trainer.spec.sweeps",
+                "trainer.spec.resolvers", "hydra_plugins.gtp_trainer_resolvers")
+
+
+@pytest.mark.parametrize("name", COMPOSE_TIME)
+def test_compose_time_modules_import_no_torch(name):
+    heavy = {module for module in {name} | closure(name)
+             if any(m.split(".")[0] == "torch" for m in imported_modules(MODULES[module]))}
+    assert not heavy, f"{name} imports torch through {sorted(heavy)}"
+
+
+def test_the_model_does_not_know_it_is_parallel():
+    """Only the plan (pure data) is shared with parallel/; the model's code imports none of it."""
+    assert not {m for m in project_imports("trainer.model.transformer") if m.startswith("parallel")}
+    assert {m for m in project_imports("trainer.model.plan")} == {"parallel.plan"}
+
+
+def test_launching_sits_on_top():
+    """Nothing below trainer.launch imports it, except the loop's stop-at-a-step-boundary signal
+    watch; launch.py is the composition root."""
+    users = {name for name in MODULES if not name.startswith("trainer.launch")
+             for dep in project_imports(name) if dep.startswith("trainer.launch")}
+    assert users <= {"trainer.train.loop"}
+    assert {d for d in project_imports("trainer.train.loop") if d.startswith("trainer.launch")} \
+        <= {"trainer.launch.signals"}
