@@ -14,9 +14,9 @@ from collections import defaultdict
 from dataclasses import replace
 
 import torch
+from ranks import run_ranks
 
 from parallel.layout import Layout
-from ranks import run_ranks
 from trainer.config import ModelConfig, OptimConfig
 from trainer.train.engine import build_engine
 from trainer.train.step import MicroBatch, train_step

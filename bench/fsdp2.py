@@ -17,24 +17,26 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
+
 # Imported here, once, rather than lazily in every forked rank (1-5 s each on a busy machine):
 # torch.optim imports torch._dynamo on first use, fully_shard the DTensor machinery.
 import torch._dynamo  # noqa: F401
+import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from parallel.layout import Layout  # noqa: E402
-from trainer.data.batch import rank_micro_batches  # noqa: E402
-from trainer.config import ModelConfig, OptimConfig  # noqa: E402
-from trainer.train.engine import build_engine  # noqa: E402
-from trainer.model.transformer import Transformer  # noqa: E402
-from trainer.train.step import train_step  # noqa: E402
 from ranks import run_ranks  # noqa: E402
+
+from parallel.layout import Layout  # noqa: E402
+from trainer.config import ModelConfig, OptimConfig  # noqa: E402
+from trainer.data.batch import rank_micro_batches  # noqa: E402
+from trainer.model.transformer import Transformer  # noqa: E402
+from trainer.train.engine import build_engine  # noqa: E402
+from trainer.train.step import train_step  # noqa: E402
 
 MODEL = ModelConfig(name="llama", vocab_size=256, hidden_size=256, num_layers=4, num_heads=8,
                     ffn_hidden_size=688, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02)

@@ -1,5 +1,5 @@
-"""Single-GPU bf16 training speed and MFU of a ~1B trainer.model.transformer.Transformer: plain PyTorch
-against the same model with transformer-engine layers. A benchmark that prints a table and
+"""Single-GPU bf16 training speed and MFU of a ~1B Transformer (trainer.model.transformer): plain
+PyTorch against the same model with transformer-engine layers. A benchmark that prints a table and
 writes JSON, not a test; it downloads nothing (synthetic tokens, default initialisers).
 
     python bench/gpu_mfu.py [--out bench/gpu_results.json] [--peak-tflops 989]
@@ -173,7 +173,8 @@ def run_variant(variant: str, cfg: ModelConfig, args, device: torch.device, te,
         model = Transformer(cfg)
     if variant != "plain":
         to_te(model, te)
-    extra = te_context(te, fp8=variant == "te_fp8") if variant != "plain" else contextlib.nullcontext
+    plain = variant == "plain"
+    extra = contextlib.nullcontext if plain else te_context(te, fp8=variant == "te_fp8")
     # The usual mixed-precision recipe: fp32 master weights, grads and Adam moments; bf16
     # matmuls and attention under autocast; one fused AdamW kernel over all parameters.
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)

@@ -23,7 +23,7 @@ def loader_samples_per_s(micro: int, seq: int, steps: int) -> float:
     started = time.perf_counter()
     for step in range(steps):
         consumed = step * layout.global_batch_size
-        rank_micro_batches(lambda idx: stream.get([consumed + i for i in idx]), layout, 0)
+        rank_micro_batches(lambda idx, at=consumed: stream.get([at + i for i in idx]), layout, 0)
     return steps * layout.global_batch_size / (time.perf_counter() - started)
 
 

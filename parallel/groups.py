@@ -43,7 +43,8 @@ def build_groups(layout: Layout, stats: CommStats | None = None) -> Groups:
             f"{layout.world_size} (cluster.num_nodes x cluster.procs_per_node). Fix: launch "
             f"{layout.world_size} processes, or change cluster.*.")
     stats = CommStats() if stats is None else stats
-    handles: dict[tuple[int, ...], dist.ProcessGroup | None] = {tuple(range(world)): dist.group.WORLD}
+    handles: dict[tuple[int, ...], dist.ProcessGroup | None] = {
+        tuple(range(world)): dist.group.WORLD}
     mine: dict[str, Group] = {"world": Group("world", list(range(world)), rank,
                                              dist.group.WORLD, stats)}
     for name in GROUP_NAMES:

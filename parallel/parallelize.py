@@ -15,8 +15,12 @@ from parallel.groups import Groups
 from parallel.layout import Layout
 from parallel.plan import ParallelPlan
 from parallel.sharding import ShardBundle
-from parallel.tensor import (ParallelLinear, VocabParallelEmbedding, global_chunks,
-                             vocab_parallel_cross_entropy)
+from parallel.tensor import (
+    ParallelLinear,
+    VocabParallelEmbedding,
+    global_chunks,
+    vocab_parallel_cross_entropy,
+)
 
 ParallelLayer = (ParallelLinear, VocabParallelEmbedding)
 

@@ -73,7 +73,8 @@ class _ShardedEmbedding(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         (ids,) = ctx.saved_tensors
         grad_w = grad_out.new_zeros((ctx.rows, grad_out.shape[-1]), dtype=ctx.dtype)
-        grad_w.index_add_(0, ids.reshape(-1), grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.dtype))
+        rows = grad_out.reshape(-1, grad_out.shape[-1]).to(ctx.dtype)
+        grad_w.index_add_(0, ids.reshape(-1), rows)
         return None, _scatter_rows(grad_w, ctx.group), None, None
 
 

@@ -11,10 +11,22 @@ import torch
 from torch import nn
 
 from parallel.comm import Group
-from parallel.regions import (all_gather_dim, copy_to, gather_along, reduce_from, scatter_along,
-                              split_along)
-from parallel.sharding import (ShardBundle, bundled_linear, gather_rows, shard_rows_of,
-                                sharded_embedding, sharded_linear)
+from parallel.regions import (
+    all_gather_dim,
+    copy_to,
+    gather_along,
+    reduce_from,
+    scatter_along,
+    split_along,
+)
+from parallel.sharding import (
+    ShardBundle,
+    bundled_linear,
+    gather_rows,
+    shard_rows_of,
+    sharded_embedding,
+    sharded_linear,
+)
 
 SEQ_DIM = 1  # activations are [batch, seq, features]
 
@@ -36,7 +48,8 @@ class ParallelLinear(nn.Module):
         self.full_shape = tuple(full.weight.shape)
         if self.full_shape[self.tp_dim] % tp.size:
             raise ValueError(
-                f"{name}: {self.full_shape[self.tp_dim]} {'output' if style == 'column' else 'input'}"
+                f"{name}: {self.full_shape[self.tp_dim]} "
+                f"{'output' if style == 'column' else 'input'}"
                 f" features do not split over tensor_model_parallel_size={tp.size}")
         if self.full_shape[self.tp_dim] % (tp.size * parts) or (parts > 1 and style == "row"):
             raise ValueError(f"{name}: {parts} fused parts of {self.full_shape} do not split "
@@ -70,7 +83,8 @@ class ParallelLinear(nn.Module):
         else:
             y = sharded_linear(x, self.weight, self.gtp, self.rows)
         if self.style == "row":
-            y = scatter_along(y, self.tp, SEQ_DIM) if self.sequence_parallel else reduce_from(y, self.tp)
+            sp = self.sequence_parallel
+            y = scatter_along(y, self.tp, SEQ_DIM) if sp else reduce_from(y, self.tp)
         return y
 
 

@@ -6,10 +6,11 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ReadonlyConfigError, ValidationError
 
-from config_helpers import CONF_DIR, compose_config
-from trainer.spec.resolvers import LayoutResolutionError
 from parallel.layout import DERIVED_KEYS, Layout
 from trainer.config import unknown_keys
+from trainer.spec.resolvers import LayoutResolutionError
+
+from config_helpers import CONF_DIR, compose_config
 
 SCHEMA_GROUPS = ("model", "parallel", "cluster", "train", "data", "optim", "schedule", "logger",
                  "checkpoint")

@@ -9,8 +9,9 @@ import sys
 import pytest
 import yaml
 
-from config_helpers import ROOT
 from parallel.layout import AXES, DERIVED_KEYS, GROUP_NAMES, Layout
+
+from config_helpers import ROOT
 
 
 def launch(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:

@@ -5,9 +5,10 @@ import json
 
 import pytest
 
-from config_helpers import CONF_DIR, compose_config
-from trainer.spec.runspec import settle
 from trainer.report.dry_run import dry_run
+from trainer.spec.runspec import settle
+
+from config_helpers import CONF_DIR, compose_config
 
 EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 
@@ -15,7 +16,7 @@ EXPERIMENTS = sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml"))
 @pytest.mark.parametrize("experiment", EXPERIMENTS)
 def test_every_experiment_dry_runs(experiment, tmp_path, capsys):
     spec = settle(compose_config(f"experiment={experiment}"))
-    settings, layout = spec.config, spec.layout
+    layout = spec.layout
     record = dry_run(spec, tmp_path)
     assert json.loads((tmp_path / "layout.json").read_text())["derived"] == layout.derived()
     assert record["warnings"] == []  # the presets keep each weight tile inside one domain

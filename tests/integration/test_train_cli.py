@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from config_helpers import ROOT
 from trainer.data.dataset import prepare
+
+from config_helpers import ROOT
 
 MICRO, STEPS = 4, 8  # one process: global batch = micro_batch_size = 4
 SMALL_RUN = ("train.micro_batch_size=4", "train.seq_length=32", "logger.log_interval=1",

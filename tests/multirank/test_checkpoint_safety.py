@@ -4,10 +4,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import RankFailure, run_ranks
-from test_layout_changes import GBS, dataset, settings_for  # noqa: F401  (dataset: a fixture)
 from trainer.checkpoint import dcp as checkpoint
 from trainer.train.loop import Trainer
+
+from harness import RankFailure, run_ranks
+from test_layout_changes import GBS, dataset, settings_for  # noqa: F401  (dataset: a fixture)
 
 OVERRIDES = ("cluster.procs_per_node=2", "parallel.tensor_parallel_num_weight_shards=2")
 
@@ -31,7 +32,7 @@ def job_load(rank, spec, path):
     return trainer.state
 
 
-def test_a_crash_during_save_keeps_the_last_good_checkpoint(dataset, tmp_path):
+def test_a_crash_during_save_keeps_the_last_good_checkpoint(dataset, tmp_path):  # noqa: F811  (the imported fixture)
     spec = settings_for(dataset, tmp_path, OVERRIDES, f"train.train_samples={4 * GBS}",
                         "checkpoint.save_interval=2")
     with pytest.raises(RankFailure, match="disk full"):
@@ -60,6 +61,6 @@ def job_rng_round_trip(rank, spec, run_dir):
     return torch.equal(torch.get_rng_state(), saved)
 
 
-def test_the_random_generator_state_comes_back(dataset, tmp_path):
+def test_the_random_generator_state_comes_back(dataset, tmp_path):  # noqa: F811  (the imported fixture)
     spec = settings_for(dataset, tmp_path, OVERRIDES, f"train.train_samples={GBS}")
     assert run_ranks(2, job_rng_round_trip, spec, tmp_path) == [True, True]

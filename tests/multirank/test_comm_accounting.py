@@ -14,13 +14,14 @@ import math
 
 import torch
 
-from harness import run_ranks
 from parallel.layout import Layout
-from test_parity import OPTIM, SEED, TINY, make_data, make_layout
 from trainer.data.batch import rank_micro_batches
-from trainer.train.engine import build_engine
 from trainer.report.memory import parameter_shapes
+from trainer.train.engine import build_engine
 from trainer.train.step import train_step
+
+from harness import run_ranks
+from test_parity import OPTIM, SEED, TINY, make_data, make_layout
 
 FP32 = 4
 

@@ -5,8 +5,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from harness import RankFailure, run_ranks
 from parallel.layout import GROUP_NAMES, Layout
+
+from harness import RankFailure, run_ranks
 
 # The contract's group example, halved to 8 ranks: TP 2 + SP, weight shards 4, sequence shards
 # 4 (ns 2), CP 2 -> every group kind has more than one member.

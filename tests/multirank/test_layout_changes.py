@@ -21,13 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from config_helpers import compose_config
-from harness import run_ranks
-from trainer.spec.runspec import settle
 from trainer.checkpoint import dcp as checkpoint
 from trainer.data.dataset import prepare
+from trainer.spec.runspec import settle
 from trainer.train.engine import build_engine
 from trainer.train.loop import Trainer
+
+from config_helpers import compose_config
+from harness import run_ranks
 
 STEPS_BEFORE, STEPS_TOTAL, GBS = 3, 6, 8
 BASE = ("model=tiny", "train.seq_length=32", "train.micro_batch_size=2",
@@ -167,7 +168,8 @@ def test_sequence_shards_and_cp_leave_sample_counts_alone(changed, dataset, tmp_
     assert new_layout.batch_parallel_size < base_layout.batch_parallel_size
     # ... the same samples, steps and learning rates.
     assert [r["consumed_samples"] for r in new_records] == [8, 16, 24, 32]
-    assert [r["consumed_samples"] for r in new_records] == [r["consumed_samples"] for r in base_records]
+    assert ([r["consumed_samples"] for r in new_records]
+            == [r["consumed_samples"] for r in base_records])
     assert [r["lr"] for r in new_records] == [r["lr"] for r in base_records]
     for new, old in zip(new_records, base_records):
         assert abs(new["loss"] - old["loss"]) <= 1e-5 * abs(old["loss"])

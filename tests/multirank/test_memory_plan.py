@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from harness import run_ranks
-from test_parity import OPTIM, SEED, TINY, make_data, make_layout
 from trainer.data.batch import rank_micro_batches
 from trainer.report.memory import memory_per_stage, parameter_shapes
 from trainer.train.engine import build_engine
 from trainer.train.step import train_step
+
+from harness import run_ranks
+from test_parity import OPTIM, SEED, TINY, make_data, make_layout
 
 FP32 = 4
 

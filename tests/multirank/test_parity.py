@@ -15,20 +15,20 @@ shows the engine itself is exact; there we assert 1e-10.
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from harness import run_ranks
 from parallel.layout import Layout
-from trainer.data.batch import rank_micro_batches
 from trainer.config import ModelConfig, OptimConfig, Precision
-from trainer.train.engine import build_engine
+from trainer.data.batch import rank_micro_batches
 from trainer.model.transformer import Transformer
+from trainer.train.engine import build_engine
 from trainer.train.step import IGNORE, train_step
+
+from harness import run_ranks
 
 TINY = ModelConfig(name="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
                    ffn_hidden_size=176, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02)
@@ -117,7 +117,7 @@ def train_rank(rank: int, layout: Layout, batches: list[torch.Tensor], dtype: to
     engine = build_engine(TINY, OPTIM, SEED, layout, torch.device("cpu"), precision)
     losses, norms = [], []
     for batch, lr in zip(batches, LRS):
-        micro_batches = rank_micro_batches(lambda idx: batch[idx], layout, rank)
+        micro_batches = rank_micro_batches(lambda idx, b=batch: b[idx], layout, rank)
         for mb in micro_batches:  # inputs may not hold the ignore marker; labels keep it
             mb.tokens = mb.tokens.clamp(min=0)
         result = train_step(engine.model, engine.optimizer, micro_batches, lr)

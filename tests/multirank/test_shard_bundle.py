@@ -11,12 +11,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from harness import run_ranks
 from parallel.comm import CommStats
 from parallel.groups import build_groups
 from parallel.layout import Layout
 from parallel.sharding import ShardBundle
 from parallel.tensor import ParallelLinear
+
+from harness import run_ranks
 
 
 class Twice(nn.Module):

@@ -50,7 +50,8 @@ def wait_done(job: submitit.Job, timeout_s: float = WAIT_S) -> None:
         time.sleep(0.5)
 
 
-def test_two_task_job_sees_its_ranks_and_forms_a_gloo_group(slurm_client, slurm_partition, tmp_path):
+def test_two_task_job_sees_its_ranks_and_forms_a_gloo_group(slurm_client, slurm_partition,
+                                                             tmp_path):
     executor = make_executor(tmp_path, slurm_partition, tasks_per_node=2)
     job = executor.submit(slurm_jobs.report_ranks)
     wait_done(job)
@@ -70,7 +71,8 @@ def test_two_task_job_sees_its_ranks_and_forms_a_gloo_group(slurm_client, slurm_
 
 def test_cancelled_job_is_reported_cancelled_not_waited_on(slurm_client, slurm_partition, tmp_path):
     marker = tmp_path / "started"
-    job = make_executor(tmp_path, slurm_partition).submit(slurm_jobs.mark_and_sleep, str(marker), 600)
+    executor = make_executor(tmp_path, slurm_partition)
+    job = executor.submit(slurm_jobs.mark_and_sleep, str(marker), 600)
     wait_until(marker.exists, WAIT_S, f"job {job.job_id} to start")
 
     job.cancel()

@@ -1,17 +1,18 @@
 """RunPlan: a run is whole global batches, evaluation is whole micro-batches per batch lane, the
 intervals are positive, and every count is independent samples, so layouts that only change who
-reads a sample (sequence shards, CP) give the same steps. Also that trainer.spec.runspec.settle turns each rule
+reads a sample (sequence shards, CP) give the same steps. Also that trainer.spec.runspec.settle
+turns each rule
 into one line before anything starts."""
 from __future__ import annotations
 
 import pytest
 
-from config_helpers import compose_config
-from trainer.config import ConfigError
-from trainer.spec.runspec import settle
 from parallel.layout import Layout
+from trainer.config import CheckpointConfig, ConfigError, Precision, TrainConfig
+from trainer.spec.runspec import settle
 from trainer.train.accounting import RunPlan
-from trainer.config import CheckpointConfig, Precision, TrainConfig
+
+from config_helpers import compose_config
 
 
 def train_config(**overrides) -> TrainConfig:

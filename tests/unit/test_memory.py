@@ -6,6 +6,7 @@ import math
 from parallel.layout import Layout
 from trainer.model.plan import stage_of
 from trainer.report.memory import memory_per_stage, parameter_shapes, unsharded_memory
+
 from test_model import TINY
 
 SHAPES = parameter_shapes(TINY)

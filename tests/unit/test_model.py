@@ -58,7 +58,8 @@ def test_rotary_scores_depend_only_on_relative_position():
 
 def test_bad_head_count_is_a_clear_error():
     bad = ModelConfig(**{**TINY.__dict__, "num_heads": 5})
-    with pytest.raises(ValueError, match="model.hidden_size=64 is not divisible by model.num_heads=5"):
+    with pytest.raises(ValueError,
+                       match="model.hidden_size=64 is not divisible by model.num_heads=5"):
         Transformer(bad)
 
 

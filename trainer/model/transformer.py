@@ -61,7 +61,8 @@ class Attention(nn.Module):
         # heads, and a sequence-parallel one sees the whole sequence while x holds a slice.
         b, s = q.shape[:2]
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
-        q, k = apply_rotary(q, positions, self.rope_theta), apply_rotary(k, positions, self.rope_theta)
+        theta = self.rope_theta
+        q, k = apply_rotary(q, positions, theta), apply_rotary(k, positions, theta)
         out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.o(out.transpose(1, 2).reshape(b, s, -1))
 

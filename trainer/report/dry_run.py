@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from parallel.layout import AXES, GROUP_AXES, GROUP_PURPOSE, Layout
-from trainer.spec.runspec import RunSpec
 from trainer.report.memory import memory_per_stage, parameter_shapes, unsharded_memory
+from trainer.spec.runspec import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,8 @@ def format_report(spec: RunSpec, memory: dict[str, Any], rows: list[dict[str, in
                       f"  {'':15s} {GROUP_PURPOSE[name]}"]
     if rows and layout.world_size <= MAX_TABLE_RANKS:
         columns = list(rows[0])
-        lines += ["", "per rank:", "  " + " ".join(f"{col:>{max(4, len(col))}s}" for col in columns)]
+        header = " ".join(f"{col:>{max(4, len(col))}s}" for col in columns)
+        lines += ["", "per rank:", "  " + header]
         lines += ["  " + " ".join(f"{row[col]:>{max(4, len(col))}d}" for col in columns)
                   for row in rows]
     m = settings.model

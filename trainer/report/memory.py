@@ -53,7 +53,8 @@ def local_numel(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[int,
     else:
         return math.prod(shape), False
     rows, cols = shape
-    rows, cols = (rows // layout.tp_size, cols) if style == "column" else (rows, cols // layout.tp_size)
+    tp = layout.tp_size
+    rows, cols = (rows // tp, cols) if style == "column" else (rows, cols // tp)
     return layout.shard_rows(rows) * cols, True
 
 
