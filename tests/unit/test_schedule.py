@@ -191,11 +191,12 @@ def test_negative_consumed_samples_is_an_error():
 
 @pytest.mark.parametrize("style,line", [
     ("constant", "constant: lr 0.001, warmup 100 samples, then constant"),
-    ("linear", "linear: lr 0.001, warmup 100, decay to 0.0001 at 1000 samples"),
-    ("cosine", "cosine: lr 0.001, warmup 100, decay to 0.0001 at 1000 samples"),
-    ("wsd", "wsd: lr 0.001, warmup 100, stable to 800, anneal to 0.0001 at 1000 samples"),
-    ("inverse_sqrt", "inverse_sqrt: lr 0.001, warmup 100, then lr x sqrt(100/samples), "
-                     "floor 0.0001"),
+    ("linear", "linear: lr 0.001, warmup 100 samples, decay to 0.0001 at 1,000 samples"),
+    ("cosine", "cosine: lr 0.001, warmup 100 samples, decay to 0.0001 at 1,000 samples"),
+    ("wsd", "wsd: lr 0.001, warmup 100 samples, stable to 800 samples, anneal to 0.0001 at "
+            "1,000 samples"),
+    ("inverse_sqrt", "inverse_sqrt: lr 0.001, warmup 100 samples, then falls as 1/sqrt(samples) "
+                     "from 100 samples, floor 0.0001"),
 ])
 def test_describe(style, line):
     assert schedule(style).describe() == line

@@ -98,19 +98,24 @@ class LrSchedule:
         return self.min_lr + span * 0.5 * (1.0 + math.cos(math.pi * progress))
 
     def describe(self) -> str:
-        """One line for the logs, e.g. 'cosine: lr 0.001, warmup 1024, decay to 0.0001 at 16384
-        samples'."""
-        head = f"{self.style.value}: lr {self.max_lr:g}, warmup {self.warmup_samples}"
+        """One line for the start line, every count with its unit and thousands separators, e.g.
+        'cosine: lr 0.001, warmup 1,024 samples, decay to 0.0001 at 16,384 samples'."""
+        def _samples(count: int) -> str:  # a reader of the logs should never guess the unit
+            return f"{count:,} sample" + ("" if count == 1 else "s")
+
+        head = f"{self.style.value}: lr {self.max_lr:g}, warmup {_samples(self.warmup_samples)}"
         if self.style is LrDecayStyle.constant:
-            return f"{head} samples, then constant"
+            return f"{head}, then constant"
         if self.style is LrDecayStyle.inverse_sqrt:
-            return (f"{head}, then lr x sqrt({max(self.warmup_samples, 1)}/samples), "
-                    f"floor {self.min_lr:g}")
+            # lr() scales by sqrt(max(warmup, 1) / consumed): say where the 1/sqrt fall starts.
+            return (f"{head}, then falls as 1/sqrt(samples) from "
+                    f"{_samples(max(self.warmup_samples, 1))}, floor {self.min_lr:g}")
         if self.style is LrDecayStyle.wsd:
-            head += f", stable to {self.decay_samples - self.wsd_decay_samples}, anneal"
+            stable_end = self.decay_samples - self.wsd_decay_samples
+            head += f", stable to {_samples(stable_end)}, anneal"
         else:
             head += ", decay"
-        return f"{head} to {self.min_lr:g} at {self.decay_samples} samples"
+        return f"{head} to {self.min_lr:g} at {_samples(self.decay_samples)}"
 
 
 def _check_values(schedule: ScheduleConfig) -> None:
