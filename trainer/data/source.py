@@ -4,14 +4,16 @@ launch.py before any rank starts). No torch: the sweeper and the dry run check d
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.config import DataConfig, ModelConfig, TrainConfig
 from trainer.data.dataset import TOKENIZERS, TokenDataset, builtin_corpus, builtin_location
+from trainer.spec.checks import check_writable
 
 BUILTIN_VALID_FRACTION = 0.01  # data.valid_fraction=null with the built-in corpus
+PREPARE_FIX = ("point data.path at a folder made by `python -m trainer.prepare SRC_FOLDER "
+               "OUT_DIR`, or set data.path=null for the built-in corpus")
 
 
 @dataclass(frozen=True)
@@ -32,18 +34,16 @@ class DataSource:
                     f"dataset names its own tokenizer and split and needs no cache). Fix: set "
                     f"data.{key}=null, or prepare the dataset with it (python -m trainer.prepare).")
         path = Path(data.path)
+        if not path.is_dir():
+            what = "is a file, not a dataset folder" if path.exists() else "does not exist"
+            raise ValueError(f"data.path={data.path} {what}. Fix: {PREPARE_FIX}.")
         try:
             meta = TokenDataset.open(path).meta  # reads meta.json and maps the tokens, reads none
-        except ValueError as error:
-            raise ValueError(f"data.path={data.path}: {error}") from None
+        except ValueError as error:  # the dataset's own advice ("; prepare ...") is the Fix
+            problem = str(error).split("; prepare")[0]
+            raise ValueError(f"data.path={data.path}: {problem}. Fix: {PREPARE_FIX}.") from None
         _check_vocab(meta["vocab_size"], f"the dataset {path}", model)
-        need = train.seq_length + 1
-        for split, (start, end) in meta["splits"].items():
-            if end - start < need and (split == "train" or train.eval_interval is not None):
-                raise ValueError(
-                    f"the {split} split of data.path={data.path} has {end - start} tokens, too "
-                    f"few for one sample of train.seq_length={train.seq_length} (needs {need}). "
-                    f"Fix: lower train.seq_length, or prepare more text.")
+        _check_splits(meta["splits"], data.path, train)
         return cls(path, False, float("nan"))
 
     @classmethod
@@ -53,14 +53,19 @@ class DataSource:
             raise ValueError(f"data.tokenizer={tokenizer!r} selects no tokenizer for the built-in "
                              f"corpus. Fix: choose one of {', '.join(TOKENIZERS)}, or set data.path.")
         fraction = BUILTIN_VALID_FRACTION if data.valid_fraction is None else data.valid_fraction
-        if not 0 <= fraction < 1 or (fraction == 0 and train.eval_interval is not None):
-            raise ValueError(f"data.valid_fraction={fraction} must be in [0, 1), and above 0 "
-                             f"when train.eval_interval is set. Fix: use e.g. 0.01, or null for "
-                             f"the default.")
+        if not 0 <= fraction < 1:
+            raise ValueError(f"data.valid_fraction={fraction} is outside [0, 1): it is the share "
+                             f"of the corpus held out. Fix: use e.g. 0.01, or null for "
+                             f"{BUILTIN_VALID_FRACTION}.")
+        if fraction == 0 and train.eval_interval is not None:
+            raise ValueError(f"data.valid_fraction=0 holds out nothing, but train.eval_interval="
+                             f"{train.eval_interval} evaluates. Fix: use e.g. 0.01, or set "
+                             f"train.eval_interval=null.")
         _check_vocab(TOKENIZERS[tokenizer].vocab_size, "the built-in corpus", model)
         path = builtin_location(Path(data.cache_dir) if data.cache_dir else None, fraction)
         if not (path / "meta.json").exists():
-            _check_writable("data.cache_dir", path.parent)
+            check_writable("data.cache_dir", data.cache_dir or "null (~/.cache/gtp-trainer)",
+                           path.parent, "the built-in corpus is prepared once")
         return cls(path, True, fraction)
 
     def open(self) -> TokenDataset:
@@ -70,18 +75,27 @@ class DataSource:
         return TokenDataset.open(self.path)
 
 
+def _check_splits(splits: dict, where: str, train: TrainConfig) -> None:
+    """Each split the run reads holds one sample; an evaluation reads distinct samples (more
+    than the valid split holds would repeat some and weigh them twice, silently)."""
+    need = train.seq_length + 1
+    for split, (start, end) in splits.items():
+        if end - start < need and (split == "train" or train.eval_interval is not None):
+            raise ValueError(
+                f"the {split} split of data.path={where} has {end - start} tokens, too few for "
+                f"one sample of train.seq_length={train.seq_length} (needs {need}). Fix: lower "
+                f"train.seq_length, or prepare more text.")
+    start, end = splits["valid"]
+    samples = (end - start - 1) // train.seq_length  # as data.stream cuts them
+    if train.eval_interval is not None and train.eval_samples > samples:
+        raise ValueError(
+            f"train.eval_samples={train.eval_samples} is more than the {samples} samples of "
+            f"train.seq_length={train.seq_length} in the valid split of data.path={where}: an "
+            f"evaluation would repeat samples. Fix: lower train.eval_samples, or prepare the "
+            f"dataset with a larger valid fraction.")
+
+
 def _check_vocab(vocab_size: int, what: str, model: ModelConfig) -> None:
     if vocab_size > model.vocab_size:
         raise ValueError(f"{what} has a vocabulary of {vocab_size} tokens but model.vocab_size="
                          f"{model.vocab_size}. Fix: set model.vocab_size >= {vocab_size}.")
-
-
-def _check_writable(key: str, folder: Path) -> None:
-    """The folder, or the nearest existing folder above it, must be writable."""
-    existing = folder
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"{key}: the built-in corpus is prepared in {folder}, which cannot be "
-                         f"written ({existing} is not a writable folder). Fix: point {key} at a "
-                         f"folder you can write.")

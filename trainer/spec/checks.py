@@ -1,16 +1,19 @@
-"""Every check of a config value that needs no process, no torch and no data: one place, so a
-new key gets its check here. Each failure is one ValueError line naming the key, the value and
-the fix; settle() turns it into the run's one-line error. The layout's own rules live in
-parallel.layout, the sample accounting train.accounting's, the schedule train.schedule's,
-the data's data.source's.
+"""Every check of a config value that needs no process, no torch and reads no data (a folder
+the run must write is tried): one place, so a new key gets its check here. Each failure is one
+ValueError line naming the key, the value and the fix; settle() turns it into the run's one-line
+error. The layout's rules relating degrees live in parallel.layout, the sample accounting
+train.accounting's, the schedule train.schedule's, the data's data.source's.
 """
 from __future__ import annotations
 
 import math
+import tempfile
+from pathlib import Path
+from typing import Any
 
 from parallel.layout import Layout
-from trainer.config import (ClusterConfig, Config, LoggerConfig, LoggerName, ModelConfig,
-                            OptimConfig)
+from trainer.config import (CheckpointConfig, ClusterConfig, Config, LoggerConfig, LoggerName,
+                            ModelConfig, OptimConfig)
 
 # What a `name` key selects; the implementations live in model/ and train/ (which import torch).
 ARCHITECTURES = ("llama",)
@@ -50,10 +53,12 @@ def check_model(model: ModelConfig) -> None:
         raise ValueError(
             f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads="
             f"{model.num_heads}. Fix: choose num_heads that divides hidden_size.")
-    if (model.hidden_size // model.num_heads) % 2:
+    head_dim = model.hidden_size // model.num_heads
+    if head_dim % 2:
         raise ValueError(
-            f"head dim model.hidden_size / model.num_heads = {model.hidden_size // model.num_heads}"
-            f" is odd; rotary embeddings need an even head dim. Fix: change num_heads.")
+            f"model.hidden_size={model.hidden_size} / model.num_heads={model.num_heads} is a head "
+            f"dim of {head_dim}, which is odd; rotary embeddings need an even head dim. Fix: "
+            f"change model.num_heads or model.hidden_size.")
     _finite("model.rope_theta", model.rope_theta, 0, False, fix="use e.g. 10000.0")
     _finite("model.norm_eps", model.norm_eps, 0, False, fix="use e.g. 1e-5")
     _finite("model.init_std", model.init_std, 0, False, fix="use e.g. 0.02")
@@ -94,6 +99,51 @@ def check_cluster(cluster: ClusterConfig) -> None:
                   "set it to the seconds a collective may wait (default 300)")
 
 
+def check_layout_inputs(parallel: Any, cluster: Any, train: Any) -> None:
+    """The counts a Layout is built from, each >= 1, before the Layout relates them (its own
+    bound checks name the key but no fix). DictConfig nodes or dataclasses."""
+    check_cluster(cluster)
+    for key in ("tensor_model_parallel_size", "context_parallel_size",
+                "pipeline_model_parallel_size"):
+        _positive_int(f"parallel.{key}", getattr(parallel, key), f"set parallel.{key}=1 (off)")
+    for key in ("tensor_parallel_num_weight_shards", "tensor_parallel_num_sequence_shards"):
+        if getattr(parallel, key) is not None:
+            _positive_int(f"parallel.{key}", getattr(parallel, key),
+                          f"set it to 1 or more, or parallel.{key}=null for its default")
+    _positive_int("train.micro_batch_size", train.micro_batch_size)
+    if train.global_batch_size is not None:
+        _positive_int("train.global_batch_size", train.global_batch_size, "set it to 1 or more, "
+                      "or null for train.micro_batch_size x batch_parallel_size")
+    _positive_int("train.seq_length", train.seq_length, "set it to the tokens of one sample")
+
+
+def check_writable(key: str, value: Any, folder: Path, what: str) -> None:
+    """folder, or the nearest existing folder above it, must take a new entry. Tried, not asked
+    of os.access, which says yes to root even where nothing can be made (/proc)."""
+    existing = folder
+    while not existing.exists():
+        existing = existing.parent
+    try:
+        if not existing.is_dir():
+            raise NotADirectoryError(existing)
+        tempfile.TemporaryDirectory(dir=existing).cleanup()
+    except OSError:
+        raise ValueError(f"{key}={value}: {what} in {folder}, but {existing} is not a folder "
+                         f"this user can write. Fix: point {key} at a folder you can write."
+                         ) from None
+
+
+def check_checkpoint(checkpoint: CheckpointConfig) -> None:
+    """What can be known before start: the folder to load exists (whether it holds checkpoints
+    is asked at start, of the checkpoint module), the folder to save into can be written."""
+    if checkpoint.load is not None and not Path(checkpoint.load).exists():
+        raise ValueError(f"checkpoint.load={checkpoint.load} does not exist. Fix: point it at a "
+                         f"checkpoint folder or a folder of them, or set checkpoint.load=null.")
+    if checkpoint.dir is not None:
+        check_writable("checkpoint.dir", checkpoint.dir, Path(checkpoint.dir),
+                       "checkpoints are saved")
+
+
 def check_logger(logger: LoggerConfig) -> None:
     _positive_int("logger.log_interval", logger.log_interval, "set it to a number of steps")
     if logger.name is LoggerName.console and logger.project is not None:
@@ -109,9 +159,10 @@ def check_seeds(cfg: Config) -> None:
 
 def check_values(cfg: Config, layout: Layout) -> None:
     """Everything above, in the order a reader meets the config."""
+    check_layout_inputs(cfg.parallel, cfg.cluster, cfg.train)
     check_model(cfg.model)
     check_model_fits_layout(cfg.model, layout)
-    check_cluster(cfg.cluster)
     check_seeds(cfg)
     check_optim(cfg.optim)
     check_logger(cfg.logger)
+    check_checkpoint(cfg.checkpoint)

@@ -12,7 +12,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from parallel.layout import Layout
 from trainer.config import Config, ConfigError, unknown_keys
 from trainer.data.source import DataSource
-from trainer.spec.checks import check_cluster, check_values
+from trainer.spec.checks import check_layout_inputs, check_values
 from trainer.spec.resolvers import build_layout
 from trainer.train.accounting import RunPlan
 from trainer.train.schedule import LrSchedule
@@ -31,10 +31,18 @@ class RunSpec:
 
 
 def settle(cfg: DictConfig) -> RunSpec:
-    if "hydra" in cfg:  # a sweep point's config carries Hydra's own node; it is not ours
-        cfg = cfg.copy()
-        with open_dict(cfg):
-            del cfg["hydra"]
+    node = cfg._get_node("layout", validate_access=False)
+    if node is None or node._value() != Config.layout:  # an override replaced the resolver
+        raise ConfigError(
+            "layout is derived from parallel.*, cluster.* and train.* and is read-only. Fix: "
+            "remove the override of layout (or ~layout) and set the parallel.* keys instead.")
+    # Hydra's own node (a sweep point carries it) is not ours; `layout` is left out too, since
+    # resolving it would run the layout's rules before the key and value checks below.
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        for key in ("hydra", "layout"):
+            if cfg._get_node(key, validate_access=False) is not None:
+                del cfg[key]  # not pop(), which would resolve the value it returns
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError(f"Missing config value(s) (???): {', '.join(missing)}. Fix: set them "
@@ -44,18 +52,14 @@ def settle(cfg: DictConfig) -> RunSpec:
         raise ConfigError(
             f"Unknown config key(s): {', '.join(unknown)}. Fix: check the spelling against "
             f"`python launch.py --cfg job`; keys cannot be added with +key=value.")
-    if cfg._get_node("layout")._value() != Config.layout:  # an override replaced the resolver
-        raise ConfigError(
-            "layout is derived from parallel.*, cluster.* and train.* and is read-only. Fix: "
-            "remove the override of layout and set the parallel.* keys instead.")
     try:
-        check_cluster(cfg.cluster)  # before the Layout, whose world size it makes
+        check_layout_inputs(cfg.parallel, cfg.cluster, cfg.train)  # before the Layout's rules
     except ValueError as error:
         raise ConfigError(str(error)) from None
     # Layout first among the rest: a rule violation prints as its own line.
     layout = build_layout(cfg.parallel, cfg.cluster, cfg.train)
-    cfg = cfg.copy()
-    cfg.layout = layout.derived()  # resolved from the one Layout, not by the resolver again
+    with open_dict(cfg):
+        cfg.layout = layout.derived()  # resolved from the one Layout, not by the resolver again
     config: Config = OmegaConf.to_object(cfg)
     try:
         check_values(config, layout)

@@ -1,0 +1,271 @@
+"""The product promise, row by row: a wrong run fails in a second, before anything starts, with
+one line naming the key, the value and the fix, no traceback and a non-zero exit code.
+
+Every row runs the real CLI, `python launch.py <overrides> dry_run=true hydra.run.dir=<tmp>`
+(START rows leave dry_run out: a real start, for what is only checked at start). The table runs
+as one batch of concurrent subprocesses; each row is then its own test.
+
+How the lines are counted. Hydra frames every error the job raises: a header echoing the
+overrides ("Error executing job with overrides: [...]") and, last, the hint "Set the environment
+variable HYDRA_FULL_ERROR=1 for a complete stack trace." Both are Hydra's, printed for any
+error, and say nothing of the problem. The test strips exactly those two lines (and blank ones)
+and then requires exactly ONE line: the message, which names the key and value and says "Fix:".
+HYDRA rows are errors Hydra reports while composing, before our code runs (wrong types, unknown
+keys without `+`, unknown group options): they are several lines (the value, `full_key: <key>`,
+the types) that we do not control; those rows assert the key and value are named, no traceback
+and a non-zero exit, and record the line count. Rows rejected at compose time run with `torch`
+made unimportable, so every check is proven torch-free (a check that leaked to a later stage
+would fail the row with an ImportError).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from config_helpers import ROOT
+
+HYDRA_HEADER = "Error executing job with overrides: "
+HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace."
+OURS, HYDRA, OK = "ours", "hydra", "accepted"
+TP2 = "parallel.tensor_model_parallel_size=2 parallel.sequence_parallel=true cluster.procs_per_node=2"
+TP4 = "parallel.tensor_model_parallel_size=4 parallel.sequence_parallel=true cluster.procs_per_node=4"
+SHORT = "train.train_samples=64"  # a real start that wrongly passed would still end soon
+
+
+@dataclass(frozen=True)
+class Row:
+    overrides: str  # {ds} {notds} {trunc} {empty} {file}: folders the `paths` fixture makes
+    named: tuple[str, ...]  # must appear in the message line: the key and its value
+    kind: str = OURS
+    start: bool = False  # a real start (no dry_run=true)
+    torch: bool = False  # torch may be imported (accepted dry runs, checks made at start)
+
+
+R = Row
+TABLE = [
+    # parallel layout rules (parallel/layout.py)
+    R("parallel.tensor_model_parallel_size=2", ("world_size=1", "x PP = 2 x 1 x 1 x 1 = 2")),
+    R("parallel.context_parallel_size=2", ("world_size=1", "x PP = 1 x 1 x 2 x 1 = 2")),
+    R("cluster.procs_per_node=2 parallel.tensor_model_parallel_size=2 "
+      "parallel.tensor_parallel_num_weight_shards=3", ("tensor_parallel_num_weight_shards=3",)),
+    R(f"{TP2} parallel.tensor_parallel_num_sequence_shards=3",
+      ("tensor_parallel_num_sequence_shards=3",)),
+    R("cluster.procs_per_node=8 parallel.tensor_model_parallel_size=2 "
+      "parallel.tensor_parallel_num_weight_shards=8 parallel.tensor_parallel_num_sequence_shards=2",
+      ("tensor_parallel_num_sequence_shards=2", "sequence_parallel")),
+    R("cluster.procs_per_node=4 parallel.tensor_parallel_num_weight_shards=4 "
+      "parallel.tensor_parallel_num_sequence_shards=3", ("tensor_parallel_num_sequence_shards=3",)),
+    R("train.global_batch_size=12", ("train.global_batch_size=12",)),
+    R("cluster.procs_per_node=2 parallel.context_parallel_size=2 train.seq_length=126",
+      ("train.seq_length=126",)),
+    R("parallel.tensor_model_parallel_size=0", ("parallel.tensor_model_parallel_size=0",)),
+    R("parallel.context_parallel_size=0", ("parallel.context_parallel_size=0",)),
+    R("parallel.pipeline_model_parallel_size=0", ("parallel.pipeline_model_parallel_size=0",)),
+    R("parallel.tensor_parallel_num_weight_shards=0", ("tensor_parallel_num_weight_shards=0",)),
+    R("parallel.tensor_parallel_num_sequence_shards=0", ("tensor_parallel_num_sequence_shards=0",)),
+    R("train.micro_batch_size=0", ("train.micro_batch_size=0",)),
+    R("train.global_batch_size=0", ("train.global_batch_size=0",)),
+    R("train.seq_length=0", ("train.seq_length=0",)),
+    # the model against the layout, and the model's own shape
+    R(f"model.num_heads=2 {TP4}", ("model.num_heads=2", "tensor_model_parallel_size=4")),
+    R(f"model.vocab_size=257 {TP2}", ("model.vocab_size=257", "tensor_model_parallel_size=2")),
+    R(f"model.ffn_hidden_size=177 {TP2}", ("model.ffn_hidden_size=177",)),
+    R("parallel.pipeline_model_parallel_size=2 cluster.procs_per_node=2",
+      ("parallel.pipeline_model_parallel_size=2",)),
+    R("model.num_layers=0", ("model.num_layers=0",)),
+    R("model.vocab_size=0", ("model.vocab_size=0",)),
+    R("model.vocab_size=200", ("model.vocab_size=200", "256")),
+    R("model.hidden_size=-64", ("model.hidden_size=-64",)),
+    R("model.num_heads=0", ("model.num_heads=0",)),
+    R("model.ffn_hidden_size=0", ("model.ffn_hidden_size=0",)),
+    R("model.num_heads=3", ("model.hidden_size=64", "model.num_heads=3")),
+    R("model.hidden_size=60", ("model.hidden_size=60", "model.num_heads=4", "odd")),
+    R("model.name=gpt", ("model.name='gpt'",)),
+    R("model.rope_theta=0", ("model.rope_theta=0",)),
+    R("model.norm_eps=0", ("model.norm_eps=0",)),
+    R("model.init_std=nan", ("model.init_std=nan",)),
+    # optimizer and schedule
+    R("optim.name=sgd", ("optim.name='sgd'",)),
+    R("optim.clip_grad=0", ("optim.clip_grad=0",)),
+    R("optim.clip_grad=-1", ("optim.clip_grad=-1",)),
+    R("optim.clip_grad=nan", ("optim.clip_grad=nan",)),
+    R("optim.weight_decay=-0.1", ("optim.weight_decay=-0.1",)),
+    R("optim.beta1=1.5", ("optim.beta1=1.5",)),
+    R("optim.beta1=-0.1", ("optim.beta1=-0.1",)),
+    R("optim.beta2=1.0", ("optim.beta2=1.0",)),
+    R("optim.eps=0", ("optim.eps=0",)),
+    R("optim.eps=inf", ("optim.eps=inf",)),
+    R("schedule.lr=nan", ("schedule.lr=nan",)),
+    R("schedule.lr=-1", ("schedule.lr=-1",)),
+    R("schedule.lr=inf", ("schedule.lr=inf",)),
+    R("schedule.min_lr=0.01", ("schedule.min_lr=0.01", "schedule.lr=0.001")),
+    R("schedule.min_lr=-1", ("schedule.min_lr=-1",)),
+    R("schedule.lr_warmup_samples=10", ("lr_warmup_samples=10", "lr_warmup_fraction=0.0625")),
+    R("schedule.lr_warmup_fraction=1.0", ("schedule.lr_warmup_fraction=1.0",)),
+    R("schedule.lr_warmup_fraction=null schedule.lr_warmup_samples=-1",
+      ("schedule.lr_warmup_samples=-1",)),
+    R("schedule.lr_warmup_fraction=null schedule.lr_warmup_samples=16384",
+      ("schedule.lr_warmup_samples=16384",)),
+    R("schedule.lr_warmup_fraction=-0.1", ("schedule.lr_warmup_fraction=-0.1",)),
+    R("schedule.lr_decay_style=constant schedule.lr_warmup_fraction=null "
+      "schedule.lr_warmup_samples=20000", ("schedule.lr_warmup_samples=20000", "above")),
+    R("schedule.lr_decay_samples=0", ("schedule.lr_decay_samples=0",)),
+    R("schedule.lr_wsd_decay_samples=100", ("lr_wsd_decay_samples=100", "cosine")),
+    R("schedule=wsd schedule.lr_wsd_decay_samples=null", ("lr_wsd_decay_samples=null",)),
+    R("schedule=wsd schedule.lr_wsd_decay_samples=0", ("schedule.lr_wsd_decay_samples=0",)),
+    R("schedule=wsd schedule.lr_wsd_decay_samples=20000", ("lr_wsd_decay_samples=20000",)),
+    # sample accounting, seeds, intervals
+    R("train.train_samples=100", ("train.train_samples=100", "96")),
+    R("train.train_samples=0", ("train.train_samples=0",)),
+    R("train.eval_interval=0", ("train.eval_interval=0",)),
+    R("train.eval_samples=3", ("train.eval_samples=3",)),
+    R("train.eval_samples=0", ("train.eval_samples=0",)),
+    R("train.seed=-1", ("train.seed=-1",)),
+    R(f"data.seed={2**32}", (f"data.seed={2**32}",)),
+    R("checkpoint.save_interval=0", ("checkpoint.save_interval=0",)),
+    R("checkpoint.save_interval=-5", ("checkpoint.save_interval=-5",)),
+    R("checkpoint.dir=/proc/forbidden", ("checkpoint.dir=/proc/forbidden",)),
+    R("checkpoint.load=/nonexistent/ckpt", ("checkpoint.load=/nonexistent/ckpt",)),
+    R(f"checkpoint.load={{empty}} data.path={{ds}} {SHORT}", ("checkpoint.load=", "empty", "Fix:"),
+      start=True, torch=True),
+    R(f"cluster.num_nodes=2 data.path={{ds}} {SHORT}", ("cluster.num_nodes=2",), start=True,
+      torch=True),  # launch.py starts ranks on this machine only (a dry run may plan 2 nodes)
+    R("logger.log_interval=0", ("logger.log_interval=0",)),
+    R("logger.project=x", ("logger.project='x'", "logger=console")),
+    R("cluster.num_nodes=0", ("cluster.num_nodes=0",)),
+    R("cluster.procs_per_node=0", ("cluster.procs_per_node=0",)),
+    R("cluster.gpus_per_nvlink_domain=0", ("cluster.gpus_per_nvlink_domain=0",)),
+    R("cluster.timeout_s=0", ("cluster.timeout_s=0",)),
+    # data
+    R("data.path=/nonexistent", ("data.path=/nonexistent",)),
+    R("data.path={file}", ("data.path=", "is a file")),
+    R(f"data.path={{notds}} {SHORT}", ("data.path=", "meta.json"), start=True),
+    R(f"data.path={{trunc}} {SHORT}", ("data.path=", "tokens.bin", "truncated"), start=True),
+    R("data.path={ds} data.tokenizer=byte", ("data.tokenizer='byte'", "data.path=")),
+    R("data.path={ds} data.valid_fraction=0.1", ("data.valid_fraction=0.1", "data.path=")),
+    R("data.path={ds} data.cache_dir=/tmp", ("data.cache_dir='/tmp'",)),
+    R("data.path={ds} train.seq_length=131072", ("train.seq_length=131072", "data.path=")),
+    R("data.path={ds} train.eval_samples=800", ("train.eval_samples=800", "data.path=")),
+    R("data.path={ds} model.vocab_size=200", ("model.vocab_size=200", "256")),
+    R("data.tokenizer=gpt2", ("data.tokenizer='gpt2'",)),
+    R("data.valid_fraction=1.0", ("data.valid_fraction=1.0",)),
+    R("data.valid_fraction=0", ("data.valid_fraction=0", "train.eval_interval=256")),
+    R("data.cache_dir=/proc/forbidden", ("data.cache_dir=/proc/forbidden",)),
+    # keys, ??? and the derived node
+    R("model.hidden_size=???", ("model.hidden_size", "???")),
+    R("cluster.num_nodes=???", ("cluster.num_nodes", "???")),
+    R("~model", ("model.hidden_size", "???")),
+    R("+train.foo=1", ("train.foo",)),
+    R("+foo=1", ("foo",)),
+    R("layout=3", ("layout",)),
+    R("~layout", ("layout",)),
+    R("++layout.world_size=3", ("layout",)),
+    R("++train.foo=3", ("train.foo",)),
+    # Hydra's own messages (composition, before our code)
+    R("train.seq_length=abc", ("train.seq_length", "abc"), HYDRA),
+    R("train.precision=fp16", ("train.precision", "fp16"), HYDRA),
+    R("parallel.sequence_parallel=maybe", ("parallel.sequence_parallel", "maybe"), HYDRA),
+    R("train.seed=1.5", ("train.seed", "1.5"), HYDRA),
+    R("schedule.lr_decay_style=step", ("schedule.lr_decay_style", "step"), HYDRA),
+    R("dry_run=maybe", ("dry_run", "maybe"), HYDRA),
+    R("train.foo=1", ("train.foo",), HYDRA),
+    R("layout.world_size=3", ("layout.world_size",), HYDRA),
+    R("model=tinyy", ("model/tinyy",), HYDRA),
+    R("experiment=nope", ("experiment/nope",), HYDRA),
+    # accepted: the harness can pass
+    R("", (), OK, torch=True),
+    R("optim.clip_grad=null", (), OK, torch=True),
+    R("schedule=wsd logger=wandb", (), OK, torch=True),
+    R("data.path={ds} data.cache_dir=null", (), OK, torch=True),
+    R("train.eval_interval=null data.valid_fraction=0", (), OK, torch=True),
+]
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict[str, Path]:
+    """A prepared dataset ({ds}, ~100k byte tokens, a tenth valid), a truncated copy, a folder
+    that is no dataset, a plain file, an empty folder (no checkpoints) and a torch blocker."""
+    from trainer.data.dataset import prepare
+
+    root = tmp_path_factory.mktemp("bad_inputs")
+    src = root / "src"
+    src.mkdir()
+    for i in range(200):
+        (src / f"doc{i:03d}.txt").write_text(f"doc {i}: " + "the quick brown fox. " * 24)
+    ds = prepare(src, root / "ds", 0.1)
+    trunc = prepare(src, root / "trunc", 0.1)
+    with open(trunc / "tokens.bin", "r+b") as f:
+        f.truncate(1000)
+    (root / "empty").mkdir()
+    block = root / "no_torch" / "torch"
+    block.mkdir(parents=True)
+    (block / "__init__.py").write_text("raise ImportError('torch imported before refusing')\n")
+    return {"ds": ds, "trunc": trunc, "notds": src, "file": ds / "meta.json",
+            "empty": root / "empty", "root": root, "no_torch": block.parent}
+
+
+def run_row(index: int, row: Row, paths: dict[str, Path]) -> subprocess.CompletedProcess:
+    overrides = row.overrides.format(**paths).split()
+    mode = [] if row.start else ["dry_run=true"]
+    env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    if not row.torch:
+        env["PYTHONPATH"] = os.pathsep.join([str(paths["no_torch"]), str(ROOT)])
+    run_dir = paths["root"] / "runs" / f"row{index:03d}"
+    return subprocess.run([sys.executable, str(ROOT / "launch.py"), *overrides, *mode,
+                           f"hydra.run.dir={run_dir}"], capture_output=True, text=True,
+                          env=env, cwd=ROOT, timeout=180)
+
+
+@pytest.fixture(scope="module")
+def results(paths) -> dict[int, subprocess.CompletedProcess]:
+    started = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {i: pool.submit(run_row, i, row, paths) for i, row in enumerate(TABLE)}
+        done = {i: future.result() for i, future in futures.items()}
+    print(f"\n{len(TABLE)} rows in {time.perf_counter() - started:.1f} s")
+    return done
+
+
+def message_lines(stderr: str) -> list[str]:
+    """stderr without blank lines and Hydra's frame (its header and its hint line)."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    if lines and lines[-1] == HYDRA_HINT:
+        lines.pop()
+    if lines and lines[0].startswith(HYDRA_HEADER):
+        lines.pop(0)
+    return lines
+
+
+def test_the_table_is_large_and_mixed():
+    kinds = [row.kind for row in TABLE]
+    assert len(TABLE) >= 70 and kinds.count(OK) >= 4 and kinds.count(HYDRA) >= 5
+    assert len({row.overrides for row in TABLE}) == len(TABLE), "a row is listed twice"
+
+
+@pytest.mark.parametrize("index", range(len(TABLE)), ids=[r.overrides or "default" for r in TABLE])
+def test_row(index, results, paths):
+    row, out = TABLE[index], results[index]
+    output = out.stdout + out.stderr
+    assert "Traceback" not in output, output
+    if row.kind == OK:
+        assert out.returncode == 0, output
+        return
+    assert out.returncode != 0, output
+    lines = message_lines(out.stderr)
+    assert lines, output
+    text = "\n".join(lines)
+    for part in row.named:
+        assert part in text, f"{part!r} not named in:\n{text}"
+    if row.kind == OURS:
+        assert len(lines) == 1, f"not one line:\n{out.stderr}"
+        assert "Fix:" in lines[0], lines[0]
+    if row.start:  # refused before training: nothing of a run was written
+        run_dir = paths["root"] / "runs" / f"row{index:03d}"
+        assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
