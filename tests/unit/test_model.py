@@ -73,3 +73,11 @@ def test_training_refuses_what_the_engine_cannot_split_yet():
                                          "parallel.tensor_model_parallel_size=8"):
         check_model_fits_layout(TINY, Layout(8, tensor_model_parallel_size=8))
     check_model_fits_layout(TINY, Layout(4, tensor_model_parallel_size=4))
+
+
+def test_the_names_checked_at_compose_time_are_the_implementations_built():
+    from trainer.spec import checks
+    from trainer.train import engine
+
+    assert set(checks.ARCHITECTURES) == set(engine.ARCHITECTURES)
+    assert set(checks.OPTIMIZERS) == set(engine.OPTIMIZERS)
