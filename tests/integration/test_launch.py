@@ -12,19 +12,25 @@ from pathlib import Path
 
 import pytest
 
-from config_helpers import ROOT
 from trainer.data.dataset import prepare
+
+from config_helpers import ROOT
 
 TINY_RUN = ("train.seq_length=32", "train.micro_batch_size=2", "train.eval_interval=null",
             "logger.log_interval=1", "cluster.timeout_s=20")
 
 
-@pytest.fixture(scope="module")
-def dataset(tmp_path_factory) -> Path:
+def make_dataset(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("text")
     for doc in range(6):
-        (src / f"doc{doc}.txt").write_text(" ".join(f"word{(doc * 7 + i) % 50}" for i in range(800)))
+        words = (f"word{(doc * 7 + i) % 50}" for i in range(800))
+        (src / f"doc{doc}.txt").write_text(" ".join(words))
     return prepare(src, tmp_path_factory.mktemp("data") / "dataset", valid_fraction=0.2)
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    return make_dataset(tmp_path_factory)
 
 
 def command(*args: str, torchrun: int = 0) -> list[str]:
@@ -37,13 +43,16 @@ def command(*args: str, torchrun: int = 0) -> list[str]:
 class Run:
     """A launch.py process whose output goes to files (a pipe nobody reads would block it)."""
 
-    def __init__(self, args: list[str], log_dir: Path):
+    def __init__(self, args: list[str], log_dir: Path, own_group: bool = False):
         log_dir.mkdir(parents=True, exist_ok=True)
         self.out_path, self.err_path = log_dir / "stdout.txt", log_dir / "stderr.txt"
         env = {k: v for k, v in os.environ.items()
                if k not in ("HYDRA_FULL_ERROR", "RANK", "WORLD_SIZE")}
         with self.out_path.open("w") as out, self.err_path.open("w") as err:
-            self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=err)
+            # own_group: a process group of its own, as a terminal gives a command, so a test
+            # can send it a ctrl-C (os.killpg) without sending one to pytest.
+            self.proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=out, stderr=err,
+                                         start_new_session=own_group)
 
     def poll(self):
         return self.proc.poll()
@@ -63,10 +72,11 @@ class Run:
         return self.proc.returncode, self.stdout(), self.err_path.read_text()
 
 
-def start(dataset: Path, run_dir: Path, *overrides: str, torchrun: int = 0) -> Run:
+def start(dataset: Path, run_dir: Path, *overrides: str, torchrun: int = 0,
+          own_group: bool = False) -> Run:
     args = command(*TINY_RUN, f"data.path={dataset}", f"hydra.run.dir={run_dir}", *overrides,
                    torchrun=torchrun)
-    return Run(args, run_dir.parent / f"{run_dir.name}-logs-{time.monotonic_ns()}")
+    return Run(args, run_dir.parent / f"{run_dir.name}-logs-{time.monotonic_ns()}", own_group)
 
 
 def finish(run: Run, timeout: float = 180) -> tuple[int, str, str]:
@@ -78,7 +88,7 @@ def metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
-def wait_for_steps(run_dir: Path, steps: int, run: Run, limit: float = 120) -> None:
+def wait_for_steps(run_dir: Path, steps: int, run: Run, limit: float = 180) -> None:
     deadline = time.monotonic() + limit
     while len(metrics(run_dir)) < steps:
         assert run.poll() is None, run.finish()
@@ -86,13 +96,19 @@ def wait_for_steps(run_dir: Path, steps: int, run: Run, limit: float = 120) -> N
         time.sleep(0.2)
 
 
-def rank_pids(run: Run, limit: float = 60) -> dict[int, int]:
-    """The parent prints 'started rank 0 (pid N), rank 1 (pid M)' before training."""
+def started_line(out: str) -> str | None:
+    """The parent's 'started rank 0 (pid N), rank 1 (pid M)' line, once it is whole."""
+    return next((line for line in out.splitlines(keepends=True)
+                 if line.startswith("started ") and line.endswith("\n")), None)
+
+
+def rank_pids(run: Run, limit: float = 120) -> dict[int, int]:
+    """The rank processes' pids, which the parent prints before training."""
     deadline = time.monotonic() + limit
-    while not run.stdout().startswith("started ") or "\n" not in run.stdout():
+    while started_line(run.stdout()) is None:
         assert run.poll() is None and time.monotonic() < deadline, run.finish()
         time.sleep(0.1)
-    line = run.stdout().splitlines()[0]
+    line = started_line(run.stdout()).strip()
     parts = [p.split(" (pid ") for p in line.removeprefix("started ").split(", ")]
     return {int(rank.split()[1]): int(pid.rstrip(")")) for rank, pid in parts}
 
@@ -102,7 +118,8 @@ def test_launch_py_starts_the_configured_ranks(dataset, tmp_path):
                  "parallel.tensor_parallel_num_weight_shards=2", "train.train_samples=16")
     code, out, err = finish(proc)
     assert code == 0, err
-    assert out.startswith("started rank 0 (pid ") and ", rank 1 (pid " in out
+    line = started_line(out) or ""
+    assert line.startswith("started rank 0 (pid ") and ", rank 1 (pid " in line
     assert "2 rank(s), global batch 4 samples, 4 steps" in out
     assert [m["consumed_samples"] for m in metrics(tmp_path)] == [4, 8, 12, 16]
     assert (tmp_path / "checkpoints" / "step_00000004" / ".metadata").exists()

@@ -4,7 +4,8 @@ Every value is saved at its place in the single-device tensor (global offsets), 
 does not know the layout that wrote it: DCP reads, for each rank, just the overlap with what the
 rank now holds. Parameters and Adam moments come back bit-exactly. A checkpoint is written into
 `step_XXXXXXXX.tmp` and renamed when every rank has finished, so a crash mid-save leaves the
-last good checkpoint untouched.
+last good checkpoint untouched; one damaged later (a full disk, a truncated copy) fails
+verify() and a resume skips it.
 """
 from __future__ import annotations
 
@@ -13,16 +14,19 @@ import json
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
-                                                   TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import (TensorWriteData, WriteItem,
-                                                  WriteItemType)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from trainer.train.engine import Engine
@@ -141,23 +145,72 @@ def save(engine: Engine, state: TrainState, directory: Path, meta: dict[str, Any
     return final
 
 
-def latest(directory: Path) -> Path | None:
-    """The newest finished checkpoint in a folder of them (unfinished .tmp ones never count)."""
+def latest(directory: Path, warn: Callable[[str], None] | None = None) -> Path | None:
+    """The newest good finished checkpoint in a folder of them (unfinished .tmp ones never
+    count). A newer one that is corrupt or incomplete is skipped, with a line to `warn`: a run
+    killed while a disk filled up must still resume from the checkpoint before."""
     found = sorted(p for p in directory.glob(f"{PREFIX}*") if p.is_dir()
-                   and not p.name.endswith(TMP_SUFFIX) and (p / ".metadata").exists())
-    return found[-1] if found else None
+                   and not p.name.endswith(TMP_SUFFIX))
+    for path in reversed(found):
+        problem = verify(path)
+        if problem is None:
+            return path
+        if warn is not None:
+            warn(f"warning: skipped checkpoint {path}: {problem}")
+    return None
 
 
-def resolve(path: Path) -> Path:
-    """A checkpoint folder, or a folder of them (the latest finished one)."""
+def resolve(path: Path, warn: Callable[[str], None] | None = None) -> Path:
+    """A checkpoint folder, or a folder of them (the latest good one)."""
     if (path / ".metadata").exists():
+        problem = verify(path)
+        if problem is not None:
+            raise ValueError(f"checkpoint.load={path}: {problem}. Fix: point checkpoint.load at "
+                             f"a good checkpoint (or at its folder, for the latest good one).")
         return path
-    found = latest(path)
+    skipped: list[str] = []
+
+    def skip(line: str) -> None:
+        skipped.append(line)
+        if warn is not None:
+            warn(line)
+
+    found = latest(path, skip)
     if found is None:
+        bad = f"; {len(skipped)} there are corrupt or incomplete" if skipped else ""
         raise FileNotFoundError(
             f"checkpoint.load={path}: no checkpoint there (a folder with .metadata, or a folder "
-            f"of {PREFIX}* checkpoints). Fix: point checkpoint.load at one, or set it to null.")
+            f"of {PREFIX}* checkpoints){bad}. Fix: point checkpoint.load at one, or set it to "
+            f"null.")
     return found
+
+
+def verify(path: Path) -> str | None:
+    """What is wrong with a checkpoint folder, or None: cheap, with no process group. Reads
+    DCP's .metadata and checks that every stored item's bytes are there; meta.json, which rank
+    0 writes last, says the save finished."""
+    if not (path / ".metadata").is_file():
+        return "it has no .metadata (the save did not finish)"
+    try:
+        storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+    except Exception as error:  # noqa: BLE001  (unpickling garbage can raise anything)
+        why = (str(error).splitlines() or [""])[0][:80]
+        return f"its .metadata is unreadable ({type(error).__name__}: {why})"
+    if not isinstance(storage, dict):
+        return "its .metadata lists no stored data"
+    sizes: dict[str, int | None] = {}  # each data file holds many items: stat it once
+    for info in storage.values():
+        name, end = info.relative_path, info.offset + info.length
+        if name not in sizes:
+            sizes[name] = (path / name).stat().st_size if (path / name).is_file() else None
+        size = sizes[name]
+        if size is None:
+            return f"its data file {name} is missing"
+        if size < end:
+            return f"its data file {name} is truncated ({size} of at least {end} bytes)"
+    if not (path / "meta.json").is_file():
+        return "its meta.json is missing (the save did not finish)"
+    return None
 
 
 def load(engine: Engine, path: Path) -> TrainState:

@@ -1,6 +1,6 @@
 """Start a run from launch.py: check the inputs that need files (the dataset, prepared now if it
 is the built-in one; the checkpoint to load), write the run directory's artifacts, and start the
-ranks the way this process was launched (trainer.launch.ranks)."""
+ranks the way this process was launched (trainer.launch.ranks, trainer.launch.local)."""
 from __future__ import annotations
 
 import tempfile
@@ -10,7 +10,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from trainer.checkpoint import dcp as checkpoint
 from trainer.config import ConfigError
-from trainer.launch.ranks import RankEnv, check_world, launch_local, launched_rank, run_rank
+from trainer.launch.folder import run_lock
+from trainer.launch.local import launch_local
+from trainer.launch.ranks import RankEnv, check_world, launched_rank, run_rank
 from trainer.report.console import console_log
 from trainer.report.dry_run import layout_record, write_layout_json
 from trainer.report.plot import write_curves
@@ -35,8 +37,15 @@ def write_run_artifacts(cfg: DictConfig, spec: RunSpec, run_dir: Path) -> None:
 
 
 def run(cfg: DictConfig, spec: RunSpec, run_dir: Path) -> None:
-    meta = {"run_dir": str(run_dir)}
+    """Lock the run folder before anything is written into it (trainer.launch.folder), then start
+    the ranks."""
     env = launched_rank()
+    with run_lock(run_dir, hold=env is None or env.rank == 0):
+        _start(cfg, spec, run_dir, env)
+
+
+def _start(cfg: DictConfig, spec: RunSpec, run_dir: Path, env: RankEnv | None) -> None:
+    meta = {"run_dir": str(run_dir)}
     if env is not None:  # torchrun or submitit started this process as one rank
         check_world(env, spec)
         check_inputs(spec)

@@ -3,6 +3,7 @@ when `logger=wandb`. Other ranks get a logger that writes nothing."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,13 @@ def _duration(seconds: float) -> str:
     seconds = int(seconds)
     hours, rest = divmod(seconds, 3600)
     return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
+
+
+def _step_of(line: str) -> float:
+    try:
+        return json.loads(line).get("step", 0)
+    except ValueError:
+        return float("inf")  # a line cut short by a crash mid-write: dropped
 
 
 class MetricsLogger:
@@ -29,6 +37,23 @@ class MetricsLogger:
             import wandb  # only the writing rank pays for the import
 
             self.wandb = wandb.init(project=cfg.project, dir=str(run_dir), config=config)
+
+    def forget_after(self, step: int) -> None:
+        """Drop metrics.jsonl's rows past `step`, the step this run starts from: a run that
+        crashed after its last checkpoint logged steps that the resumed run trains again, and
+        each step must appear once. Rewritten to a temporary file and renamed, so a crash here
+        loses nothing."""
+        if not self.writer or not self.path.exists():
+            return
+        lines = self.path.read_text().splitlines()
+        kept = [line for line in lines if _step_of(line) <= step]
+        if len(kept) == len(lines):
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+        self.note(f"metrics.jsonl: dropped {len(lines) - len(kept)} row(s) after step {step}, "
+                  f"which this run trains again")
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         """One training step: written every log_interval steps and at the last step."""

@@ -6,6 +6,7 @@ the learning rate is the schedule's value at the samples consumed by the end of 
 """
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -18,10 +19,10 @@ from trainer.checkpoint import dcp as checkpoint
 from trainer.config import ConfigError
 from trainer.data.batch import rank_micro_batches
 from trainer.data.stream import SampleStream
-from trainer.train.engine import Engine, build_engine
+from trainer.launch.signals import PREEMPT, Interrupted, PreemptionWatch, code_of, signal_of
 from trainer.report.metrics import MetricsLogger
 from trainer.spec.runspec import RunSpec
-from trainer.launch.signals import PreemptionWatch
+from trainer.train.engine import Engine, build_engine
 from trainer.train.step import NonFiniteStep, evaluate, train_step
 
 
@@ -68,13 +69,15 @@ class Trainer:
         self.state = checkpoint.TrainState(data=self.train_stream.identity)
         ckpt = settings.checkpoint
         self.save_dir = Path(ckpt.dir) if ckpt.dir else run_dir / "checkpoints"
-        load = Path(ckpt.load) if ckpt.load is not None else None
+        warn = (lambda line: print(line, flush=True)) if self.rank == 0 else None
+        load = checkpoint.resolve(Path(ckpt.load), warn) if ckpt.load is not None else None
         if load is None and ckpt.resume:
-            load = checkpoint.latest(self.save_dir)  # a relaunch continues where it stopped
+            load = checkpoint.latest(self.save_dir, warn)  # a relaunch continues where it stopped
         if load is not None:
             self.state = resume(self.engine, load, self.train_stream)
         self.logger = MetricsLogger(run_dir, settings.logger, self.rank == 0,
                                     self.plan.train_steps)
+        self.logger.forget_after(self.state.step)  # steps logged after the checkpoint run again
 
     def run(self) -> list[dict[str, Any]]:
         """Collective. Returns the records this rank computed (every rank computes the same)."""
@@ -114,14 +117,11 @@ class Trainer:
             interval = self.settings.checkpoint.save_interval
             saved = (interval and state.step % interval == 0) or state.step == plan.train_steps
             if saved:
-                logger.note(f"saved {checkpoint.save(self.engine, state, self.save_dir, self.meta)}")
-            if state.step < plan.train_steps and self.stop_requested():
-                path = (self.save_dir / f"{checkpoint.PREFIX}{state.step:08d}" if saved
-                        else checkpoint.save(self.engine, state, self.save_dir, self.meta))
-                logger.note(f"preempted at step {state.step}: saved {path}; run the same "
-                            f"command again to resume")
-                logger.close()
-                raise Preempted(state.step)
+                path = checkpoint.save(self.engine, state, self.save_dir, self.meta)
+                logger.note(f"saved {path}")
+            signum = self.stop_requested() if state.step < plan.train_steps else None
+            if signum is not None:
+                self.stop(signum, saved)
         logger.close()
         return records
 
@@ -134,13 +134,28 @@ class Trainer:
             f"{good or 'none'}. Fix: lower schedule.lr, set optim.clip_grad, or check the data; "
             f"rerunning the same command resumes from that checkpoint.")
 
-    def stop_requested(self) -> bool:
-        """Whether any rank got the preemption signal: every rank must stop at the same step."""
+    def stop_requested(self) -> int | None:
+        """The stop signal any rank got (the strongest, if they differ), or None. Collective:
+        every rank must stop at the same step, and in the same way."""
         if self.watch is None:
-            return False
-        flag = torch.tensor([float(self.watch.requested)], device=self.device)
-        self.engine.groups.world.all_reduce(flag, dist.ReduceOp.MAX)
-        return bool(flag.item())
+            return None
+        code = torch.tensor([float(code_of(self.watch.signum))], device=self.device)
+        self.engine.groups.world.all_reduce(code, dist.ReduceOp.MAX)
+        return signal_of(int(code.item()))
+
+    def stop(self, signum: int, saved: bool) -> None:
+        """Collective: save this step (unless it just was), then leave the loop. Preemption
+        exits 0 (submitit requeues on that); an interrupt is an error the user asked for."""
+        state = self.state
+        path = (self.save_dir / f"{checkpoint.PREFIX}{state.step:08d}" if saved
+                else checkpoint.save(self.engine, state, self.save_dir, self.meta))
+        self.logger.close()
+        if signum == PREEMPT:
+            self.logger.note(f"preempted at step {state.step}: saved {path}; run the same "
+                             f"command again to resume")
+            raise Preempted(state.step)
+        raise Interrupted(f"interrupted by {signal.Signals(signum).name} at step {state.step}: "
+                          f"saved {path}; run the same command again to resume", signum)
 
     def evaluate(self) -> float:
         """The same first eval_samples of the validation split every time, so evals compare."""

@@ -1,0 +1,198 @@
+"""Ranks started on this machine by launch.py, which supervises them: a rank that fails stops
+the others and is named; stop signals are forwarded, and a second interrupt kills the ranks at
+once. The ranks never outlive launch.py, however it dies (kill -9 included).
+"""
+from __future__ import annotations
+
+import ctypes
+import multiprocessing
+import os
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hydra.errors import CompactHydraException
+
+from trainer.config import ConfigError
+from trainer.launch.ranks import RankEnv, run_rank
+from trainer.launch.signals import (
+    INTERRUPTED_EXIT_CODES,
+    INTERRUPTS,
+    STOP_SIGNALS,
+    Interrupted,
+    PreemptionWatch,
+    hard_stop_line,
+)
+from trainer.spec.runspec import RunSpec
+
+POLL_S = 0.05
+# A rank ignores stop signals until its watch is up (it inherits SIG_IGN from the start), so the
+# parent repeats a stop signal this often until the ranks have stopped.
+REPEAT_S = 1.0
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+DONE_CODES = frozenset({0}) | INTERRUPTED_EXIT_CODES  # a rank that stopped as it was asked to
+
+
+class RankFailed(CompactHydraException):
+    """A rank of a run started here failed; the message names it and its error."""
+
+
+def launch_local(spec: RunSpec, run_dir: Path, meta: dict[str, Any]) -> None:
+    """Start every rank on this machine and supervise them."""
+    layout = spec.layout
+    if spec.config.cluster.num_nodes != 1:
+        raise ConfigError(
+            f"cluster.num_nodes={spec.config.cluster.num_nodes}: launch.py starts processes on "
+            f"this machine only. Fix: set cluster.num_nodes=1, or start the ranks with torchrun "
+            f"on each node, or with SLURM (-m hydra/launcher=slurm).")
+    context = multiprocessing.get_context("spawn")
+    errors = context.SimpleQueue()
+    with tempfile.TemporaryDirectory(prefix="gtp-rendezvous-") as meeting:
+        init = f"file://{meeting}/store"
+        procs = [context.Process(
+            target=_local_rank_main, name=f"rank{r}",
+            args=(RankEnv(r, layout.world_size, r, init, "launch.py"), spec, run_dir, meta,
+                  errors, os.getpid())) for r in range(layout.world_size)]
+        # SIG_IGN is the one disposition a spawned process inherits: a signal that reaches a rank
+        # before its watch is up (ctrl-C reaches every process of the terminal's group) must not
+        # kill it half-started. The parent ignores them only until _supervise's handlers are up.
+        previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
+        try:
+            for proc in procs:
+                proc.start()
+            print("started " + ", ".join(f"rank {r} (pid {p.pid})" for r, p in enumerate(procs)),
+                  flush=True)
+            _supervise(procs, errors)
+        finally:
+            for signum, handler in previous.items():
+                signal.signal(signum, handler)
+
+
+def _local_rank_main(env: RankEnv, spec: RunSpec, run_dir: Path, meta: dict[str, Any],
+                     errors: Any, parent: int) -> None:
+    """Body of a process started by launch_local; reports its error to the parent."""
+    _die_with_parent(parent)
+    with PreemptionWatch(hard_stop=False) as watch:  # the parent does the hard stop
+        try:
+            run_rank(env, spec, run_dir, meta, watch)
+        except Interrupted as stop:  # saved as asked; the parent prints rank 0's line
+            errors.put((env.rank, str(stop)))
+            sys.exit(stop.exit_code)
+        except CompactHydraException as error:  # expected: its one line says it all
+            errors.put((env.rank, f"{type(error).__name__}: {error}".strip()))
+            sys.exit(1)
+        except BaseException as error:  # noqa: BLE001  (every failure must reach the parent)
+            traceback.print_exc()
+            errors.put((env.rank, f"{type(error).__name__}: {error}".strip()))
+            sys.exit(1)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux kills this process (SIGKILL) when launch.py dies, however it dies: no rank keeps a
+    GPU or a port busy after its run is gone. If launch.py died before prctl took effect, this
+    process is already someone else's child, and nobody would stop it: exit now."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+@dataclass
+class _Stop:
+    """The stop signals the parent got: it forwards them and repeats them until ranks exit."""
+
+    signum: int | None = None  # the first stop signal
+    interrupt: int | None = None  # the first SIGINT/SIGTERM
+    hard: int | None = None  # the second SIGINT/SIGTERM: the ranks were killed
+    forwarded: float = 0.0
+
+
+def _supervise(procs: list, errors: Any) -> None:
+    stop = _Stop()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        if signum in INTERRUPTS and stop.interrupt is not None:
+            stop.hard = signum
+            _signal_all(procs, signal.SIGKILL)
+            return
+        if signum in INTERRUPTS:
+            stop.interrupt = signum
+        stop.signum = stop.signum or signum
+        stop.forwarded = time.monotonic()
+        _signal_all(procs, signum)
+
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, on_signal)  # launch_local restores the handlers from before
+    try:
+        while any(p.exitcode is None for p in procs) and stop.hard is None:
+            failed = [(r, p) for r, p in enumerate(procs) if p.exitcode not in (None, *DONE_CODES)]
+            if failed:
+                _stop(procs)
+                raise RankFailed(_failure_message(failed, _reported(errors), len(procs)))
+            if stop.signum is not None and time.monotonic() - stop.forwarded > REPEAT_S:
+                stop.forwarded = time.monotonic()
+                _signal_all(procs, stop.interrupt or stop.signum)
+            time.sleep(POLL_S)
+        if stop.hard is not None:
+            raise Interrupted(hard_stop_line(stop.hard), stop.hard)
+        reported = _reported(errors)
+        failed = [(r, p) for r, p in enumerate(procs) if p.exitcode not in DONE_CODES]
+        if failed:
+            raise RankFailed(_failure_message(failed, reported, len(procs)))
+        codes = {p.exitcode for p in procs}
+        if codes & INTERRUPTED_EXIT_CODES:
+            signum = stop.interrupt or max(codes) - 128
+            raise Interrupted(reported.get(0, f"interrupted by {signal.Signals(signum).name}"),
+                              signum)
+    finally:
+        _stop(procs)
+
+
+def _signal_all(procs: list, signum: int) -> None:
+    for proc in procs:
+        if proc.pid is not None and proc.exitcode is None:
+            try:
+                os.kill(proc.pid, signum)
+            except ProcessLookupError:
+                pass  # exited since exitcode was read
+
+
+def _stop(procs: list) -> None:
+    """SIGKILL what is left: a rank without its peers cannot finish a step, let alone save."""
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+
+
+def _reported(errors: Any) -> dict[int, str]:
+    reported: dict[int, str] = {}
+    while not errors.empty():
+        rank, text = errors.get()
+        reported.setdefault(rank, text)  # dicts keep insertion order: first reported first
+    return reported
+
+
+def _failure_message(failed: list, reported: dict[int, str], world: int) -> str:
+    """Name the rank that failed first: a rank killed by a signal says nothing, and the others
+    then fail on their next collective ("connection closed"), so a silent death is the cause;
+    otherwise the first error reported is."""
+    ranks = {r for r, _ in failed}
+    said = {r: text for r, text in reported.items() if r in ranks}  # not a stopped rank's line
+    silent = [(r, p) for r, p in failed if r not in said]
+    if silent:
+        rank, proc = silent[0]
+        why = (f"killed by {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0
+               else f"exited with code {proc.exitcode}")
+    else:
+        rank, why = next(iter(said.items()))
+    others = sorted(r for r, _ in failed if r != rank)
+    also = f" (then rank(s) {', '.join(map(str, others))} failed too)" if others else ""
+    return f"rank {rank} of {world} failed: {why}{also}. The other ranks were stopped."
