@@ -51,7 +51,8 @@ class DataSource:
         tokenizer = data.tokenizer or "byte"
         if tokenizer not in TOKENIZERS:
             raise ValueError(f"data.tokenizer={tokenizer!r} selects no tokenizer for the built-in "
-                             f"corpus. Fix: choose one of {', '.join(TOKENIZERS)}, or set data.path.")
+                             f"corpus. Fix: choose one of {', '.join(TOKENIZERS)}, or set "
+                             f"data.path.")
         fraction = BUILTIN_VALID_FRACTION if data.valid_fraction is None else data.valid_fraction
         if not 0 <= fraction < 1:
             raise ValueError(f"data.valid_fraction={fraction} is outside [0, 1): it is the share "
@@ -68,10 +69,14 @@ class DataSource:
                            path.parent, "the built-in corpus is prepared once")
         return cls(path, True, fraction)
 
-    def open(self) -> TokenDataset:
-        """The dataset, prepared first if it is the built-in one and not there yet."""
+    def prepare(self) -> None:
+        """Before any rank starts: the built-in corpus is prepared once, or checked if it is there
+        (a data.path was checked when the spec was settled)."""
         if self.builtin:
             builtin_corpus(self.path.parent, self.valid_fraction)
+
+    def open(self) -> TokenDataset:
+        """The dataset, prepared and checked by launch.py before any rank started."""
         return TokenDataset.open(self.path)
 
 

@@ -22,7 +22,7 @@ from trainer.spec.runspec import RunSpec
 def check_inputs(spec: RunSpec) -> None:
     """Before any rank starts; a problem is one line naming the key."""
     try:
-        spec.data.open()
+        spec.data.prepare()
         if spec.config.checkpoint.load is not None:
             checkpoint.resolve(Path(spec.config.checkpoint.load))
     except (ValueError, FileNotFoundError) as error:
