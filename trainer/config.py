@@ -88,7 +88,7 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     path: Optional[str] = MISSING  # a prepared token dataset folder; null = the built-in corpus
-    tokenizer: Optional[str] = MISSING  # built-in corpus only (null = byte); data.path names its own
+    tokenizer: Optional[str] = MISSING  # built-in corpus only (null = byte); datasets name theirs
     cache_dir: Optional[str] = MISSING  # where the built-in corpus is prepared; null = ~/.cache
     seed: int = MISSING  # the shuffled sample order (independent of the layout)
     valid_fraction: Optional[float] = MISSING  # built-in corpus only: held-out share (null = 0.01)

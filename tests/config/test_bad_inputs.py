@@ -34,8 +34,10 @@ from config_helpers import ROOT
 HYDRA_HEADER = "Error executing job with overrides: "
 HYDRA_HINT = "Set the environment variable HYDRA_FULL_ERROR=1 for a complete stack trace."
 OURS, HYDRA, OK = "ours", "hydra", "accepted"
-TP2 = "parallel.tensor_model_parallel_size=2 parallel.sequence_parallel=true cluster.procs_per_node=2"
-TP4 = "parallel.tensor_model_parallel_size=4 parallel.sequence_parallel=true cluster.procs_per_node=4"
+TP2 = ("parallel.tensor_model_parallel_size=2 parallel.sequence_parallel=true "
+       "cluster.procs_per_node=2")
+TP4 = ("parallel.tensor_model_parallel_size=4 parallel.sequence_parallel=true "
+       "cluster.procs_per_node=4")
 SHORT = "train.train_samples=64"  # a real start that wrongly passed would still end soon
 
 

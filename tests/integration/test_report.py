@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from config_helpers import CONF_DIR, ROOT
 from trainer.data.dataset import prepare
+
+from config_helpers import CONF_DIR, ROOT
 
 SMALL_RUN = ("train.micro_batch_size=4", "train.seq_length=32", "logger.log_interval=1",
              "train.eval_interval=2", "train.eval_samples=8", "schedule.lr_warmup_samples=8",

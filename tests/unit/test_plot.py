@@ -10,8 +10,9 @@ from pathlib import Path
 
 import yaml
 
-from config_helpers import ROOT
 from trainer.report.plot import legend_labels, read_curves, write_curves
+
+from config_helpers import ROOT
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 GBS = 8

@@ -8,9 +8,10 @@ import math
 import pytest
 from omegaconf import OmegaConf
 
-from config_helpers import compose_config
 from trainer.config import LrDecayStyle, ScheduleConfig
 from trainer.train.schedule import LrSchedule
+
+from config_helpers import compose_config
 
 LR, MIN_LR, WARMUP, DECAY, TRAIN = 1e-3, 1e-4, 100, 1000, 1200
 WSD = 200  # anneal from 800 to 1000

@@ -12,8 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from parallel.layout import Layout
-from trainer.config import (CheckpointConfig, ClusterConfig, Config, LoggerConfig, LoggerName,
-                            ModelConfig, OptimConfig)
+from trainer.config import (
+    CheckpointConfig,
+    ClusterConfig,
+    Config,
+    LoggerConfig,
+    LoggerName,
+    ModelConfig,
+    OptimConfig,
+)
 
 # What a `name` key selects; the implementations live in model/ and train/ (which import torch).
 ARCHITECTURES = ("llama",)

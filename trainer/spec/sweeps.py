@@ -40,4 +40,4 @@ def check_sweep(compose, points: Sequence[Sequence[str]]) -> None:
         raise SweepRejected(
             f"Sweep refused before any job started; invalid points: {len(invalid)} of "
             f"{len(points)}.\n" + "\n".join(lines) + "\nFix these points or remove them from the "
-            f"sweep; no point was run.")
+            "sweep; no point was run.")

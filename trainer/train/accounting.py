@@ -39,7 +39,8 @@ class RunPlan:
                     f"train.eval_samples={train.eval_samples} is not a positive multiple of "
                     f"train.micro_batch_size x batch_parallel_size = {layout.micro_batch_size} x "
                     f"{layout.batch_parallel_size} = {lanes}: every batch lane reads whole "
-                    f"micro-batches. Fix: set train.eval_samples to {multiples_near(train.eval_samples, lanes)}.")
+                    f"micro-batches. Fix: set train.eval_samples to "
+                    f"{multiples_near(train.eval_samples, lanes)}.")
             eval_layout = replace(layout, global_batch_size=train.eval_samples)
         if checkpoint.save_interval is not None and checkpoint.save_interval < 1:
             raise ValueError(f"checkpoint.save_interval={checkpoint.save_interval} must be >= 1 "

@@ -93,7 +93,7 @@ class Trainer:
         while state.step < plan.train_steps:
             started, consumed = time.perf_counter(), state.consumed_samples
             micro_batches = rank_micro_batches(
-                lambda idx: self.train_stream.get([consumed + i for i in idx]), layout,
+                lambda idx, at=consumed: self.train_stream.get([at + i for i in idx]), layout,
                 self.rank, self.device)
             lr = self.schedule.lr(consumed + gbs)
             self.engine.groups.stats.reset()
@@ -131,8 +131,8 @@ class Trainer:
         return TrainingDiverged(
             f"Training diverged at step {step}: {error} (lr {lr:.3g}). "
             f"The step was not applied and nothing of it was saved; the last good checkpoint is "
-            f"{good or 'none'}. Fix: lower schedule.lr, set optim.clip_grad, or check the data; "
-            f"rerunning the same command resumes from that checkpoint.")
+            f"{good or 'none'}. Fix: lower schedule.lr or set optim.clip_grad (add "
+            f"checkpoint.load=<that checkpoint> to continue from it), or check the data.")
 
     def stop_requested(self) -> int | None:
         """The stop signal any rank got (the strongest, if they differ), or None. Collective:
