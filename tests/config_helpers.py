@@ -1,7 +1,9 @@
-"""Compose the project's config the way launch.py does, without a process (tests import it as
-`config_helpers`; the tests folder is on sys.path through tests/conftest.py)."""
+"""Compose the project's config the way launch.py does, without a process, and wait for a
+launch.py process (tests import it as `config_helpers`; the tests folder is on sys.path through
+tests/conftest.py)."""
 from __future__ import annotations
 
+import subprocess
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
@@ -19,3 +21,12 @@ def compose_config(*overrides: str, hydra_node: bool = False) -> DictConfig:
         return compose(config_name="config", overrides=list(overrides),
                        return_hydra_config=hydra_node)
 
+
+def finish(process: subprocess.Popen, timeout: float = 180) -> subprocess.CompletedProcess:
+    """Wait for a process started with text pipes; kill it if it outlives the timeout."""
+    try:
+        stdout, stderr = process.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)

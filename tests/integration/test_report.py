@@ -15,7 +15,7 @@ import pytest
 
 from trainer.data.dataset import prepare
 
-from config_helpers import CONF_DIR, ROOT
+from config_helpers import CONF_DIR, ROOT, finish
 
 SMALL_RUN = ("train.micro_batch_size=4", "train.seq_length=32", "logger.log_interval=1",
              "train.eval_interval=2", "train.eval_samples=8", "schedule.lr_warmup_samples=8",
@@ -28,15 +28,6 @@ def start(*args: str, module: str | None = None) -> subprocess.Popen:
     command = ["-m", module] if module else [str(ROOT / "launch.py")]
     return subprocess.Popen([sys.executable, *command, *args], text=True, cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-
-
-def finish(process: subprocess.Popen) -> subprocess.CompletedProcess:
-    try:
-        stdout, stderr = process.communicate(timeout=180)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ import yaml
 
 from trainer.data.dataset import prepare
 
-from config_helpers import ROOT
+from config_helpers import ROOT, finish
 
 MICRO, STEPS = 4, 8  # one process: global batch = micro_batch_size = 4
 SMALL_RUN = ("train.micro_batch_size=4", "train.seq_length=32", "logger.log_interval=1",
@@ -41,18 +41,9 @@ def start(home: Path, *args: str, env_extra: dict | None = None) -> subprocess.P
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=ROOT)
 
 
-def finish(process: subprocess.Popen) -> subprocess.CompletedProcess:
-    try:
-        stdout, stderr = process.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        raise
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
-
-
 def train_run(home: Path, data: Path, run_dir: Path, *overrides: str,
               env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    return finish(start_train(home, data, run_dir, *overrides, env_extra=env_extra))
+    return finish(start_train(home, data, run_dir, *overrides, env_extra=env_extra), 120)
 
 
 def start_train(home: Path, data: Path, run_dir: Path, *overrides: str,
