@@ -83,11 +83,9 @@ def _local_rank_main(env: RankEnv, spec: RunSpec, run_dir: Path, meta: dict[str,
         except Interrupted as stop:  # saved as asked; the parent prints rank 0's line
             errors.put((env.rank, str(stop)))
             sys.exit(stop.exit_code)
-        except CompactHydraException as error:  # expected: its one line says it all
-            errors.put((env.rank, f"{type(error).__name__}: {error}".strip()))
-            sys.exit(1)
         except BaseException as error:  # noqa: BLE001  (every failure must reach the parent)
-            traceback.print_exc()
+            if not isinstance(error, CompactHydraException):  # expected ones say it in a line
+                traceback.print_exc()
             errors.put((env.rank, f"{type(error).__name__}: {error}".strip()))
             sys.exit(1)
 

@@ -59,13 +59,12 @@ class Trainer:
     def __init__(self, spec: RunSpec, run_dir: Path, device: torch.device,
                  meta: dict[str, Any] | None = None, watch: PreemptionWatch | None = None):
         settings = spec.config
-        self.spec, self.settings, self.layout, self.device = spec, settings, spec.layout, device
+        self.settings, self.layout, self.device = settings, spec.layout, device
         self.rank, self.meta, self.watch = dist.get_rank(), meta or {}, watch
         self.plan, self.schedule = spec.plan, spec.schedule
         self.train_stream, self.valid_stream = open_streams(spec)
-        layout = self.layout
-        self.engine = build_engine(settings.model, settings.optim, settings.train.seed, layout,
-                                   device, settings.train.precision)
+        self.engine = build_engine(settings.model, settings.optim, settings.train.seed,
+                                   self.layout, device, settings.train.precision)
         self.state = checkpoint.TrainState(data=self.train_stream.identity)
         ckpt = settings.checkpoint
         self.save_dir = Path(ckpt.dir) if ckpt.dir else run_dir / "checkpoints"
@@ -101,7 +100,7 @@ class Trainer:
                 result = train_step(self.engine.model, self.engine.optimizer, micro_batches, lr)
             except NonFiniteStep as error:
                 logger.close()
-                raise self.diverged(state.step + 1, error) from None
+                raise self.diverged(state.step + 1, error, lr) from None
             state.step, state.consumed_samples = state.step + 1, consumed + gbs
             record = {"consumed_samples": state.consumed_samples, "loss": result.loss, "lr": lr,
                       "grad_norm": result.grad_norm,
@@ -125,9 +124,8 @@ class Trainer:
         logger.close()
         return records
 
-    def diverged(self, step: int, error: NonFiniteStep) -> TrainingDiverged:
+    def diverged(self, step: int, error: NonFiniteStep, lr: float) -> TrainingDiverged:
         good = checkpoint.latest(self.save_dir)
-        lr = self.schedule.lr(self.state.consumed_samples + self.plan.global_batch_size)
         return TrainingDiverged(
             f"Training diverged at step {step}: {error} (lr {lr:.3g}). "
             f"The step was not applied and nothing of it was saved; the last good checkpoint is "
