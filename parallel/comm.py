@@ -54,6 +54,10 @@ class Group:
         self.handle = handle
         if self.size > 1 and handle is None:
             raise ValueError(f"group {kind} {ranks} needs a process group")
+        # torch's fake backend (one process simulating a rank of a large world) returns at once
+        # without writing its outputs: allocate them zeroed so values stay finite.
+        self._new = torch.Tensor.new_zeros if (
+            handle is not None and dist.get_backend(handle) == "fake") else torch.Tensor.new_empty
 
     def __repr__(self) -> str:
         return f"Group({self.kind}, ranks={self.ranks}, rank={self.rank})"
@@ -67,14 +71,14 @@ class Group:
         return output
 
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
-        out = shard.new_empty((self.size * shard.shape[0], *shard.shape[1:]))
+        out = self._new(shard, (self.size * shard.shape[0], *shard.shape[1:]))
         return self.all_gather_into(out, shard)
 
     def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
         """Sum over the group of `full` (dim 0 divisible by size); returns this rank's slice."""
         if self.size == 1:
             return full
-        out = full.new_empty((full.shape[0] // self.size, *full.shape[1:]))
+        out = self._new(full, (full.shape[0] // self.size, *full.shape[1:]))
         self.stats.record(self.kind, REDUCE_SCATTER, (self.size - 1) * _nbytes(out))
         _reduce_scatter_tensor(out, full.contiguous(), group=self.handle)
         return out

@@ -6,6 +6,8 @@ its own code; what it holds afterwards is this rank's shards.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -23,6 +25,8 @@ from parallel.tensor import (
 )
 
 ParallelLayer = (ParallelLinear, VocabParallelEmbedding)
+# (parameter name, its single-device shape, offsets, shape) -> that rectangle of its value
+InitialValues = Callable[[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]], torch.Tensor]
 
 
 class ParallelModel(nn.Module):
@@ -66,6 +70,15 @@ class ParallelModel(nn.Module):
             return [((0,) * local.ndim, local)]
         return global_chunks(layer, local)
 
+    @torch.no_grad()
+    def initialize(self, values: InitialValues) -> None:
+        """Fill every parameter this rank stores from the single-device model's initial values,
+        asking only for the rectangles it holds (padding rows are zero)."""
+        for name, param in self.module.named_parameters():
+            param.zero_()
+            for offsets, view in self.global_chunks(name, param):
+                view.copy_(values(name, self.global_shape(name), offsets, tuple(view.shape)))
+
     def reduce_replicated_grads(self) -> None:
         """Coalesced: one all-reduce per group for all small tensors."""
         grads = [p.grad for _, p in self.replicated if p.grad is not None]
@@ -91,7 +104,10 @@ class ParallelModel(nn.Module):
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Groups, rank: int,
-                compute_dtype: torch.dtype = torch.float32) -> ParallelModel:
+                device: torch.device, compute_dtype: torch.dtype = torch.float32
+                ) -> ParallelModel:
+    """A model on the meta device comes back with this rank's parameters allocated on
+    `device` but not initialised (ParallelModel.initialize); a real one keeps its values."""
     if layout.pp_size > 1:
         raise NotImplementedError("pipeline stages are not supported in training yet")
     tp, gtp, sp = groups.tp, groups.gtp_remat, layout.sequence_parallel and layout.tp_size > 1
@@ -100,6 +116,11 @@ def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Gr
         if replacement is not None:
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, replacement)
+    # Before anything keeps a reference to a parameter: moving off meta makes new ones.
+    if any(p.device.type == "meta" for p in model.parameters()):
+        model.to_empty(device=device)
+    else:
+        model.to(device)
     if gtp.size > 1:  # one collective per transformer block, not one per weight
         bundles: dict[str, ShardBundle] = {}
         for name, child in model.named_modules():

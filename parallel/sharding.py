@@ -14,13 +14,10 @@ import torch.nn.functional as F
 from parallel.comm import Group
 
 
-def shard_rows_of(full: torch.Tensor, group: Group) -> torch.Tensor:
-    """This rank's padded slice of `full`'s rows (a copy)."""
-    rows = full.shape[0]
-    per_rank = -(-rows // group.size)
-    padded = full.new_zeros((per_rank * group.size, *full.shape[1:]))
-    padded[:rows] = full
-    return padded[group.rank * per_rank:(group.rank + 1) * per_rank].clone()
+def shard_rows(rows: int, group: Group) -> int:
+    """Rows each rank stores of a TP-local weight of `rows` (padded to a multiple of the
+    group; Layout.shard_rows is the same rule for the plan)."""
+    return -(-rows // group.size)
 
 
 def gather_rows(shard: torch.Tensor, group: Group, rows: int) -> torch.Tensor:
@@ -33,7 +30,7 @@ def gather_rows(shard: torch.Tensor, group: Group, rows: int) -> torch.Tensor:
 def _scatter_rows(grad_full: torch.Tensor, group: Group) -> torch.Tensor:
     """Sum the full-weight gradient over the group, keep this rank's (padded) rows."""
     rows = grad_full.shape[0]
-    per_rank = -(-rows // group.size)
+    per_rank = shard_rows(rows, group)
     if per_rank * group.size != rows:
         grad_full = F.pad(grad_full, (0, 0, 0, per_rank * group.size - rows))
     return group.reduce_scatter(grad_full)

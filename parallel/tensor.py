@@ -1,9 +1,11 @@
 """Tensor parallel layers (optionally sequence parallel) whose TP-local weights are GTP-sharded.
 
-Each replaces a layer of the single-device model: it takes the full weight, keeps this rank's
-TP slice, and stores 1/G of that slice's rows (parallel.sharding). With SP, activations between
-layers are split along the sequence (dim 1) over TP: gathered before a column-parallel layer,
-reduce-scattered after a row-parallel one.
+Each replaces a layer of the single-device model: it takes the layer's shape, and stores this
+rank's TP slice with 1/G of that slice's rows (parallel.sharding). Built from a layer on the meta
+device it allocates nothing; ParallelModel.initialize then fills each shard from the model's
+initial values, so no rank ever holds a full weight. Built from a real layer it copies its slice.
+With SP, activations between layers are split along the sequence (dim 1) over TP: gathered
+before a column-parallel layer, reduce-scattered after a row-parallel one.
 """
 from __future__ import annotations
 
@@ -17,13 +19,12 @@ from parallel.regions import (
     gather_along,
     reduce_from,
     scatter_along,
-    split_along,
 )
 from parallel.sharding import (
     ShardBundle,
     bundled_linear,
     gather_rows,
-    shard_rows_of,
+    shard_rows,
     sharded_embedding,
     sharded_linear,
 )
@@ -55,10 +56,11 @@ class ParallelLinear(nn.Module):
             raise ValueError(f"{name}: {parts} fused parts of {self.full_shape} do not split "
                              f"over tensor_model_parallel_size={tp.size}")
         self.parts = parts
-        chunks = full.weight.detach().chunk(parts, dim=0)
-        local = torch.cat([split_along(c, tp, self.tp_dim) for c in chunks], dim=0)
-        self.rows = local.shape[0]  # TP-local rows before GTP padding
-        self.weight = nn.Parameter(shard_rows_of(local, gtp))
+        rows, cols = self.full_shape
+        # self.rows: TP-local rows before GTP padding
+        self.rows, local_cols = (rows // tp.size, cols) if style == "column" else (
+            rows, cols // tp.size)
+        self.weight = _shard_of(full.weight, self, (shard_rows(self.rows, gtp), local_cols))
         self.bundle: ShardBundle | None = None  # set by join_bundle
         self.bundle_index = -1
 
@@ -113,6 +115,18 @@ def global_chunks(layer: ParallelLinear | VocabParallelEmbedding, shard: torch.T
     return chunks
 
 
+def _shard_of(full: torch.Tensor, layer: ParallelLinear | VocabParallelEmbedding,
+              shape: tuple[int, int]) -> nn.Parameter:
+    """The layer's shard parameter on `full`'s device: empty on meta, else `full`'s values
+    at this rank's rectangles (padding rows zero)."""
+    shard = torch.zeros(shape, dtype=full.dtype, device=full.device)
+    if full.device.type != "meta":
+        with torch.no_grad():
+            for (row, col), view in global_chunks(layer, shard):
+                view.copy_(full[row:row + view.shape[0], col:col + view.shape[1]])
+    return nn.Parameter(shard)
+
+
 class VocabParallelEmbedding(nn.Module):
     """Rows (the vocabulary) split over TP; each rank looks up the tokens in its range."""
 
@@ -127,8 +141,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_dim, self.parts, self.full_shape = 0, 1, tuple(full.weight.shape)
         self.rows = vocab // tp.size
         self.vocab_start = tp.rank * self.rows
-        local = split_along(full.weight.detach(), tp, 0)
-        self.weight = nn.Parameter(shard_rows_of(local, gtp))
+        self.weight = _shard_of(full.weight, self, (shard_rows(self.rows, gtp), self.full_shape[1]))
 
     def full_weight(self) -> torch.Tensor:
         local = gather_rows(self.weight.detach(), self.gtp, self.rows)

@@ -24,6 +24,15 @@ class Precision(Enum):
     bf16 = "bf16"  # bf16 weights and activations, fp32 master weights, grads and Adam moments
 
 
+class RecomputeGranularity(Enum):
+    """Megatron's --recompute-granularity: what a block's backward recomputes instead of
+    keeping. selective: the attention core and the MLP activation; full: the whole block
+    (its weights gathered again for the recompute)."""
+
+    selective = "selective"
+    full = "full"
+
+
 class LrDecayStyle(Enum):
     constant = "constant"
     linear = "linear"
@@ -60,6 +69,11 @@ class ParallelConfig:
     tensor_parallel_num_sequence_shards: Optional[int] = MISSING  # null = SP degree
     context_parallel_size: int = MISSING
     pipeline_model_parallel_size: int = MISSING
+    # Communication (Megatron's flag names): how weight gathers and gradient reductions run;
+    # they change bytes and timing, never the result.
+    grad_reduce_in_bf16: bool = MISSING  # bf16 only: reduce-scatter gradients in bf16
+    overlap_param_gather: bool = MISSING  # gather the next block's weights during this block
+    overlap_grad_reduce: bool = MISSING  # reduce-scatter a block's gradients as they complete
 
 
 @dataclass
@@ -79,6 +93,8 @@ class TrainConfig:
     global_batch_size: Optional[int] = MISSING  # null = micro_batch_size x batch_parallel_size
     seq_length: int = MISSING
     precision: Precision = MISSING
+    recompute_granularity: Optional[RecomputeGranularity] = MISSING  # null = keep activations
+    recompute_num_layers: Optional[int] = MISSING  # the first N blocks recompute; null = all
     seed: int = MISSING  # model initialisation (the same full weights under every layout)
     train_samples: int = MISSING  # the run ends after this many samples (a multiple of the GBS)
     eval_interval: Optional[int] = MISSING  # steps between evaluations; null = never
@@ -143,6 +159,9 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run_name: str = MISSING
     dry_run: bool = MISSING
+    # With dry_run: build this rank's engine in this one process against a simulated world
+    # (torch's fake process group) and measure one training step; null = plan only.
+    dry_run_rank: Optional[int] = MISSING
     # Read-only, derived by the resolver plugin from parallel.*, cluster.* and train.*.
     layout: Any = II("gtp.layout:${parallel},${cluster},${train}")
 

@@ -93,6 +93,17 @@ TABLE = [
     R("model.rope_theta=0", ("model.rope_theta=0",)),
     R("model.norm_eps=0", ("model.norm_eps=0",)),
     R("model.init_std=nan", ("model.init_std=nan",)),
+    # activation recompute, communication dtype, the measured dry run
+    R("train.recompute_num_layers=1", ("train.recompute_num_layers=1", "recompute_granularity")),
+    R("train.recompute_granularity=full train.recompute_num_layers=3",
+      ("train.recompute_num_layers=3", "model.num_layers=2")),
+    R("train.recompute_granularity=full train.recompute_num_layers=0",
+      ("train.recompute_num_layers=0",)),
+    R("train.recompute_granularity=partial", ("recompute_granularity", "partial"), HYDRA),
+    R("parallel.grad_reduce_in_bf16=true", ("parallel.grad_reduce_in_bf16=true",
+                                            "train.precision=fp32")),
+    R("dry_run_rank=0", ("dry_run_rank=0", "dry_run=true"), start=True),
+    R("dry_run_rank=1", ("dry_run_rank=1", "world_size=1")),
     # optimizer and schedule
     R("optim.name=sgd", ("optim.name='sgd'",)),
     R("optim.clip_grad=0", ("optim.clip_grad=0",)),

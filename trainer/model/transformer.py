@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import ModelConfig
+from trainer.model.init import normal_rectangle
 from trainer.spec.checks import check_model
 
 # (q, k, v) each [batch, heads, seq, head_dim] -> [batch, heads, seq, head_dim]
@@ -110,18 +111,22 @@ class Transformer(nn.Module):
             x = block(x, positions)
         return self.head(self.norm(x))
 
+    def initial_values(self, name: str, full: tuple[int, ...], offsets: tuple[int, ...],
+                       shape: tuple[int, ...], seed: int) -> torch.Tensor:
+        """The rectangle `shape` at `offsets` of parameter `name`'s initial value (`full`: its
+        single-device shape). The same seed gives the same full weights whatever the layout,
+        and a rank asks only for its shards (trainer.model.init). Norms start at one."""
+        if len(full) == 1:
+            return torch.ones(shape)
+        std = self.cfg.init_std
+        if name.endswith(("attn.o.weight", "mlp.down.weight")):
+            # Residual-branch outputs shrink with depth so the residual stream keeps its scale.
+            std /= math.sqrt(2 * self.cfg.num_layers)
+        return normal_rectangle(seed, name, full[1], offsets, shape).mul_(std)
+
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Same seed, same full weights, whatever the layout: every rank initialises the whole
-        model from one generator before parallel transforms cut it."""
-        gen = torch.Generator().manual_seed(seed)
-        std = self.cfg.init_std
-        # Residual-branch outputs shrink with depth so the residual stream keeps its scale.
-        out_std = std / math.sqrt(2 * self.cfg.num_layers)
+        """Initialise the whole single-device model (one process)."""
         for name, param in self.named_parameters():
-            if param.ndim == 1:
-                param.fill_(1.0)
-            else:
-                scale = out_std if name.endswith(("attn.o.weight", "mlp.down.weight")) else std
-                param.copy_(torch.randn(param.shape, generator=gen) * scale)
-
+            shape = tuple(param.shape)
+            param.copy_(self.initial_values(name, shape, (0,) * param.ndim, shape, seed))

@@ -20,6 +20,7 @@ from trainer.config import (
     LoggerName,
     ModelConfig,
     OptimConfig,
+    Precision,
 )
 
 # What a `name` key selects; the implementations live in model/ and train/ (which import torch).
@@ -164,11 +165,43 @@ def check_seeds(cfg: Config) -> None:
             raise ValueError(f"{key}={value} must be in [0, 2**32). Fix: choose such a seed.")
 
 
+def check_memory_options(cfg: Config, layout: Layout) -> None:
+    """Activation recompute and communication dtype: keys that only act in some combinations
+    are refused where they would be silently ignored."""
+    train, num_layers = cfg.train, cfg.model.num_layers
+    if train.recompute_num_layers is not None:
+        if train.recompute_granularity is None:
+            raise ValueError(
+                f"train.recompute_num_layers={train.recompute_num_layers} is ignored without "
+                f"recompute. Fix: set train.recompute_granularity=full (or selective), or "
+                f"train.recompute_num_layers=null.")
+        if not 1 <= train.recompute_num_layers <= num_layers:
+            raise ValueError(
+                f"train.recompute_num_layers={train.recompute_num_layers} must be in [1, "
+                f"model.num_layers={num_layers}]. Fix: choose such a number of blocks, or null "
+                f"for all of them.")
+    if cfg.parallel.grad_reduce_in_bf16 and train.precision is not Precision.bf16:
+        raise ValueError(
+            f"parallel.grad_reduce_in_bf16=true is ignored with train.precision="
+            f"{train.precision.value} (gradients are fp32). Fix: set train.precision=bf16, or "
+            f"parallel.grad_reduce_in_bf16=false.")
+    rank = cfg.dry_run_rank
+    if rank is not None:
+        if not cfg.dry_run:
+            raise ValueError(f"dry_run_rank={rank} is ignored without dry_run=true. Fix: add "
+                             f"dry_run=true, or remove dry_run_rank.")
+        if not 0 <= rank < layout.world_size:
+            raise ValueError(f"dry_run_rank={rank} is not a rank of world_size="
+                             f"{layout.world_size}. Fix: choose a rank in [0, "
+                             f"{layout.world_size - 1}].")
+
+
 def check_values(cfg: Config, layout: Layout) -> None:
     """Everything above, in the order a reader meets the config."""
     check_layout_inputs(cfg.parallel, cfg.cluster, cfg.train)
     check_model(cfg.model)
     check_model_fits_layout(cfg.model, layout)
+    check_memory_options(cfg, layout)
     check_seeds(cfg)
     check_optim(cfg.optim)
     check_logger(cfg.logger)

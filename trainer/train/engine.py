@@ -1,10 +1,12 @@
 """Build one rank's training engine from the typed config: groups, model, optimizer.
 
-The model is built whole from the seed on every rank, then cut by parallelize, so every layout
-starts from the same full weights.
+The model is built on the meta device and parallelized there, so a rank allocates only its own
+shards; each is then filled from the model's initial values at its place in the full weight
+(trainer.model.init), so every layout starts from the same full weights as one process.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -40,8 +42,12 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layo
     """Collective over the default process group."""
     check_model_fits_layout(model_cfg, layout)
     groups = build_groups(layout, CommStats())
-    model = ARCHITECTURES[model_cfg.name](model_cfg)
-    model.init_weights(seed)
-    parallel = parallelize(model, PLAN, layout, groups, torch.distributed.get_rank(),
-                           COMPUTE_DTYPE[precision]).to(device)
-    return Engine(layout, groups, parallel, OPTIMIZERS[optim_cfg.name](parallel, optim_cfg, layout))
+    with torch.device("meta"):
+        model = ARCHITECTURES[model_cfg.name](model_cfg)
+    parallel = parallelize(model, PLAN, layout, groups, torch.distributed.get_rank(), device,
+                           COMPUTE_DTYPE[precision])
+    # The optimizer moves the (still untouched) parameters into its flat buffers first, so the
+    # values are written once, in place, and no second copy of them is ever resident.
+    optimizer = OPTIMIZERS[optim_cfg.name](parallel, optim_cfg, layout)
+    parallel.initialize(functools.partial(model.initial_values, seed=seed))
+    return Engine(layout, groups, parallel, optimizer)
