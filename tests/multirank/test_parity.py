@@ -26,6 +26,7 @@ from trainer.config import ModelConfig, OptimConfig, Precision
 from trainer.data.batch import rank_micro_batches
 from trainer.model.transformer import Transformer
 from trainer.train.engine import build_engine
+from trainer.train.options import EngineOptions
 from trainer.train.step import IGNORE, train_step
 
 from harness import run_ranks
@@ -112,9 +113,9 @@ def reference(rank: int, batches: list[torch.Tensor], dtype: torch.dtype) -> dic
 
 
 def train_rank(rank: int, layout: Layout, batches: list[torch.Tensor], dtype: torch.dtype,
-               precision: Precision = Precision.fp32) -> dict:
+               options: EngineOptions = EngineOptions()) -> dict:
     torch.set_default_dtype(dtype)
-    engine = build_engine(TINY, OPTIM, SEED, layout, torch.device("cpu"), precision)
+    engine = build_engine(TINY, OPTIM, SEED, layout, torch.device("cpu"), options)
     losses, norms = [], []
     for batch, lr in zip(batches, LRS):
         micro_batches = rank_micro_batches(lambda idx, b=batch: b[idx], layout, rank)
@@ -176,8 +177,8 @@ def test_bf16_autocast_trains_close_to_fp32(name, references):
     world, kwargs = LAYOUTS[name]
     layout = make_layout(world, kwargs)
     batches, ref = references(layout.global_batch_size, torch.float32)
-    got = run_ranks(world, train_rank, layout, batches, torch.float32, Precision.bf16,
-                    timeout=120)[0]
+    got = run_ranks(world, train_rank, layout, batches, torch.float32,
+                    EngineOptions(Precision.bf16), timeout=120)[0]
     losses = [relative(a, b) for a, b in zip(got["losses"], ref["losses"])]
     norms = [relative(a, b) for a, b in zip(got["norms"], ref["norms"])]
     print(f"\nbf16 {name}: relative differences to fp32: loss {losses}, grad norm {norms}")

@@ -20,6 +20,7 @@ from trainer.model.plan import PLAN
 from trainer.model.transformer import Transformer
 from trainer.spec.checks import check_model_fits_layout
 from trainer.train.optim import ShardedAdamW
+from trainer.train.options import EngineOptions
 
 # What model.name and optim.name select (trainer.spec.checks lists the names, without torch).
 ARCHITECTURES = {"llama": Transformer}
@@ -38,14 +39,14 @@ COMPUTE_DTYPE = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16}
 
 
 def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layout: Layout,
-                 device: torch.device, precision: Precision = Precision.fp32) -> Engine:
+                 device: torch.device, options: EngineOptions = EngineOptions()) -> Engine:
     """Collective over the default process group."""
     check_model_fits_layout(model_cfg, layout)
     groups = build_groups(layout, CommStats())
     with torch.device("meta"):
         model = ARCHITECTURES[model_cfg.name](model_cfg)
     parallel = parallelize(model, PLAN, layout, groups, torch.distributed.get_rank(), device,
-                           COMPUTE_DTYPE[precision])
+                           COMPUTE_DTYPE[options.precision])
     # The optimizer moves the (still untouched) parameters into its flat buffers first, so the
     # values are written once, in place, and no second copy of them is ever resident.
     optimizer = OPTIMIZERS[optim_cfg.name](parallel, optim_cfg, layout)

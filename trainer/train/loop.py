@@ -23,6 +23,7 @@ from trainer.launch.signals import PREEMPT, Interrupted, PreemptionWatch, code_o
 from trainer.report.metrics import MetricsLogger
 from trainer.spec.runspec import RunSpec
 from trainer.train.engine import Engine, build_engine
+from trainer.train.options import EngineOptions
 from trainer.train.step import NonFiniteStep, evaluate, train_step
 
 
@@ -64,7 +65,7 @@ class Trainer:
         self.plan, self.schedule = spec.plan, spec.schedule
         self.train_stream, self.valid_stream = open_streams(spec)
         self.engine = build_engine(settings.model, settings.optim, settings.train.seed,
-                                   self.layout, device, settings.train.precision)
+                                   self.layout, device, EngineOptions.from_config(settings))
         self.state = checkpoint.TrainState(data=self.train_stream.identity)
         ckpt = settings.checkpoint
         self.save_dir = Path(ckpt.dir) if ckpt.dir else run_dir / "checkpoints"

@@ -1,0 +1,33 @@
+"""EngineOptions: the config keys that change what a rank holds and how it communicates, never
+what it computes (every combination trains the same model). No torch: the memory plan reads
+them at compose time, the engine applies them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from trainer.config import Config, Precision, RecomputeGranularity
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    precision: Precision = Precision.fp32
+    recompute_granularity: Optional[RecomputeGranularity] = None  # null = keep activations
+    recompute_num_layers: Optional[int] = None  # the first N blocks; null = all
+    grad_reduce_in_bf16: bool = False
+    overlap_param_gather: bool = False
+    overlap_grad_reduce: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> EngineOptions:
+        train, parallel = cfg.train, cfg.parallel
+        return cls(train.precision, train.recompute_granularity, train.recompute_num_layers,
+                   parallel.grad_reduce_in_bf16, parallel.overlap_param_gather,
+                   parallel.overlap_grad_reduce)
+
+    def recomputes(self, block: int) -> Optional[RecomputeGranularity]:
+        """What block `block` recomputes in backward (None: nothing)."""
+        if self.recompute_num_layers is not None and block >= self.recompute_num_layers:
+            return None
+        return self.recompute_granularity
