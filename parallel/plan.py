@@ -14,6 +14,9 @@ class ParallelPlan:
     embedding: str  # the token embedding (vocab-parallel)
     head: str  # the output projection whose logits feed the vocab-parallel loss
     blocks: str  # the ModuleList of blocks; each block's sharded linears share one bundle
+    # Function attributes of a block's modules that selective recompute wraps (Megatron's
+    # selective: the attention core and the MLP activation), by attribute name.
+    recompute_hooks: tuple[str, ...] = ()
 
     def linear_style(self, name: str) -> tuple[str, int]:
         style = next((p for suffix, p in self.linears.items()

@@ -17,6 +17,8 @@ PLAN = ParallelPlan(
     embedding="embed",  # vocab-parallel: rows split over TP like the head
     head="head",
     blocks="layers",  # the ModuleList of transformer blocks: one weight-gather bundle each
+    # Cheap to recompute, costly to keep: the softmax(QK^T)V core and silu(gate) * up.
+    recompute_hooks=("attention_fn", "activation_fn"),
 )
 
 

@@ -1,7 +1,9 @@
 """The model: a decoder-only transformer as plain single-device PyTorch.
 
 It knows nothing of ranks or groups. Parallel code wraps or replaces its layers from outside, by
-module name; `attention_fn` is the one hook context parallel needs.
+module name. Two hooks are plain function attributes, so wrapping them changes no parameter
+name: `attention_fn` (context parallel replaces it) and `activation_fn` (selective recompute
+wraps both).
 """
 from __future__ import annotations
 
@@ -18,10 +20,16 @@ from trainer.spec.checks import check_model
 
 # (q, k, v) each [batch, heads, seq, head_dim] -> [batch, heads, seq, head_dim]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (gate, up) each [batch, seq, ffn] -> [batch, seq, ffn]
+ActivationFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
 
 
 class RMSNorm(nn.Module):
@@ -74,10 +82,11 @@ class SwiGLU(nn.Module):
         h, f = cfg.hidden_size, cfg.ffn_hidden_size
         self.gate_up = nn.Linear(h, 2 * f, bias=False)  # fused like qkv
         self.down = nn.Linear(f, h, bias=False)
+        self.activation_fn: ActivationFn = swiglu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(F.silu(gate) * up)
+        return self.down(self.activation_fn(gate, up))
 
 
 class Block(nn.Module):

@@ -21,6 +21,7 @@ from trainer.model.transformer import Transformer
 from trainer.spec.checks import check_model_fits_layout
 from trainer.train.optim import ShardedAdamW
 from trainer.train.options import EngineOptions
+from trainer.train.recompute import apply_recompute
 
 # What model.name and optim.name select (trainer.spec.checks lists the names, without torch).
 ARCHITECTURES = {"llama": Transformer}
@@ -47,6 +48,7 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layo
         model = ARCHITECTURES[model_cfg.name](model_cfg)
     parallel = parallelize(model, PLAN, layout, groups, torch.distributed.get_rank(), device,
                            COMPUTE_DTYPE[options.precision])
+    apply_recompute(model, PLAN, options)  # around the parallel layers it replays in backward
     # The optimizer moves the (still untouched) parameters into its flat buffers first, so the
     # values are written once, in place, and no second copy of them is ever resident.
     optimizer = OPTIMIZERS[optim_cfg.name](parallel, optim_cfg, layout)
