@@ -3,7 +3,9 @@
 Every byte the engine moves goes through a Group, so benchmarks and logs can read bytes per step
 by collective kind. Bytes are what this rank sends under the bandwidth-optimal ring algorithm
 (NCCL's "bus bytes"): all-gather and reduce-scatter (n-1) x shard, all-reduce 2(n-1)/n x tensor,
-point-to-point the tensor. A group of one rank moves nothing and calls nothing.
+point-to-point the tensor. A group of one rank moves nothing and calls nothing. A collective
+started asynchronously (start_*) is counted when it starts, and once more in `overlapped`, so a
+test can tell overlap from a synchronous fallback.
 """
 from __future__ import annotations
 
@@ -26,10 +28,13 @@ class CommStats:
 
     bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    overlapped: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
 
-    def record(self, group: str, op: str, nbytes: int) -> None:
+    def record(self, group: str, op: str, nbytes: int, overlapped: bool = False) -> None:
         self.bytes[(group, op)] += nbytes
         self.calls[(group, op)] += 1
+        if overlapped:
+            self.overlapped[(group, op)] += 1
 
     def by_op(self) -> dict[str, int]:
         out: dict[str, int] = defaultdict(int)
@@ -40,6 +45,22 @@ class CommStats:
     def reset(self) -> None:
         self.bytes.clear()
         self.calls.clear()
+        self.overlapped.clear()
+
+
+class Pending:
+    """A collective started with async_op=True: `wait()` returns its output once complete. It
+    keeps the input alive until then (the backend may still be reading it)."""
+
+    def __init__(self, output: torch.Tensor, work: dist.Work | None,
+                 source: torch.Tensor | None = None):
+        self.output, self._work, self._source = output, work, source
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = self._source = None
+        return self.output
 
 
 class Group:
@@ -74,6 +95,16 @@ class Group:
         out = self._new(shard, (self.size * shard.shape[0], *shard.shape[1:]))
         return self.all_gather_into(out, shard)
 
+    def start_all_gather(self, shard: torch.Tensor) -> Pending:
+        """all_gather, started now and completed by Pending.wait(): compute can run between."""
+        if self.size == 1:
+            return Pending(shard, None)
+        out = self._new(shard, (self.size * shard.shape[0], *shard.shape[1:]))
+        self.stats.record(self.kind, ALL_GATHER, (self.size - 1) * _nbytes(shard), True)
+        source = shard.contiguous()
+        return Pending(out, _all_gather_tensor(out, source, group=self.handle, async_op=True),
+                       source)
+
     def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
         """Sum over the group of `full` (dim 0 divisible by size); returns this rank's slice."""
         if self.size == 1:
@@ -82,6 +113,16 @@ class Group:
         self.stats.record(self.kind, REDUCE_SCATTER, (self.size - 1) * _nbytes(out))
         _reduce_scatter_tensor(out, full.contiguous(), group=self.handle)
         return out
+
+    def start_reduce_scatter(self, full: torch.Tensor) -> Pending:
+        """reduce_scatter, started now and completed by Pending.wait()."""
+        if self.size == 1:
+            return Pending(full, None)
+        out = self._new(full, (full.shape[0] // self.size, *full.shape[1:]))
+        self.stats.record(self.kind, REDUCE_SCATTER, (self.size - 1) * _nbytes(out), True)
+        source = full.contiguous()
+        return Pending(out, _reduce_scatter_tensor(out, source, group=self.handle,
+                                                   async_op=True), source)
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM
                    ) -> torch.Tensor:

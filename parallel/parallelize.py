@@ -1,22 +1,25 @@
 """parallelize: apply the layout to a single-device model from outside, by module name.
 
 In a fixed order: tensor parallel (+ sequence parallel) layers with GTP-sharded weights replace
-the model's linears and embedding, then context-parallel attention is injected. The model keeps
-its own code; what it holds afterwards is this rank's shards.
+the model's linears and embedding (each block's in one ShardBundle), then context-parallel
+attention is injected. The model keeps its own code; what it holds afterwards is this rank's
+shards.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
+from parallel.bundle import GradReduceQueue, ShardBundle, link
 from parallel.comm import Group
 from parallel.context import ContextParallelAttention
 from parallel.groups import Groups
 from parallel.layout import Layout
 from parallel.plan import ParallelPlan
-from parallel.sharding import ShardBundle
+from parallel.sharding import CommDtypes
 from parallel.tensor import (
     ParallelLinear,
     VocabParallelEmbedding,
@@ -29,13 +32,32 @@ ParallelLayer = (ParallelLinear, VocabParallelEmbedding)
 InitialValues = Callable[[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class ShardingOptions:
+    """How GTP_remat communicates; none of these changes what is computed. Weights are always
+    gathered in the compute dtype (bf16 under autocast: half the bytes, the same values)."""
+
+    grad_reduce_in_compute_dtype: bool = False  # else gradients are summed in fp32
+    overlap_param_gather: bool = False  # the next block's gather runs while this one computes
+    overlap_grad_reduce: bool = False  # a block's reduce-scatter runs during earlier blocks'
+
+    def dtypes(self, compute_dtype: torch.dtype) -> CommDtypes:
+        if compute_dtype == torch.float32:  # no autocast: messages in the masters' dtype
+            return CommDtypes()
+        return CommDtypes(compute_dtype,
+                          compute_dtype if self.grad_reduce_in_compute_dtype else None)
+
+
 class ParallelModel(nn.Module):
     """The parallelized model plus what the step needs: this rank's loss and gradient sync."""
 
     def __init__(self, module: nn.Module, groups: Groups, sequence_parallel: bool, head: str,
-                 compute_dtype: torch.dtype = torch.float32):
+                 compute_dtype: torch.dtype = torch.float32,
+                 bundles: list[ShardBundle] | None = None,
+                 reduce_queue: GradReduceQueue | None = None):
         super().__init__()
         self.module, self.groups, self.sequence_parallel = module, groups, sequence_parallel
+        self.bundles, self.reduce_queue = bundles or [], reduce_queue
         # bf16: autocast the forward (and so the backward) while weights, gradients and
         # optimizer state stay in the parameters' fp32; the loss is computed in fp32.
         self.compute_dtype = compute_dtype
@@ -79,6 +101,14 @@ class ParallelModel(nn.Module):
             for offsets, view in self.global_chunks(name, param):
                 view.copy_(values(name, self.global_shape(name), offsets, tuple(view.shape)))
 
+    def finish_grad_reduce(self) -> None:
+        """Wait for the gradient reduce-scatters still in flight (overlap_grad_reduce): after
+        this every sharded gradient is complete. Call after the last backward of a step."""
+        if self.reduce_queue is not None:
+            self.reduce_queue.finish()
+        # A gathered weight kept past the step would be stale after the update.
+        assert not any(b.live_gathers() for b in self.bundles), "gathered weights outlived use"
+
     def reduce_replicated_grads(self) -> None:
         """Coalesced: one all-reduce per group for all small tensors."""
         grads = [p.grad for _, p in self.replicated if p.grad is not None]
@@ -104,15 +134,16 @@ class ParallelModel(nn.Module):
 
 
 def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Groups, rank: int,
-                device: torch.device, compute_dtype: torch.dtype = torch.float32
-                ) -> ParallelModel:
+                device: torch.device, compute_dtype: torch.dtype = torch.float32,
+                options: ShardingOptions = ShardingOptions()) -> ParallelModel:
     """A model on the meta device comes back with this rank's parameters allocated on
     `device` but not initialised (ParallelModel.initialize); a real one keeps its values."""
     if layout.pp_size > 1:
         raise NotImplementedError("pipeline stages are not supported in training yet")
     tp, gtp, sp = groups.tp, groups.gtp_remat, layout.sequence_parallel and layout.tp_size > 1
+    dtypes = options.dtypes(compute_dtype)
     for name, child in list(model.named_modules()):
-        replacement = _parallel_layer(name, child, plan, tp, gtp, sp)
+        replacement = _parallel_layer(name, child, plan, tp, gtp, sp, dtypes)
         if replacement is not None:
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, replacement)
@@ -121,28 +152,34 @@ def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Gr
         model.to_empty(device=device)
     else:
         model.to(device)
+    queue = GradReduceQueue() if options.overlap_grad_reduce and gtp.size > 1 else None
+    bundles: dict[str, ShardBundle] = {}
     if gtp.size > 1:  # one collective per transformer block, not one per weight
-        bundles: dict[str, ShardBundle] = {}
-        for name, child in model.named_modules():
+        for name, child in model.named_modules():  # blocks in forward order
             if isinstance(child, ParallelLinear) and name.startswith(f"{plan.blocks}."):
                 block = ".".join(name.split(".")[:2])
-                child.join_bundle(bundles.setdefault(block, ShardBundle(gtp)))
+                if block not in bundles:
+                    bundles[block] = ShardBundle(gtp, dtypes, queue)
+                child.join_bundle(bundles[block])
         for block, bundle in bundles.items():  # the gathered weights live for one block forward
             model.get_submodule(block).register_forward_hook(
                 lambda module, args, output, bundle=bundle: bundle.release_forward())
+        if options.overlap_param_gather:
+            link(list(bundles.values()))
     if layout.runtime_context_parallel_size > 1:
         attention = ContextParallelAttention(groups.context, layout, rank)
         for module in model.modules():
             if hasattr(module, "attention_fn"):
                 module.attention_fn = attention
-    return ParallelModel(model, groups, sp, plan.head, compute_dtype)
+    return ParallelModel(model, groups, sp, plan.head, compute_dtype, list(bundles.values()),
+                         queue)
 
 
 def _parallel_layer(name: str, module: nn.Module, plan: ParallelPlan, tp: Group, gtp: Group,
-                    sp: bool) -> nn.Module | None:
+                    sp: bool, dtypes: CommDtypes) -> nn.Module | None:
     if isinstance(module, nn.Embedding):
-        return VocabParallelEmbedding(module, tp, gtp, sp, name)
+        return VocabParallelEmbedding(module, tp, gtp, sp, name, dtypes)
     if not isinstance(module, nn.Linear):
         return None
     style, parts = plan.linear_style(name)
-    return ParallelLinear(module, style, tp, gtp, sp, name, parts)
+    return ParallelLinear(module, style, tp, gtp, sp, name, parts, dtypes)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from parallel.bundle import ShardBundle, bundled_linear
 from parallel.comm import Group
 from parallel.regions import (
     all_gather_dim,
@@ -21,8 +22,8 @@ from parallel.regions import (
     scatter_along,
 )
 from parallel.sharding import (
-    ShardBundle,
-    bundled_linear,
+    IN_MASTER_DTYPE,
+    CommDtypes,
     gather_rows,
     shard_rows,
     sharded_embedding,
@@ -38,7 +39,8 @@ class ParallelLinear(nn.Module):
     its slice of every part, in order, and the model's chunk() still finds q, k and v."""
 
     def __init__(self, full: nn.Linear, style: str, tp: Group, gtp: Group,
-                 sequence_parallel: bool, name: str, parts: int = 1):
+                 sequence_parallel: bool, name: str, parts: int = 1,
+                 dtypes: CommDtypes = IN_MASTER_DTYPE):
         super().__init__()
         if style not in ("column", "row"):
             raise ValueError(f"{name}: style {style!r} is neither 'column' nor 'row'")
@@ -55,7 +57,7 @@ class ParallelLinear(nn.Module):
         if self.full_shape[self.tp_dim] % (tp.size * parts) or (parts > 1 and style == "row"):
             raise ValueError(f"{name}: {parts} fused parts of {self.full_shape} do not split "
                              f"over tensor_model_parallel_size={tp.size}")
-        self.parts = parts
+        self.parts, self.dtypes = parts, dtypes  # dtypes: of its gathers when not bundled
         rows, cols = self.full_shape
         # self.rows: TP-local rows before GTP padding
         self.rows, local_cols = (rows // tp.size, cols) if style == "column" else (
@@ -83,7 +85,7 @@ class ParallelLinear(nn.Module):
         if self.bundle is not None:
             y = bundled_linear(x, self.weight, self.bundle, self.bundle_index)
         else:
-            y = sharded_linear(x, self.weight, self.gtp, self.rows)
+            y = sharded_linear(x, self.weight, self.gtp, self.rows, self.dtypes)
         if self.style == "row":
             sp = self.sequence_parallel
             y = scatter_along(y, self.tp, SEQ_DIM) if sp else reduce_from(y, self.tp)
@@ -131,7 +133,7 @@ class VocabParallelEmbedding(nn.Module):
     """Rows (the vocabulary) split over TP; each rank looks up the tokens in its range."""
 
     def __init__(self, full: nn.Embedding, tp: Group, gtp: Group, sequence_parallel: bool,
-                 name: str):
+                 name: str, dtypes: CommDtypes = IN_MASTER_DTYPE):
         super().__init__()
         vocab = full.weight.shape[0]
         if vocab % tp.size:
@@ -139,6 +141,7 @@ class VocabParallelEmbedding(nn.Module):
                              f"tensor_model_parallel_size={tp.size}")
         self.tp, self.gtp, self.sequence_parallel = tp, gtp, sequence_parallel
         self.tp_dim, self.parts, self.full_shape = 0, 1, tuple(full.weight.shape)
+        self.dtypes = dtypes
         self.rows = vocab // tp.size
         self.vocab_start = tp.rank * self.rows
         self.weight = _shard_of(full.weight, self, (shard_rows(self.rows, gtp), self.full_shape[1]))
@@ -150,7 +153,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         local_ids = ids - self.vocab_start
         outside = (local_ids < 0) | (local_ids >= self.rows)
-        out = sharded_embedding(local_ids.masked_fill(outside, 0), self.weight, self.gtp, self.rows)
+        out = sharded_embedding(local_ids.masked_fill(outside, 0), self.weight, self.gtp,
+                                self.rows, self.dtypes)
         if self.tp.size > 1:
             out = out.masked_fill(outside[..., None], 0.0)
         if self.sequence_parallel:

@@ -7,6 +7,10 @@ linears of a transformer block share each of those collectives (one message for 
 step the small replicated gradients are all-reduced over gtp_remat, both flat buffers are
 reduce-scattered and all-gathered over weight_replica, and three scalars are all-reduced.
 Bytes are what one rank sends under a ring algorithm (see parallel/comm.py).
+
+Under bf16 the GTP_remat gathers move bf16 copies of the fp32 shards: exactly half their bytes,
+measured; with grad_reduce_in_bf16 the gradient reduce-scatters are halved too. Everything else
+(the optimizer's fp32 buffers, small gradients, scalars) moves the same bytes.
 """
 from __future__ import annotations
 
@@ -15,9 +19,11 @@ import math
 import torch
 
 from parallel.layout import Layout
+from trainer.config import Precision
 from trainer.data.batch import rank_micro_batches
 from trainer.report.memory import parameter_shapes
 from trainer.train.engine import build_engine
+from trainer.train.options import EngineOptions
 from trainer.train.step import train_step
 
 from harness import run_ranks
@@ -26,8 +32,9 @@ from test_parity import OPTIM, SEED, TINY, make_data, make_layout
 FP32 = 4
 
 
-def one_step_stats(rank: int, layout: Layout, batch: torch.Tensor) -> dict:
-    engine = build_engine(TINY, OPTIM, SEED, layout, torch.device("cpu"))
+def one_step_stats(rank: int, layout: Layout, batch: torch.Tensor,
+                   options: EngineOptions = EngineOptions()) -> dict:
+    engine = build_engine(TINY, OPTIM, SEED, layout, torch.device("cpu"), options)
     engine.groups.stats.reset()
     micro_batches = rank_micro_batches(lambda idx: batch[idx], layout, rank)
     train_step(engine.model, engine.optimizer, micro_batches, 1e-3)
@@ -80,3 +87,26 @@ def test_bytes_per_step_match_the_formula():
         assert result["calls"] == want_calls, rank
         assert result["bytes"] == want_bytes, rank
     print(f"\nbytes per rank per step (ws2 x dp2, 2 micro-batches): {results[0]['bytes']}")
+
+
+def each_options(rank: int, layout: Layout, batch: torch.Tensor,
+                 options: list[EngineOptions]) -> list[dict]:
+    return [one_step_stats(rank, layout, batch, o)["bytes"] for o in options]
+
+
+def test_bf16_gathers_and_bf16_gradient_reduction_halve_their_bytes():
+    layout = make_layout(2, dict(tensor_parallel_num_weight_shards=2))
+    batch = make_data(layout.global_batch_size)[0]
+    options = [EngineOptions(), EngineOptions(Precision.bf16),
+               EngineOptions(Precision.bf16, grad_reduce_in_bf16=True)]
+    fp32, bf16, bf16_reduce = run_ranks(2, each_options, layout, batch, options, timeout=120)[0]
+    gather, scatter = ("gtp_remat", "all_gather"), ("gtp_remat", "reduce_scatter")
+    ratios = {"all_gather bf16 / fp32": bf16[gather] / fp32[gather],
+              "reduce_scatter bf16 / fp32": bf16[scatter] / fp32[scatter],
+              "reduce_scatter bf16-reduce / bf16": bf16_reduce[scatter] / bf16[scatter]}
+    print(f"\ngtp_remat byte ratios: {ratios}")
+    assert ratios == {"all_gather bf16 / fp32": 0.5, "reduce_scatter bf16 / fp32": 1.0,
+                      "reduce_scatter bf16-reduce / bf16": 0.5}
+    assert bf16_reduce[gather] == bf16[gather]
+    for key in set(fp32) - {gather, scatter}:
+        assert fp32[key] == bf16[key] == bf16_reduce[key], key

@@ -14,7 +14,7 @@ import torch
 from parallel.comm import CommStats
 from parallel.groups import Groups, build_groups
 from parallel.layout import Layout
-from parallel.parallelize import ParallelModel, parallelize
+from parallel.parallelize import ParallelModel, ShardingOptions, parallelize
 from trainer.config import ModelConfig, OptimConfig, Precision
 from trainer.model.plan import PLAN
 from trainer.model.transformer import Transformer
@@ -46,8 +46,10 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layo
     groups = build_groups(layout, CommStats())
     with torch.device("meta"):
         model = ARCHITECTURES[model_cfg.name](model_cfg)
+    sharding = ShardingOptions(options.grad_reduce_in_bf16, options.overlap_param_gather,
+                               options.overlap_grad_reduce)
     parallel = parallelize(model, PLAN, layout, groups, torch.distributed.get_rank(), device,
-                           COMPUTE_DTYPE[options.precision])
+                           COMPUTE_DTYPE[options.precision], sharding)
     apply_recompute(model, PLAN, options)  # around the parallel layers it replays in backward
     # The optimizer moves the (still untouched) parameters into its flat buffers first, so the
     # values are written once, in place, and no second copy of them is ever resident.

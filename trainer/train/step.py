@@ -50,6 +50,7 @@ def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: lis
         summed = _loss_sum(model, mb)
         (summed / total_tokens).backward()
         loss_sum += summed.detach().double()
+    model.finish_grad_reduce()  # reduce-scatters still overlapping the last backward
     model.reduce_replicated_grads()
     # Both are global values, so every rank refuses a non-finite step together.
     loss = groups.token_distinct.all_reduce(loss_sum).item() / total_tokens

@@ -1,0 +1,233 @@
+"""ShardBundle: the GTP-sharded linears of one transformer block, gathered and reduce-scattered
+together (one message for all of them instead of one each), optionally overlapped with compute:
+the next block's gather runs while this block computes, and a block's gradient reduce-scatter
+runs while the blocks before it run their backward. Only the messages and their timing change:
+the shards, their gradients' sums (values and order), the optimizer and checkpoints do not.
+"""
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from parallel.comm import Group, Pending
+from parallel.sharding import IN_MASTER_DTYPE, CommDtypes
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward pass now: a forward run from there is activation
+    recompute, whose uses the original forward already counted."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class GradReduceQueue:
+    """Gradient reduce-scatters in flight, finished (waited, then accumulated) oldest first. Each
+    holds a block's full-size gradient message, so at most `depth` are in flight; finish() ends
+    them all (before the optimizer reads the gradients). A bundle's results are accumulated in
+    the order they started, as without overlap, so the sums are the same."""
+
+    def __init__(self, depth: int = 2):
+        self.depth = depth
+        self._queue: deque[tuple[Pending, Callable[[torch.Tensor], None]]] = deque()
+
+    def put(self, pending: Pending, accumulate: Callable[[torch.Tensor], None]) -> None:
+        self._queue.append((pending, accumulate))
+        while len(self._queue) > self.depth:
+            self._finish_oldest()
+
+    def finish(self) -> None:
+        while self._queue:
+            self._finish_oldest()
+
+    def __len__(self) -> int:
+        return len(self._queue)
+
+    def _finish_oldest(self) -> None:
+        pending, accumulate = self._queue.popleft()
+        accumulate(pending.wait())
+
+
+class _Gathered:
+    """One all-gather of a bundle's shards, maybe still in flight; weights() waits for it and
+    cuts the message into each member's full TP-local weight."""
+
+    def __init__(self, pending: Pending, bundle: ShardBundle):
+        self._pending: Pending | None = pending
+        self._bundle = bundle
+        self._weights: list[torch.Tensor] | None = None
+        self.used = False  # its first use starts the neighbour's gather (overlap)
+
+    def weights(self) -> list[torch.Tensor]:
+        if self._weights is None:
+            size = self._bundle.group.size
+            gathered = self._pending.wait().view(size, -1)  # row i: rank i's shards
+            self._pending, self._weights, offset = None, [], 0
+            for shard, rows in self._bundle.members:
+                block = gathered[:, offset:offset + shard.numel()]
+                self._weights.append(block.reshape(size * shard.shape[0], *shard.shape[1:])[:rows])
+                offset += shard.numel()
+        return self._weights
+
+    def wait(self) -> None:
+        """Complete the collective, so the bundle can drop it (its buffers are being written)."""
+        if self._pending is not None:
+            self._pending.wait()
+
+
+class ShardBundle:
+    """Sharded linears of one block, gathered and reduce-scattered together. No assumption on
+    how often a member runs per forward, nor on activation recompute:
+
+    forward: the first use gathers every member's weight (unless the previous block already
+    started it); they are freed when the block's forward ends (release_forward, a forward hook
+    on the block set by parallelize), so a member may run twice.
+    backward: every use recorded in the autograd graph is counted; the first backward use
+    gathers the weights again, each use's gradient is added to its member's, and when the
+    last counted use is done one reduce-scatter returns all shard gradients, and the gathered
+    weights are freed.
+    recompute: a forward run inside backward (the block's own, before its backward) takes the
+    backward's gather, so recompute and backward share one; it is not a recorded use.
+    overlap (parallelize links neighbours): the first forward use starts `next`'s gather, the
+    first backward use starts `previous`'s, so at most two blocks' weights are alive at once;
+    with a reduce queue the reduce-scatter is started and finished later (GradReduceQueue).
+    """
+
+    def __init__(self, group: Group, dtypes: CommDtypes = IN_MASTER_DTYPE,
+                 reduce_queue: GradReduceQueue | None = None):
+        self.group, self.dtypes, self.reduce_queue = group, dtypes, reduce_queue
+        self.members: list[tuple[torch.nn.Parameter, int]] = []  # (shard, TP-local rows)
+        self.next: ShardBundle | None = None  # the block after this one in forward
+        self.previous: ShardBundle | None = None
+        self._forward: _Gathered | None = None
+        self._backward: _Gathered | None = None
+        self._pending = 0  # recorded uses whose backward has not run yet
+        self._grads: dict[int, torch.Tensor] = {}
+
+    def add(self, shard: torch.nn.Parameter, rows: int) -> int:
+        self.members.append((shard, rows))
+        return len(self.members) - 1
+
+    def live_gathers(self) -> int:
+        """Gathered weight sets this bundle holds (in flight or not): 0, 1 or 2."""
+        return (self._forward is not None) + (self._backward is not None)
+
+    def _gather(self, early: bool = False) -> _Gathered:
+        """`early`: started for a later use (overlap), so asynchronous; otherwise needed now."""
+        flat = torch.cat([shard.detach().reshape(-1) for shard, _ in self.members])
+        if self.dtypes.gather is not None:
+            flat = flat.to(self.dtypes.gather)
+        pending = self.group.start_all_gather(flat) if early else Pending(
+            self.group.all_gather(flat), None)
+        return _Gathered(pending, self)
+
+    def prefetch_forward(self) -> None:
+        if self._forward is None:
+            self._forward = self._gather(early=True)
+
+    def prefetch_backward(self) -> None:
+        if self._backward is None:
+            self._backward = self._gather(early=True)
+
+    def forward_weight(self, index: int, needs_grad: bool) -> torch.Tensor:
+        """`needs_grad`: this use enters the autograd graph, so (outside a recompute) its
+        backward will come."""
+        if _in_backward():
+            return self._backward_weights()[index]
+        if self._forward is None:
+            self._forward = self._gather()
+        if not self._forward.used:
+            self._forward.used = True
+            if self.next is not None:
+                self.next.prefetch_forward()
+        self._pending += needs_grad
+        return self._forward.weights()[index]
+
+    def release_forward(self) -> None:
+        if self._forward is not None:
+            self._forward.wait()
+            self._forward = None
+
+    def backward_weight(self, index: int) -> torch.Tensor:
+        return self._backward_weights()[index]
+
+    def _backward_weights(self) -> list[torch.Tensor]:
+        if self._backward is None:
+            self._backward = self._gather()
+        if not self._backward.used:
+            self._backward.used = True
+            # Only a block whose backward will come (recorded uses): nothing else frees it.
+            if self.previous is not None and self.previous._pending > 0:
+                self.previous.prefetch_backward()
+        return self._backward.weights()
+
+    def add_grad(self, index: int, grad_full: torch.Tensor) -> None:
+        previous = self._grads.get(index)
+        self._grads[index] = grad_full if previous is None else previous + grad_full
+        self._pending -= 1
+        if self._pending > 0:
+            return
+        size = self.group.size
+        parts = []
+        for i, (shard, rows) in enumerate(self.members):
+            grad = self._grads.get(i)
+            if grad is None:  # a member this forward did not use
+                grad = shard.new_zeros((rows, *shard.shape[1:]))
+            parts.append(F.pad(grad, (0, 0, 0, shard.shape[0] * size - rows)).view(size, -1))
+        flat = torch.cat(parts, dim=1).reshape(-1)
+        if self.dtypes.reduce is not None:
+            flat = flat.to(self.dtypes.reduce)
+        self._grads.clear()
+        self._backward = None  # the block's backward is done: its weights go
+        if self.reduce_queue is None:
+            self._accumulate(self.group.reduce_scatter(flat))
+        else:
+            self.reduce_queue.put(self.group.start_reduce_scatter(flat), self._accumulate)
+
+    def _accumulate(self, mine: torch.Tensor) -> None:
+        """Add this rank's summed rows to the shards' (master dtype) gradients."""
+        offset = 0
+        for shard, _ in self.members:
+            grad = mine[offset:offset + shard.numel()].view_as(shard)
+            offset += shard.numel()
+            if shard.grad is None:
+                shard.grad = grad.to(shard.dtype, copy=True)
+            else:
+                shard.grad.add_(grad)
+
+
+def link(bundles: list[ShardBundle]) -> None:
+    """Overlap the gathers of consecutive blocks (`bundles` in forward order)."""
+    for before, after in zip(bundles, bundles[1:]):
+        before.next, after.previous = after, before
+
+
+class _BundledLinear(torch.autograd.Function):
+    """y = x @ W^T with W from its bundle; the shard's gradient goes through the bundle."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, shard: torch.Tensor, bundle: ShardBundle, index: int,
+                needs_grad: bool):
+        ctx.bundle, ctx.index = bundle, index
+        ctx.save_for_backward(x)
+        return F.linear(x, bundle.forward_weight(index, needs_grad))
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        (x,) = ctx.saved_tensors
+        bundle, index = ctx.bundle, ctx.index
+        weight = bundle.backward_weight(index).to(grad_y.dtype)
+        grad_x = grad_y @ weight if ctx.needs_input_grad[0] else None
+        grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(
+            grad_y.dtype)
+        bundle.add_grad(index, grad_w.to(bundle.members[index][0].dtype))
+        return grad_x, None, None, None, None  # the shard's gradient was added by the bundle
+
+
+def bundled_linear(x: torch.Tensor, shard: torch.Tensor, bundle: ShardBundle,
+                   index: int) -> torch.Tensor:
+    # Autograd records the node (and will run its backward) only under grad mode with an input
+    # that needs a gradient; inside Function.forward grad mode is always off, so decide here.
+    needs_grad = torch.is_grad_enabled() and (x.requires_grad or shard.requires_grad)
+    return _BundledLinear.apply(x, shard, bundle, index, needs_grad)
