@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from parallel.comm import Group, Pending
-from parallel.sharding import IN_MASTER_DTYPE, CommDtypes
+from parallel.sharding import IN_MASTER_DTYPE, CommDtypes, autocast_input
 
 
 def _in_backward() -> bool:
@@ -210,6 +210,7 @@ class _BundledLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, shard: torch.Tensor, bundle: ShardBundle, index: int,
                 needs_grad: bool):
         ctx.bundle, ctx.index = bundle, index
+        x = autocast_input(x)
         ctx.save_for_backward(x)
         return F.linear(x, bundle.forward_weight(index, needs_grad))
 

@@ -57,6 +57,15 @@ def _scatter_rows(grad_full: torch.Tensor, group: Group) -> torch.Tensor:
     return group.reduce_scatter(grad_full)
 
 
+def autocast_input(x: torch.Tensor) -> torch.Tensor:
+    """x as autocast would feed it to a matmul: saved for backward in that dtype, it costs half
+    under bf16 (custom autograd Functions get no autocast casts of their own)."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        return x.to(torch.get_autocast_dtype(kind))
+    return x
+
+
 class _ShardedLinear(torch.autograd.Function):
     """y = x @ W^T with W gathered in forward, gathered again in backward, never saved."""
 
@@ -64,6 +73,7 @@ class _ShardedLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, shard: torch.Tensor, group: Group, rows: int,
                 dtypes: CommDtypes):
         ctx.group, ctx.rows, ctx.dtypes = group, rows, dtypes
+        x = autocast_input(x)
         ctx.save_for_backward(x, shard)
         return F.linear(x, gather_rows(shard, group, rows, dtypes.gather))
 

@@ -10,8 +10,14 @@ from pathlib import Path
 from typing import Any
 
 from parallel.layout import AXES, GROUP_AXES, GROUP_PURPOSE, Layout
-from trainer.report.memory import memory_per_stage, parameter_shapes, unsharded_memory
+from trainer.report.memory import (
+    memory_per_stage,
+    parameter_shapes,
+    step_per_stage,
+    unsharded_memory,
+)
 from trainer.spec.runspec import RunSpec
+from trainer.train.options import EngineOptions
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +51,12 @@ def nvlink_warnings(layout: Layout, domain: int) -> list[str]:
             f"weight all-gathers and gradient reduce-scatters will leave NVLink. Fix: make "
             f"parallel.tensor_parallel_num_weight_shards divide {domain}, or set "
             f"cluster.gpus_per_nvlink_domain if the domain is larger."]
+
+
+STEP_COLUMNS = {"activation_bytes": "activations", "backward_bytes": "backward",
+                "recompute_bytes": "recompute",
+                "autocast_weight_bytes": "autocast", "logits_bytes": "logits",
+                "gathered_bytes": "gathered", "peak_bytes": "peak"}
 
 
 def _bytes(n: int) -> str:
@@ -102,7 +114,21 @@ def format_report(spec: RunSpec, memory: dict[str, Any], rows: list[dict[str, in
     lines.append(f"  {'one process':18s} " + " ".join(_bytes(one[k]) for k in (
         "param_bytes", "grad_bytes", "optim_bytes", "total_bytes")))
     lines.append("  (2-D weights split over TP x GTP_remat; norms whole; optimizer state split "
-                 "over weight_replica; activations not counted)")
+                 "over weight_replica)")
+    t = settings.train
+    recompute = t.recompute_granularity.value if t.recompute_granularity else "off"
+    if t.recompute_granularity and t.recompute_num_layers is not None:
+        recompute += f", first {t.recompute_num_layers} blocks"
+    lines += ["", f"during a step (one micro-batch of {t.micro_batch_size} x {t.seq_length} "
+              f"tokens, {layout.seq_length // layout.runtime_context_parallel_size} of each "
+              f"sequence on this rank; recompute {recompute}; overlap_param_gather "
+              f"{'on' if settings.parallel.overlap_param_gather else 'off'}):",
+              f"  {'':18s} " + " ".join(f"{title:>14s}" for title in STEP_COLUMNS.values())]
+    for entry in memory["per_stage"]:
+        label = f"stage {entry['stage']}" if layout.pp_size > 1 else "each rank"
+        lines.append(f"  {label:18s} " + " ".join(_bytes(entry[k]) for k in STEP_COLUMNS))
+    lines += ["  (peak = state + activations + backward + recompute + autocast + logits + "
+              "gathered;", "   the formula of each term: README, memory plan)"]
     return "\n".join(lines)
 
 
@@ -110,9 +136,11 @@ def layout_record(spec: RunSpec) -> tuple[dict[str, Any], str]:
     """layout.json's content, and the readable report of the same facts."""
     settings, layout = spec.config, spec.layout
     shapes = parameter_shapes(settings.model)
+    state = memory_per_stage(shapes, settings.model.num_layers, layout)
+    steps = step_per_stage(shapes, settings.model, layout, EngineOptions.from_config(settings),
+                           state)
     memory = {
-        "per_stage": [m.as_dict() for m in memory_per_stage(
-            shapes, settings.model.num_layers, layout)],
+        "per_stage": [{**m.as_dict(), **step} for m, step in zip(state, steps)],
         "unsharded": unsharded_memory(shapes).as_dict(),
     }
     rows = rank_rows(layout, settings.cluster.procs_per_node)
@@ -146,8 +174,27 @@ def write_layout_json(record: dict[str, Any], run_dir: Path) -> Path:
     return path
 
 
+def format_measured(measured: dict[str, Any], planned: dict[str, int]) -> str:
+    m = measured
+    return "\n".join([
+        "", f"measured (rank {m['rank']} of a simulated world of {m['world_size']}, "
+        f"{m['device']}): build {m['build_s']:.2f} s, one step {m['step_s']:.2f} s",
+        f"  {'state allocated':18s} {_bytes(m['state_bytes'])}   (planned "
+        f"{_bytes(planned['total_bytes']).strip()})",
+        f"  {'build peak':18s} {_bytes(m['build_peak_bytes'])}",
+        f"  {'step peak':18s} {_bytes(m['step_peak_bytes'])}",
+    ])
+
+
 def dry_run(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     record, report = layout_record(spec)
+    rank = spec.config.dry_run_rank
+    if rank is not None:
+        from trainer.report.measure import measure_rank  # torch, only when asked
+
+        record["measured"] = measure_rank(spec, rank)
+        stage = spec.layout.coords(rank).pp
+        report += format_measured(record["measured"], record["memory"]["per_stage"][stage])
     print(report, flush=True)
     for warning in record["warnings"]:
         log.warning(warning)

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 from parallel.layout import Layout
 from trainer.config import ModelConfig
 from trainer.model.plan import PLAN, stage_of
+from trainer.report.activations import step_memory
+from trainer.train.options import EngineOptions
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,26 @@ def memory_per_stage(shapes: dict[str, tuple[int, ...]], num_layers: int,
         buffers = sum(parts) * layout.num_weight_replicas
         out.append(StageMemory(stage, sum(kinds.values()), buffers * p_bytes, buffers * g_bytes,
                                sum(parts) * o_bytes))
+    return out
+
+
+def step_per_stage(shapes: dict[str, tuple[int, ...]], model: ModelConfig, layout: Layout,
+                   options: EngineOptions, state: list[StageMemory]) -> list[dict[str, int]]:
+    """Each stage's activations and transients of one micro-batch (trainer.report.activations)
+    and its planned peak: state plus all of them."""
+    gathered = {name: local_numel(name, shape, layout)[0] * layout.gtp_remat_size
+                for name, shape in shapes.items() if len(shape) == 2}
+    first_block = [n for n in gathered if n.startswith(f"{PLAN.blocks}.0.")]
+    outside = [n for n in gathered if not n.startswith(f"{PLAN.blocks}.")]
+    out = []
+    for stage in state:
+        blocks = [i for i in range(model.num_layers) if stage_of(
+            f"{PLAN.blocks}.{i}.", model.num_layers, layout.pp_size) == stage.stage]
+        step = step_memory(model, layout, options, blocks,
+                           sum(gathered[n] for n in first_block),
+                           max(gathered[n] for n in first_block),
+                           max(gathered[n] for n in outside))
+        out.append({**asdict(step), "peak_bytes": stage.total_bytes + step.transient_bytes})
     return out
 
 

@@ -1,0 +1,146 @@
+"""Bytes a rank holds during a training step beyond its state: activations and transients.
+
+Activations are what autograd keeps from one micro-batch's forward for its backward (micro-
+batches run forward and backward one after the other, so one micro-batch's worth is alive at a
+time). The counts follow this trainer's own model and kernels tensor by tensor, as measured
+with torch.autograd.graph.saved_tensors_hooks; symbols, all local to the rank:
+
+    b micro_batch_size   s = seq_length / runtime CP (this rank's tokens of a sequence)
+    T = b*s              Tr = T / TP with sequence parallel, else T (the residual stream)
+    S = seq_length       h hidden, f ffn, V vocab, n heads, d = h/n, t = TP
+    e bytes of the compute dtype (fp32 4, bf16 2); norms and the residual stream stay fp32
+
+A block keeps (no recompute):
+    norms            2 x (input, normalised input): 4*Tr*h fp32
+    linear inputs    qkv and gate_up (gathered over TP with SP): 2*T*h*e
+    attention        without CP: qkv output (v is a view of it), rotated q and k, output:
+                     6*T*h/t*e; with CP: rotated q, output, the all-gathered K and V and the
+                     causal mask: (2*T*h/t + 2*b*S*h/t + s*S) * e
+    MLP              gate_up output, silu(gate), silu(gate)*up: 4*T*f/t*e
+    small            rotary cos/sin 8*T*d, logsumexp 4*b*(n/t)*s, rsqrt 8*Tr bytes
+selective recompute drops silu(gate) and the logsumexp (with CP it keeps the local k and v
+instead of the gathered ones and the mask); full recompute keeps only the block input (Tr*h
+fp32) and rebuilds one block's activations at a time in backward. After the blocks: the final
+norm (2*Tr*h fp32), the head input (T*h*e) and the loss's softmax (T*V/t fp32); with CP, the
+boolean causal mask (s*S bytes) lives as long as the model. Under bf16 without weight sharding,
+autocast also keeps a bf16 copy of every local weight. In backward, the gradients of a block's
+activations are formed beside them: about one block's worth more (measured, bench/).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from parallel.layout import Layout
+from trainer.config import ModelConfig, Precision, RecomputeGranularity
+from trainer.train.options import EngineOptions
+
+FP32 = 4
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """The local sizes of one micro-batch on a rank."""
+
+    b: int
+    s: int  # this rank's tokens of one sequence
+    S: int  # the whole sequence (CP gathers K/V over it)
+    t: int  # TP
+    sp: bool
+    cp: bool
+
+    @classmethod
+    def of(cls, layout: Layout) -> Tokens:
+        cp = layout.runtime_context_parallel_size
+        return cls(layout.micro_batch_size, layout.seq_length // cp, layout.seq_length,
+                   layout.tp_size, layout.sequence_parallel and layout.tp_size > 1, cp > 1)
+
+    @property
+    def T(self) -> int:
+        return self.b * self.s
+
+    @property
+    def Tr(self) -> int:
+        return self.T // self.t if self.sp else self.T
+
+
+def compute_bytes(precision: Precision) -> int:
+    return 2 if precision is Precision.bf16 else FP32
+
+
+def block_activation_bytes(m: ModelConfig, k: Tokens, e: int,
+                           recompute: RecomputeGranularity | None) -> int:
+    """What one block keeps for its backward."""
+    h, f, t = m.hidden_size, m.ffn_hidden_size, k.t
+    T, Tr = k.T, k.Tr
+    if recompute is RecomputeGranularity.full:
+        return Tr * h * FP32
+    norms = 4 * Tr * h * FP32 + 2 * Tr * FP32
+    linear_inputs = 2 * T * h * e
+    if k.cp and recompute is not RecomputeGranularity.selective:
+        attention = (2 * T * h // t + 2 * k.b * k.S * h // t + k.s * k.S) * e
+    else:
+        attention = 6 * T * h // t * e
+    mlp = (3 if recompute is RecomputeGranularity.selective else 4) * T * f // t * e
+    rotary = 8 * T * (h // m.num_heads)
+    lse = 0 if recompute is RecomputeGranularity.selective else FP32 * k.b * m.num_heads // t * k.s
+    return norms + linear_inputs + attention + mlp + rotary + lse
+
+
+def head_activation_bytes(m: ModelConfig, k: Tokens, e: int) -> int:
+    """The final norm, the head's input and the loss's saved softmax (and the CP mask)."""
+    mask = k.s * k.S if k.cp else 0
+    return 2 * k.Tr * m.hidden_size * FP32 + k.T * m.hidden_size * e + loss_bytes(m, k) + mask
+
+
+def loss_bytes(m: ModelConfig, k: Tokens) -> int:
+    """One [T, V/t] fp32 buffer: the softmax (or log-softmax) of the local logits."""
+    return k.T * (m.vocab_size // k.t) * FP32
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Per-micro-batch figures of one rank (bytes)."""
+
+    activation_bytes: int  # kept by every block and the head at the end of forward
+    backward_bytes: int  # gradients of one block's activations, formed beside them in backward
+    recompute_bytes: int  # one block's activations rebuilt in backward (full recompute)
+    autocast_weight_bytes: int  # bf16 copies of unsharded weights autocast keeps
+    logits_bytes: int  # the local logits and the loss's backward buffers
+    gathered_bytes: int  # gathered weights alive at once (one or two blocks) and their grads
+
+    @property
+    def transient_bytes(self) -> int:
+        return (self.activation_bytes + self.backward_bytes + self.recompute_bytes
+                + self.autocast_weight_bytes
+                + self.logits_bytes + self.gathered_bytes)
+
+
+def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, blocks: list[int],
+                block_weights: int, largest_weight: int, head_weights: int) -> StepMemory:
+    """For the blocks in `blocks` (a pipeline stage's). block_weights: TP-local elements of
+    one block's 2-D weights as gathered over GTP_remat (padding included); largest_weight:
+    the largest of them; head_weights: the head's or the embedding's, the larger."""
+    k, e = Tokens.of(layout), compute_bytes(options.precision)
+    recomputes = [options.recomputes(i) for i in blocks]
+    kept = sum(block_activation_bytes(m, k, e, r) for r in recomputes)
+    kept += head_activation_bytes(m, k, e)
+    one_block = block_activation_bytes(m, k, e, None)
+    full = any(r is RecomputeGranularity.full for r in recomputes)
+    rebuilt = one_block if full else 0
+    sharded = layout.gtp_remat_size > 1
+    autocast = 0
+    if e != FP32 and not sharded:
+        autocast = (len(blocks) * block_weights + head_weights) * e
+    # Backward of the head: the gradient of the logits (fp32, and its scaled copy) beside the
+    # saved softmax.
+    logits = 2 * loss_bytes(m, k)
+    if sharded:
+        # A gathered weight is the TP-local full weight, and its gradient is formed whole
+        # (and packed once more for the reduce-scatter) before the shard comes back. A block
+        # (two with overlap: the next one is already gathering) or the head, the larger.
+        alive = 2 if options.overlap_param_gather else 1
+        block = alive * block_weights * e + 2 * block_weights * FP32
+        head = head_weights * e + head_weights * FP32
+    else:  # weights are used in place; one weight's gradient is formed before it is added
+        block, head = largest_weight * FP32, head_weights * FP32
+    return StepMemory(kept, one_block, rebuilt, autocast, logits, max(block, head))

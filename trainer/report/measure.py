@@ -1,0 +1,98 @@
+"""The measured dry run: one rank of the configured world, built and stepped in this process.
+
+torch's fake process group lets one process act as rank R of a world of any size: collectives
+return at once with the right shapes (parallel.comm zero-fills their outputs), every allocation
+is real, so the memory this process uses is what rank R would use. The rank builds its engine
+exactly as a real rank does and runs one full training step (every micro-batch) on synthetic
+tokens. Figures are high-water marks above the process's memory just before the build: resident
+memory on CPU (the kernel's VmHWM, reset first), allocated memory on GPU.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from trainer.data.batch import rank_micro_batches
+from trainer.spec.runspec import RunSpec
+from trainer.train.engine import Engine, build_engine
+from trainer.train.options import EngineOptions
+from trainer.train.step import train_step
+
+_STATUS = Path("/proc/self/status")
+
+
+@dataclass
+class PeakMemory:
+    """High-water mark of this process's memory above a baseline taken at reset()."""
+
+    device: torch.device
+    baseline: int = 0
+
+    def reset(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.baseline = torch.cuda.memory_allocated()
+            return
+        # Writing 5 to clear_refs resets the kernel's peak RSS to the current RSS (Linux >= 4.0).
+        Path("/proc/self/clear_refs").write_text("5")
+        self.baseline = self._status("VmHWM")
+
+    def above_baseline(self) -> int:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.baseline
+        return self._status("VmHWM") - self.baseline
+
+    @staticmethod
+    def _status(field: str) -> int:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024  # kB
+        raise RuntimeError(f"{_STATUS} has no {field}: cannot measure resident memory here")
+
+
+def state_bytes(engine: Engine) -> int:
+    """Parameters, gradients and optimizer state this rank really allocated."""
+    optimizer = engine.optimizer
+    total = sum(b.params.nbytes + b.grads.nbytes for b in optimizer.buffers)
+    for state in optimizer.adam.state.values():
+        total += sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor) and v.ndim)
+    return total
+
+
+def measure_rank(spec: RunSpec, rank: int) -> dict[str, Any]:
+    """Build rank `rank`'s engine against a simulated world and run one training step."""
+    settings, layout = spec.config, spec.layout
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
+    try:
+        gen = torch.Generator().manual_seed(settings.data.seed)
+        vocab = settings.model.vocab_size
+
+        def fetch(samples: list[int]) -> torch.Tensor:
+            return torch.randint(0, vocab, (len(samples), layout.seq_length + 1), generator=gen)
+
+        micro_batches = rank_micro_batches(fetch, layout, rank, device)  # the loader's output
+        peak = PeakMemory(device)
+        peak.reset()
+        start = time.perf_counter()
+        engine = build_engine(settings.model, settings.optim, settings.train.seed, layout,
+                              device, EngineOptions.from_config(settings))
+        build_s = time.perf_counter() - start
+        build_peak = peak.above_baseline()
+        start = time.perf_counter()
+        train_step(engine.model, engine.optimizer, micro_batches, spec.schedule.lr(0))
+        step_s = time.perf_counter() - start
+        return {"rank": rank, "world_size": layout.world_size, "device": device.type,
+                "build_s": round(build_s, 3), "step_s": round(step_s, 3),
+                "build_peak_bytes": build_peak, "step_peak_bytes": peak.above_baseline(),
+                "state_bytes": state_bytes(engine)}
+    finally:
+        dist.destroy_process_group()
