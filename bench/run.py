@@ -23,7 +23,9 @@ import comm_memory  # noqa: E402
 import compose  # noqa: E402
 import fsdp2  # noqa: E402
 import loader  # noqa: E402
+import memory  # noqa: E402
 import overhead  # noqa: E402
+import overlap  # noqa: E402
 
 
 def _worst(ratios: dict[str, dict[str, float]]) -> float:
@@ -45,6 +47,8 @@ def run(quick: bool) -> dict:
     figures["compose_vs_bare_hydra"] = compose.measure(quick)
     step_s = sorted(over["step_s_ours"])[len(over["step_s_ours"]) // 2]
     figures["loader_headroom"] = loader.measure(step_s, overhead.MICRO, overhead.SEQ, quick)
+    figures["memory_follows_layout"] = memory.measure(quick)
+    figures["overlap"] = overlap.measure(3 if quick else 5)
     gpu = HERE / "gpu_results.json"
     figures["gpu"] = json.loads(gpu.read_text()) if gpu.exists() else None
     return {
@@ -75,6 +79,22 @@ def table(result: dict) -> str:
          f"groups of 16,384 ranks: {f['compose_vs_bare_hydra']['groups_16384_ranks_s']} s"),
         ("loader_headroom", f["loader_headroom"]["loader_headroom"], ">= 50",
          f"{f['loader_headroom']['loader_samples_per_s']:,} samples/s delivered"),
+    ]
+    mem = f["memory_follows_layout"]
+    seed, peaks = mem["seed_build"], mem["step_peak_vs_plan"]
+    worst = max(peaks.values(), key=lambda r: abs(r["step_peak_over_planned"] - 1))
+    rows += [
+        ("seed_build_peak_over_state", seed["build_peak_over_state"], "<= 2",
+         "rank 0 of seed_128rank_cp2, 2 layers, seq 8192, simulated"),
+        ("seed_build_s", seed["build_s"], "< 5", "same build (was 40 s before sharded init)"),
+        ("step_peak_over_planned", worst["step_peak_over_planned"], "0.8-1.2",
+         "worst of " + ", ".join(f"{n} {r['step_peak_over_planned']}" for n, r in peaks.items())),
+        ("real_rank_rss_over_planned", mem["real_ranks"]["peak_rss_over_planned"], "<= 1.2",
+         mem["real_ranks"]["setup"]),
+        ("bf16_gather_bytes_over_fp32", mem["bf16_gathers"]["bf16_gather_bytes_over_fp32"],
+         "0.50", mem["bf16_gathers"]["setup"]),
+        ("overlap_step_time_ratio", f["overlap"]["step_time_overlap_over_sequential"], "< 1.0",
+         f["overlap"]["setup"]),
     ]
     gpu = f.get("gpu")
     if gpu:

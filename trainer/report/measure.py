@@ -67,8 +67,9 @@ def state_bytes(engine: Engine) -> int:
     return total
 
 
-def measure_rank(spec: RunSpec, rank: int) -> dict[str, Any]:
-    """Build rank `rank`'s engine against a simulated world and run one training step."""
+def measure_rank(spec: RunSpec, rank: int, step: bool = True) -> dict[str, Any]:
+    """Build rank `rank`'s engine against a simulated world and run one training step (with
+    step=False: the build only)."""
     settings, layout = spec.config, spec.layout
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
@@ -86,13 +87,13 @@ def measure_rank(spec: RunSpec, rank: int) -> dict[str, Any]:
         engine = build_engine(settings.model, settings.optim, settings.train.seed, layout,
                               device, EngineOptions.from_config(settings))
         build_s = time.perf_counter() - start
-        build_peak = peak.above_baseline()
+        figures = {"rank": rank, "world_size": layout.world_size, "device": device.type,
+                   "build_s": round(build_s, 3), "build_peak_bytes": peak.above_baseline()}
+        if not step:
+            return figures
         start = time.perf_counter()
         train_step(engine.model, engine.optimizer, micro_batches, spec.schedule.lr(0))
-        step_s = time.perf_counter() - start
-        return {"rank": rank, "world_size": layout.world_size, "device": device.type,
-                "build_s": round(build_s, 3), "step_s": round(step_s, 3),
-                "build_peak_bytes": build_peak, "step_peak_bytes": peak.above_baseline(),
-                "state_bytes": state_bytes(engine)}
+        return {**figures, "step_s": round(time.perf_counter() - start, 3),
+                "step_peak_bytes": peak.above_baseline(), "state_bytes": state_bytes(engine)}
     finally:
         dist.destroy_process_group()
