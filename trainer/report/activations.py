@@ -138,9 +138,11 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, blocks: 
         # A gathered weight is the TP-local full weight, and its gradient is formed whole
         # (and packed once more for the reduce-scatter) before the shard comes back. A block
         # (two with overlap: the next one is already gathering) or the head, the larger.
+        # Under bf16 a weight's gradient is first formed in bf16, then widened to fp32.
+        narrow = e if e != FP32 else 0
         alive = 2 if options.overlap_param_gather else 1
-        block = alive * block_weights * e + 2 * block_weights * FP32
-        head = head_weights * e + head_weights * FP32
+        block = alive * block_weights * e + 2 * block_weights * FP32 + largest_weight * narrow
+        head = head_weights * (e + narrow + FP32)
     else:  # weights are used in place; one weight's gradient is formed before it is added
         block, head = largest_weight * FP32, head_weights * FP32
     return StepMemory(kept, one_block, rebuilt, autocast, logits, max(block, head))
