@@ -17,7 +17,6 @@ Against fp32, test_parity's bf16 bounds (loss 1e-2, gradient norm 5e-2; observed
 """
 from __future__ import annotations
 
-import weakref
 from dataclasses import replace
 
 import pytest
@@ -90,23 +89,26 @@ def test_bf16_gathers_train_like_one_bf16_process():
 
 
 def census_step(rank: int, layout, batch, options: EngineOptions) -> dict:
-    """One step of a 4-block model, counting the blocks whose gathered buffers (a message in
-    flight, or a member's weight cut from it) are alive whenever one is made or cut."""
-    alive: list[tuple[int, weakref.ref]] = []
+    """One step of a 4-block model, counting the blocks that hold gathered weights (a message
+    in flight, or the members' weights cut from it) whenever a gather is made or cut. Counted
+    from the bundles' own references: a message gloo's worker thread still holds for a moment
+    after its wait() is not the trainer's to free."""
+    seen: dict[int, object] = {}
     peak = [0]
     init, weights = _Gathered.__init__, _Gathered.weights
 
-    def count(bundle, refs):
-        alive[:] = [(b, r) for b, r in alive if r() is not None] + [(id(bundle), r) for r in refs]
-        peak[0] = max(peak[0], len({b for b, _ in alive}))
+    def count(bundle):
+        seen[id(bundle)] = bundle
+        live = {key for key, b in seen.items() if b.live_gathers() > 0} | {id(bundle)}
+        peak[0] = max(peak[0], len(live))
 
     def counted_init(self, pending, bundle):
         init(self, pending, bundle)
-        count(bundle, [weakref.ref(pending.output)])
+        count(bundle)
 
     def counted_weights(self):
         out = weights(self)
-        count(self._bundle, [weakref.ref(w) for w in out])
+        count(self._bundle)
         return out
 
     _Gathered.__init__, _Gathered.weights = counted_init, counted_weights
