@@ -269,6 +269,12 @@ class Layout:
         return self.context_parallel_size * self.gtp_remat_num_sequence_shards
 
     @property
+    def context_local_length(self) -> int:
+        """Tokens of each sequence one rank keeps: its two zigzag chunks (before SP splits
+        them again over TP between layers)."""
+        return self.seq_length // self.runtime_context_parallel_size
+
+    @property
     def num_weight_replicas(self) -> int:
         return self.context_parallel_size * self.data_parallel_size
 

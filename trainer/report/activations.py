@@ -50,9 +50,9 @@ class Tokens:
 
     @classmethod
     def of(cls, layout: Layout) -> Tokens:
-        cp = layout.runtime_context_parallel_size
-        return cls(layout.micro_batch_size, layout.seq_length // cp, layout.seq_length,
-                   layout.tp_size, layout.sequence_parallel and layout.tp_size > 1, cp > 1)
+        return cls(layout.micro_batch_size, layout.context_local_length, layout.seq_length,
+                   layout.tp_size, layout.sp_degree > 1,
+                   layout.runtime_context_parallel_size > 1)
 
     @property
     def T(self) -> int:

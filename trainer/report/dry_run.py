@@ -120,7 +120,7 @@ def format_report(spec: RunSpec, memory: dict[str, Any], rows: list[dict[str, in
     if t.recompute_granularity and t.recompute_num_layers is not None:
         recompute += f", first {t.recompute_num_layers} blocks"
     lines += ["", f"during a step (one micro-batch of {t.micro_batch_size} x {t.seq_length} "
-              f"tokens, {layout.seq_length // layout.runtime_context_parallel_size} of each "
+              f"tokens, {layout.context_local_length} of each "
               f"sequence on this rank; recompute {recompute}; overlap_param_gather "
               f"{'on' if settings.parallel.overlap_param_gather else 'off'}):",
               f"  {'':18s} " + " ".join(f"{title:>14s}" for title in STEP_COLUMNS.values())]
