@@ -3,19 +3,22 @@
 Every byte the engine moves goes through a Group, so benchmarks and logs can read bytes per step
 by collective kind. Bytes are what this rank sends under the bandwidth-optimal ring algorithm
 (NCCL's "bus bytes"): all-gather and reduce-scatter (n-1) x shard, all-reduce 2(n-1)/n x tensor,
-point-to-point the tensor. A group of one rank moves nothing and calls nothing. A collective
-started asynchronously (start_*) is counted when it starts, and once more in `overlapped`, so a
-test can tell overlap from a synchronous fallback.
+all-to-all (n-1)/n x tensor (the part it keeps does not move), point-to-point the tensor. A
+group of one rank moves nothing and calls nothing. A collective started asynchronously
+(start_*) is counted when it starts, and once more in `overlapped`, so a test can tell overlap
+from a synchronous fallback.
 """
 from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE, P2P = "all_gather", "reduce_scatter", "all_reduce", "p2p"
+ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
+ALL_TO_ALL, P2P = "all_to_all", "p2p"
 
 # torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old ones.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -52,14 +55,15 @@ class Pending:
     """A collective started with async_op=True: `wait()` returns its output once complete. It
     keeps the input alive until then (the backend may still be reading it)."""
 
-    def __init__(self, output: torch.Tensor, work: dist.Work | None,
-                 source: torch.Tensor | None = None):
-        self.output, self._work, self._source = output, work, source
+    def __init__(self, output: Any, work: dist.Work | list[dist.Work] | None,
+                 source: Any = None):
+        self.output, self._source = output, source
+        self._works = [] if work is None else work if isinstance(work, list) else [work]
 
-    def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            self._work.wait()
-            self._work = self._source = None
+    def wait(self) -> Any:
+        for work in self._works:
+            work.wait()
+        self._works, self._source = [], None
         return self.output
 
 
@@ -132,6 +136,34 @@ class Group:
         self.stats.record(self.kind, ALL_REDUCE, 2 * (self.size - 1) * _nbytes(tensor) // self.size)
         dist.all_reduce(tensor, op=op, group=self.handle)
         return tensor
+
+
+    def all_to_all(self, parts: torch.Tensor) -> torch.Tensor:
+        """parts [size, ...]: part i goes to group rank i; returns [size, ...] where part j
+        came from group rank j."""
+        if self.size == 1:
+            return parts
+        if parts.shape[0] != self.size:
+            raise ValueError(f"all_to_all needs dim 0 = {self.size} parts, got {parts.shape}")
+        out = self._new(parts, parts.shape)
+        self.stats.record(self.kind, ALL_TO_ALL, (self.size - 1) * _nbytes(parts) // self.size)
+        dist.all_to_all_single(out, parts.contiguous(), group=self.handle)
+        return out
+
+    def start_shift(self, tensors: list[torch.Tensor]) -> Pending:
+        """Ring step: send `tensors` to the next group rank and receive the previous rank's
+        (same shapes and dtypes) into new buffers; Pending.wait() returns those. Every member
+        must call it at the same point with the same shapes."""
+        if self.size == 1:
+            return Pending(list(tensors), None)
+        sources = [t.contiguous() for t in tensors]
+        received = [self._new(t, t.shape) for t in sources]
+        after, before = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        ops = [dist.P2POp(dist.isend, t, group=self.handle, group_peer=after) for t in sources]
+        ops += [dist.P2POp(dist.irecv, t, group=self.handle, group_peer=before)
+                for t in received]
+        self.stats.record(self.kind, P2P, sum(_nbytes(t) for t in sources), True)
+        return Pending(received, dist.batch_isend_irecv(ops), sources)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -401,18 +401,22 @@ class Layout:
         start = (micro * self.batch_parallel_size + lane) * self.micro_batch_size
         return range(start, start + self.micro_batch_size)
 
+    def context_chunk_ids(self, rank: int) -> tuple[int, int]:
+        """With runtime CP = C > 1 a sequence is cut into 2C chunks and runtime CP rank r keeps
+        chunks r and 2C-1-r (in that local order), so every rank gets the same share of
+        causal-attention work."""
+        r, cp = self.runtime_cp_rank(rank), self.runtime_context_parallel_size
+        return r, 2 * cp - 1 - r
+
     def context_chunks(self, rank: int) -> list[range]:
-        """Token positions of a sequence that `rank` keeps: with runtime CP = C > 1 the
-        sequence is cut into 2C chunks and runtime CP rank r keeps chunks r and 2C-1-r, so
-        every rank gets the same share of causal-attention work."""
+        """Token positions of a sequence that `rank` keeps (its chunks, see context_chunk_ids)."""
         if self.seq_length is None:
             raise ValueError("context_chunks needs seq_length")
         cp, seq = self.runtime_context_parallel_size, self.seq_length
         if cp == 1:
             return [range(seq)]
-        chunk, r = seq // (2 * cp), self.runtime_cp_rank(rank)
-        return [range(r * chunk, (r + 1) * chunk),
-                range((2 * cp - 1 - r) * chunk, (2 * cp - r) * chunk)]
+        chunk = seq // (2 * cp)
+        return [range(i * chunk, (i + 1) * chunk) for i in self.context_chunk_ids(rank)]
 
     def weight_tiles_crossing(self, domain_size: int) -> list[list[int]]:
         """Weight tiles (TP x GTP_remat consecutive ranks) that span more than one NVLink

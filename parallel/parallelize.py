@@ -15,7 +15,7 @@ from torch import nn
 
 from parallel.bundle import GradReduceQueue, ShardBundle, link
 from parallel.comm import Group
-from parallel.context import ContextParallelAttention
+from parallel.context import context_attention
 from parallel.groups import Groups
 from parallel.layout import Layout
 from parallel.plan import ParallelPlan
@@ -33,13 +33,15 @@ InitialValues = Callable[[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]
 
 
 @dataclass(frozen=True)
-class ShardingOptions:
-    """How GTP_remat communicates; none of these changes what is computed. Weights are always
-    gathered in the compute dtype (bf16 under autocast: half the bytes, the same values)."""
+class CommOptions:
+    """How the parallel layers communicate; none of these changes what is computed. Weights
+    are always gathered in the compute dtype (bf16 under autocast: half the bytes, the same
+    values)."""
 
     grad_reduce_in_compute_dtype: bool = False  # else gradients are summed in fp32
     overlap_param_gather: bool = False  # the next block's gather runs while this one computes
     overlap_grad_reduce: bool = False  # a block's reduce-scatter runs during earlier blocks'
+    cp_comm_type: str = "p2p"  # context parallel attention: p2p (ring), all_gather or a2a
 
     def dtypes(self, compute_dtype: torch.dtype) -> CommDtypes:
         if compute_dtype == torch.float32:  # no autocast: messages in the masters' dtype
@@ -135,7 +137,7 @@ class ParallelModel(nn.Module):
 
 def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Groups, rank: int,
                 device: torch.device, compute_dtype: torch.dtype = torch.float32,
-                options: ShardingOptions = ShardingOptions()) -> ParallelModel:
+                options: CommOptions = CommOptions()) -> ParallelModel:
     """A model on the meta device comes back with this rank's parameters allocated on
     `device` but not initialised (ParallelModel.initialize); a real one keeps its values."""
     if layout.pp_size > 1:
@@ -167,7 +169,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Gr
         if options.overlap_param_gather:
             link(list(bundles.values()))
     if layout.runtime_context_parallel_size > 1:
-        attention = ContextParallelAttention(groups.context, layout, rank)
+        attention = context_attention(options.cp_comm_type, groups.context, layout, rank)
         for module in model.modules():
             if hasattr(module, "attention_fn"):
                 module.attention_fn = attention

@@ -4,6 +4,7 @@
     reduce_from    all-reduce | identity      (output of a row-parallel layer without SP)
     gather_along   all-gather | reduce-scatter (SP before column-parallel; K/V for CP)
     scatter_along  reduce-scatter | all-gather (SP after row-parallel)
+    all_to_all     all-to-all | all-to-all   (CP a2a: sequence-split <-> head-split)
 
 All are identities on a one-rank group. Incoming gradients are made contiguous before any
 collective: gloo silently mixes up strided gradients.
@@ -70,6 +71,17 @@ class _ScatterAlong(torch.autograd.Function):
         return all_gather_dim(grad.contiguous(), ctx.group, ctx.dim), None, None
 
 
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, parts: torch.Tensor, group: Group) -> torch.Tensor:
+        ctx.group = group
+        return group.all_to_all(parts)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # the gradient of part j goes back to member j
+        return ctx.group.all_to_all(grad.contiguous()), None
+
+
 def copy_to(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _CopyTo.apply(x, group)
 
@@ -84,6 +96,11 @@ def gather_along(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
 
 def scatter_along(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     return x if group.size == 1 else _ScatterAlong.apply(x, group, dim)
+
+
+def all_to_all(parts: torch.Tensor, group: Group) -> torch.Tensor:
+    """parts [size, ...]: part i goes to group rank i; part j of the result came from rank j."""
+    return parts if group.size == 1 else _AllToAll.apply(parts, group)
 
 
 def split_along(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:

@@ -24,6 +24,16 @@ class Precision(Enum):
     bf16 = "bf16"  # bf16 weights and activations, fp32 master weights, grads and Adam moments
 
 
+class CPCommType(Enum):
+    """Megatron's --cp-comm-type: how context-parallel attention sees the whole sequence.
+    p2p: K/V blocks around a ring (O(local tokens) per rank); all_gather: K/V gathered whole;
+    a2a: Ulysses all-to-all between sequence and heads (local heads divisible by runtime CP)."""
+
+    p2p = "p2p"
+    all_gather = "all_gather"
+    a2a = "a2a"
+
+
 class RecomputeGranularity(Enum):
     """Megatron's --recompute-granularity: what a block's backward recomputes instead of
     keeping. selective: the attention core and the MLP activation; full: the whole block
@@ -74,6 +84,7 @@ class ParallelConfig:
     grad_reduce_in_bf16: bool = MISSING  # bf16 only: reduce-scatter gradients in bf16
     overlap_param_gather: bool = MISSING  # gather the next block's weights during this block
     overlap_grad_reduce: bool = MISSING  # reduce-scatter a block's gradients as they complete
+    cp_comm_type: CPCommType = MISSING  # context-parallel attention: p2p, all_gather or a2a
 
 
 @dataclass

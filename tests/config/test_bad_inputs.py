@@ -103,6 +103,10 @@ TABLE = [
     R("parallel.grad_reduce_in_bf16=true", ("parallel.grad_reduce_in_bf16=true",
                                             "train.precision=fp32")),
     R("dry_run_rank=0", ("dry_run_rank=0", "dry_run=true"), start=True),
+    # context-parallel attention
+    R("parallel.cp_comm_type=ring", ("cp_comm_type", "ring"), HYDRA),
+    R("cluster.procs_per_node=8 parallel.context_parallel_size=8 parallel.cp_comm_type=a2a",
+      ("parallel.cp_comm_type=a2a", "model.num_heads=4", "runtime CP = 8")),
     R("dry_run_rank=1", ("dry_run_rank=1", "world_size=1")),
     # optimizer and schedule
     R("optim.name=sgd", ("optim.name='sgd'",)),

@@ -47,6 +47,12 @@ CHANGES = {
         ("cluster.procs_per_node=4", "parallel.tensor_parallel_num_weight_shards=2"),
         ("cluster.procs_per_node=4", "parallel.tensor_parallel_num_weight_shards=4")),
     "dp2_to_dp4": (("cluster.procs_per_node=2",), ("cluster.procs_per_node=4",)),
+    # cp_comm_type changes how attention communicates, never what a checkpoint holds
+    "cp2_p2p_to_cp4_a2a": (
+        ("cluster.procs_per_node=2", "parallel.context_parallel_size=2",
+         "parallel.cp_comm_type=p2p"),
+        ("cluster.procs_per_node=4", "parallel.context_parallel_size=4",
+         "parallel.cp_comm_type=a2a")),
     "tp1_to_tp2_sp": (
         ("cluster.procs_per_node=2",),
         ("cluster.procs_per_node=2", "parallel.tensor_model_parallel_size=2",

@@ -48,12 +48,6 @@ LAYOUTS = {
     "ws4": (4, dict(tensor_parallel_num_weight_shards=4)),
     "ws4_ss2": (4, dict(tensor_parallel_num_weight_shards=4,
                         tensor_parallel_num_sequence_shards=2)),
-    "cp2": (2, dict(context_parallel_size=2)),
-    "cp2_ws2_ss2": (4, dict(context_parallel_size=2, tensor_parallel_num_weight_shards=2,
-                            tensor_parallel_num_sequence_shards=2)),
-    "every_axis": (8, dict(tensor_model_parallel_size=2, sequence_parallel=True,
-                           tensor_parallel_num_weight_shards=4,
-                           tensor_parallel_num_sequence_shards=4, context_parallel_size=2)),
     "ws2_dp2": (4, dict(tensor_parallel_num_weight_shards=2)),
     # Branches: TP without SP under weight sharding; CP with TP but no SP; rows that do not
     # divide over GTP_remat (64-row weights over 3 shards: padding).
@@ -61,6 +55,21 @@ LAYOUTS = {
     "tp2_cp2": (4, dict(tensor_model_parallel_size=2, context_parallel_size=2)),
     "ws3_padded": (3, dict(tensor_parallel_num_weight_shards=3)),
 }
+# Context-parallel layouts; tests/multirank/test_context_parallel.py runs each under every
+# cp_comm_type (the other tests here use some of them under the default, p2p).
+CONTEXT_LAYOUTS = {
+    "cp2": (2, dict(context_parallel_size=2)),
+    "cp4": (4, dict(context_parallel_size=4)),
+    "cp2_ws2_ss2": (4, dict(context_parallel_size=2, tensor_parallel_num_weight_shards=2,
+                            tensor_parallel_num_sequence_shards=2)),
+    "every_axis": (8, dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                           tensor_parallel_num_weight_shards=4,
+                           tensor_parallel_num_sequence_shards=4, context_parallel_size=2)),
+    "runtime_cp8": (8, dict(context_parallel_size=2, tensor_parallel_num_weight_shards=4,
+                            tensor_parallel_num_sequence_shards=4)),
+}
+NON_CONTEXT = list(LAYOUTS)
+LAYOUTS |= CONTEXT_LAYOUTS
 
 
 def make_layout(world: int, kwargs: dict) -> Layout:
@@ -68,24 +77,25 @@ def make_layout(world: int, kwargs: dict) -> Layout:
     return replace(layout, global_batch_size=MICRO * layout.batch_parallel_size * MICRO_BATCHES)
 
 
-def make_data(global_batch_size: int) -> list[torch.Tensor]:
+def make_data(global_batch_size: int, model: ModelConfig = TINY) -> list[torch.Tensor]:
     """STEPS global batches of [GBS, SEQ + 1] tokens; label positions to ignore are marked by
     setting the token to IGNORE (only in positions 1.., which are labels only)."""
     gen = torch.Generator().manual_seed(SEED)
     batches = []
     for _ in range(STEPS):
-        tokens = torch.randint(0, TINY.vocab_size, (global_batch_size, SEQ + 1), generator=gen)
+        tokens = torch.randint(0, model.vocab_size, (global_batch_size, SEQ + 1), generator=gen)
         ignored = torch.rand(global_batch_size, SEQ + 1, generator=gen) < 0.1
         ignored[:, 0] = False
         batches.append(torch.where(ignored, IGNORE, tokens))
     return batches
 
 
-def reference(rank: int, batches: list[torch.Tensor], dtype: torch.dtype) -> dict:
+def reference(rank: int, batches: list[torch.Tensor], dtype: torch.dtype,
+              model_cfg: ModelConfig = TINY) -> dict:
     """The plain single-process loop the layouts must match (run in a child process too, so
     the test process itself never changes its default dtype)."""
     torch.set_default_dtype(dtype)
-    model = Transformer(TINY)
+    model = Transformer(model_cfg)
     model.init_weights(SEED)
     initial_q = model.layers[0].attn.qkv.weight.detach().clone()
     decay = [p for p in model.parameters() if p.ndim >= 2]
@@ -113,9 +123,9 @@ def reference(rank: int, batches: list[torch.Tensor], dtype: torch.dtype) -> dic
 
 
 def train_rank(rank: int, layout: Layout, batches: list[torch.Tensor], dtype: torch.dtype,
-               options: EngineOptions = EngineOptions()) -> dict:
+               options: EngineOptions = EngineOptions(), model: ModelConfig = TINY) -> dict:
     torch.set_default_dtype(dtype)
-    engine = build_engine(TINY, OPTIM, SEED, layout, torch.device("cpu"), options)
+    engine = build_engine(model, OPTIM, SEED, layout, torch.device("cpu"), options)
     losses, norms = [], []
     for batch, lr in zip(batches, LRS):
         micro_batches = rank_micro_batches(lambda idx, b=batch: b[idx], layout, rank)
@@ -134,27 +144,30 @@ def relative(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
     return ((a - b).norm() / b.norm().clamp(min=1e-300)).item()
 
 
-@pytest.fixture(scope="module")
-def references():
+def reference_cache():
+    """get(global_batch_size, dtype, model) -> (batches, the one-process reference), each
+    computed once."""
     cache: dict[tuple, tuple] = {}
 
-    def get(global_batch_size: int, dtype: torch.dtype):
-        if (global_batch_size, dtype) not in cache:
-            batches = make_data(global_batch_size)
-            cache[global_batch_size, dtype] = (batches, run_ranks(1, reference, batches, dtype)[0])
-        return cache[global_batch_size, dtype]
+    def get(global_batch_size: int, dtype: torch.dtype, model: ModelConfig = TINY):
+        key = (global_batch_size, dtype, repr(model))
+        if key not in cache:
+            batches = make_data(global_batch_size, model)
+            cache[key] = (batches, run_ranks(1, reference, batches, dtype, model)[0])
+        return cache[key]
 
     return get
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_one_process(name, dtype, references):
-    world, kwargs = LAYOUTS[name]
-    layout = make_layout(world, kwargs)
-    batches, ref = references(layout.global_batch_size, dtype)
-    results = run_ranks(world, train_rank, layout, batches, dtype, timeout=120)
-    for result in results:  # every rank reports the same loss and norm
+@pytest.fixture(scope="module")
+def references():
+    return reference_cache()
+
+
+def assert_parity(results: list[dict], ref: dict, dtype: torch.dtype, label: str) -> None:
+    """Every rank reports the same loss and norm; loss, norm and full parameters match the
+    one-process reference within TOLERANCE, after training really moved the weights."""
+    for result in results:
         assert result["losses"] == results[0]["losses"]
         assert result["norms"] == results[0]["norms"]
     got = results[0]
@@ -163,11 +176,21 @@ def test_layout_matches_one_process(name, dtype, references):
         "grad_norm": max(relative(a, b) for a, b in zip(got["norms"], ref["norms"])),
         "params": max(relative(got["params"][k], v) for k, v in ref["params"].items()),
     }
-    print(f"\nparity {name} {dtype} (world {world}): max relative difference {worst}")
+    print(f"\nparity {label} {dtype}: max relative difference {worst}")
     assert set(got["params"]) == set(ref["params"])
     assert all(value <= TOLERANCE[dtype] for value in worst.values()), worst
     # Training moved the weights: a parity of untouched weights would prove nothing.
     assert relative(got["params"]["layers.0.attn.qkv.weight"], ref["initial_q"]) > 1e-3
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("name", NON_CONTEXT)
+def test_layout_matches_one_process(name, dtype, references):
+    world, kwargs = LAYOUTS[name]
+    layout = make_layout(world, kwargs)
+    batches, ref = references(layout.global_batch_size, dtype)
+    results = run_ranks(world, train_rank, layout, batches, dtype, timeout=120)
+    assert_parity(results, ref, dtype, f"{name} (world {world})")
 
 
 @pytest.mark.parametrize("name", ["ws2", "tp2_sp", "cp2_ws2_ss2"])

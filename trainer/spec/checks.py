@@ -16,6 +16,7 @@ from trainer.config import (
     CheckpointConfig,
     ClusterConfig,
     Config,
+    CPCommType,
     LoggerConfig,
     LoggerName,
     ModelConfig,
@@ -85,6 +86,18 @@ def check_model_fits_layout(model: ModelConfig, layout: Layout) -> None:
         raise ValueError(
             f"parallel.pipeline_model_parallel_size={layout.pp_size}: pipeline stages are not "
             f"supported in training yet. Fix: set it to 1.")
+
+
+def check_context_parallel(model: ModelConfig, layout: Layout, cp_comm_type: CPCommType) -> None:
+    """a2a gives each context rank whole heads: the TP-local heads must split over runtime CP."""
+    cp, tp = layout.runtime_context_parallel_size, layout.tp_size
+    local_heads = model.num_heads // tp
+    if cp_comm_type is CPCommType.a2a and cp > 1 and local_heads % cp:
+        raise ValueError(
+            f"parallel.cp_comm_type=a2a needs the heads per TP rank (model.num_heads="
+            f"{model.num_heads} / parallel.tensor_model_parallel_size={tp} = {local_heads}) "
+            f"divisible by runtime CP = {cp} (parallel.context_parallel_size x sequence shards). "
+            f"Fix: use parallel.cp_comm_type=p2p, or a runtime CP that divides {local_heads}.")
 
 
 def check_optim(optim: OptimConfig) -> None:
@@ -201,6 +214,7 @@ def check_values(cfg: Config, layout: Layout) -> None:
     check_layout_inputs(cfg.parallel, cfg.cluster, cfg.train)
     check_model(cfg.model)
     check_model_fits_layout(cfg.model, layout)
+    check_context_parallel(cfg.model, layout, cfg.parallel.cp_comm_type)
     check_memory_options(cfg, layout)
     check_seeds(cfg)
     check_optim(cfg.optim)

@@ -14,11 +14,11 @@ import torch
 from parallel.comm import CommStats
 from parallel.groups import Groups, build_groups
 from parallel.layout import Layout
-from parallel.parallelize import ParallelModel, ShardingOptions, parallelize
+from parallel.parallelize import CommOptions, ParallelModel, parallelize
 from trainer.config import ModelConfig, OptimConfig, Precision
 from trainer.model.plan import PLAN
 from trainer.model.transformer import Transformer
-from trainer.spec.checks import check_model_fits_layout
+from trainer.spec.checks import check_context_parallel, check_model_fits_layout
 from trainer.train.optim import ShardedAdamW
 from trainer.train.options import EngineOptions
 from trainer.train.recompute import apply_recompute
@@ -43,13 +43,14 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layo
                  device: torch.device, options: EngineOptions = EngineOptions()) -> Engine:
     """Collective over the default process group."""
     check_model_fits_layout(model_cfg, layout)
+    check_context_parallel(model_cfg, layout, options.cp_comm_type)
     groups = build_groups(layout, CommStats())
     with torch.device("meta"):
         model = ARCHITECTURES[model_cfg.name](model_cfg)
-    sharding = ShardingOptions(options.grad_reduce_in_bf16, options.overlap_param_gather,
-                               options.overlap_grad_reduce)
+    comm = CommOptions(options.grad_reduce_in_bf16, options.overlap_param_gather,
+                       options.overlap_grad_reduce, options.cp_comm_type.value)
     parallel = parallelize(model, PLAN, layout, groups, torch.distributed.get_rank(), device,
-                           COMPUTE_DTYPE[options.precision], sharding)
+                           COMPUTE_DTYPE[options.precision], comm)
     apply_recompute(model, PLAN, options)  # around the parallel layers it replays in backward
     # The optimizer moves the (still untouched) parameters into its flat buffers first, so the
     # values are written once, in place, and no second copy of them is ever resident.

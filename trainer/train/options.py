@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from trainer.config import Config, Precision, RecomputeGranularity
+from trainer.config import Config, CPCommType, Precision, RecomputeGranularity
 
 
 @dataclass(frozen=True)
@@ -18,13 +18,14 @@ class EngineOptions:
     grad_reduce_in_bf16: bool = False
     overlap_param_gather: bool = False
     overlap_grad_reduce: bool = False
+    cp_comm_type: CPCommType = CPCommType.p2p
 
     @classmethod
     def from_config(cls, cfg: Config) -> EngineOptions:
         train, parallel = cfg.train, cfg.parallel
         return cls(train.precision, train.recompute_granularity, train.recompute_num_layers,
                    parallel.grad_reduce_in_bf16, parallel.overlap_param_gather,
-                   parallel.overlap_grad_reduce)
+                   parallel.overlap_grad_reduce, parallel.cp_comm_type)
 
     def recomputes(self, block: int) -> Optional[RecomputeGranularity]:
         """What block `block` recomputes in backward (None: nothing)."""

@@ -1,0 +1,35 @@
+"""Context parallel: each rank of the `context` group (runtime CP = configured CP x sequence
+shards) keeps two zigzag chunks of every sequence (chunks.py); attention over the whole
+sequence is one of three exchanges, Megatron's cp_comm_type:
+
+    p2p         ring.py      K/V blocks around a ring, overlapped with compute; O(local) memory
+    all_gather  gather.py    K/V gathered whole, attention by chunk pairs; O(sequence) K/V
+    a2a         alltoall.py  Ulysses: heads <-> sequence all-to-all; heads must divide by CP
+
+All three run PyTorch's fused attention kernels (kernels.py) and build no mask.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from parallel.comm import Group
+from parallel.context.alltoall import AllToAllAttention
+from parallel.context.chunks import keep_local, local_positions
+from parallel.context.gather import AllGatherAttention
+from parallel.context.ring import RingAttention
+from parallel.layout import Layout
+
+ATTENTION = {"p2p": RingAttention, "all_gather": AllGatherAttention, "a2a": AllToAllAttention}
+CP_COMM_TYPES = tuple(ATTENTION)
+
+__all__ = ["CP_COMM_TYPES", "context_attention", "keep_local", "local_positions"]
+
+
+def context_attention(cp_comm_type: str, context: Group, layout: Layout, rank: int
+                      ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The attention_fn for runtime CP > 1."""
+    if cp_comm_type not in ATTENTION:
+        raise ValueError(f"cp_comm_type={cp_comm_type!r}: expected one of {CP_COMM_TYPES}")
+    return ATTENTION[cp_comm_type](context, layout, rank)

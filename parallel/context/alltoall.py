@@ -1,0 +1,44 @@
+"""cp_comm_type=a2a (Ulysses): an all-to-all over the context group turns sequence-split q, k, v
+(all local heads, this rank's tokens) into head-split ones (1/C of the heads, the whole
+sequence); attention then runs locally, causally, in one fused call, and a second all-to-all
+returns the output to sequence-split form. Each rank holds 1/C of the heads of the whole
+sequence, as many bytes as its own tokens of all heads. The local heads must divide by the
+runtime CP (checked at compose time).
+
+The whole sequence arrives in group order (member j's two zigzag chunks, then member j+1's);
+it is put in sequence order for the causal kernel and back afterwards, chunk by chunk.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from parallel.comm import Group
+from parallel.layout import Layout
+from parallel.regions import all_to_all
+
+
+class AllToAllAttention:
+    """The model's attention_fn under runtime CP > 1 with cp_comm_type=a2a."""
+
+    def __init__(self, context: Group, layout: Layout, rank: int):
+        self.context = context
+        gathered = [c for member in context.ranks for c in layout.context_chunk_ids(member)]
+        self.order = torch.tensor(sorted(range(len(gathered)), key=gathered.__getitem__))
+        self.inverse = torch.argsort(self.order)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, heads, s, d = q.shape
+        c, chunks = self.context.size, len(self.order)
+        order, inverse = self.order.to(q.device), self.inverse.to(q.device)
+        # [3, b, heads, s, d] -> part i: heads i*heads/c.. of every local token, to member i
+        parts = torch.stack((q, k, v)).unflatten(2, (c, heads // c)).movedim(2, 0)
+        whole = all_to_all(parts, self.context)  # part j: member j's tokens of our heads
+        whole = whole.movedim(0, 3).flatten(3, 4)  # [3, b, heads/c, c * s, d], group order
+        whole = whole.unflatten(3, (chunks, -1)).index_select(3, order).flatten(3, 4)
+        out = F.scaled_dot_product_attention(whole[0], whole[1], whole[2], is_causal=True)
+        out = out.unflatten(2, (chunks, -1)).index_select(2, inverse)  # back to group order
+        out = out.unflatten(2, (c, -1)).flatten(3, 4).movedim(2, 0)  # part j: member j's tokens
+        back = all_to_all(out, self.context)  # part i: our tokens of heads i*heads/c..
+        # one copy into [b, s, heads, d] memory order, so the model's reshape after is free
+        return back.permute(1, 3, 0, 2, 4).reshape(b, s, heads, d).transpose(1, 2)

@@ -1,0 +1,55 @@
+"""cp_comm_type=all_gather: K and V all-gathered over the context group (their gradients
+reduce-scattered back), then each local query chunk attends to the key chunks before it in full
+and to its own causally: two fused-kernel calls per chunk, merged by log-sum-exp, no mask. The
+simple option: one collective per layer, but every rank holds the whole sequence's K/V.
+"""
+from __future__ import annotations
+
+import torch
+
+from parallel.comm import Group
+from parallel.context.chunks import Block, blocks
+from parallel.context.kernels import Merge, attend_blocks, attend_blocks_backward, merged_output
+from parallel.layout import Layout
+from parallel.regions import gather_along
+
+HEAD_SEQ_DIM = 2  # q, k, v are [batch, heads, seq, head_dim]
+
+
+class _ChunkPairs(torch.autograd.Function):
+    """Local queries over the whole sequence's keys and values (in sequence order)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: list[Block]):
+        chunk = q.shape[2] // 2
+        with torch.autocast(q.device.type, enabled=False):
+            merges = [Merge(), Merge()]
+            attend_blocks(q, k, v, plan, chunk, merges)
+            out, lse = merged_output(merges, q)
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (q, k, v))
+        attend_blocks_backward(grad_out, q, k, v, out, lse, ctx.plan, q.shape[2] // 2, dq, dk, dv)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+class AllGatherAttention:
+    """The model's attention_fn under runtime CP > 1 with cp_comm_type=all_gather."""
+
+    def __init__(self, context: Group, layout: Layout, rank: int):
+        self.context = context
+        # Gathered K/V arrive in group order: member i's two chunks, then member i+1's.
+        gathered = [c for member in context.ranks for c in layout.context_chunk_ids(member)]
+        self.order = torch.tensor(sorted(range(len(gathered)), key=gathered.__getitem__))
+        self.plan = blocks(layout.context_chunk_ids(rank), tuple(range(len(gathered))))
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        kv = gather_along(torch.stack((k, v)), self.context, HEAD_SEQ_DIM + 1)
+        chunks = kv.unflatten(HEAD_SEQ_DIM + 1, (len(self.order), -1))
+        kv = chunks.index_select(HEAD_SEQ_DIM + 1, self.order.to(kv.device)).flatten(3, 4)
+        return _ChunkPairs.apply(q, kv[0], kv[1], self.plan)

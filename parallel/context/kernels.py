@@ -1,0 +1,111 @@
+"""Attention of one block of queries over one block of keys on PyTorch's own fused kernels, with
+the log-sum-exp each returns, and the online-softmax merge of such blocks.
+
+q, k, v are [batch, heads, seq, head_dim]; a block's log-sum-exp is [batch, heads, q seq], in
+fp32 (fp64 for fp64 inputs), and so are the merged output and log-sum-exp. The backward of a
+block takes the *merged* output and log-sum-exp: the kernels form the softmax from the
+log-sum-exp and its correction term from the output, so each block then gets exactly its share
+of the gradient of the whole row.
+
+Kernels by device: CPU, the flash kernel for CPU (checked here, fp32, fp64 and bf16). CUDA, the
+flash kernel for bf16/fp16 and the memory-efficient kernel for fp32 (the same entry points
+torch's own ring attention uses); this path has not been run on a GPU in this repository yet.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from parallel.context.chunks import Block
+
+aten = torch.ops.aten
+_HALF = (torch.float16, torch.bfloat16)
+_LSE_ALIGN = 32  # the memory-efficient kernel pads its log-sum-exp to a multiple of this
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out in q's dtype, log-sum-exp). `causal` needs as many queries as keys."""
+    if q.device.type == "cuda":
+        if q.dtype in _HALF:
+            out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+        else:
+            out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0,
+                                                                         causal)
+        return out, lse[..., :q.shape[2]]
+    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+
+
+def attend_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, causal: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one block, given the row's merged out (q's dtype) and log-sum-exp."""
+    grad_out = grad_out.contiguous()
+    if q.device.type == "cuda":
+        empty = torch.empty(0, device=q.device, dtype=torch.int64)
+        if q.dtype in _HALF:
+            return aten._scaled_dot_product_flash_attention_backward(
+                grad_out, q, k, v, out, lse.contiguous(), empty, empty, q.shape[2], k.shape[2],
+                0.0, causal, empty, empty)
+        pad = -q.shape[2] % _LSE_ALIGN
+        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, q, k, v, None, out, F.pad(lse, (0, pad)).contiguous(), empty, empty, 0.0,
+            [True, True, True, False], causal)
+        return dq, dk, dv
+    return aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, causal)
+
+
+class Merge:
+    """The running softmax-weighted output of one query block over the key blocks seen so
+    far: out = sum_i out_i * exp(lse_i - lse), lse = log sum_i exp(lse_i)."""
+
+    def __init__(self) -> None:
+        self.out: torch.Tensor | None = None
+        self.lse: torch.Tensor | None = None
+
+    def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        out = out.to(lse.dtype)
+        if self.out is None:
+            self.out, self.lse = out, lse
+            return
+        merged = torch.logaddexp(self.lse, lse)
+        self.out.mul_(torch.exp(self.lse - merged)[..., None])
+        self.out.add_(out.mul_(torch.exp(lse - merged)[..., None]))
+        self.lse = merged
+
+
+def attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[Block],
+                  chunk: int, merges: list[Merge]) -> None:
+    """Every block (see chunks.blocks) of local queries q over keys k, v, merged per query
+    chunk; `chunk` tokens per chunk."""
+    for qi, k0, k1, causal in blocks:
+        rows, keys = slice(qi * chunk, (qi + 1) * chunk), slice(k0 * chunk, k1 * chunk)
+        merges[qi].add(*attend(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal))
+
+
+def attend_blocks_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                           v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                           blocks: list[Block], chunk: int, dq: torch.Tensor, dk: torch.Tensor,
+                           dv: torch.Tensor) -> None:
+    """The backward of attend_blocks, accumulated into dq, dk and dv."""
+    for qi, k0, k1, causal in blocks:
+        rows, keys = slice(qi * chunk, (qi + 1) * chunk), slice(k0 * chunk, k1 * chunk)
+        grads = attend_backward(grad_out[:, :, rows], q[:, :, rows], k[:, :, keys],
+                                v[:, :, keys], out[:, :, rows], lse[:, :, rows].contiguous(),
+                                causal)
+        for total, grad in zip((dq[:, :, rows], dk[:, :, keys], dv[:, :, keys]), grads):
+            total += grad
+
+
+def merged_output(merges: list[Merge], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of the query chunks in order; out in like's dtype, laid out [b, s, heads, d]
+    in memory as the kernels' outputs are, so the model's reshape after attention is free."""
+    b, heads, s, d = like.shape
+    out = like.new_empty(b, s, heads, d).transpose(1, 2)
+    start = 0
+    for merge in merges:
+        size = merge.out.shape[2]
+        out[:, :, start:start + size] = merge.out
+        start += size
+    return out, torch.cat([merge.lse for merge in merges], dim=2)

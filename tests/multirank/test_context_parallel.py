@@ -1,0 +1,107 @@
+"""Context parallel under every cp_comm_type (p2p ring, all_gather, a2a) trains the same model
+as one process: the parity suite's method and tolerances (see test_parity), on its
+context-parallel layouts, with a model of 8 heads so that a2a can split the heads of every
+layout here (4 per TP rank under TP 2, over runtime CP 4; 8 over runtime CP 8).
+
+Also: the bytes each type moves over the context group in one step, against its formula.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from parallel.layout import Layout
+from trainer.config import CPCommType
+from trainer.data.batch import rank_micro_batches
+from trainer.train.engine import build_engine
+from trainer.train.options import EngineOptions
+from trainer.train.step import train_step
+
+from harness import run_ranks
+from test_parity import (
+    CONTEXT_LAYOUTS,
+    OPTIM,
+    SEED,
+    TINY,
+    assert_parity,
+    make_data,
+    make_layout,
+    reference_cache,
+    train_rank,
+)
+
+HEADS8 = replace(TINY, num_heads=8)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return reference_cache()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("comm", list(CPCommType), ids=[c.value for c in CPCommType])
+@pytest.mark.parametrize("name", list(CONTEXT_LAYOUTS))
+def test_every_cp_comm_type_matches_one_process(name, comm, dtype, references):
+    world, kwargs = CONTEXT_LAYOUTS[name]
+    layout = make_layout(world, kwargs)
+    assert layout.runtime_context_parallel_size > 1
+    batches, ref = references(layout.global_batch_size, dtype, HEADS8)
+    results = run_ranks(world, train_rank, layout, batches, dtype,
+                        EngineOptions(cp_comm_type=comm), HEADS8, timeout=120)
+    assert_parity(results, ref, dtype, f"{name} {comm.value} (world {world}, runtime CP "
+                                       f"{layout.runtime_context_parallel_size})")
+
+
+def context_stats(rank: int, layout: Layout, batch: torch.Tensor,
+                  comms: list[CPCommType]) -> list[dict]:
+    """For each type: (op -> bytes, calls, overlapped calls) over the context group, one step."""
+    out = []
+    for comm in comms:
+        engine = build_engine(HEADS8, OPTIM, SEED, layout, torch.device("cpu"),
+                              EngineOptions(cp_comm_type=comm))
+        stats = engine.groups.stats
+        stats.reset()
+        micro_batches = rank_micro_batches(lambda idx: batch[idx], layout, rank)
+        train_step(engine.model, engine.optimizer, micro_batches, 1e-3)
+        out.append({op: (stats.bytes[kind, op], stats.calls[kind, op],
+                         stats.overlapped.get((kind, op), 0))
+                    for kind, op in stats.bytes if kind == "context"})
+    return out
+
+
+def expected_context_traffic(layout: Layout, comm: CPCommType) -> dict:
+    """Per step, per rank: every layer of every micro-batch exchanges its K/V (k and v of the
+    rank's tokens, all TP-local heads: kv bytes) over runtime CP = c ranks.
+    p2p: K/V take c-1 hops forward and c-1 again in backward; their gradients (fp32) take c
+         hops (c-1 with the K/V, one home). Every hop is asynchronous.
+    all_gather: K/V gathered forward ((c-1) x kv), their gradients reduce-scattered.
+    a2a: q, k, v out (3 parts) and the output back (1 part), and the same two in backward,
+         each all-to-all moving (c-1)/c of its tensor."""
+    c, per_layer = layout.runtime_context_parallel_size, layout.num_microbatches * TINY.num_layers
+    tokens = layout.micro_batch_size * layout.context_local_length
+    one = tokens * TINY.hidden_size * 4  # fp32 bytes of q (or k, or v) on this rank
+    kv = 2 * one
+    if comm is CPCommType.p2p:
+        hops = 2 * (c - 1) + c
+        return {"p2p": (per_layer * hops * kv, per_layer * hops, per_layer * hops)}
+    if comm is CPCommType.all_gather:
+        return {"all_gather": (per_layer * (c - 1) * kv, per_layer, 0),
+                "reduce_scatter": (per_layer * (c - 1) * kv, per_layer, 0)}
+    a2a = 2 * ((c - 1) * 3 * one // c + (c - 1) * one // c)
+    return {"all_to_all": (per_layer * a2a, per_layer * 4, 0)}
+
+
+@pytest.mark.parametrize("name", ["cp4", "cp2_ws2_ss2"])
+def test_context_bytes_per_step_match_the_formula(name):
+    world, kwargs = CONTEXT_LAYOUTS[name]
+    layout = make_layout(world, kwargs)
+    batch = make_data(layout.global_batch_size, HEADS8)[0]
+    comms = list(CPCommType)
+    results = run_ranks(world, context_stats, layout, batch, comms, timeout=120)
+    for rank, per_type in enumerate(results):
+        for comm, got in zip(comms, per_type):
+            assert got == expected_context_traffic(layout, comm), (rank, comm)
+    print(f"\ncontext bytes per rank per step ({name}): "
+          f"{ {c.value: r for c, r in zip(comms, results[0])} }")
