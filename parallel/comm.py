@@ -56,9 +56,18 @@ class Pending:
     keeps the input alive until then (the backend may still be reading it)."""
 
     def __init__(self, output: Any, work: dist.Work | list[dist.Work] | None,
-                 source: Any = None):
+                 source: Any = None, sends: int = 0):
         self.output, self._source = output, source
         self._works = [] if work is None else work if isinstance(work, list) else [work]
+        self._sends = sends  # the first `sends` works are sends of `source`, one per tensor
+
+    def wait_sent(self) -> None:
+        """Wait only for the sends and let their sources go, where the backend reports sends
+        apart from receives (gloo does; NCCL coalesces a batch into one work, kept whole)."""
+        if self._sends and len(self._works) == self._sends + len(self.output):
+            for work in self._works[:self._sends]:
+                work.wait()
+            self._works, self._source, self._sends = self._works[self._sends:], None, 0
 
     def wait(self) -> Any:
         for work in self._works:
@@ -150,20 +159,22 @@ class Group:
         dist.all_to_all_single(out, parts.contiguous(), group=self.handle)
         return out
 
-    def start_shift(self, tensors: list[torch.Tensor]) -> Pending:
+    def start_shift(self, tensors: list[torch.Tensor],
+                    into: list[torch.Tensor] | None = None) -> Pending:
         """Ring step: send `tensors` to the next group rank and receive the previous rank's
-        (same shapes and dtypes) into new buffers; Pending.wait() returns those. Every member
-        must call it at the same point with the same shapes."""
+        (same shapes and dtypes) into new buffers, or into `into` (contiguous, not in use);
+        Pending.wait() returns those. Every member must call it at the same point with the
+        same shapes."""
         if self.size == 1:
             return Pending(list(tensors), None)
         sources = [t.contiguous() for t in tensors]
-        received = [self._new(t, t.shape) for t in sources]
+        received = into if into is not None else [self._new(t, t.shape) for t in sources]
         after, before = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         ops = [dist.P2POp(dist.isend, t, group=self.handle, group_peer=after) for t in sources]
         ops += [dist.P2POp(dist.irecv, t, group=self.handle, group_peer=before)
                 for t in received]
         self.stats.record(self.kind, P2P, sum(_nbytes(t) for t in sources), True)
-        return Pending(received, dist.batch_isend_irecv(ops), sources)
+        return Pending(received, dist.batch_isend_irecv(ops), sources, len(sources))
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -9,7 +9,7 @@ import torch
 
 from parallel.comm import Group
 from parallel.context.chunks import Block, blocks
-from parallel.context.kernels import Merge, attend_blocks, attend_blocks_backward, merged_output
+from parallel.context.kernels import Merge, attend_blocks, block_gradients, merged_output
 from parallel.layout import Layout
 from parallel.regions import gather_along
 
@@ -34,7 +34,10 @@ class _ChunkPairs(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (q, k, v))
-        attend_blocks_backward(grad_out, q, k, v, out, lse, ctx.plan, q.shape[2] // 2, dq, dk, dv)
+        for rows, keys, grads in block_gradients(grad_out, q, k, v, out, lse, ctx.plan,
+                                                 q.shape[2] // 2):
+            for total, grad in zip((dq[:, :, rows], dk[:, :, keys], dv[:, :, keys]), grads):
+                total += grad
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 

@@ -13,6 +13,8 @@ torch's own ring attention uses); this path has not been run on a GPU in this re
 """
 from __future__ import annotations
 
+from typing import Iterator
+
 import torch
 import torch.nn.functional as F
 
@@ -39,17 +41,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 def attend_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     out: torch.Tensor, lse: torch.Tensor, causal: bool
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of one block, given the row's merged out (q's dtype) and log-sum-exp."""
-    grad_out = grad_out.contiguous()
+    """(dq, dk, dv) of one block, given the row's merged out (q's dtype) and log-sum-exp.
+    The CPU kernel takes strided slices as they are; the CUDA kernels get contiguous ones."""
     if q.device.type == "cuda":
+        grad_out, lse = grad_out.contiguous(), lse.contiguous()
         empty = torch.empty(0, device=q.device, dtype=torch.int64)
         if q.dtype in _HALF:
             return aten._scaled_dot_product_flash_attention_backward(
-                grad_out, q, k, v, out, lse.contiguous(), empty, empty, q.shape[2], k.shape[2],
+                grad_out, q, k, v, out, lse, empty, empty, q.shape[2], k.shape[2],
                 0.0, causal, empty, empty)
         pad = -q.shape[2] % _LSE_ALIGN
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, k, v, None, out, F.pad(lse, (0, pad)).contiguous(), empty, empty, 0.0,
+            grad_out, q, k, v, None, out, F.pad(lse, (0, pad)), empty, empty, 0.0,
             [True, True, True, False], causal)
         return dq, dk, dv
     return aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -84,18 +87,15 @@ def attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: lis
         merges[qi].add(*attend(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal))
 
 
-def attend_blocks_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                           v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                           blocks: list[Block], chunk: int, dq: torch.Tensor, dk: torch.Tensor,
-                           dv: torch.Tensor) -> None:
-    """The backward of attend_blocks, accumulated into dq, dk and dv."""
+def block_gradients(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, blocks: list[Block], chunk: int
+                    ) -> Iterator[tuple[slice, slice, tuple[torch.Tensor, ...]]]:
+    """The backward of attend_blocks, block by block: (query rows, key rows, (dq, dk, dv))."""
     for qi, k0, k1, causal in blocks:
         rows, keys = slice(qi * chunk, (qi + 1) * chunk), slice(k0 * chunk, k1 * chunk)
-        grads = attend_backward(grad_out[:, :, rows], q[:, :, rows], k[:, :, keys],
-                                v[:, :, keys], out[:, :, rows], lse[:, :, rows].contiguous(),
-                                causal)
-        for total, grad in zip((dq[:, :, rows], dk[:, :, keys], dv[:, :, keys]), grads):
-            total += grad
+        yield rows, keys, attend_backward(grad_out[:, :, rows], q[:, :, rows], k[:, :, keys],
+                                          v[:, :, keys], out[:, :, rows], lse[:, :, rows],
+                                          causal)
 
 
 def merged_output(merges: list[Merge], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

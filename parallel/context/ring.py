@@ -9,6 +9,11 @@ travel with it, each rank adding its share, then take one last hop home to their
 gradient hop starts after the rank's block is computed and completes while it computes the
 next one. Messages between two neighbours are always posted in the same order on both sides
 (K/V, then gradients, each step), which is what keeps the point-to-point pairs matched.
+
+Memory in backward (bench/context.py measures it): the travelling K/V alternate between the
+saved K/V buffer and one more (so a backward runs once per forward, which the training step
+does; a second one raises), a block's gradients are summed straight into the gradients
+arriving for it, and our copy of those is let go as soon as the neighbour has it.
 """
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import torch
 
 from parallel.comm import Group
 from parallel.context.chunks import Block, blocks
-from parallel.context.kernels import Merge, attend_blocks, attend_blocks_backward, merged_output
+from parallel.context.kernels import Merge, attend_blocks, block_gradients, merged_output
 from parallel.layout import Layout
 
 
@@ -37,7 +42,7 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring):
         chunk = q.shape[2] // 2
         with torch.autocast(q.device.type, enabled=False):
-            kv = torch.stack((k, v))
+            kv = first = torch.stack((k, v))
             merges = [Merge(), Merge()]
             for i, step in enumerate(ring.steps):
                 hop = ring.group.start_shift([kv]) if i + 1 < ring.size else None
@@ -46,28 +51,64 @@ class _RingAttention(torch.autograd.Function):
                     kv = hop.wait()[0]
             out, lse = merged_output(merges, q)
         ctx.ring = ring
-        ctx.save_for_backward(q, k, v, out, lse)
+        # K and V stacked (the ring's first block) are kept instead of k and v themselves, so
+        # the qkv projection's output (v is a view of it) need not outlive the forward.
+        ctx.save_for_backward(q, first, out, lse)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
+        if ctx.ring is None:
+            raise RuntimeError("ring attention's backward runs once per forward: it reuses "
+                               "its saved K/V buffer (retain_graph is not supported)")
+        q, kv, out, lse = ctx.saved_tensors
         ring, chunk, total = ctx.ring, q.shape[2] // 2, lse.dtype
+        ctx.ring = None
         dq = torch.zeros(q.shape, dtype=total, device=q.device)
-        kv = torch.stack((k, v))
         travelling = None  # the gradients of the K/V block this rank holds, on their way
+        spare = None  # the K/V buffer of two steps ago (from step 2 on, the saved one)
         for i, step in enumerate(ring.steps):
-            hop = ring.group.start_shift([kv]) if i + 1 < ring.size else None
-            dkv = torch.zeros(kv.shape, dtype=total, device=q.device)
-            attend_blocks_backward(grad_out, q, kv[0], kv[1], out, lse, step, chunk, dq,
-                                   dkv[0], dkv[1])
-            if travelling is not None:
-                dkv += travelling.wait()[0]
+            hop = None
+            if i + 1 < ring.size:  # double-buffered: no third K/V block is ever allocated
+                hop = ring.group.start_shift([kv], None if spare is None else [spare])
+            if travelling is not None:  # the neighbour has taken them: free our copy
+                travelling.wait_sent()
+            if travelling is None:  # our own block: its gradients start here
+                dkv = torch.zeros(kv.shape, dtype=total, device=q.device)
+                _gradients(grad_out, q, kv, out, lse, step, chunk, dq, dkv)
+            else:  # added into the gradients arriving for this block, once they are here
+                key_grads = _gradients(grad_out, q, kv, out, lse, step, chunk, dq)
+                dkv = _added(travelling.wait()[0], key_grads)
+                del key_grads
             travelling = ring.group.start_shift([dkv])  # after the last step: home
+            del dkv  # the shift holds it while it is sent
             if hop is not None:
-                kv = hop.wait()[0]
+                kv, spare = hop.wait()[0], kv
         dkv = travelling.wait()[0]
-        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None
+        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None
+
+
+def _gradients(grad_out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
+               lse: torch.Tensor, step: list[Block], chunk: int, dq: torch.Tensor,
+               dkv: torch.Tensor | None = None) -> list:
+    """One step's blocks: their dq added into dq; their (key rows, dk, dv) added into dkv as
+    they come, or returned without dkv."""
+    key_grads = []
+    for rows, keys, (dq_block, dk, dv) in block_gradients(grad_out, q, kv[0], kv[1], out, lse,
+                                                          step, chunk):
+        dq[:, :, rows] += dq_block
+        key_grads.append((keys, dk, dv))
+        if dkv is not None:
+            _added(dkv, key_grads)
+            key_grads.clear()
+    return key_grads
+
+
+def _added(dkv: torch.Tensor, key_grads: list) -> torch.Tensor:
+    for keys, dk, dv in key_grads:
+        dkv[0][:, :, keys] += dk
+        dkv[1][:, :, keys] += dv
+    return dkv
 
 
 class RingAttention:

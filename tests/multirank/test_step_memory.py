@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from parallel.layout import Layout
-from trainer.config import ModelConfig, OptimConfig, Precision, RecomputeGranularity
+from trainer.config import CPCommType, ModelConfig, OptimConfig, Precision, RecomputeGranularity
 from trainer.report.memory import memory_per_stage, parameter_shapes, step_per_stage
 from trainer.train.options import EngineOptions
 
@@ -81,7 +81,10 @@ CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs)
     "one_process": (1, {}, {}),
     "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), {}),
     "tp2": (2, dict(tensor_model_parallel_size=2), {}),
-    "cp2": (2, dict(context_parallel_size=2), {}),
+    "cp2": (2, dict(context_parallel_size=2), {}),  # p2p: the ring, the default
+    "cp4_p2p_bf16": (4, dict(context_parallel_size=4), dict(precision=Precision.bf16)),
+    "cp4_all_gather": (4, dict(context_parallel_size=4), dict(cp_comm_type=CPCommType.all_gather)),
+    "cp4_a2a": (4, dict(context_parallel_size=4), dict(cp_comm_type=CPCommType.a2a)),
     "ws4_ss4": (4, dict(tensor_parallel_num_weight_shards=4,
                         tensor_parallel_num_sequence_shards=4), {}),
     "selective": (1, {}, dict(recompute_granularity=SELECTIVE)),

@@ -14,15 +14,19 @@ A block keeps (no recompute):
     norms            2 x (input, normalised input): 4*Tr*h fp32
     linear inputs    qkv and gate_up (gathered over TP with SP): 2*T*h*e
     attention        without CP: qkv output (v is a view of it), rotated q and k, output:
-                     6*T*h/t*e; with CP: rotated q, output, the all-gathered K and V and the
-                     causal mask: (2*T*h/t + 2*b*S*h/t + s*S) * e
+                     6*T*h/t*e; CP by p2p (ring): rotated q, the stacked K/V (the ring's
+                     first block; the qkv output is not kept) and output: 4*T*h/t*e;
+                     all_gather: rotated q, output and the gathered K and V of the whole
+                     sequence: (2*T*h/t + 2*b*S*h/t)*e;
+                     a2a: the head-split q, k, v and output, and the output back in sequence
+                     order: 5*T*h/t*e (b*S*h/(t*C) = T*h/t: the same bytes as local tokens)
     MLP              gate_up output, silu(gate), silu(gate)*up: 4*T*f/t*e
     small            rotary cos/sin 8*T*d, logsumexp 4*b*(n/t)*s, rsqrt 8*Tr bytes
-selective recompute drops silu(gate) and the logsumexp (with CP it keeps the local k and v
-instead of the gathered ones and the mask); full recompute keeps only the block input (Tr*h
+selective recompute drops silu(gate) and the logsumexp (with CP of any type it keeps the
+local q, k and v and the output: 6*T*h/t*e); full recompute keeps only the block input (Tr*h
 fp32) and rebuilds one block's activations at a time in backward. After the blocks: the final
-norm (2*Tr*h fp32), the head input (T*h*e) and the loss's softmax (T*V/t fp32); with CP, the
-boolean causal mask (s*S bytes) lives as long as the model. Under bf16 without weight sharding,
+norm (2*Tr*h fp32), the head input (T*h*e) and the loss's softmax (T*V/t fp32). No type builds
+a mask. Under bf16 without weight sharding,
 autocast also keeps a bf16 copy of every local weight. In backward, the gradients of a block's
 activations are formed beside them: about one block's worth more (measured, bench/).
 """
@@ -31,7 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallel.layout import Layout
-from trainer.config import ModelConfig, Precision, RecomputeGranularity
+from trainer.config import CPCommType, ModelConfig, Precision, RecomputeGranularity
 from trainer.train.options import EngineOptions
 
 FP32 = 4
@@ -67,8 +71,22 @@ def compute_bytes(precision: Precision) -> int:
     return 2 if precision is Precision.bf16 else FP32
 
 
+def attention_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
+                    cp_comm_type: CPCommType) -> int:
+    """What a block's attention keeps for its backward, by context-parallel exchange."""
+    unit = k.T * m.hidden_size // k.t * e  # one of q, k, v or the output, this rank's tokens
+    if not k.cp or recompute is RecomputeGranularity.selective:
+        return 6 * unit
+    if cp_comm_type is CPCommType.p2p:
+        return 4 * unit
+    if cp_comm_type is CPCommType.all_gather:
+        return 2 * unit + 2 * k.b * k.S * m.hidden_size // k.t * e
+    return 5 * unit
+
+
 def block_activation_bytes(m: ModelConfig, k: Tokens, e: int,
-                           recompute: RecomputeGranularity | None) -> int:
+                           recompute: RecomputeGranularity | None,
+                           cp_comm_type: CPCommType = CPCommType.p2p) -> int:
     """What one block keeps for its backward."""
     h, f, t = m.hidden_size, m.ffn_hidden_size, k.t
     T, Tr = k.T, k.Tr
@@ -76,10 +94,7 @@ def block_activation_bytes(m: ModelConfig, k: Tokens, e: int,
         return Tr * h * FP32
     norms = 4 * Tr * h * FP32 + 2 * Tr * FP32
     linear_inputs = 2 * T * h * e
-    if k.cp and recompute is not RecomputeGranularity.selective:
-        attention = (2 * T * h // t + 2 * k.b * k.S * h // t + k.s * k.S) * e
-    else:
-        attention = 6 * T * h // t * e
+    attention = attention_bytes(m, k, e, recompute, cp_comm_type)
     mlp = (3 if recompute is RecomputeGranularity.selective else 4) * T * f // t * e
     rotary = 8 * T * (h // m.num_heads)
     lse = 0 if recompute is RecomputeGranularity.selective else FP32 * k.b * m.num_heads // t * k.s
@@ -87,9 +102,8 @@ def block_activation_bytes(m: ModelConfig, k: Tokens, e: int,
 
 
 def head_activation_bytes(m: ModelConfig, k: Tokens, e: int) -> int:
-    """The final norm, the head's input and the loss's saved softmax (and the CP mask)."""
-    mask = k.s * k.S if k.cp else 0
-    return 2 * k.Tr * m.hidden_size * FP32 + k.T * m.hidden_size * e + loss_bytes(m, k) + mask
+    """The final norm, the head's input and the loss's saved softmax."""
+    return 2 * k.Tr * m.hidden_size * FP32 + k.T * m.hidden_size * e + loss_bytes(m, k)
 
 
 def loss_bytes(m: ModelConfig, k: Tokens) -> int:
@@ -122,9 +136,10 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, blocks: 
     the largest of them; head_weights: the head's or the embedding's, the larger."""
     k, e = Tokens.of(layout), compute_bytes(options.precision)
     recomputes = [options.recomputes(i) for i in blocks]
-    kept = sum(block_activation_bytes(m, k, e, r) for r in recomputes)
+    comm = options.cp_comm_type
+    kept = sum(block_activation_bytes(m, k, e, r, comm) for r in recomputes)
     kept += head_activation_bytes(m, k, e)
-    one_block = block_activation_bytes(m, k, e, None)
+    one_block = block_activation_bytes(m, k, e, None, comm)
     full = any(r is RecomputeGranularity.full for r in recomputes)
     rebuilt = one_block if full else 0
     sharded = layout.gtp_remat_size > 1

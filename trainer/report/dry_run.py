@@ -119,10 +119,13 @@ def format_report(spec: RunSpec, memory: dict[str, Any], rows: list[dict[str, in
     recompute = t.recompute_granularity.value if t.recompute_granularity else "off"
     if t.recompute_granularity and t.recompute_num_layers is not None:
         recompute += f", first {t.recompute_num_layers} blocks"
+    context = ""
+    if layout.runtime_context_parallel_size > 1:
+        context = f"; cp_comm_type {settings.parallel.cp_comm_type.value}"
     lines += ["", f"during a step (one micro-batch of {t.micro_batch_size} x {t.seq_length} "
               f"tokens, {layout.context_local_length} of each "
               f"sequence on this rank; recompute {recompute}; overlap_param_gather "
-              f"{'on' if settings.parallel.overlap_param_gather else 'off'}):",
+              f"{'on' if settings.parallel.overlap_param_gather else 'off'}{context}):",
               f"  {'':18s} " + " ".join(f"{title:>14s}" for title in STEP_COLUMNS.values())]
     for entry in memory["per_stage"]:
         label = f"stage {entry['stage']}" if layout.pp_size > 1 else "each rank"
