@@ -3,7 +3,8 @@
 The analytic model is worked out here from the layout and the model's shapes alone: the
 collectives the algorithm needs (GTP_remat gathers each linear weight in forward and again in
 backward, the embedding once; TP+SP gathers before and reduce-scatters after each pair of
-layers, both ways; CP gathers K/V per layer; gradients are reduce-scattered), each costed like
+layers, both ways; CP (the ring, cp_comm_type=p2p) sends K/V c-1 hops per layer forward and
+again backward, and their gradients c hops; gradients are reduce-scattered), each costed like
 parallel/comm.py (ring: all-gather and reduce-scatter (n-1) x shard, all-reduce 2(n-1)/n).
 A ratio of 1.00 means no redundant traffic. Memory: parameters + gradients + AdamW state per
 rank over params/(TP x G) + the same for gradients + 2 moments/(weight replicas).
@@ -100,10 +101,10 @@ def analytic_bytes(layout: Layout) -> dict[str, int]:
     out["reduce_scatter"] += m * 2 * (2 * layers + 1) * _ring("reduce_scatter", t, act // t)
     out["all_reduce"] += m * 3 * _ring("all_reduce", t, MICRO * local_seq * F32)  # CE
     out["all_reduce"] += _ring("all_reduce", t, norms) if layout.sequence_parallel else 0
-    # CP, per micro-batch and layer: K and V gathered forward, reduce-scattered backward.
+    # CP, per micro-batch and layer, the ring: K/V c-1 hops forward and c-1 backward, their
+    # gradients c hops (the last one home).
     kv = 2 * MICRO * local_seq * (h // t) * F32
-    out["all_gather"] += m * layers * _ring("all_gather", c, kv)
-    out["reduce_scatter"] += m * layers * _ring("reduce_scatter", c, kv)
+    out["p2p"] += m * layers * (2 * (c - 1) + c) * kv if c > 1 else 0
     # The optimizer over weight replicas: both flat buffers reduce-scattered and gathered.
     sharded_numel = sum(shard.values()) // F32
     for numel in (sharded_numel, norms // F32):

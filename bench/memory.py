@@ -4,7 +4,7 @@
   model.num_layers=2, train.seq_length=8192, built alone against a simulated world (the
   measured dry run's code): its build peak over its planned state, and its build time.
 - step peak over planned peak: the measured dry run (the real CLI, dry_run_rank=0) of a
-  mid-sized model under six layouts and recompute settings.
+  mid-sized model under eight layouts, recompute settings and cp_comm_types.
 - real ranks: 4 gloo ranks train model=small with WS 4; each rank's peak resident memory above
   its memory before the build, over the planned peak.
 - bf16 gathers: the GTP_remat all-gather bytes of one step under precision=bf16 over fp32.
@@ -46,7 +46,11 @@ LAYOUTS = {  # name -> overrides on top of MID
                "parallel.sequence_parallel=true"],
     "ws4_ss4": ["cluster.procs_per_node=4", "parallel.tensor_parallel_num_weight_shards=4",
                 "parallel.tensor_parallel_num_sequence_shards=4"],
-    "cp2": ["cluster.procs_per_node=2", "parallel.context_parallel_size=2"],
+    "cp4_p2p": ["cluster.procs_per_node=4", "parallel.context_parallel_size=4"],
+    "cp4_all_gather": ["cluster.procs_per_node=4", "parallel.context_parallel_size=4",
+                       "parallel.cp_comm_type=all_gather"],
+    "cp4_a2a": ["cluster.procs_per_node=4", "parallel.context_parallel_size=4",
+                "parallel.cp_comm_type=a2a"],
     "ws2_recompute_full": ["cluster.procs_per_node=2",
                            "parallel.tensor_parallel_num_weight_shards=2",
                            "train.recompute_granularity=full"],

@@ -21,6 +21,7 @@ sys.path.insert(0, str(HERE))
 
 import comm_memory  # noqa: E402
 import compose  # noqa: E402
+import context  # noqa: E402
 import fsdp2  # noqa: E402
 import loader  # noqa: E402
 import memory  # noqa: E402
@@ -49,6 +50,7 @@ def run(quick: bool) -> dict:
     figures["loader_headroom"] = loader.measure(step_s, overhead.MICRO, overhead.SEQ, quick)
     figures["memory_follows_layout"] = memory.measure(quick)
     figures["overlap"] = overlap.measure(3 if quick else 5)
+    figures["context_parallel"] = context.measure(quick)
     gpu = HERE / "gpu_results.json"
     figures["gpu"] = json.loads(gpu.read_text()) if gpu.exists() else None
     return {
@@ -97,6 +99,21 @@ def table(result: dict) -> str:
          "0.50", mem["bf16_gathers"]["setup"]),
         ("overlap_step_time_ratio", f["overlap"]["step_time_overlap_over_sequential"], "< 1.0",
          f["overlap"]["setup"]),
+    ]
+    cp = f["context_parallel"]
+    peak, steps = cp["attention_peak"], cp["steps"]
+    rows += [
+        ("p2p_attention_peak_over_ag", peak["cp8"]["p2p_over_all_gather"], "<= 0.25",
+         f"runtime CP 8, seq {context.SEQ}, fwd+bwd of one layer, simulated rank; CP 4: "
+         f"{peak['cp4']['p2p_over_all_gather']}"),
+        ("a2a_attention_peak_over_ag", peak["cp8"]["a2a_over_all_gather"], "-",
+         f"same; CP 4: {peak['cp4']['a2a_over_all_gather']}"),
+        ("cp_step_time_over_ag", max(steps["step_time_over_all_gather"].values()), "-",
+         ", ".join(f"{k} {v}" for k, v in steps["step_time_over_all_gather"].items())
+         + f"; {steps['setup']}"),
+        ("cp_bytes_over_analytic", max(steps["bytes_over_analytic"].values(), key=lambda r:
+                                       abs(r - 1)), "1.00",
+         ", ".join(f"{k} {v}" for k, v in steps["bytes_over_analytic"].items())),
     ]
     gpu = f.get("gpu")
     if gpu:

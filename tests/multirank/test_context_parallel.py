@@ -123,3 +123,25 @@ def test_every_cp_comm_type_trains_under_bf16(comm, references):
           f"grad norm {norms}")
     assert max(losses) < 1e-2 and max(norms) < 5e-2
     assert max(norms) > 1e-4
+
+
+def twice_backward(rank: int) -> str:
+    from parallel.comm import CommStats
+    from parallel.context import context_attention
+    from parallel.groups import build_groups
+
+    layout = Layout(2, context_parallel_size=2, seq_length=16)
+    attention = context_attention("p2p", build_groups(layout, CommStats()).context, layout, rank)
+    q, k, v = (torch.randn(1, 2, 8, 4, requires_grad=True) for _ in range(3))
+    out = attention(q, k, v)
+    out.sum().backward(retain_graph=True)
+    try:
+        out.sum().backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_a_second_ring_backward_raises_instead_of_reading_reused_buffers():
+    messages = run_ranks(2, twice_backward, timeout=60)
+    assert all("backward runs once" in m for m in messages), messages
