@@ -58,3 +58,18 @@ def test_without_cuda_and_without_smoke_it_refuses(tmp_path):
     assert proc.returncode != 0
     assert "no CUDA device" in proc.stderr
     assert not out.exists()
+
+
+def test_attention_kernel_check_passes_on_the_cpu_kernel(tmp_path):
+    """bench/gpu_attention.py --cpu-smoke: the chunk-pair attention every cp_comm_type uses,
+    per rank of runtime CP 4, against torch's causal SDPA over the whole sequence."""
+    out = tmp_path / "attention.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_attention.py"),
+                           "--cpu-smoke", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    assert result["dtypes"]["float32"]["max_relative"]["dq"] < 1e-5
+    for dtype, entry in result["dtypes"].items():
+        assert entry["status"] == "ok", (dtype, entry)
+        assert max(entry["max_relative"].values()) <= entry["tolerance"], dtype
