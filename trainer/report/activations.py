@@ -47,7 +47,7 @@ class Tokens:
 
     b: int
     s: int  # this rank's tokens of one sequence
-    S: int  # the whole sequence (CP gathers K/V over it)
+    S: int  # the whole sequence (cp_comm_type=all_gather holds its K/V)
     t: int  # TP
     sp: bool
     cp: bool
