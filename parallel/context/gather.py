@@ -23,10 +23,10 @@ class _ChunkPairs(torch.autograd.Function):
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: list[Block]):
         chunk = q.shape[2] // 2
         with torch.autocast(q.device.type, enabled=False):
-            merges = [Merge(), Merge()]
-            attend_blocks(q, k, v, plan, chunk, merges)
+            merges, aux = [Merge(), Merge()], {}
+            attend_blocks(q, k, v, plan, chunk, merges, aux)
             out, lse = merged_output(merges, q)
-        ctx.plan = plan
+        ctx.plan, ctx.aux = plan, aux
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -35,7 +35,7 @@ class _ChunkPairs(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (q, k, v))
         for rows, keys, grads in block_gradients(grad_out, q, k, v, out, lse, ctx.plan,
-                                                 q.shape[2] // 2):
+                                                 q.shape[2] // 2, ctx.aux):
             for total, grad in zip((dq[:, :, rows], dk[:, :, keys], dv[:, :, keys]), grads):
                 total += grad
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

@@ -9,7 +9,9 @@ of the gradient of the whole row.
 
 Kernels by device: CPU, the flash kernel for CPU (checked here, fp32, fp64 and bf16). CUDA, the
 flash kernel for bf16/fp16 and the memory-efficient kernel for fp32 (the same entry points
-torch's own ring attention uses); this path has not been run on a GPU in this repository yet.
+torch's own ring attention uses, and, as there, each backward gets the auxiliary outputs of a
+forward call of its shape); this path has not been run on a GPU in this repository yet
+(bench/gpu_attention.py checks it where one is lent).
 """
 from __future__ import annotations
 
@@ -25,34 +27,41 @@ _HALF = (torch.float16, torch.bfloat16)
 _LSE_ALIGN = 32  # the memory-efficient kernel pads its log-sum-exp to a multiple of this
 
 
+Aux = tuple  # what a CUDA kernel's forward returns for its backward besides out and lse
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out in q's dtype, log-sum-exp). `causal` needs as many queries as keys."""
+           ) -> tuple[torch.Tensor, torch.Tensor, Aux]:
+    """(out in q's dtype, log-sum-exp, aux for attend_backward). `causal` needs as many queries
+    as keys."""
     if q.device.type == "cuda":
         if q.dtype in _HALF:
-            out, lse, *_ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
-        else:
-            out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0,
-                                                                         causal)
-        return out, lse[..., :q.shape[2]]
-    return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+            out, lse, *aux = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
+            return out, lse, tuple(aux[:6])  # cum_seq_q, cum_seq_k, max_q, max_k, rng, unused
+        out, lse, *aux = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0,
+                                                                      causal)
+        return out, lse[..., :q.shape[2]], tuple(aux)  # philox seed, offset
+    out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    return out, lse, ()
 
 
 def attend_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    out: torch.Tensor, lse: torch.Tensor, causal: bool
+                    out: torch.Tensor, lse: torch.Tensor, causal: bool, aux: Aux
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of one block, given the row's merged out (q's dtype) and log-sum-exp.
+    """(dq, dk, dv) of one block, given the row's merged out (q's dtype) and log-sum-exp, and
+    the aux of a forward call of the same shape (dropout-free dense calls: the same for all).
     The CPU kernel takes strided slices as they are; the CUDA kernels get contiguous ones."""
     if q.device.type == "cuda":
         grad_out, lse = grad_out.contiguous(), lse.contiguous()
-        empty = torch.empty(0, device=q.device, dtype=torch.int64)
         if q.dtype in _HALF:
+            cum_q, cum_k, max_q, max_k, rng, unused = aux
             return aten._scaled_dot_product_flash_attention_backward(
-                grad_out, q, k, v, out, lse, empty, empty, q.shape[2], k.shape[2],
-                0.0, causal, empty, empty)
+                grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng,
+                unused)
+        seed, offset = aux
         pad = -q.shape[2] % _LSE_ALIGN
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, k, v, None, out, F.pad(lse, (0, pad)), empty, empty, 0.0,
+            grad_out, q, k, v, None, out, F.pad(lse, (0, pad)), seed, offset, 0.0,
             [True, True, True, False], causal)
         return dq, dk, dv
     return aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -79,23 +88,25 @@ class Merge:
 
 
 def attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[Block],
-                  chunk: int, merges: list[Merge]) -> None:
+                  chunk: int, merges: list[Merge], aux: dict) -> None:
     """Every block (see chunks.blocks) of local queries q over keys k, v, merged per query
-    chunk; `chunk` tokens per chunk."""
+    chunk; `chunk` tokens per chunk. aux: filled with each block shape's kernel aux."""
     for qi, k0, k1, causal in blocks:
         rows, keys = slice(qi * chunk, (qi + 1) * chunk), slice(k0 * chunk, k1 * chunk)
-        merges[qi].add(*attend(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal))
+        out, lse, aux[k1 - k0, causal] = attend(q[:, :, rows], k[:, :, keys], v[:, :, keys],
+                                                causal)
+        merges[qi].add(out, lse)
 
 
 def block_gradients(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    out: torch.Tensor, lse: torch.Tensor, blocks: list[Block], chunk: int
-                    ) -> Iterator[tuple[slice, slice, tuple[torch.Tensor, ...]]]:
+                    out: torch.Tensor, lse: torch.Tensor, blocks: list[Block], chunk: int,
+                    aux: dict) -> Iterator[tuple[slice, slice, tuple[torch.Tensor, ...]]]:
     """The backward of attend_blocks, block by block: (query rows, key rows, (dq, dk, dv))."""
     for qi, k0, k1, causal in blocks:
         rows, keys = slice(qi * chunk, (qi + 1) * chunk), slice(k0 * chunk, k1 * chunk)
         yield rows, keys, attend_backward(grad_out[:, :, rows], q[:, :, rows], k[:, :, keys],
                                           v[:, :, keys], out[:, :, rows], lse[:, :, rows],
-                                          causal)
+                                          causal, aux[k1 - k0, causal])
 
 
 def merged_output(merges: list[Merge], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

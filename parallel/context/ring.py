@@ -43,14 +43,14 @@ class _RingAttention(torch.autograd.Function):
         chunk = q.shape[2] // 2
         with torch.autocast(q.device.type, enabled=False):
             kv = first = torch.stack((k, v))
-            merges = [Merge(), Merge()]
+            merges, aux = [Merge(), Merge()], {}
             for i, step in enumerate(ring.steps):
                 hop = ring.group.start_shift([kv]) if i + 1 < ring.size else None
-                attend_blocks(q, kv[0], kv[1], step, chunk, merges)
+                attend_blocks(q, kv[0], kv[1], step, chunk, merges, aux)
                 if hop is not None:
                     kv = hop.wait()[0]
             out, lse = merged_output(merges, q)
-        ctx.ring = ring
+        ctx.ring, ctx.aux = ring, aux
         # K and V stacked (the ring's first block) are kept instead of k and v themselves, so
         # the qkv projection's output (v is a view of it) need not outlive the forward.
         ctx.save_for_backward(q, first, out, lse)
@@ -75,9 +75,9 @@ class _RingAttention(torch.autograd.Function):
                 travelling.wait_sent()
             if travelling is None:  # our own block: its gradients start here
                 dkv = torch.zeros(kv.shape, dtype=total, device=q.device)
-                _gradients(grad_out, q, kv, out, lse, step, chunk, dq, dkv)
+                _gradients(grad_out, q, kv, out, lse, step, chunk, ctx.aux, dq, dkv)
             else:  # added into the gradients arriving for this block, once they are here
-                key_grads = _gradients(grad_out, q, kv, out, lse, step, chunk, dq)
+                key_grads = _gradients(grad_out, q, kv, out, lse, step, chunk, ctx.aux, dq)
                 dkv = _added(travelling.wait()[0], key_grads)
                 del key_grads
             travelling = ring.group.start_shift([dkv])  # after the last step: home
@@ -89,13 +89,13 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _gradients(grad_out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
-               lse: torch.Tensor, step: list[Block], chunk: int, dq: torch.Tensor,
+               lse: torch.Tensor, step: list[Block], chunk: int, aux: dict, dq: torch.Tensor,
                dkv: torch.Tensor | None = None) -> list:
     """One step's blocks: their dq added into dq; their (key rows, dk, dv) added into dkv as
     they come, or returned without dkv."""
     key_grads = []
     for rows, keys, (dq_block, dk, dv) in block_gradients(grad_out, q, kv[0], kv[1], out, lse,
-                                                          step, chunk):
+                                                          step, chunk, aux):
         dq[:, :, rows] += dq_block
         key_grads.append((keys, dk, dv))
         if dkv is not None:
