@@ -155,6 +155,7 @@ class CheckpointConfig:
     save_interval: Optional[int] = MISSING  # in steps; null = only at the end
     load: Optional[str] = MISSING  # a checkpoint folder, or a folder of them (the latest)
     resume: bool = MISSING  # load null and checkpoint.dir holds a checkpoint: continue from it
+    finetune: bool = MISSING  # load only the weights of checkpoint.load; start at step 0
 
 
 @dataclass

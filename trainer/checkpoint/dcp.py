@@ -213,6 +213,18 @@ def verify(path: Path) -> str | None:
     return None
 
 
+def load_weights(engine: Engine, path: Path) -> None:
+    """Collective. Fills this rank's parameters only (checkpoint.finetune): the optimizer's
+    moments and step, the train state and the random generators stay as built."""
+    path = resolve(path)
+    model, tensors = engine.model, {}
+    for name, param in model.module.named_parameters():
+        tensors[f"model.{name}"] = Chunked(model.global_shape(name),
+                                          model.global_chunks(name, param.data))
+    with torch.no_grad():
+        dcp.load({}, checkpoint_id=path, planner=_ChunkLoadPlanner(tensors))
+
+
 def load(engine: Engine, path: Path) -> TrainState:
     """Collective. Fills this rank's parameters and Adam moments, whatever the saving layout."""
     path = resolve(path)

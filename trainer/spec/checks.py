@@ -160,6 +160,16 @@ def check_checkpoint(checkpoint: CheckpointConfig) -> None:
     if checkpoint.load is not None and not Path(checkpoint.load).exists():
         raise ValueError(f"checkpoint.load={checkpoint.load} does not exist. Fix: point it at a "
                          f"checkpoint folder or a folder of them, or set checkpoint.load=null.")
+    if checkpoint.finetune and checkpoint.load is None:
+        raise ValueError("checkpoint.finetune=true takes its weights from checkpoint.load, which "
+                         "is null. Fix: set checkpoint.load to the checkpoint to fine-tune, or "
+                         "checkpoint.finetune=false.")
+    if (checkpoint.finetune and checkpoint.dir is not None
+            and Path(checkpoint.dir).resolve() == Path(checkpoint.load).resolve()):
+        raise ValueError(f"checkpoint.finetune=true with checkpoint.dir=checkpoint.load="
+                         f"{checkpoint.load}: a relaunch would resume the checkpoint being "
+                         f"fine-tuned as if it were this run's. Fix: save the fine-tuned run "
+                         f"elsewhere (checkpoint.dir=null saves into the run folder).")
     if checkpoint.dir is not None:
         check_writable("checkpoint.dir", checkpoint.dir, Path(checkpoint.dir),
                        "checkpoints are saved")

@@ -71,8 +71,17 @@ class Trainer:
         self.save_dir = Path(ckpt.dir) if ckpt.dir else run_dir / "checkpoints"
         warn = (lambda line: print(line, flush=True)) if self.rank == 0 else None
         load = checkpoint.resolve(Path(ckpt.load), warn) if ckpt.load is not None else None
-        if load is None and ckpt.resume:
-            load = checkpoint.latest(self.save_dir, warn)  # a relaunch continues where it stopped
+        own = None  # this run's own latest checkpoint, when a relaunch may continue from it
+        if ckpt.resume and (ckpt.finetune or load is None):
+            own = checkpoint.latest(self.save_dir, warn)
+        if ckpt.finetune and own is None:  # weights only: this run starts at step 0
+            checkpoint.load_weights(self.engine, load)
+            if self.rank == 0:
+                print(f"fine-tuning from {load}: weights loaded; optimizer, schedule and data "
+                      f"start fresh", flush=True)
+            load = None
+        elif own is not None:
+            load = own  # a relaunch (of a fine-tuning run too) continues where it stopped
         if load is not None:
             self.state = resume(self.engine, load, self.train_stream)
         self.logger = MetricsLogger(run_dir, settings.logger, self.rank == 0,
