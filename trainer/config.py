@@ -114,11 +114,11 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    path: Optional[str] = MISSING  # a prepared token dataset folder; null = the built-in corpus
+    path: Optional[str] = MISSING  # a prepared dataset folder or a Megatron prefix; null = built-in
     tokenizer: Optional[str] = MISSING  # built-in corpus only (null = byte); datasets name theirs
     cache_dir: Optional[str] = MISSING  # where the built-in corpus is prepared; null = ~/.cache
     seed: int = MISSING  # the shuffled sample order (independent of the layout)
-    valid_fraction: Optional[float] = MISSING  # built-in corpus only: held-out share (null = 0.01)
+    valid_fraction: Optional[float] = MISSING  # built-in or Megatron: held-out share (null = 0.01)
 
 
 @dataclass

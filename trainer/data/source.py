@@ -9,6 +9,7 @@ from pathlib import Path
 
 from trainer.config import DataConfig, ModelConfig, TrainConfig
 from trainer.data.dataset import TOKENIZERS, TokenDataset, builtin_corpus, builtin_location
+from trainer.data.megatron import is_indexed, largest_token, open_indexed
 from trainer.spec.checks import check_writable
 
 BUILTIN_VALID_FRACTION = 0.01  # data.valid_fraction=null with the built-in corpus
@@ -20,12 +21,16 @@ PREPARE_FIX = ("point data.path at a folder made by `python -m trainer.prepare S
 class DataSource:
     path: Path  # the prepared dataset folder (for the built-in corpus: where it is prepared)
     builtin: bool
-    valid_fraction: float  # the built-in corpus's split; a prepared dataset carries its own
+    valid_fraction: float  # the built-in corpus's or a Megatron dataset's; ours carry their own
+    megatron: bool = False  # path is a Megatron indexed dataset prefix
+    vocab_size: int = 0  # model.vocab_size, which a Megatron dataset's ids are checked against
 
     @classmethod
     def from_config(cls, data: DataConfig, model: ModelConfig, train: TrainConfig) -> DataSource:
         if data.path is None:
             return cls._builtin(data, model, train)
+        if is_indexed(data.path):
+            return cls._megatron(data, model, train)
         for key in ("tokenizer", "valid_fraction", "cache_dir"):
             value = getattr(data, key)
             if value is not None:
@@ -53,15 +58,7 @@ class DataSource:
             raise ValueError(f"data.tokenizer={tokenizer!r} selects no tokenizer for the built-in "
                              f"corpus. Fix: choose one of {', '.join(TOKENIZERS)}, or set "
                              f"data.path.")
-        fraction = BUILTIN_VALID_FRACTION if data.valid_fraction is None else data.valid_fraction
-        if not 0 <= fraction < 1:
-            raise ValueError(f"data.valid_fraction={fraction} is outside [0, 1): it is the share "
-                             f"of the corpus held out. Fix: use e.g. 0.01, or null for "
-                             f"{BUILTIN_VALID_FRACTION}.")
-        if fraction == 0 and train.eval_interval is not None:
-            raise ValueError(f"data.valid_fraction=0 holds out nothing, but train.eval_interval="
-                             f"{train.eval_interval} evaluates. Fix: use e.g. 0.01, or set "
-                             f"train.eval_interval=null.")
+        fraction = _valid_fraction(data, train)
         _check_vocab(TOKENIZERS[tokenizer].vocab_size, "the built-in corpus", model)
         path = builtin_location(Path(data.cache_dir) if data.cache_dir else None, fraction)
         if not (path / "meta.json").exists():
@@ -69,15 +66,57 @@ class DataSource:
                            path.parent, "the built-in corpus is prepared once")
         return cls(path, True, fraction)
 
+    @classmethod
+    def _megatron(cls, data: DataConfig, model: ModelConfig, train: TrainConfig) -> DataSource:
+        for key in ("tokenizer", "cache_dir"):
+            value = getattr(data, key)
+            if value is not None:
+                raise ValueError(f"data.{key}={value!r} is ignored with the Megatron dataset "
+                                 f"data.path={data.path} (it was tokenized already). Fix: set "
+                                 f"data.{key}=null.")
+        fraction = _valid_fraction(data, train)
+        try:
+            dataset = open_indexed(data.path, fraction)  # reads the index, not the tokens
+        except ValueError as error:
+            raise ValueError(f"data.path={data.path}: {error}. Fix: point data.path at a "
+                             f"complete Megatron dataset prefix (PREFIX.bin + PREFIX.idx).") \
+                from None
+        _check_splits(dataset.meta["splits"], data.path, train)
+        return cls(Path(data.path), False, fraction, megatron=True, vocab_size=model.vocab_size)
+
     def prepare(self) -> None:
         """Before any rank starts: the built-in corpus is prepared once, or checked if it is there
-        (a data.path was checked when the spec was settled)."""
+        (a data.path was checked when the spec was settled); a Megatron dataset, whose index
+        records no vocabulary, has its tokens read once for the largest id."""
         if self.builtin:
             builtin_corpus(self.path.parent, self.valid_fraction)
+        if self.megatron:
+            largest = largest_token(self.open())
+            if largest >= self.vocab_size:
+                raise ValueError(f"data.path={self.path} holds token id {largest}, but "
+                                 f"model.vocab_size={self.vocab_size}. Fix: set "
+                                 f"model.vocab_size >= {largest + 1} (the tokenizer's "
+                                 f"vocabulary).")
 
     def open(self) -> TokenDataset:
         """The dataset, prepared and checked by launch.py before any rank started."""
+        if self.megatron:
+            return open_indexed(self.path, self.valid_fraction)
         return TokenDataset.open(self.path)
+
+
+def _valid_fraction(data: DataConfig, train: TrainConfig) -> float:
+    """The held-out share of the built-in corpus or a Megatron dataset (null: 0.01)."""
+    fraction = BUILTIN_VALID_FRACTION if data.valid_fraction is None else data.valid_fraction
+    if not 0 <= fraction < 1:
+        raise ValueError(f"data.valid_fraction={fraction} is outside [0, 1): it is the share "
+                         f"of the corpus held out. Fix: use e.g. 0.01, or null for "
+                         f"{BUILTIN_VALID_FRACTION}.")
+    if fraction == 0 and train.eval_interval is not None:
+        raise ValueError(f"data.valid_fraction=0 holds out nothing, but train.eval_interval="
+                         f"{train.eval_interval} evaluates. Fix: use e.g. 0.01, or set "
+                         f"train.eval_interval=null.")
+    return fraction
 
 
 def _check_splits(splits: dict, where: str, train: TrainConfig) -> None:
@@ -96,8 +135,9 @@ def _check_splits(splits: dict, where: str, train: TrainConfig) -> None:
         raise ValueError(
             f"train.eval_samples={train.eval_samples} is more than the {samples} samples of "
             f"train.seq_length={train.seq_length} in the valid split of data.path={where}: an "
-            f"evaluation would repeat samples. Fix: lower train.eval_samples, or prepare the "
-            f"dataset with a larger valid fraction.")
+            f"evaluation would repeat samples. Fix: lower train.eval_samples, or hold out more "
+            f"(data.valid_fraction for the built-in corpus or a Megatron dataset, "
+            f"`python -m trainer.prepare --valid-fraction` for a prepared one).")
 
 
 def _check_vocab(vocab_size: int, what: str, model: ModelConfig) -> None:

@@ -1,0 +1,80 @@
+"""Megatron-LM's indexed dataset (PREFIX.bin + PREFIX.idx, version 1), read memory-mapped as it
+is, with its document boundaries, as a TokenDataset (no conversion, no copy).
+
+PREFIX.idx, little-endian: the magic b"MMIDIDX\\x00\\x00", u64 version 1, u8 dtype code, u64
+number of sequences S, u64 length of the document index D (documents + 1), then S x i32
+sequence lengths, S x i64 byte offsets of the sequences in PREFIX.bin, D x i64 document
+index (the sequence each document starts at; the last entry is S). PREFIX.bin holds the
+tokens of the sequences back to back. The valid split is the last documents, as for our own
+datasets (data.valid_fraction); the fingerprint is the .idx's digest and the .bin's size.
+"""
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from trainer.data.dataset import FORMAT_VERSION, TokenDataset, split_point
+
+MAGIC = b"MMIDIDX\x00\x00"
+HEADER = len(MAGIC) + 8 + 1 + 8 + 8
+TOKEN_DTYPES = {1: "<u1", 2: "<i1", 3: "<i2", 4: "<i4", 5: "<i8", 8: "<u2"}  # 6, 7: floats
+
+
+def is_indexed(path: Path | str) -> bool:
+    """Whether `path` names a Megatron prefix (PREFIX.idx exists)."""
+    return Path(f"{path}.idx").is_file()
+
+
+def open_indexed(prefix: Path | str, valid_fraction: float) -> TokenDataset:
+    """The dataset PREFIX.bin + PREFIX.idx; a ValueError names the file and what is wrong."""
+    idx_path, bin_path = Path(f"{prefix}.idx"), Path(f"{prefix}.bin")
+    raw = np.memmap(idx_path, dtype=np.uint8, mode="r")
+    if raw.size < HEADER or bytes(raw[:len(MAGIC)]) != MAGIC:
+        raise ValueError(f"{idx_path} is not a Megatron index (its first bytes are not "
+                         f"{MAGIC!r})")
+    version = int(np.frombuffer(raw, "<u8", 1, len(MAGIC))[0])
+    code = int(raw[len(MAGIC) + 8])
+    count, doc_count = (int(v) for v in np.frombuffer(raw, "<u8", 2, len(MAGIC) + 9))
+    if version != 1:
+        raise ValueError(f"{idx_path} is a version {version} Megatron index; this trainer reads "
+                         f"version 1")
+    if code not in TOKEN_DTYPES:
+        raise ValueError(f"{idx_path} has dtype code {code}: not an integer token type (one of "
+                         f"{sorted(TOKEN_DTYPES)})")
+    want = HEADER + 4 * count + 8 * count + 8 * doc_count
+    if raw.size < want or doc_count < 2:
+        raise ValueError(f"{idx_path} is truncated: {raw.size} bytes for {count} sequences and "
+                         f"{doc_count} document index entries ({want} bytes)")
+    lengths = np.frombuffer(raw, "<i4", count, HEADER).astype(np.int64)
+    pointers = np.frombuffer(raw, "<i8", count, HEADER + 4 * count)
+    documents = np.frombuffer(raw, "<i8", doc_count, HEADER + 12 * count)
+    dtype = np.dtype(TOKEN_DTYPES[code])
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1]))  # token offset of each sequence
+    if not np.array_equal(pointers, starts * dtype.itemsize):
+        raise ValueError(f"{idx_path}: its sequences are not back to back in {bin_path.name} "
+                         f"(byte offsets differ from the running sum of lengths)")
+    if documents[0] != 0 or documents[-1] != count or (np.diff(documents) <= 0).any():
+        raise ValueError(f"{idx_path}: its document index is not increasing from 0 to {count}")
+    num_tokens = int(lengths.sum())
+    size = bin_path.stat().st_size if bin_path.is_file() else None
+    if size is None or size < num_tokens * dtype.itemsize:
+        what = "is missing" if size is None else f"has {size} bytes"
+        raise ValueError(f"{bin_path} {what}; {idx_path.name} describes {num_tokens} tokens of "
+                         f"{dtype.name} ({num_tokens * dtype.itemsize} bytes)")
+    doc_starts = starts[documents[:-1]].tolist()
+    valid = split_point(doc_starts, num_tokens, valid_fraction)
+    digest = hashlib.sha256(raw.tobytes()).hexdigest()
+    meta = {"format_version": FORMAT_VERSION, "tokenizer": "megatron (unknown)",
+            "vocab_size": None, "dtype": dtype.name, "num_tokens": num_tokens,
+            "doc_starts": doc_starts, "splits": {"train": [0, valid], "valid": [valid, num_tokens]},
+            "fingerprint": f"megatron:sha256:{digest}:bin{size}"}
+    tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(num_tokens,))
+    return TokenDataset(Path(prefix), meta, tokens)
+
+
+def largest_token(dataset: TokenDataset, block: int = 1 << 24) -> int:
+    """The largest token id (read in blocks: a Megatron index does not record its vocabulary)."""
+    tokens = dataset.tokens
+    return max(int(tokens[i:i + block].max()) for i in range(0, tokens.size, block))
