@@ -27,6 +27,7 @@ import loader  # noqa: E402
 import memory  # noqa: E402
 import overhead  # noqa: E402
 import overlap  # noqa: E402
+import prepare_speed  # noqa: E402
 
 
 def _worst(ratios: dict[str, dict[str, float]]) -> float:
@@ -51,6 +52,7 @@ def run(quick: bool) -> dict:
     figures["memory_follows_layout"] = memory.measure(quick)
     figures["overlap"] = overlap.measure(3 if quick else 5)
     figures["context_parallel"] = context.measure(quick)
+    figures["prepare"] = prepare_speed.measure(quick)
     gpu = HERE / "gpu_results.json"
     figures["gpu"] = json.loads(gpu.read_text()) if gpu.exists() else None
     return {
@@ -115,6 +117,10 @@ def table(result: dict) -> str:
                                        abs(r - 1)), "1.00",
          ", ".join(f"{k} {v}" for k, v in steps["bytes_over_analytic"].items())),
     ]
+    prep = f["prepare"]
+    rows.append(("prepare_throughput_vs_lib", prep["prepare_throughput_vs_library"], ">= 0.8",
+                 f"{prep['ours_tokens_per_s']:,} vs {prep['library_tokens_per_s']:,} tokens/s, "
+                 f"{prep['setup']}"))
     gpu = f.get("gpu")
     if gpu:
         plain = gpu["variants"]["plain"]

@@ -1,6 +1,8 @@
 """Command line: tokenize a folder of text files into a dataset the trainer reads.
 
     python -m trainer.prepare SRC_FOLDER OUT_DIR [--valid-fraction F]
+        [--tokenizer byte | TOKENIZER_JSON | FOLDER] [--train-tokenizer VOCAB_SIZE]
+        [--eod-token TOKEN]
 """
 from __future__ import annotations
 
@@ -16,16 +18,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out_dir", type=Path, help="the dataset folder to write")
     parser.add_argument("--valid-fraction", type=float, default=0.01,
                         help="share of tokens held out as whole documents at the end (0.01)")
-    parser.add_argument("--tokenizer", default="byte", help="tokenizer name (byte)")
+    parser.add_argument("--tokenizer", default="byte",
+                        help="byte (default), or a Hugging Face tokenizer.json or a folder "
+                             "holding one (read offline)")
+    parser.add_argument("--train-tokenizer", type=int, metavar="VOCAB_SIZE",
+                        help="train a byte-level BPE of this vocabulary on SRC first; it is "
+                             "kept as OUT_DIR/tokenizer.json")
+    parser.add_argument("--eod-token", help="the end-of-document token (default: the "
+                                            "tokenizer's eos_token or a usual name)")
     args = parser.parse_args(argv)
+    if args.train_tokenizer is not None and args.tokenizer != "byte":
+        parser.exit(2, "error: pass --tokenizer or --train-tokenizer, not both\n")
     try:
-        out = prepare(args.src, args.out_dir, args.valid_fraction, args.tokenizer)
+        out = prepare(args.src, args.out_dir, args.valid_fraction, args.tokenizer,
+                      args.train_tokenizer, args.eod_token, progress=True)
     except ValueError as e:
         parser.exit(2, f"error: {e}\n")
     ds = TokenDataset.open(out)
     size = (out / "tokens.bin").stat().st_size
     print(f"wrote {out}: tokens.bin ({size:,} bytes, {ds.meta['dtype']}), meta.json")
-    print(f"  tokenizer {ds.meta['tokenizer']} (vocab {ds.vocab_size}), {ds.num_tokens:,} tokens, "
+    eod = ds.meta.get("eod_id")
+    print(f"  tokenizer {ds.meta['tokenizer']} (vocab {ds.vocab_size}"
+          f"{'' if eod is None else f', end of document {eod}'}), {ds.num_tokens:,} tokens, "
           f"{len(ds.meta['doc_starts']):,} documents, {ds.fingerprint[:19]}...")
     for name in ("train", "valid"):
         start, end = ds.split(name)

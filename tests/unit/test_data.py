@@ -82,7 +82,7 @@ def test_prepare_user_errors_name_the_path_or_value(tmp_path: Path, src: Path) -
         prepare(tmp_path / "void", tmp_path / "out", 0.1)
     with pytest.raises(ValueError, match=r"missing.* does not exist"):
         prepare(tmp_path / "missing", tmp_path / "out", 0.1)
-    with pytest.raises(ValueError, match=r"tokenizer='gpt2' is unknown.*byte"):
+    with pytest.raises(ValueError, match=r"--tokenizer gpt2: no tokenizer.json there; pass byte"):
         prepare(src, tmp_path / "out", 0.1, tokenizer="gpt2")
     with pytest.raises(ValueError, match=r"image.bin is not a text file"):
         prepare([src / "a.txt", src / "image.bin"], tmp_path / "out", 0.1)

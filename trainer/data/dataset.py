@@ -9,10 +9,13 @@ import os
 import shutil
 import sys
 import sysconfig
+import time
 import uuid
 from pathlib import Path
 
 import numpy as np
+
+from trainer.data.tokenizer import ByteTokenizer, HFTokenizer
 
 FORMAT_VERSION = 1
 DTYPES = {"uint8": np.dtype("<u1"), "uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -21,23 +24,8 @@ META_KEYS = ("format_version", "tokenizer", "vocab_size", "dtype", "num_tokens",
 BUILTIN_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idlelib"})
 
 
-class ByteTokenizer:
-    """Token = byte value: vocabulary 256, no special tokens, any file encodes losslessly."""
-
-    name, vocab_size = "byte", 256
-
-    def encode(self, data: bytes) -> np.ndarray:
-        return np.frombuffer(data, dtype=np.uint8)
-
-    def decode(self, token_ids) -> str:
-        ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
-        # An id outside a byte (a model's padded vocabulary) becomes 0xFF, which is never valid
-        # UTF-8, so it prints as U+FFFD like any other undecodable byte.
-        ids = np.where((ids >= 0) & (ids < 256), ids, 0xFF).astype(np.uint8)
-        return ids.tobytes().decode("utf-8", errors="replace")
-
-
 TOKENIZERS = {"byte": ByteTokenizer()}
+Tokenizer = ByteTokenizer | HFTokenizer
 
 
 def get_tokenizer(name: str) -> ByteTokenizer:
@@ -107,23 +95,37 @@ def split_point(doc_starts: list[int], num_tokens: int, valid_fraction: float) -
 
 
 def prepare(sources: list[Path] | Path, out_dir: Path, valid_fraction: float,
-            tokenizer: str = "byte") -> Path:
+            tokenizer: str | Path = "byte", train_vocab_size: int | None = None,
+            eod_token: str | None = None, progress: bool = False) -> Path:
     """Tokenize the sources into out_dir (tokens.bin + meta.json), atomically.
 
-    The dataset is written into a hidden sibling folder and renamed into place, so out_dir either
-    does not exist or is complete. If out_dir already holds a dataset (another process won the
-    race, or an earlier run), it is kept when it is this same dataset; a different one is an error.
+    tokenizer: "byte", or a Hugging Face tokenizer.json (or a folder holding one); with
+    train_vocab_size, a byte-level BPE of that size is trained on the sources first and kept as
+    out_dir/tokenizer.json. The dataset is written into a hidden sibling folder and renamed into
+    place, so out_dir either does not exist or is complete. If out_dir already holds a dataset
+    (another process won the race, or an earlier run), it is kept when it is this same dataset;
+    a different one is an error.
     """
-    tok, out_dir = get_tokenizer(tokenizer), Path(out_dir)
+    out_dir = Path(out_dir)
     sources = [Path(s) for s in ([sources] if isinstance(sources, (str, Path)) else sources)]
     if not 0 <= valid_fraction < 1:
         raise ValueError(f"valid_fraction={valid_fraction} must be in [0, 1)")
+    if train_vocab_size is not None and not 256 < train_vocab_size <= 2**32:
+        raise ValueError(f"--train-tokenizer {train_vocab_size}: a byte-level BPE needs a "
+                         f"vocabulary above 256 (its bytes) and at most 2**32")
     files = collect_documents(sources)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        meta = write_dataset(files, tmp, tok, valid_fraction)
+        if train_vocab_size is not None:
+            tok: Tokenizer = HFTokenizer.train(files, train_vocab_size, tmp / "tokenizer.json",
+                                               eod_token)
+        elif str(tokenizer) in TOKENIZERS:
+            tok = get_tokenizer(str(tokenizer))
+        else:
+            tok = HFTokenizer.load(Path(tokenizer), eod_token)
+        meta = write_dataset(files, tmp, tok, valid_fraction, progress)
         meta["sources"] = [str(s) for s in sources]
         write_json(tmp / "meta.json", meta)
         try:
@@ -142,29 +144,54 @@ def prepare(sources: list[Path] | Path, out_dir: Path, valid_fraction: float,
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_dataset(files: list[Path], folder: Path, tok: ByteTokenizer,
-                  valid_fraction: float) -> dict:
+BATCH_BYTES = 8 << 20  # documents tokenized together: the batch encoder spreads them on cores
+PROGRESS_BYTES = 32 << 20  # inputs at least this long show a progress line
+
+
+def write_dataset(files: list[Path], folder: Path, tok: Tokenizer, valid_fraction: float,
+                  progress: bool = False) -> dict:
     """Write tokens.bin into folder; the meta.json fields that describe it."""
     dtype_name = token_dtype(tok.vocab_size)
     sha, doc_starts, num_tokens = hashlib.sha256(), [], 0
+    total, done, started = sum(f.stat().st_size for f in files), 0, time.perf_counter()
+    progress = progress and total >= PROGRESS_BYTES
     with open(folder / "tokens.bin", "wb") as f:
-        for path in files:
-            ids = tok.encode(path.read_bytes()).astype(DTYPES[dtype_name], copy=False)
-            if ids.size == 0:
-                continue  # an empty file is no document
-            doc_starts.append(num_tokens)
-            num_tokens += ids.size
-            sha.update(ids.tobytes())
-            f.write(ids.tobytes())
+        for batch in _batches(files):
+            texts = [path.read_bytes() for path in batch]
+            for ids in tok.encode_documents([t for t in texts if t]):  # empty: no document
+                ids = ids.astype(DTYPES[dtype_name], copy=False)
+                doc_starts.append(num_tokens)
+                num_tokens += ids.size
+                sha.update(ids.tobytes())
+                f.write(ids.tobytes())
+            done += sum(len(t) for t in texts)
+            if progress:
+                rate = num_tokens / max(time.perf_counter() - started, 1e-9)
+                print(f"\rtokenized {done / total:4.0%} ({done >> 20:,} of {total >> 20:,} MiB)"
+                      f", {rate:,.0f} tokens/s", end="", file=sys.stderr, flush=True)
         f.flush()
         os.fsync(f.fileno())
+    if progress:
+        print(file=sys.stderr)
     if num_tokens == 0:
         raise ValueError(f"the sources ({len(files)} files) hold no tokens: every file is empty")
     start = split_point(doc_starts, num_tokens, valid_fraction)
     return {"format_version": FORMAT_VERSION, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
-            "dtype": dtype_name, "num_tokens": num_tokens, "doc_starts": doc_starts,
-            "splits": {"train": [0, start], "valid": [start, num_tokens]},
+            "eod_id": tok.eod_id, "dtype": dtype_name, "num_tokens": num_tokens,
+            "doc_starts": doc_starts, "splits": {"train": [0, start], "valid": [start, num_tokens]},
             "fingerprint": f"sha256:{sha.hexdigest()}"}
+
+
+def _batches(files: list[Path]):
+    batch, size = [], 0
+    for path in files:
+        batch.append(path)
+        size += path.stat().st_size
+        if size >= BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+    if batch:
+        yield batch
 
 
 def write_json(path: Path, obj: dict) -> None:
