@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 from hydra.core.config_store import ConfigStore
 from hydra.errors import CompactHydraException
@@ -119,6 +119,7 @@ class DataConfig:
     cache_dir: Optional[str] = MISSING  # where the built-in corpus is prepared; null = ~/.cache
     seed: int = MISSING  # the shuffled sample order (independent of the layout)
     valid_fraction: Optional[float] = MISSING  # built-in or Megatron: held-out share (null = 0.01)
+    blend: Optional[List[str]] = MISSING  # Megatron's --data-path: [weight, path, weight, path...]
 
 
 @dataclass

@@ -4,10 +4,12 @@ launch.py before any rank starts). No torch: the sweeper and the dry run check d
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.config import DataConfig, ModelConfig, TrainConfig
+from trainer.data.blend import parse_blend, samples_per_part
 from trainer.data.dataset import TOKENIZERS, TokenDataset, builtin_corpus, builtin_location
 from trainer.data.megatron import is_indexed, largest_token, open_indexed
 from trainer.spec.checks import check_writable
@@ -24,9 +26,12 @@ class DataSource:
     valid_fraction: float  # the built-in corpus's or a Megatron dataset's; ours carry their own
     megatron: bool = False  # path is a Megatron indexed dataset prefix
     vocab_size: int = 0  # model.vocab_size, which a Megatron dataset's ids are checked against
+    blend: tuple[tuple[float, DataSource], ...] = ()  # data.blend: (weight, part) pairs
 
     @classmethod
     def from_config(cls, data: DataConfig, model: ModelConfig, train: TrainConfig) -> DataSource:
+        if data.blend is not None:
+            return cls._blend(data, model, train)
         if data.path is None:
             return cls._builtin(data, model, train)
         if is_indexed(data.path):
@@ -84,10 +89,39 @@ class DataSource:
         _check_splits(dataset.meta["splits"], data.path, train)
         return cls(Path(data.path), False, fraction, megatron=True, vocab_size=model.vocab_size)
 
+    @classmethod
+    def _blend(cls, data: DataConfig, model: ModelConfig, train: TrainConfig) -> DataSource:
+        if data.path is not None:
+            raise ValueError(f"data.blend and data.path={data.path} are both set. Fix: set "
+                             f"data.path=null (a blend names its datasets), or data.blend=null.")
+        pairs = parse_blend(data.blend)
+        alone = dataclasses.replace(train, eval_interval=None)  # evaluation is checked mixed
+        parts = []
+        for weight, path in pairs:
+            try:
+                parts.append((weight, cls.from_config(
+                    dataclasses.replace(data, path=path, blend=None), model, alone)))
+            except ValueError as error:
+                raise ValueError(f"data.blend: {error}") from None
+        if train.eval_interval is not None:
+            need = samples_per_part([w for w, _ in parts], train.eval_samples)
+            for (weight, part), n in zip(parts, need):
+                start, end = part.open().split("valid")
+                have = (end - start - 1) // train.seq_length
+                if n > have:
+                    raise ValueError(
+                        f"data.blend: train.eval_samples={train.eval_samples} takes {n} samples "
+                        f"of {part.path} (weight {weight}), whose valid split holds {have} of "
+                        f"train.seq_length={train.seq_length}: an evaluation would repeat "
+                        f"samples. Fix: lower train.eval_samples, or hold out more of it.")
+        return cls(Path(f"blend of {len(parts)}"), False, float("nan"), blend=tuple(parts))
+
     def prepare(self) -> None:
         """Before any rank starts: the built-in corpus is prepared once, or checked if it is there
         (a data.path was checked when the spec was settled); a Megatron dataset, whose index
         records no vocabulary, has its tokens read once for the largest id."""
+        for _, part in self.blend:
+            part.prepare()
         if self.builtin:
             builtin_corpus(self.path.parent, self.valid_fraction)
         if self.megatron:

@@ -7,6 +7,7 @@ from typing import Literal, Sequence
 import numpy as np
 import torch
 
+from trainer.data.blend import PERIOD, blend_pattern
 from trainer.data.dataset import TokenDataset
 
 
@@ -71,3 +72,28 @@ class SampleStream:
         return {"fingerprint": self.dataset.fingerprint, "split": self.split,
                 "token_range": list(self.dataset.split(self.split)),
                 "seq_length": self.seq_length, "seed": self.seed, "shuffle": self.shuffle}
+
+
+class BlendedStream:
+    """SampleStream's interface over several streams mixed by weight (data.blend; the order is
+    explained in data.blend)."""
+
+    def __init__(self, streams: list[SampleStream], weights: Sequence[float]):
+        self.streams, self.weights = streams, list(weights)
+        self.part, self.rank, self.per_period = blend_pattern(self.weights)
+
+    def get(self, indices: Sequence[int]) -> torch.Tensor:
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        whole, position = np.divmod(idx, PERIOD)
+        parts = self.part[position]
+        local = whole * self.per_period[parts] + self.rank[position]
+        out = torch.empty(idx.size, self.streams[0].seq_length + 1, dtype=torch.int64)
+        for d in np.unique(parts):
+            here = np.flatnonzero(parts == d)
+            out[torch.from_numpy(here)] = self.streams[d].get(local[here].tolist())
+        return out
+
+    @property
+    def identity(self) -> dict:
+        return {"blend": [[w, s.identity] for w, s in zip(self.weights, self.streams)],
+                "period": PERIOD}

@@ -18,7 +18,7 @@ from hydra.errors import CompactHydraException
 from trainer.checkpoint import dcp as checkpoint
 from trainer.config import ConfigError
 from trainer.data.batch import rank_micro_batches
-from trainer.data.stream import SampleStream
+from trainer.data.stream import BlendedStream, SampleStream
 from trainer.launch.signals import PREEMPT, Interrupted, PreemptionWatch, code_of, signal_of
 from trainer.report.metrics import MetricsLogger
 from trainer.spec.runspec import RunSpec
@@ -26,17 +26,23 @@ from trainer.train.engine import Engine, build_engine
 from trainer.train.options import EngineOptions
 from trainer.train.step import NonFiniteStep, evaluate, train_step
 
-
-def open_streams(spec: RunSpec) -> tuple[SampleStream, SampleStream | None]:
-    dataset = spec.data.open()  # checked when the spec was settled
-    seq, seed = spec.layout.seq_length, spec.config.data.seed
-    train = SampleStream(dataset, "train", seq, seed, shuffle=True)
-    valid = (SampleStream(dataset, "valid", seq, seed, shuffle=False)
-             if spec.plan.eval_interval else None)
-    return train, valid
+Stream = SampleStream | BlendedStream
 
 
-def resume(engine: Engine, path: Path, stream: SampleStream) -> checkpoint.TrainState:
+def open_streams(spec: RunSpec) -> tuple[Stream, Stream | None]:
+    """The train and valid streams of data.path, or of each part of data.blend, mixed."""
+    seq, seed, blend = spec.layout.seq_length, spec.config.data.seed, spec.data.blend
+
+    def stream(split: str, shuffle: bool) -> Stream:
+        if not blend:  # checked when the spec was settled
+            return SampleStream(spec.data.open(), split, seq, seed, shuffle)
+        return BlendedStream([SampleStream(part.open(), split, seq, seed, shuffle)
+                              for _, part in blend], [weight for weight, _ in blend])
+
+    return stream("train", True), stream("valid", False) if spec.plan.eval_interval else None
+
+
+def resume(engine: Engine, path: Path, stream: Stream) -> checkpoint.TrainState:
     state = checkpoint.load(engine, path)
     if state.data != stream.identity:
         raise ConfigError(
