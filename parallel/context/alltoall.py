@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from parallel.comm import Group
+from parallel.context.chunks import sequence_order
 from parallel.layout import Layout
 from parallel.regions import all_to_all
 
@@ -23,8 +24,7 @@ class AllToAllAttention:
 
     def __init__(self, context: Group, layout: Layout, rank: int):
         self.context = context
-        gathered = [c for member in context.ranks for c in layout.context_chunk_ids(member)]
-        self.order = torch.tensor(sorted(range(len(gathered)), key=gathered.__getitem__))
+        self.order = sequence_order(layout, context.ranks)
         self.inverse = torch.argsort(self.order)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

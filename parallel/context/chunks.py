@@ -28,6 +28,13 @@ def pair(query_chunk: int, key_chunk: int) -> Pair | None:
     return Pair.CAUSAL if key_chunk == query_chunk else None
 
 
+def sequence_order(layout: Layout, members: list[int]) -> torch.Tensor:
+    """Chunks gathered from `members` arrive in group order (member i's two chunks, then
+    member i+1's); entry c of the result is where chunk c of the sequence is among them."""
+    gathered = [c for member in members for c in layout.context_chunk_ids(member)]
+    return torch.tensor(sorted(range(len(gathered)), key=gathered.__getitem__))
+
+
 def local_positions(layout: Layout, rank: int) -> torch.Tensor:
     """Global positions, within a sequence, of the tokens `rank` keeps (in local order)."""
     return torch.tensor([p for chunk in layout.context_chunks(rank) for p in chunk])

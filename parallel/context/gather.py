@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from parallel.comm import Group
-from parallel.context.chunks import Block, blocks
+from parallel.context.chunks import Block, blocks, sequence_order
 from parallel.context.kernels import Merge, attend_blocks, block_gradients, merged_output
 from parallel.layout import Layout
 from parallel.regions import gather_along
@@ -46,10 +46,8 @@ class AllGatherAttention:
 
     def __init__(self, context: Group, layout: Layout, rank: int):
         self.context = context
-        # Gathered K/V arrive in group order: member i's two chunks, then member i+1's.
-        gathered = [c for member in context.ranks for c in layout.context_chunk_ids(member)]
-        self.order = torch.tensor(sorted(range(len(gathered)), key=gathered.__getitem__))
-        self.plan = blocks(layout.context_chunk_ids(rank), tuple(range(len(gathered))))
+        self.order = sequence_order(layout, context.ranks)  # gathered K/V in sequence order
+        self.plan = blocks(layout.context_chunk_ids(rank), tuple(range(len(self.order))))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         kv = gather_along(torch.stack((k, v)), self.context, HEAD_SEQ_DIM + 1)

@@ -28,12 +28,6 @@ TOKENIZERS = {"byte": ByteTokenizer()}
 Tokenizer = ByteTokenizer | HFTokenizer
 
 
-def get_tokenizer(name: str) -> ByteTokenizer:
-    if name not in TOKENIZERS:
-        raise ValueError(f"tokenizer={name!r} is unknown; choose one of {sorted(TOKENIZERS)}")
-    return TOKENIZERS[name]
-
-
 def decode(token_ids) -> str:
     """Text of byte-tokenizer ids (a list, array or tensor); undecodable bytes print as U+FFFD."""
     return TOKENIZERS["byte"].decode(token_ids)
@@ -122,7 +116,7 @@ def prepare(sources: list[Path] | Path, out_dir: Path, valid_fraction: float,
             tok: Tokenizer = HFTokenizer.train(files, train_vocab_size, tmp / "tokenizer.json",
                                                eod_token)
         elif str(tokenizer) in TOKENIZERS:
-            tok = get_tokenizer(str(tokenizer))
+            tok = TOKENIZERS[str(tokenizer)]
         else:
             tok = HFTokenizer.load(Path(tokenizer), eod_token)
         meta = write_dataset(files, tmp, tok, valid_fraction, progress)
