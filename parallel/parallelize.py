@@ -56,7 +56,7 @@ class ParallelModel(nn.Module):
     def __init__(self, module: nn.Module, groups: Groups, sequence_parallel: bool, head: str,
                  compute_dtype: torch.dtype = torch.float32,
                  bundles: list[ShardBundle] | None = None,
-                 reduce_queue: GradReduceQueue | None = None):
+                 reduce_queue: GradReduceQueue | None = None, vocab_size: int | None = None):
         super().__init__()
         self.module, self.groups, self.sequence_parallel = module, groups, sequence_parallel
         self.bundles, self.reduce_queue = bundles or [], reduce_queue
@@ -69,6 +69,7 @@ class ParallelModel(nn.Module):
         # over TP too with SP (each TP rank saw different tokens).
         self.replicated = [(n, p) for n, p in module.named_parameters() if n not in sharded]
         self.vocab_start = self.layers[head].tp.rank * self.layers[head].rows
+        self.vocab_size = vocab_size  # logits of ids at or past it are padding
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         autocast = self.compute_dtype != torch.float32
@@ -76,7 +77,8 @@ class ParallelModel(nn.Module):
             return self.module(tokens, positions)
 
     def token_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return vocab_parallel_cross_entropy(logits, labels, self.groups.tp, self.vocab_start)
+        return vocab_parallel_cross_entropy(logits, labels, self.groups.tp, self.vocab_start,
+                                            self.vocab_size)
 
     def is_sharded(self, name: str) -> bool:
         return name.removesuffix(".weight") in self.layers
@@ -137,13 +139,18 @@ class ParallelModel(nn.Module):
 
 def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Groups, rank: int,
                 device: torch.device, compute_dtype: torch.dtype = torch.float32,
-                options: CommOptions = CommOptions()) -> ParallelModel:
+                options: CommOptions = CommOptions(), vocab_size: int | None = None
+                ) -> ParallelModel:
     """A model on the meta device comes back with this rank's parameters allocated on
-    `device` but not initialised (ParallelModel.initialize); a real one keeps its values."""
+    `device` but not initialised (ParallelModel.initialize); a real one keeps its values.
+    vocab_size: the head's logits from this id on are padding (excluded from the loss).
+    A weight the model shares between layers (tied embeddings) stays one parameter: both
+    replacements store the same shard, and autograd sums the two uses' gradients into it."""
     if layout.pp_size > 1:
         raise NotImplementedError("pipeline stages are not supported in training yet")
     tp, gtp, sp = groups.tp, groups.gtp_remat, layout.sequence_parallel and layout.tp_size > 1
     dtypes = options.dtypes(compute_dtype)
+    ties = _shared_weights(model)
     for name, child in list(model.named_modules()):
         replacement = _parallel_layer(name, child, plan, tp, gtp, sp, dtypes)
         if replacement is not None:
@@ -154,6 +161,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Gr
         model.to_empty(device=device)
     else:
         model.to(device)
+    for name, owner in ties.items():  # after to_empty, which makes a new parameter per module
+        _tie(model.get_submodule(name), model.get_submodule(owner), name, owner)
     queue = GradReduceQueue() if options.overlap_grad_reduce and gtp.size > 1 else None
     bundles: dict[str, ShardBundle] = {}
     if gtp.size > 1:  # one collective per transformer block, not one per weight
@@ -174,7 +183,28 @@ def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Gr
             if hasattr(module, "attention_fn"):
                 module.attention_fn = attention
     return ParallelModel(model, groups, sp, plan.head, compute_dtype, list(bundles.values()),
-                         queue)
+                         queue, vocab_size)
+
+
+def _shared_weights(model: nn.Module) -> dict[str, str]:
+    """Module name -> the earlier module whose weight parameter it shares."""
+    owners: dict[int, str] = {}
+    ties = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, nn.Parameter):
+            if id(weight) in owners:
+                ties[name] = owners[id(weight)]
+            else:
+                owners[id(weight)] = name
+    return ties
+
+
+def _tie(module: nn.Module, owner: nn.Module, name: str, owner_name: str) -> None:
+    if module.weight.shape != owner.weight.shape or module.weight.dtype != owner.weight.dtype:
+        raise ValueError(f"{name} shares {owner_name}'s weight, but their parallel shards differ "
+                         f"({tuple(module.weight.shape)} vs {tuple(owner.weight.shape)})")
+    module.weight = owner.weight
 
 
 def _parallel_layer(name: str, module: nn.Module, plan: ParallelPlan, tp: Group, gtp: Group,

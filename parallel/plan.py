@@ -4,13 +4,15 @@ dry run's memory plan reads the same plan the engine applies; each model's room 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
 class ParallelPlan:
     """What to do to a model, by module name; the model's own room holds its plan."""
 
-    linears: dict[str, tuple[str, int]]  # module-name suffix -> ("column"|"row", fused parts)
+    # module-name suffix -> ("column"|"row", fused parts' relative sizes, (1,) if not fused)
+    linears: dict[str, tuple[str, tuple[int, ...]]]
     embedding: str  # the token embedding (vocab-parallel)
     head: str  # the output projection whose logits feed the vocab-parallel loss
     blocks: str  # the ModuleList of blocks; each block's sharded linears share one bundle
@@ -18,10 +20,15 @@ class ParallelPlan:
     # selective: the attention core and the MLP activation), by attribute name.
     recompute_hooks: tuple[str, ...] = ()
 
-    def linear_style(self, name: str) -> tuple[str, int]:
-        style = next((p for suffix, p in self.linears.items()
-                      if name == suffix or name.endswith("." + suffix)), None)
-        if style is None:
-            raise ValueError(f"{name}: a linear layer the parallelize plan does not cover; add "
-                             f"it to the model's plan (linears)")
-        return style
+    def linear_style(self, name: str) -> tuple[str, tuple[int, ...]]:
+        return by_suffix(self.linears, name)
+
+
+def by_suffix(table: dict[str, Any], name: str) -> Any:
+    """The entry of `table` whose key is module `name` or a dotted suffix of it."""
+    found = next((v for suffix, v in table.items()
+                  if name == suffix or name.endswith("." + suffix)), None)
+    if found is None:
+        raise ValueError(f"{name}: a linear layer the parallelize plan does not cover; add "
+                         f"it to the model's plan (linears)")
+    return found

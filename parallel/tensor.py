@@ -35,11 +35,13 @@ SEQ_DIM = 1  # activations are [batch, seq, features]
 
 class ParallelLinear(nn.Module):
     """column: output features split over TP; row: input features split over TP. A fused
-    column layer (`parts` > 1, e.g. q|k|v) splits each part over TP, so a rank's output is
-    its slice of every part, in order, and the model's chunk() still finds q, k and v."""
+    column layer (several `parts`, e.g. q|k|v, given as relative sizes: (heads, groups,
+    groups) under grouped-query attention) splits each part over TP, so a rank's output is its
+    slice of every part, in order and in the same proportions: the model still finds q, k and
+    v by their shares."""
 
     def __init__(self, full: nn.Linear, style: str, tp: Group, gtp: Group,
-                 sequence_parallel: bool, name: str, parts: int = 1,
+                 sequence_parallel: bool, name: str, parts: tuple[int, ...] = (1,),
                  dtypes: CommDtypes = IN_MASTER_DTYPE):
         super().__init__()
         if style not in ("column", "row"):
@@ -54,10 +56,12 @@ class ParallelLinear(nn.Module):
                 f"{name}: {self.full_shape[self.tp_dim]} "
                 f"{'output' if style == 'column' else 'input'}"
                 f" features do not split over tensor_model_parallel_size={tp.size}")
-        if self.full_shape[self.tp_dim] % (tp.size * parts) or (parts > 1 and style == "row"):
-            raise ValueError(f"{name}: {parts} fused parts of {self.full_shape} do not split "
+        self.part_rows = _part_rows(self.full_shape[0], parts)
+        if (self.part_rows is None or any(r % tp.size for r in self.part_rows)
+                or (len(parts) > 1 and style == "row")):
+            raise ValueError(f"{name}: fused parts {parts} of {self.full_shape} do not split "
                              f"over tensor_model_parallel_size={tp.size}")
-        self.parts, self.dtypes = parts, dtypes  # dtypes: of its gathers when not bundled
+        self.dtypes = dtypes  # of its gathers when not bundled
         rows, cols = self.full_shape
         # self.rows: TP-local rows before GTP padding
         self.rows, local_cols = (rows // tp.size, cols) if style == "column" else (
@@ -74,10 +78,12 @@ class ParallelLinear(nn.Module):
         """The single-device weight (collective over gtp_remat and tp)."""
         local = gather_rows(self.weight.detach(), self.gtp, self.rows)
         gathered = all_gather_dim(local, self.tp, self.tp_dim)  # [tp0 parts..., tp1 parts...]
-        if self.parts == 1:
+        if len(self.part_rows) == 1:
             return gathered
-        per_rank = gathered.view(self.tp.size, self.parts, -1, gathered.shape[-1])
-        return per_rank.transpose(0, 1).reshape(self.full_shape)
+        per_rank = gathered.view(self.tp.size, self.rows, -1)
+        local_rows = [r // self.tp.size for r in self.part_rows]
+        pieces = per_rank.split(local_rows, dim=1)  # each [tp, local rows of the part, cols]
+        return torch.cat([p.reshape(-1, p.shape[-1]) for p in pieces]).reshape(self.full_shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.style == "column":
@@ -105,16 +111,21 @@ def global_chunks(layer: ParallelLinear | VocabParallelEmbedding, shard: torch.T
     if layer.tp_dim == 1:  # row-parallel: all rows, this rank's block of columns
         return [((start, layer.tp.rank * shard.shape[1]), shard[:end - start])]
     # Column-parallel (and the vocabulary): TP-local rows are each part's TP slice, in order.
-    part_rows = layer.full_shape[0] // layer.parts
-    local_part_rows = part_rows // layer.tp.size
-    chunks, row = [], start
-    while row < end:
-        part, within = divmod(row, local_part_rows)
-        count = min(end, (part + 1) * local_part_rows) - row
-        offset = part * part_rows + layer.tp.rank * local_part_rows + within
-        chunks.append(((offset, 0), shard[row - start:row - start + count]))
-        row += count
+    chunks, local_start, global_start = [], 0, 0
+    for rows in layer.part_rows:
+        local = rows // layer.tp.size
+        first, last = max(start, local_start), min(end, local_start + local)
+        if first < last:  # this rank's stored rows that fall in this part
+            offset = global_start + layer.tp.rank * local + first - local_start
+            chunks.append(((offset, 0), shard[first - start:last - start]))
+        local_start, global_start = local_start + local, global_start + rows
     return chunks
+
+
+def _part_rows(rows: int, parts: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The rows of each fused part, `parts` being their relative sizes; None if uneven."""
+    unit, rest = divmod(rows, sum(parts))
+    return None if rest else tuple(unit * p for p in parts)
 
 
 def _shard_of(full: torch.Tensor, layer: ParallelLinear | VocabParallelEmbedding,
@@ -140,7 +151,8 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"{name}: vocabulary {vocab} does not split over "
                              f"tensor_model_parallel_size={tp.size}")
         self.tp, self.gtp, self.sequence_parallel = tp, gtp, sequence_parallel
-        self.tp_dim, self.parts, self.full_shape = 0, 1, tuple(full.weight.shape)
+        self.tp_dim, self.full_shape = 0, tuple(full.weight.shape)
+        self.part_rows = (self.full_shape[0],)
         self.dtypes = dtypes
         self.rows = vocab // tp.size
         self.vocab_start = tp.rank * self.rows
@@ -196,8 +208,13 @@ def _at_least_fp32(dtype: torch.dtype) -> torch.dtype:
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp: Group,
-                                 vocab_start: int) -> torch.Tensor:
-    """logits [..., vocab / TP] -> per-token loss [...] (the same on every TP rank)."""
+                                 vocab_start: int, vocab_size: int | None = None) -> torch.Tensor:
+    """logits [..., vocab / TP] -> per-token loss [...] (the same on every TP rank). Logits of
+    ids >= vocab_size (a padded vocabulary's padding) are set to -inf in place: they take no
+    probability and get no gradient, so the padded model computes what the unpadded one does."""
+    valid = logits.shape[-1] if vocab_size is None else vocab_size - vocab_start
+    if valid < logits.shape[-1]:
+        logits[..., max(valid, 0):] = float("-inf")
     if tp.size == 1:
         logits = logits.to(_at_least_fp32(logits.dtype))
         return nn.functional.cross_entropy(logits.flatten(0, -2), labels.flatten(),

@@ -67,6 +67,33 @@ class ModelConfig:
     rope_theta: float = MISSING
     norm_eps: float = MISSING
     init_std: float = MISSING
+    # Megatron's names. Grouped-query attention: K/V heads shared by num_heads/num_query_groups
+    # query heads each (null: one group per head, multi-head attention).
+    num_query_groups: Optional[int] = None
+    tie_word_embeddings: bool = False  # the output head uses the embedding's weight
+    # The embedding and head have vocab_size rounded up to a multiple of this (padding rows are
+    # never looked up, and their logits are excluded from the loss), so any tokenizer's
+    # vocabulary splits over TP. Unlike Megatron, TP does not enter the rounding: the padded
+    # shape, and so a checkpoint, is the same under every layout.
+    make_vocab_size_divisible_by: int = 128
+
+    @property
+    def query_groups(self) -> int:
+        return self.num_query_groups or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def kv_size(self) -> int:
+        """Width of k (and of v): query_groups heads of head_dim."""
+        return self.query_groups * self.head_dim
+
+    @property
+    def padded_vocab_size(self) -> int:
+        multiple = self.make_vocab_size_divisible_by
+        return -(-self.vocab_size // multiple) * multiple
 
 
 @dataclass

@@ -29,14 +29,19 @@ class AllToAllAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         b, heads, s, d = q.shape
+        groups = k.shape[1]  # K/V heads (fewer than heads under grouped-query attention)
         c, chunks = self.context.size, len(self.order)
         order, inverse = self.order.to(q.device), self.inverse.to(q.device)
-        # [3, b, heads, s, d] -> part i: heads i*heads/c.. of every local token, to member i
-        parts = torch.stack((q, k, v)).unflatten(2, (c, heads // c)).movedim(2, 0)
+        # [b, heads + 2 groups, s, d] -> part i: heads i*heads/c.. and groups i*groups/c.. of
+        # every local token, to member i (so each member keeps its query heads' K/V groups)
+        split = [t.unflatten(1, (c, t.shape[1] // c)) for t in (q, k, v)]
+        parts = torch.cat(split, dim=2).movedim(1, 0)
         whole = all_to_all(parts, self.context)  # part j: member j's tokens of our heads
-        whole = whole.movedim(0, 3).flatten(3, 4)  # [3, b, heads/c, c * s, d], group order
-        whole = whole.unflatten(3, (chunks, -1)).index_select(3, order).flatten(3, 4)
-        out = F.scaled_dot_product_attention(whole[0], whole[1], whole[2], is_causal=True)
+        whole = whole.movedim(0, 2).flatten(2, 3)  # [b, (heads + 2 groups)/c, c * s, d]
+        whole = whole.unflatten(2, (chunks, -1)).index_select(2, order).flatten(2, 3)
+        q, k, v = whole.split([heads // c, groups // c, groups // c], dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=groups != heads)
         out = out.unflatten(2, (chunks, -1)).index_select(2, inverse)  # back to group order
         out = out.unflatten(2, (c, -1)).flatten(3, 4).movedim(2, 0)  # part j: member j's tokens
         back = all_to_all(out, self.context)  # part i: our tokens of heads i*heads/c..

@@ -77,7 +77,17 @@ TABLE = [
     R("train.seq_length=0", ("train.seq_length=0",)),
     # the model against the layout, and the model's own shape
     R(f"model.num_heads=2 {TP4}", ("model.num_heads=2", "tensor_model_parallel_size=4")),
-    R(f"model.vocab_size=257 {TP2}", ("model.vocab_size=257", "tensor_model_parallel_size=2")),
+    R(f"model.vocab_size=257 model.make_vocab_size_divisible_by=1 {TP2}",
+      ("model.vocab_size=257", "make_vocab_size_divisible_by=1", "tensor_model_parallel_size=2")),
+    R(f"model.make_vocab_size_divisible_by=6 {TP4}",
+      ("make_vocab_size_divisible_by=6", "is 258", "a multiple of 4")),
+    R("model.make_vocab_size_divisible_by=0", ("model.make_vocab_size_divisible_by=0",)),
+    R("model.num_query_groups=3", ("model.num_query_groups=3", "model.num_heads=4")),
+    R(f"model.num_heads=8 model.num_query_groups=2 {TP4}",
+      ("model.num_query_groups=2", "tensor_model_parallel_size=4")),
+    R("model.num_heads=8 model.num_query_groups=2 cluster.procs_per_node=4 "
+      "parallel.context_parallel_size=4 parallel.cp_comm_type=a2a",
+      ("parallel.cp_comm_type=a2a", "model.num_query_groups=2", "runtime CP = 4")),
     R(f"model.ffn_hidden_size=177 {TP2}", ("model.ffn_hidden_size=177",)),
     R("parallel.pipeline_model_parallel_size=2 cluster.procs_per_node=2",
       ("parallel.pipeline_model_parallel_size=2",)),

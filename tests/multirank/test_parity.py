@@ -119,7 +119,8 @@ def reference(rank: int, batches: list[torch.Tensor], dtype: torch.dtype,
             group["lr"] = lr
         opt.step()
         losses.append(total)
-    return {"losses": losses, "norms": norms, "params": model.state_dict(), "initial_q": initial_q}
+    params = {name: p.detach() for name, p in model.named_parameters()}  # a tied weight once
+    return {"losses": losses, "norms": norms, "params": params, "initial_q": initial_q}
 
 
 def train_rank(rank: int, layout: Layout, batches: list[torch.Tensor], dtype: torch.dtype,

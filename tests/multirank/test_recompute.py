@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from parallel.layout import Layout
 from trainer.config import Precision, RecomputeGranularity
-from trainer.model.plan import PLAN
+from trainer.model.plan import parallel_plan
 from trainer.model.transformer import Transformer
 from trainer.train.engine import build_engine
 from trainer.train.options import EngineOptions
@@ -195,10 +195,10 @@ def test_recompute_is_applied_once_and_needs_the_plans_hooks():
     names no hooks fails in one line with the fix instead of silently keeping everything."""
     with torch.device("meta"):
         model = Transformer(TINY)
-    apply_recompute(model, PLAN, VARIANTS["selective"])
+    apply_recompute(model, parallel_plan(TINY), VARIANTS["selective"])
     with pytest.raises(RuntimeError, match="already applied"):
-        apply_recompute(model, PLAN, VARIANTS["full"])
+        apply_recompute(model, parallel_plan(TINY), VARIANTS["full"])
     with torch.device("meta"):
         model = Transformer(TINY)
     with pytest.raises(ValueError, match="recompute_granularity=full"):
-        apply_recompute(model, replace(PLAN, recompute_hooks=()), VARIANTS["selective"])
+        apply_recompute(model, replace(parallel_plan(TINY), recompute_hooks=()), VARIANTS["selective"])

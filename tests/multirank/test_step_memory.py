@@ -48,13 +48,14 @@ def _in_fake_world(world: int, rank: int, fn, *args):
         dist.destroy_process_group()
 
 
-def saved_activation_bytes(rank: int, layout: Layout, options: EngineOptions) -> int:
+def saved_activation_bytes(rank: int, layout: Layout, options: EngineOptions,
+                           model: ModelConfig = MODEL) -> int:
     """Bytes of every storage autograd keeps from one micro-batch's forward, weights excluded."""
     from trainer.data.batch import rank_micro_batches
     from trainer.train.engine import build_engine
 
-    engine = build_engine(MODEL, OPTIM, 0, layout, torch.device("cpu"), options)
-    fetch = lambda idx: torch.randint(0, MODEL.vocab_size, (len(idx), layout.seq_length + 1))  # noqa: E731
+    engine = build_engine(model, OPTIM, 0, layout, torch.device("cpu"), options)
+    fetch = lambda idx: torch.randint(0, model.vocab_size, (len(idx), layout.seq_length + 1))  # noqa: E731
     mb = rank_micro_batches(fetch, layout, rank)[0]
     weights = {p.untyped_storage().data_ptr() for p in engine.model.parameters()}
     kept: dict[int, int] = {}
@@ -70,10 +71,11 @@ def saved_activation_bytes(rank: int, layout: Layout, options: EngineOptions) ->
     return sum(kept.values())
 
 
-def planned(layout: Layout, options: EngineOptions) -> dict[str, int]:
-    shapes = parameter_shapes(MODEL)
-    state = memory_per_stage(shapes, MODEL.num_layers, layout)
-    return step_per_stage(shapes, MODEL, layout, options, state)[0]
+def planned(layout: Layout, options: EngineOptions, model: ModelConfig = MODEL
+            ) -> dict[str, int]:
+    shapes = parameter_shapes(model)
+    state = memory_per_stage(shapes, model.num_layers, layout)
+    return step_per_stage(shapes, model, layout, options, state)[0]
 
 
 FULL, SELECTIVE = RecomputeGranularity.full, RecomputeGranularity.selective
@@ -95,15 +97,31 @@ CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs)
     "bf16": (1, {}, dict(precision=Precision.bf16)),
     "bf16_ws2": (2, dict(tensor_parallel_num_weight_shards=2), dict(precision=Precision.bf16)),
 }
+# Grouped-query attention (8 heads, 2 K/V groups: k and v a quarter of q), with tied embeddings
+# and a vocabulary of 1000 padded to 1024.
+GQA = ModelConfig(name="llama", vocab_size=1000, hidden_size=256, num_layers=2, num_heads=8,
+                  ffn_hidden_size=688, rope_theta=1e4, norm_eps=1e-5, init_std=0.02,
+                  num_query_groups=2, tie_word_embeddings=True)
+GQA_CASES = {
+    "gqa": (1, {}, {}),
+    "gqa_tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), {}),
+    "gqa_cp4_p2p": (4, dict(context_parallel_size=4), {}),
+    "gqa_cp4_all_gather": (4, dict(context_parallel_size=4),
+                           dict(cp_comm_type=CPCommType.all_gather)),
+    "gqa_cp2_a2a": (2, dict(context_parallel_size=2), dict(cp_comm_type=CPCommType.a2a)),
+    "gqa_selective_cp2": (2, dict(context_parallel_size=2), dict(recompute_granularity=SELECTIVE)),
+    "gqa_bf16_ws2": (2, dict(tensor_parallel_num_weight_shards=2), dict(precision=Precision.bf16)),
+}
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(CASES) + list(GQA_CASES))
 def test_planned_activations_are_what_autograd_keeps(name):
-    world, layout_kwargs, option_kwargs = CASES[name]
+    world, layout_kwargs, option_kwargs = CASES.get(name) or GQA_CASES[name]
+    model = GQA if name in GQA_CASES else MODEL
     layout = Layout(world, micro_batch_size=2, seq_length=512, **layout_kwargs)
     options = EngineOptions(**option_kwargs)
-    measured = simulated(world, 0, saved_activation_bytes, layout, options)
-    plan = planned(layout, options)
+    measured = simulated(world, 0, saved_activation_bytes, layout, options, model)
+    plan = planned(layout, options, model)
     # autocast's bf16 copies of unsharded weights are kept for backward like activations
     expected = plan["activation_bytes"] + plan["autocast_weight_bytes"]
     print(f"\n{name}: saved {measured:,} B, planned {expected:,} B "

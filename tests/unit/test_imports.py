@@ -104,9 +104,10 @@ def test_compose_time_modules_import_no_torch(name):
 
 
 def test_the_model_does_not_know_it_is_parallel():
-    """Only the plan (pure data) is shared with parallel/; the model's code imports none of it."""
+    """Only the plan (pure data, sized from the model's config) is shared with parallel/; the
+    model's code imports none of it."""
     assert not {m for m in project_imports("trainer.model.transformer") if m.startswith("parallel")}
-    assert {m for m in project_imports("trainer.model.plan")} == {"parallel.plan"}
+    assert {m for m in project_imports("trainer.model.plan")} == {"parallel.plan", "trainer.config"}
 
 
 def test_launching_sits_on_top():

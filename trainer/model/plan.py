@@ -4,28 +4,41 @@ parallel/ applies the plan without knowing the model, and the memory plan reads 
 """
 from __future__ import annotations
 
-from parallel.plan import ParallelPlan
+from parallel.plan import ParallelPlan, by_suffix
+from trainer.config import ModelConfig
 
-PLAN = ParallelPlan(
-    # Module-name suffix -> (TP style, fused parts). Column then row keeps one collective per
-    # pair; q|k|v and gate|up are fused, so their TP split keeps each part's rows together.
-    linears={
-        "attn.qkv": ("column", 3), "attn.o": ("row", 1),
-        "mlp.gate_up": ("column", 2), "mlp.down": ("row", 1),
-        "head": ("column", 1),  # vocab-parallel logits, consumed by the vocab-parallel loss
-    },
-    embedding="embed",  # vocab-parallel: rows split over TP like the head
-    head="head",
-    blocks="layers",  # the ModuleList of transformer blocks: one weight-gather bundle each
-    # Cheap to recompute, costly to keep: the softmax(QK^T)V core and silu(gate) * up.
-    recompute_hooks=("attention_fn", "activation_fn"),
-)
+EMBEDDING, HEAD, BLOCKS = "embed", "head", "layers"
+# Module-name suffix -> TP style. Column then row keeps one collective per pair; the head's
+# vocab-parallel logits feed the vocab-parallel loss.
+TP_STYLES = {"attn.qkv": "column", "attn.o": "row", "mlp.gate_up": "column", "mlp.down": "row",
+             HEAD: "column"}
+
+
+def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
+    """The plan of the Transformer built from `cfg` (its fused parts depend on the shape)."""
+    # Fused parts by relative size: q|k|v (heads, groups, groups) and gate|up, so their TP
+    # split keeps each part's rows together.
+    groups = cfg.query_groups
+    fused = {"attn.qkv": (cfg.num_heads, groups, groups), "mlp.gate_up": (1, 1)}
+    return ParallelPlan(
+        linears={name: (style, fused.get(name, (1,))) for name, style in TP_STYLES.items()},
+        embedding=EMBEDDING,  # vocab-parallel: rows split over TP like the head
+        head=HEAD,
+        blocks=BLOCKS,  # the ModuleList of transformer blocks: one weight-gather bundle each
+        # Cheap to recompute, costly to keep: the softmax(QK^T)V core and silu(gate) * up.
+        recompute_hooks=("attention_fn", "activation_fn"),
+    )
+
+
+def tp_style(name: str) -> str:
+    """The TP style of linear module `name` (the same for every model shape)."""
+    return by_suffix(TP_STYLES, name)
 
 
 def stage_of(name: str, num_layers: int, num_stages: int) -> int:
     """The pipeline stage of parameter `name`: a contiguous, balanced split of the blocks;
     embedding first, final norm and head last."""
-    prefix = f"{PLAN.blocks}."
+    prefix = f"{BLOCKS}."
     if name.startswith(prefix):
         return int(name[len(prefix):].split(".")[0]) * num_stages // num_layers
-    return 0 if name.startswith(f"{PLAN.embedding}.") else num_stages - 1
+    return 0 if name.startswith(f"{EMBEDDING}.") else num_stages - 1

@@ -18,14 +18,17 @@ from trainer.config import ModelConfig
 from trainer.model.init import normal_rectangle
 from trainer.spec.checks import check_model
 
-# (q, k, v) each [batch, heads, seq, head_dim] -> [batch, heads, seq, head_dim]
+# q [batch, heads, seq, head_dim], k and v [batch, groups, seq, head_dim] (grouped-query
+# attention: groups divides heads) -> [batch, heads, seq, head_dim]
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 # (gate, up) each [batch, seq, ffn] -> [batch, seq, ffn]
 ActivationFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    # The fused kernels read each K/V group for its query heads; nothing is repeated.
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -57,17 +60,20 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h = cfg.hidden_size
-        self.head_dim = h // cfg.num_heads
-        self.rope_theta = cfg.rope_theta
+        self.head_dim, self.rope_theta = cfg.head_dim, cfg.rope_theta
+        self.parts = (cfg.num_heads, cfg.query_groups, cfg.query_groups)  # q | k | v, in heads
         # q, k and v in one projection: one GEMM, and under TP one collective for all three.
-        self.qkv = nn.Linear(h, 3 * h, bias=False)
+        self.qkv = nn.Linear(h, h + 2 * cfg.kv_size, bias=False)
         self.o = nn.Linear(h, h, bias=False)
         self.attention_fn: AttentionFn = causal_attention
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        qkv = self.qkv(x)
         # Shapes come from the projections, not from x: a tensor-parallel projection has fewer
-        # heads, and a sequence-parallel one sees the whole sequence while x holds a slice.
+        # heads (q, k and v in the same proportions), and a sequence-parallel one sees the
+        # whole sequence while x holds a slice.
+        widths = [qkv.shape[-1] * n // sum(self.parts) for n in self.parts]
+        q, k, v = qkv.split(widths, dim=-1)
         b, s = q.shape[:2]
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
         theta = self.rope_theta
@@ -107,10 +113,15 @@ class Transformer(nn.Module):
         super().__init__()
         check_model(cfg)
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # Padded vocabulary (model.make_vocab_size_divisible_by): the padding rows are never
+        # looked up, and the loss excludes their logits (vocab_size tells it where they start).
+        self.vocab_size = cfg.vocab_size
+        self.embed = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False)
+        if cfg.tie_word_embeddings:  # one parameter, named embed.weight; both uses add grads
+            self.head.weight = self.embed.weight
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if positions is None:

@@ -7,23 +7,25 @@ with torch.autograd.graph.saved_tensors_hooks; symbols, all local to the rank:
 
     b micro_batch_size   s = seq_length / runtime CP (this rank's tokens of a sequence)
     T = b*s              Tr = T / TP with sequence parallel, else T (the residual stream)
-    S = seq_length       h hidden, f ffn, V vocab, n heads, d = h/n, t = TP
+    S = seq_length       h hidden, f ffn, V padded vocab, n heads, d = h/n, t = TP
+    c = g*d              the width of k and of v (g query groups; c = h without GQA)
     e bytes of the compute dtype (fp32 4, bf16 2); norms and the residual stream stay fp32
 
 A block keeps (no recompute):
     norms            2 x (input, normalised input): 4*Tr*h fp32
     linear inputs    qkv and gate_up (gathered over TP with SP): 2*T*h*e
-    attention        without CP: qkv output (v is a view of it), rotated q and k, output:
-                     6*T*h/t*e; CP by p2p (ring): rotated q, the stacked K/V (the ring's
-                     first block; the qkv output is not kept) and output: 4*T*h/t*e;
+    attention        in units of Q = T*h/t*e (q or the output) and K = T*c/t*e (k or v):
+                     without CP: qkv output (v is a view of it), rotated q and k, output:
+                     3Q + 3K; CP by p2p (ring): rotated q, the stacked K/V (the ring's
+                     first block; the qkv output is not kept) and output: 2Q + 2K;
                      all_gather: rotated q, output and the gathered K and V of the whole
-                     sequence: (2*T*h/t + 2*b*S*h/t)*e;
+                     sequence: 2Q + 2*b*S*c/t*e;
                      a2a: the head-split q, k, v and output, and the output back in sequence
-                     order: 5*T*h/t*e (b*S*h/(t*C) = T*h/t: the same bytes as local tokens)
+                     order: 3Q + 2K (b*S*h/(t*C) = T*h/t: the same bytes as local tokens)
     MLP              gate_up output, silu(gate), silu(gate)*up: 4*T*f/t*e
     small            rotary cos/sin 8*T*d, logsumexp 4*b*(n/t)*s, rsqrt 8*Tr bytes
 selective recompute drops silu(gate) and the logsumexp (with CP of any type it keeps the
-local q, k and v and the output: 6*T*h/t*e); full recompute keeps only the block input (Tr*h
+local q, k and v and the output: 3Q + 3K); full recompute keeps only the block input (Tr*h
 fp32) and rebuilds one block's activations at a time in backward. After the blocks: the final
 norm (2*Tr*h fp32), the head input (T*h*e) and the loss's softmax (T*V/t fp32). No type builds
 a mask. Under bf16 without weight sharding,
@@ -74,14 +76,15 @@ def compute_bytes(precision: Precision) -> int:
 def attention_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
                     cp_comm_type: CPCommType) -> int:
     """What a block's attention keeps for its backward, by context-parallel exchange."""
-    unit = k.T * m.hidden_size // k.t * e  # one of q, k, v or the output, this rank's tokens
+    q = k.T * m.hidden_size // k.t * e  # q or the output, this rank's tokens
+    kv = k.T * m.kv_size // k.t * e  # k or v
     if not k.cp or recompute is RecomputeGranularity.selective:
-        return 6 * unit
+        return 3 * q + 3 * kv
     if cp_comm_type is CPCommType.p2p:
-        return 4 * unit
+        return 2 * q + 2 * kv
     if cp_comm_type is CPCommType.all_gather:
-        return 2 * unit + 2 * k.b * k.S * m.hidden_size // k.t * e
-    return 5 * unit
+        return 2 * q + 2 * k.b * k.S * m.kv_size // k.t * e
+    return 3 * q + 2 * kv
 
 
 def block_activation_bytes(m: ModelConfig, k: Tokens, e: int,
@@ -108,7 +111,7 @@ def head_activation_bytes(m: ModelConfig, k: Tokens, e: int) -> int:
 
 def loss_bytes(m: ModelConfig, k: Tokens) -> int:
     """One [T, V/t] fp32 buffer: the softmax (or log-softmax) of the local logits."""
-    return k.T * (m.vocab_size // k.t) * FP32
+    return k.T * (m.padded_vocab_size // k.t) * FP32
 
 
 @dataclass(frozen=True)

@@ -102,9 +102,14 @@ def format_report(spec: RunSpec, memory: dict[str, Any], rows: list[dict[str, in
         lines += ["  " + " ".join(f"{row[col]:>{max(4, len(col))}d}" for col in columns)
                   for row in rows]
     m = settings.model
+    shape = [f"{m.num_heads} heads" + (f" in {m.query_groups} K/V groups"
+                                       if m.query_groups != m.num_heads else ""),
+             f"vocabulary {m.vocab_size}" + (f" padded to {m.padded_vocab_size}"
+                                             if m.padded_vocab_size != m.vocab_size else "")]
+    shape += ["tied embeddings"] if m.tie_word_embeddings else []
     lines += ["", f"memory per rank: model={m.name}, {m.num_layers} layers x hidden "
-              f"{m.hidden_size} ({memory['unsharded']['parameters']:,} parameters), "
-              f"precision={settings.train.precision.value}",
+              f"{m.hidden_size}, {', '.join(shape)} ({memory['unsharded']['parameters']:,} "
+              f"parameters), precision={settings.train.precision.value}",
               f"  {'':18s} {'params':>14s} {'grads':>14s} {'optimizer':>14s} {'total':>14s}"]
     for entry in memory["per_stage"]:
         label = f"stage {entry['stage']}" if layout.pp_size > 1 else "each rank"

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass
 
 from parallel.layout import Layout
 from trainer.config import ModelConfig
-from trainer.model.plan import PLAN, stage_of
+from trainer.model.plan import BLOCKS, EMBEDDING, stage_of, tp_style
 from trainer.report.activations import step_memory
 from trainer.train.options import EngineOptions
 
@@ -48,10 +48,10 @@ def local_numel(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[int,
     a planned weight, its rows padded to a multiple of GTP_remat as parallel.sharding pads
     them; anything else (norms) whole."""
     module = name.removesuffix(".weight")
-    if module == PLAN.embedding:
+    if module == EMBEDDING:
         style = "column"  # vocab-parallel: the rows (vocabulary) split over TP
     elif len(shape) == 2:
-        style, _ = PLAN.linear_style(module)
+        style = tp_style(module)
     else:
         return math.prod(shape), False
     rows, cols = shape
@@ -93,12 +93,12 @@ def step_per_stage(shapes: dict[str, tuple[int, ...]], model: ModelConfig, layou
     and its planned peak: state plus all of them."""
     gathered = {name: local_numel(name, shape, layout)[0] * layout.gtp_remat_size
                 for name, shape in shapes.items() if len(shape) == 2}
-    first_block = [n for n in gathered if n.startswith(f"{PLAN.blocks}.0.")]
-    outside = [n for n in gathered if not n.startswith(f"{PLAN.blocks}.")]
+    first_block = [n for n in gathered if n.startswith(f"{BLOCKS}.0.")]
+    outside = [n for n in gathered if not n.startswith(f"{BLOCKS}.")]
     out = []
     for stage in state:
         blocks = [i for i in range(model.num_layers) if stage_of(
-            f"{PLAN.blocks}.{i}.", model.num_layers, layout.pp_size) == stage.stage]
+            f"{BLOCKS}.{i}.", model.num_layers, layout.pp_size) == stage.stage]
         step = step_memory(model, layout, options, blocks,
                            sum(gathered[n] for n in first_block),
                            max(gathered[n] for n in first_block),

@@ -62,7 +62,15 @@ def check_model(model: ModelConfig) -> None:
         raise ValueError(
             f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads="
             f"{model.num_heads}. Fix: choose num_heads that divides hidden_size.")
-    head_dim = model.hidden_size // model.num_heads
+    groups = model.num_query_groups
+    if groups is not None and (groups < 1 or model.num_heads % groups):
+        raise ValueError(
+            f"model.num_query_groups={groups} must divide model.num_heads={model.num_heads} "
+            f"(each K/V group serves num_heads/num_query_groups query heads). Fix: choose a "
+            f"divisor of {model.num_heads}, or null for multi-head attention.")
+    _positive_int("model.make_vocab_size_divisible_by", model.make_vocab_size_divisible_by,
+                  "use 128 (Megatron's default), or 1 for no padding")
+    head_dim = model.head_dim
     if head_dim % 2:
         raise ValueError(
             f"model.hidden_size={model.hidden_size} / model.num_heads={model.num_heads} is a head "
@@ -76,12 +84,19 @@ def check_model(model: ModelConfig) -> None:
 def check_model_fits_layout(model: ModelConfig, layout: Layout) -> None:
     """Shapes tensor parallel must split evenly (GTP_remat pads rows, so it needs nothing)."""
     tp = layout.tp_size
-    for key in ("num_heads", "ffn_hidden_size", "vocab_size"):
-        value = getattr(model, key)
+    shapes = {"num_heads": model.num_heads, "num_query_groups": model.query_groups,
+              "ffn_hidden_size": model.ffn_hidden_size}
+    for key, value in shapes.items():
         if value % tp:
             raise ValueError(
                 f"model.{key}={value} is not divisible by parallel.tensor_model_parallel_size="
                 f"{tp}. Fix: choose a TP degree that divides it, or change the model.")
+    if model.padded_vocab_size % tp:
+        raise ValueError(
+            f"model.vocab_size={model.vocab_size} padded to a multiple of "
+            f"model.make_vocab_size_divisible_by={model.make_vocab_size_divisible_by} is "
+            f"{model.padded_vocab_size}, which parallel.tensor_model_parallel_size={tp} does "
+            f"not divide. Fix: set model.make_vocab_size_divisible_by to a multiple of {tp}.")
     if layout.pp_size > 1:
         raise ValueError(
             f"parallel.pipeline_model_parallel_size={layout.pp_size}: pipeline stages are not "
@@ -91,13 +106,16 @@ def check_model_fits_layout(model: ModelConfig, layout: Layout) -> None:
 def check_context_parallel(model: ModelConfig, layout: Layout, cp_comm_type: CPCommType) -> None:
     """a2a gives each context rank whole heads: the TP-local heads must split over runtime CP."""
     cp, tp = layout.runtime_context_parallel_size, layout.tp_size
-    local_heads = model.num_heads // tp
-    if cp_comm_type is CPCommType.a2a and cp > 1 and local_heads % cp:
-        raise ValueError(
-            f"parallel.cp_comm_type=a2a needs the heads per TP rank (model.num_heads="
-            f"{model.num_heads} / parallel.tensor_model_parallel_size={tp} = {local_heads}) "
-            f"divisible by runtime CP = {cp} (parallel.context_parallel_size x sequence shards). "
-            f"Fix: use parallel.cp_comm_type=p2p, or a runtime CP that divides {local_heads}.")
+    if cp_comm_type is not CPCommType.a2a or cp == 1:
+        return
+    for key, heads in (("num_heads", model.num_heads), ("num_query_groups", model.query_groups)):
+        local = heads // tp
+        if local % cp:
+            raise ValueError(
+                f"parallel.cp_comm_type=a2a needs the {key} per TP rank (model.{key}={heads} / "
+                f"parallel.tensor_model_parallel_size={tp} = {local}) divisible by runtime CP = "
+                f"{cp} (parallel.context_parallel_size x sequence shards). Fix: use "
+                f"parallel.cp_comm_type=p2p, or a runtime CP that divides {local}.")
 
 
 def check_optim(optim: OptimConfig) -> None:

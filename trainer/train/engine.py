@@ -16,7 +16,7 @@ from parallel.groups import Groups, build_groups
 from parallel.layout import Layout
 from parallel.parallelize import CommOptions, ParallelModel, parallelize
 from trainer.config import ModelConfig, OptimConfig, Precision
-from trainer.model.plan import PLAN
+from trainer.model.plan import parallel_plan
 from trainer.model.transformer import Transformer
 from trainer.spec.checks import check_context_parallel, check_model_fits_layout
 from trainer.train.optim import ShardedAdamW
@@ -49,9 +49,10 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layo
         model = ARCHITECTURES[model_cfg.name](model_cfg)
     comm = CommOptions(options.grad_reduce_in_bf16, options.overlap_param_gather,
                        options.overlap_grad_reduce, options.cp_comm_type.value)
-    parallel = parallelize(model, PLAN, layout, groups, torch.distributed.get_rank(), device,
-                           COMPUTE_DTYPE[options.precision], comm)
-    apply_recompute(model, PLAN, options)  # around the parallel layers it replays in backward
+    plan = parallel_plan(model_cfg)
+    parallel = parallelize(model, plan, layout, groups, torch.distributed.get_rank(), device,
+                           COMPUTE_DTYPE[options.precision], comm, model_cfg.vocab_size)
+    apply_recompute(model, plan, options)  # around the parallel layers it replays in backward
     # The optimizer moves the (still untouched) parameters into its flat buffers first, so the
     # values are written once, in place, and no second copy of them is ever resident.
     optimizer = OPTIMIZERS[optim_cfg.name](parallel, optim_cfg, layout)

@@ -1,0 +1,65 @@
+"""Model shapes beyond multi-head attention train the same model as one process: grouped-query
+attention with tied embeddings under TP, SP, weight shards, sequence shards and every
+cp_comm_type, and a padded vocabulary (the parity suite's method and tolerances, test_parity).
+
+The padded model is compared with the *unpadded* one-process model: its padding rows are
+never looked up and their logits are excluded from the loss, so the first vocab_size rows of
+the embedding and head, and every other weight, train exactly as if the padding were absent.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from trainer.config import CPCommType
+from trainer.train.options import EngineOptions
+
+from harness import run_ranks
+from test_parity import LAYOUTS, TINY, assert_parity, make_layout, reference_cache, train_rank
+
+# 8 query heads in 4 K/V groups (2 per TP rank under TP 2), head and embedding one weight.
+GQA_TIED = replace(TINY, num_heads=8, num_query_groups=4, tie_word_embeddings=True)
+P2P, ALL_GATHER, A2A = CPCommType.p2p, CPCommType.all_gather, CPCommType.a2a
+CASES = [("tp2_sp", P2P), ("tp2_ws4", P2P), ("ws4_ss2", P2P), ("cp2", P2P),
+         ("cp2", ALL_GATHER), ("cp2", A2A), ("cp2_ws2_ss2", A2A), ("every_axis", P2P),
+         ("every_axis", ALL_GATHER)]
+
+
+@pytest.fixture(scope="module")
+def references():
+    return reference_cache()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+@pytest.mark.parametrize("name,comm", CASES, ids=[f"{n}_{c.value}" for n, c in CASES])
+def test_grouped_query_attention_with_tied_embeddings_matches_one_process(name, comm, dtype,
+                                                                          references):
+    world, kwargs = LAYOUTS[name]
+    layout = make_layout(world, kwargs)
+    batches, ref = references(layout.global_batch_size, dtype, GQA_TIED)
+    results = run_ranks(world, train_rank, layout, batches, dtype,
+                        EngineOptions(cp_comm_type=comm), GQA_TIED, timeout=120)
+    assert "head.weight" not in results[0]["params"]  # held once, as embed.weight
+    assert results[0]["params"]["layers.0.attn.qkv.weight"].shape == (64 + 2 * 32, 64)
+    assert_parity(results, ref, dtype, f"GQA tied {name} {comm.value} (world {world})")
+
+
+@pytest.mark.parametrize("name", ["dp2", "tp2", "tp2_ws4"])
+def test_a_padded_vocabulary_trains_the_unpadded_model(name, references):
+    """vocab 250 padded to 256: under TP 2 the second rank's last 6 logits are padding."""
+    unpadded = replace(TINY, vocab_size=250, make_vocab_size_divisible_by=1)
+    padded = replace(TINY, vocab_size=250)
+    assert padded.padded_vocab_size == 256
+    world, kwargs = LAYOUTS[name]
+    layout = make_layout(world, kwargs)
+    batches, ref = references(layout.global_batch_size, torch.float64, unpadded)
+    results = run_ranks(world, train_rank, layout, batches, torch.float64, EngineOptions(),
+                        padded, timeout=120)
+    for result in results:
+        if result["params"] is not None:
+            for key in ("embed.weight", "head.weight"):
+                assert result["params"][key].shape == (256, 64)
+                result["params"][key] = result["params"][key][:250]
+    assert_parity(results, ref, torch.float64, f"padded vocabulary {name}")
