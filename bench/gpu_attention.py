@@ -11,6 +11,7 @@ cannot make; --cpu-smoke runs the same code on the CPU flash kernel.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -46,14 +47,18 @@ def timed(fn, device: torch.device, repeats: int) -> float:
 
 
 def check(dtype: torch.dtype, device: torch.device, seq: int, heads: int, dim: int,
-          repeats: int) -> dict:
+          repeats: int, groups: int | None = None) -> dict:
+    """groups: K/V heads (grouped-query attention), default one per query head."""
     layout = Layout(CP, context_parallel_size=CP, seq_length=seq)
     gen = torch.Generator(device=device).manual_seed(0)
-    q, k, v, grad = (torch.randn(1, heads, seq, dim, device=device, dtype=dtype, generator=gen)
-                     for _ in range(4))
+    groups = groups or heads
+    q, k, v, grad = (torch.randn(1, n, seq, dim, device=device, dtype=dtype, generator=gen)
+                     for n in (heads, groups, groups, heads))
     for t in (q, k, v):
         t.requires_grad_()
-    want = F.scaled_dot_product_attention(q, k, v, is_causal=True).detach()
+    sdpa = functools.partial(F.scaled_dot_product_attention, is_causal=True,
+                             enable_gqa=groups != heads)
+    want = sdpa(q, k, v).detach()
     worst = {"out": 0.0, "dq": 0.0, "dk": 0.0, "dv": 0.0}
     chunks = tuple(range(2 * CP))
     for rank in range(CP):
@@ -64,7 +69,7 @@ def check(dtype: torch.dtype, device: torch.device, seq: int, heads: int, dim: i
         out = _ChunkPairs.apply(local_q, k, v, plan)
         got = torch.autograd.grad(out, (q, k, v), grad.index_select(2, rows))
         # only this rank's queries: its share of dk and dv
-        local = F.scaled_dot_product_attention(q, k, v, is_causal=True).index_select(2, rows)
+        local = sdpa(q, k, v).index_select(2, rows)
         share = torch.autograd.grad(local, (q, k, v), grad.index_select(2, rows))
         worst["out"] = max(worst["out"], relative(out, want.index_select(2, rows)))
         for name, a, b in zip(("dq", "dk", "dv"), got, share):
@@ -74,8 +79,7 @@ def check(dtype: torch.dtype, device: torch.device, seq: int, heads: int, dim: i
     plan = blocks(layout.context_chunk_ids(0), chunks)
     ours = timed(lambda: _ChunkPairs.apply(local_q, k.detach(), v.detach(), plan), device,
                  repeats)
-    theirs = timed(lambda: F.scaled_dot_product_attention(q.detach(), k.detach(), v.detach(),
-                                                          is_causal=True), device, repeats)
+    theirs = timed(lambda: sdpa(q.detach(), k.detach(), v.detach()), device, repeats)
     ok = all(value <= TOLERANCE[dtype] for value in worst.values())
     return {"status": "ok" if ok else "mismatch", "max_relative": worst,
             "tolerance": TOLERANCE[dtype], "rank0_forward_s": ours,
@@ -92,15 +96,19 @@ def main(argv: list[str] | None = None) -> int:
         print("no CUDA device: run on a GPU machine, or pass --cpu-smoke", file=sys.stderr)
         return 2
     device = torch.device("cpu" if args.cpu_smoke else "cuda")
-    seq, heads, dim, repeats = (256, 2, 16, 1) if args.cpu_smoke else (16384, 16, 128, 10)
+    seq, heads, dim, repeats = (256, 4, 16, 1) if args.cpu_smoke else (16384, 16, 128, 10)
     result = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "shape": f"1 x {heads} heads x {seq} tokens x {dim}, runtime CP {CP}",
               "dtypes": {str(dtype).removeprefix("torch."): check(dtype, device, seq, heads,
                                                                   dim, repeats)
-                         for dtype in (torch.bfloat16, torch.float32)}}
+                         for dtype in (torch.bfloat16, torch.float32)},
+              # grouped-query attention: K/V of a quarter of the heads
+              "gqa_bfloat16": check(torch.bfloat16, device, seq, heads, dim, repeats,
+                                    max(heads // 4, 1))}
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(json.dumps(result, indent=1))
-    return 0 if all(d["status"] == "ok" for d in result["dtypes"].values()) else 1
+    checks = [*result["dtypes"].values(), result["gqa_bfloat16"]]
+    return 0 if all(d["status"] == "ok" for d in checks) else 1
 
 
 if __name__ == "__main__":

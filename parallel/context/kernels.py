@@ -35,6 +35,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
     """(out in q's dtype, log-sum-exp, aux for attend_backward). `causal` needs as many queries
     as keys."""
     if q.device.type == "cuda":
+        k, v = _expand_groups(k, q), _expand_groups(v, q)
         if q.dtype in _HALF:
             out, lse, *aux = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal)
             return out, lse, tuple(aux[:6])  # cum_seq_q, cum_seq_k, max_q, max_k, rng, unused
@@ -53,19 +54,35 @@ def attend_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     The CPU kernel takes strided slices as they are; the CUDA kernels get contiguous ones."""
     if q.device.type == "cuda":
         grad_out, lse = grad_out.contiguous(), lse.contiguous()
+        groups = k.shape[1]
+        k, v = _expand_groups(k, q), _expand_groups(v, q)
         if q.dtype in _HALF:
             cum_q, cum_k, max_q, max_k, rng, unused = aux
-            return aten._scaled_dot_product_flash_attention_backward(
+            dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
                 grad_out, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, rng,
-                unused)
-        seed, offset = aux
-        pad = -q.shape[2] % _LSE_ALIGN
-        dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, k, v, None, out, F.pad(lse, (0, pad)), seed, offset, 0.0,
-            [True, True, True, False], causal)
-        return dq, dk, dv
+                unused)[:3]
+        else:
+            seed, offset = aux
+            pad = -q.shape[2] % _LSE_ALIGN
+            dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
+                grad_out, q, k, v, None, out, F.pad(lse, (0, pad)), seed, offset, 0.0,
+                [True, True, True, False], causal)
+        return dq, _sum_groups(dk, groups), _sum_groups(dv, groups)
     return aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out, q, k, v, out, lse, 0.0, causal)
+
+
+def _expand_groups(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """K/V of fewer heads (grouped-query attention) repeated for their query heads: the CPU
+    kernel reads the groups as they are; the CUDA kernels are given whole heads."""
+    repeat = q.shape[1] // kv.shape[1]
+    return kv if repeat == 1 else kv.repeat_interleave(repeat, dim=1).contiguous()
+
+
+def _sum_groups(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The gradient of _expand_groups: each group's query heads summed back."""
+    b, heads, s, d = grad.shape
+    return grad if heads == groups else grad.view(b, groups, heads // groups, s, d).sum(2)
 
 
 class Merge:

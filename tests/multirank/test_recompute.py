@@ -201,4 +201,5 @@ def test_recompute_is_applied_once_and_needs_the_plans_hooks():
     with torch.device("meta"):
         model = Transformer(TINY)
     with pytest.raises(ValueError, match="recompute_granularity=full"):
-        apply_recompute(model, replace(parallel_plan(TINY), recompute_hooks=()), VARIANTS["selective"])
+        apply_recompute(model, replace(parallel_plan(TINY), recompute_hooks=()),
+                        VARIANTS["selective"])

@@ -51,7 +51,7 @@ class Chunked:
     chunks: list[tuple[tuple[int, ...], torch.Tensor]]
 
 
-class _ChunkSavePlanner(DefaultSavePlanner):
+class ChunkSavePlanner(DefaultSavePlanner):
     """Writes each rank's rectangles at their global offsets. Replicas write the same
     rectangles; DCP's dedup keeps one copy of each."""
 
@@ -135,7 +135,7 @@ def save(engine: Engine, state: TrainState, directory: Path, meta: dict[str, Any
     # so that anything random added later (dropout) resumes exactly.
     objects = {"train_state": json.dumps(asdict(state)), "optim_step": moments.step,
                "rng": torch.get_rng_state()}
-    dcp.save(objects, checkpoint_id=tmp, planner=_ChunkSavePlanner(tensors))
+    dcp.save(objects, checkpoint_id=tmp, planner=ChunkSavePlanner(tensors))
     dist.barrier()
     if dist.get_rank() == 0:
         (tmp / "meta.json").write_text(json.dumps({**meta, **asdict(state)}, indent=1))
@@ -211,6 +211,26 @@ def verify(path: Path) -> str | None:
     if not (path / "meta.json").is_file():
         return "its meta.json is missing (the save did not finish)"
     return None
+
+
+def check_loadable(path: Path, shapes: dict[str, tuple[int, ...]], finetune: bool) -> None:
+    """Before any rank starts: the checkpoint has every parameter of this model at its shape
+    (`shapes`: the single-device ones), and a train state unless only weights are wanted."""
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, shape in shapes.items():
+        entry = saved.get(f"model.{name}")
+        if not isinstance(entry, TensorStorageMetadata):
+            raise ValueError(f"checkpoint.load={path} has no weight {name!r}: another model wrote "
+                             f"it. Fix: use the model config it was saved with (its meta.json "
+                             f"records it).")
+        if tuple(entry.size) != shape:
+            raise ValueError(f"checkpoint.load={path}: weight {name!r} has shape "
+                             f"{tuple(entry.size)}, this model's is {shape}. Fix: use the model "
+                             f"config it was saved with (its meta.json records it).")
+    if not finetune and "train_state" not in saved:
+        raise ValueError(f"checkpoint.load={path} holds weights only (no optimizer state, step or "
+                         f"data position; e.g. a Hugging Face import). Fix: set "
+                         f"checkpoint.finetune=true.")
 
 
 def load_weights(engine: Engine, path: Path) -> None:

@@ -4,6 +4,7 @@ ranks the way this process was launched (trainer.launch.ranks, trainer.launch.lo
 from __future__ import annotations
 
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
@@ -15,6 +16,7 @@ from trainer.launch.local import launch_local
 from trainer.launch.ranks import RankEnv, check_world, launched_rank, run_rank
 from trainer.report.console import console_log
 from trainer.report.dry_run import layout_record, write_layout_json
+from trainer.report.memory import parameter_shapes
 from trainer.report.plot import write_curves
 from trainer.spec.runspec import RunSpec
 
@@ -23,8 +25,10 @@ def check_inputs(spec: RunSpec) -> None:
     """Before any rank starts; a problem is one line naming the key."""
     try:
         spec.data.prepare()
-        if spec.config.checkpoint.load is not None:
-            checkpoint.resolve(Path(spec.config.checkpoint.load))
+        ckpt = spec.config.checkpoint
+        if ckpt.load is not None:
+            path = checkpoint.resolve(Path(ckpt.load))
+            checkpoint.check_loadable(path, parameter_shapes(spec.config.model), ckpt.finetune)
     except (ValueError, FileNotFoundError) as error:
         raise ConfigError(str(error)) from None
 
@@ -45,7 +49,8 @@ def run(cfg: DictConfig, spec: RunSpec, run_dir: Path) -> None:
 
 
 def _start(cfg: DictConfig, spec: RunSpec, run_dir: Path, env: RankEnv | None) -> None:
-    meta = {"run_dir": str(run_dir)}
+    # The model config travels with every checkpoint (python -m trainer.hf export reads it).
+    meta = {"run_dir": str(run_dir), "model": asdict(spec.config.model)}
     if env is not None:  # torchrun or submitit started this process as one rank
         check_world(env, spec)
         check_inputs(spec)

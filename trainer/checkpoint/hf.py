@@ -1,0 +1,198 @@
+"""Hugging Face Llama models in and out: config.json <-> ModelConfig, safetensors <-> our DCP
+checkpoints, one tensor at a time (`python -m trainer.hf`).
+
+The two models agree without any permutation (../shared/notes/scale.md): the rotary
+embedding's convention is the same (two halves, frequencies theta^(-2i/d)), our fused qkv is
+cat(q_proj, k_proj, v_proj) on the rows and gate_up is cat(gate_proj, up_proj). The vocabulary
+is padded on the way in (zero rows, never looked up or predicted) and cut on the way out.
+
+An import writes a weights-only checkpoint: DCP tensors `model.<name>` at their single-device
+shape, so checkpoint.load reads it under any layout (with checkpoint.finetune=true, since it
+holds no optimizer state, step or data position), and OUT/model.yaml, the model config.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed.checkpoint as dcp
+import yaml
+
+from trainer.checkpoint.dcp import Chunked, ChunkSavePlanner
+from trainer.checkpoint.safetensors_io import SafetensorsReader, write_streamed
+from trainer.config import ModelConfig
+from trainer.report.memory import parameter_shapes
+
+ARCHITECTURE = "LlamaForCausalLM"
+WEIGHTS_ONLY = "weights_only"  # meta.json key of an imported checkpoint
+
+
+def model_config(hf: dict, source: Path, warn: Callable[[str], None] = print) -> ModelConfig:
+    """Our ModelConfig of a Hugging Face Llama config.json; what we cannot model is refused in
+    one line, or warned about when the weights still load (rope scaling)."""
+    def need(key: str, ok: bool, fix: str) -> None:
+        if not ok:
+            raise ValueError(f"{source}: {key}={hf.get(key)!r} is not supported. Fix: {fix}.")
+
+    need("architectures", ARCHITECTURE in (hf.get("architectures") or [ARCHITECTURE]),
+         f"import a {ARCHITECTURE} (Llama architecture) model")
+    need("hidden_act", hf.get("hidden_act", "silu") == "silu", "use a SwiGLU (silu) model")
+    for key in ("attention_bias", "mlp_bias"):
+        need(key, not hf.get(key, False), "use a model without biases")
+    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
+    need("head_dim", hf.get("head_dim") in (None, hidden // heads),
+         "use a model whose head_dim is hidden_size / num_attention_heads")
+    rope = hf.get("rope_parameters") or {}  # transformers 5; 4 spells it rope_theta/rope_scaling
+    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
+                                         else None)
+    if scaling:
+        warn(f"warning: {source}: rope scaling {scaling} is not modelled; every rotary frequency "
+             f"stays theta^(-2i/d), so logits differ from transformers' (most past "
+             f"original_max_position_embeddings)")
+    groups = hf.get("num_key_value_heads") or heads
+    return ModelConfig(
+        name="llama", vocab_size=hf["vocab_size"], hidden_size=hidden,
+        num_layers=hf["num_hidden_layers"], num_heads=heads,
+        ffn_hidden_size=hf["intermediate_size"],
+        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        init_std=float(hf.get("initializer_range", 0.02)),
+        num_query_groups=None if groups == heads else groups,
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def hf_config(model: ModelConfig, dtype: torch.dtype) -> dict:
+    """config.json for transformers' LlamaForCausalLM (both rope spellings, 4 and 5)."""
+    return {
+        "architectures": [ARCHITECTURE], "model_type": "llama", "vocab_size": model.vocab_size,
+        "hidden_size": model.hidden_size, "intermediate_size": model.ffn_hidden_size,
+        "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_heads,
+        "num_key_value_heads": model.query_groups, "head_dim": model.head_dim,
+        "hidden_act": "silu", "rms_norm_eps": model.norm_eps, "rope_theta": model.rope_theta,
+        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
+        "attention_bias": False, "mlp_bias": False,
+        "tie_word_embeddings": model.tie_word_embeddings, "initializer_range": model.init_std,
+        "dtype": str(dtype).removeprefix("torch."),
+    }
+
+
+def hf_parts(model: ModelConfig) -> dict[str, list[tuple[str, int]]]:
+    """Our parameter name -> the Hugging Face tensors it is the row-wise concatenation of,
+    with their rows. The vocabulary rows are the unpadded ones."""
+    h, kv, f, vocab = model.hidden_size, model.kv_size, model.ffn_hidden_size, model.vocab_size
+    out = {"embed.weight": [("model.embed_tokens.weight", vocab)]}
+    for i in range(model.num_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        out |= {
+            f"{ours}attn_norm.weight": [(f"{theirs}input_layernorm.weight", h)],
+            f"{ours}attn.qkv.weight": [(f"{theirs}self_attn.{p}_proj.weight", rows)
+                                       for p, rows in (("q", h), ("k", kv), ("v", kv))],
+            f"{ours}attn.o.weight": [(f"{theirs}self_attn.o_proj.weight", h)],
+            f"{ours}mlp_norm.weight": [(f"{theirs}post_attention_layernorm.weight", h)],
+            f"{ours}mlp.gate_up.weight": [(f"{theirs}mlp.{p}_proj.weight", f)
+                                          for p in ("gate", "up")],
+            f"{ours}mlp.down.weight": [(f"{theirs}mlp.down_proj.weight", h)],
+        }
+    out["norm.weight"] = [("model.norm.weight", h)]
+    if not model.tie_word_embeddings:
+        out["head.weight"] = [("lm_head.weight", vocab)]
+    return out
+
+
+def import_hf(hf_dir: Path, out_dir: Path, warn: Callable[[str], None] = print) -> ModelConfig:
+    """HF_DIR (config.json + safetensors) -> OUT_DIR: a weights-only DCP checkpoint in fp32
+    (the trainer's master weights) and model.yaml."""
+    config_path = hf_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path} does not exist. Fix: point at a Hugging Face "
+                                f"model folder (config.json and *.safetensors).")
+    model = model_config(json.loads(config_path.read_text()), config_path, warn)
+    reader, shapes, parts = SafetensorsReader(hf_dir), parameter_shapes(model), hf_parts(model)
+    unused = reader.names() - {n for p in parts.values() for n, _ in p} - {"lm_head.weight"}
+    if unused:
+        raise ValueError(f"{hf_dir}: tensors this Llama model does not have, e.g. "
+                         f"{sorted(unused)[0]!r}. Fix: import a plain {ARCHITECTURE}.")
+
+    def value(name: str) -> torch.Tensor:  # asked by DCP one tensor at a time, while writing
+        pieces = []
+        for hf_name, rows in parts[name]:
+            piece = reader.get(hf_name)
+            if piece.shape[0] != rows or piece.shape[1:] != shapes[name][1:]:
+                raise ValueError(f"{hf_dir}: {hf_name} has shape {tuple(piece.shape)}; "
+                                 f"config.json implies {(rows, *shapes[name][1:])}. Fix: use "
+                                 f"the config.json these weights were saved with.")
+            pieces.append(piece.to(torch.float32))
+        full = torch.zeros(shapes[name], dtype=torch.float32)  # padding rows stay zero
+        torch.cat(pieces, out=full[:sum(rows for _, rows in parts[name])])
+        return full
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Each tensor whole, planned from its shape alone (a meta tensor carries no values).
+    tensors = {f"model.{n}": Chunked(s, [((0,) * len(s), torch.empty(s, device="meta"))])
+               for n, s in shapes.items()}
+    with warnings.catch_warnings():  # DCP warns that it runs in one process, as intended
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({}, checkpoint_id=out_dir, planner=_LazySavePlanner(tensors, value),
+                 no_dist=True)
+    (out_dir / "model.yaml").write_text(
+        f"# Imported from {hf_dir.resolve()} by python -m trainer.hf import\n"
+        + yaml.safe_dump(asdict(model), sort_keys=False))
+    meta = {WEIGHTS_ONLY: True, "source": str(hf_dir.resolve()), "model": asdict(model),
+            "step": 0, "consumed_samples": 0}
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))  # last: the import finished
+    return model
+
+
+class _LazySavePlanner(ChunkSavePlanner):
+    """Plans writes from shapes and asks `value(name)` for each tensor only when DCP writes
+    it, so a single tensor is in memory at a time."""
+
+    def __init__(self, tensors: dict[str, Chunked], value: Callable[[str], torch.Tensor]):
+        super().__init__(tensors)
+        self.value = value
+
+    def resolve_data(self, write_item):
+        return self.value(write_item.index.fqn.removeprefix("model."))
+
+
+def read_model_config(ckpt: Path, model_yaml: Path | None) -> ModelConfig:
+    """The model of a checkpoint: `model_yaml` (a model config file) if given, else what the
+    checkpoint's meta.json recorded."""
+    if model_yaml is not None:
+        values = yaml.safe_load(model_yaml.read_text())
+        source = model_yaml
+    else:
+        values = json.loads((ckpt / "meta.json").read_text()).get("model")
+        source = ckpt / "meta.json"
+        if values is None:
+            raise ValueError(f"{source} does not record the model. Fix: pass --model with the "
+                             f"model config it was trained with (e.g. conf/model/tiny.yaml).")
+    known = {f.name for f in fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in values.items() if k in known})
+
+
+def export_hf(ckpt: Path, hf_dir: Path, model: ModelConfig, dtype: torch.dtype = torch.float32,
+              max_shard_bytes: int = 5 * 2**30) -> list[Path]:
+    """A checkpoint (any layout wrote it) -> HF_DIR with config.json and safetensors that
+    transformers' LlamaForCausalLM loads; one tensor in memory at a time."""
+    shapes, parts = parameter_shapes(model), hf_parts(model)
+    specs = [(hf_name, (rows, *shapes[name][1:]))
+             for name in parts for hf_name, rows in parts[name]]
+
+    def tensors() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, pieces in parts.items():
+            full = torch.empty(shapes[name], dtype=torch.float32)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                dcp.load({f"model.{name}": full}, checkpoint_id=ckpt, no_dist=True)
+            yield from zip((n for n, _ in pieces),
+                           full[:sum(r for _, r in pieces)].split([r for _, r in pieces]))
+
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    files = write_streamed(hf_dir, specs, dtype, tensors(), max_shard_bytes)
+    (hf_dir / "config.json").write_text(json.dumps(hf_config(model, dtype), indent=2))
+    return files

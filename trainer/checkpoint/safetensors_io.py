@@ -1,0 +1,109 @@
+"""Hugging Face safetensors read and written one tensor at a time.
+
+Reading: safetensors' own safe_open maps a file and hands out one tensor per call, for a single
+model.safetensors or a sharded set (model.safetensors.index.json names each tensor's file).
+
+Writing: the format is an 8-byte little-endian header length, a JSON header (every tensor's
+dtype, shape and byte range) and then the tensors' bytes back to back. The header needs only
+shapes, which are known before any value, so a writer can stream: write the header, then each
+tensor as it is produced, and never hold more than one. safetensors' own save_file takes a dict
+of every tensor at once, which for a 70B model is the whole model in memory. Files are cut at
+max_shard_bytes, with the index Hugging Face reads, as save_pretrained does.
+"""
+from __future__ import annotations
+
+import json
+import math
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+SINGLE, INDEX = "model.safetensors", "model.safetensors.index.json"
+DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_ALIGN = 8  # the header is padded with spaces so the data starts 8-byte aligned
+
+
+class SafetensorsReader:
+    """The tensors of a Hugging Face model folder by name, opened lazily."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        if (folder / INDEX).is_file():
+            try:
+                weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
+            except (ValueError, KeyError) as error:
+                raise ValueError(f"{folder / INDEX} is not a safetensors index ({error}). Fix: "
+                                 f"re-save the model with save_pretrained.") from None
+            self.files = {name: folder / file for name, file in weight_map.items()}
+        elif (folder / SINGLE).is_file():
+            with safe_open(folder / SINGLE, framework="pt") as f:
+                self.files = {name: folder / SINGLE for name in f.keys()}
+        else:
+            raise FileNotFoundError(f"{folder} has neither {SINGLE} nor {INDEX}. Fix: point at "
+                                    f"a folder written by save_pretrained (safetensors).")
+        self._open: dict[Path, object] = {}
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self.files.get(name)
+        if path is None:
+            raise ValueError(f"{self.folder}: the weights have no tensor {name!r}. Fix: check "
+                             f"that the folder holds the whole model its config.json describes.")
+        if path not in self._open:
+            if not path.is_file():
+                raise FileNotFoundError(f"{path} (named by {INDEX}) is missing. Fix: copy "
+                                        f"every shard of the model.")
+            self._open[path] = safe_open(path, framework="pt")  # memory-mapped, read lazily
+        return self._open[path].get_tensor(name)
+
+
+def write_streamed(folder: Path, specs: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
+                   tensors: Iterator[tuple[str, torch.Tensor]],
+                   max_shard_bytes: int = 5 * 2**30) -> list[Path]:
+    """Write the tensors `specs` announces (name, shape, in the order `tensors` yields them) as
+    safetensors files in `folder`, one tensor in memory at a time. Returns the files written."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards: list[list[tuple[str, tuple[int, ...]]]] = [[]]
+    size = 0
+    for name, shape in specs:
+        nbytes = math.prod(shape) * itemsize
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, shape))
+        size += nbytes
+    names = [SINGLE] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    for file, shard in zip(names, shards):
+        with open(folder / file, "wb") as out:
+            out.write(_header(shard, dtype, itemsize))
+            for name, shape in shard:
+                got_name, tensor = next(tensors)
+                if got_name != name or tuple(tensor.shape) != shape:
+                    raise ValueError(f"expected {name} {shape}, got {got_name} "
+                                     f"{tuple(tensor.shape)}")
+                out.write(tensor.to(dtype).contiguous().view(-1).view(torch.uint8).numpy())
+    if len(shards) > 1:
+        weight_map = {name: file for file, shard in zip(names, shards) for name, _ in shard}
+        total = sum(math.prod(shape) for _, shape in specs) * itemsize
+        (folder / INDEX).write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return [folder / name for name in names]
+
+
+def _header(shard: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype, itemsize: int) -> bytes:
+    entries: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, shape in shard:
+        end = offset + math.prod(shape) * itemsize
+        entries[name] = {"dtype": DTYPES[dtype], "shape": list(shape),
+                         "data_offsets": [offset, end]}
+        offset = end
+    header = json.dumps(entries, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % _ALIGN)
+    return struct.pack("<Q", len(header)) + header

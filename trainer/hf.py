@@ -1,0 +1,62 @@
+"""Command line: Hugging Face Llama models in and out of the trainer's checkpoints.
+
+    python -m trainer.hf import HF_DIR OUT_DIR
+        HF_DIR: config.json and model.safetensors (or a sharded set with its index).
+        OUT_DIR: a weights-only checkpoint and OUT_DIR/model.yaml; fine-tune it under any
+        layout with  python launch.py --config-dir OUT_DIR model=../model
+                     checkpoint.load=OUT_DIR checkpoint.finetune=true ...
+    python -m trainer.hf export CKPT_DIR HF_DIR [--model MODEL_YAML] [--dtype float32|bfloat16]
+        CKPT_DIR: a checkpoint (step_XXXXXXXX) or a folder of them (the latest good one);
+        the model config is the one the run recorded, or --model.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m trainer.hf", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    imp = sub.add_parser("import", help="a Hugging Face model folder -> a checkpoint")
+    imp.add_argument("hf_dir", type=Path)
+    imp.add_argument("out_dir", type=Path)
+    exp = sub.add_parser("export", help="a checkpoint -> a Hugging Face model folder")
+    exp.add_argument("ckpt_dir", type=Path)
+    exp.add_argument("hf_dir", type=Path)
+    exp.add_argument("--model", type=Path, help="a model config YAML (default: the one the "
+                                                "checkpoint's run recorded)")
+    exp.add_argument("--dtype", choices=DTYPES, default="float32",
+                     help="of the written weights (float32: the master weights as trained)")
+    exp.add_argument("--max-shard-gb", type=float, default=5.0,
+                     help="safetensors files are cut at this size, with an index (5)")
+    args = parser.parse_args(argv)
+
+    import torch  # after parsing: --help answers at once
+
+    from trainer.checkpoint import dcp
+    from trainer.checkpoint.hf import export_hf, import_hf, read_model_config
+
+    try:
+        if args.command == "import":
+            model = import_hf(args.hf_dir, args.out_dir)
+            print(f"wrote {args.out_dir}: a weights-only checkpoint of {model.num_layers} layers "
+                  f"x hidden {model.hidden_size} (vocabulary {model.vocab_size}) and model.yaml."
+                  f"\n  fine-tune: python launch.py --config-dir {args.out_dir} model=../model "
+                  f"checkpoint.load={args.out_dir} checkpoint.finetune=true")
+        else:
+            ckpt = dcp.resolve(args.ckpt_dir, print)
+            model = read_model_config(ckpt, args.model)
+            files = export_hf(ckpt, args.hf_dir, model, getattr(torch, args.dtype),
+                              int(args.max_shard_gb * 2**30))
+            print(f"wrote {args.hf_dir}: config.json and {len(files)} safetensors file(s) from "
+                  f"{ckpt}")
+    except (ValueError, FileNotFoundError) as error:
+        parser.exit(2, f"error: {error}\n")
+
+
+if __name__ == "__main__":
+    main()
