@@ -23,6 +23,7 @@ import comm_memory  # noqa: E402
 import compose  # noqa: E402
 import context  # noqa: E402
 import fsdp2  # noqa: E402
+import hf_interop  # noqa: E402
 import loader  # noqa: E402
 import memory  # noqa: E402
 import overhead  # noqa: E402
@@ -53,6 +54,7 @@ def run(quick: bool) -> dict:
     figures["overlap"] = overlap.measure(3 if quick else 5)
     figures["context_parallel"] = context.measure(quick)
     figures["prepare"] = prepare_speed.measure(quick)
+    figures["hf_interop"] = hf_interop.measure(quick)
     gpu = HERE / "gpu_results.json"
     figures["gpu"] = json.loads(gpu.read_text()) if gpu.exists() else None
     return {
@@ -83,6 +85,9 @@ def table(result: dict) -> str:
          f"groups of 16,384 ranks: {f['compose_vs_bare_hydra']['groups_16384_ranks_s']} s"),
         ("loader_headroom", f["loader_headroom"]["loader_headroom"], ">= 50",
          f"{f['loader_headroom']['loader_samples_per_s']:,} samples/s delivered"),
+        ("blend_loader_headroom", f["loader_headroom"]["blend_loader_headroom"], ">= 50",
+         f"{f['loader_headroom']['blend_samples_per_s']:,} samples/s, "
+         f"{f['loader_headroom']['blend_setup']}"),
     ]
     mem = f["memory_follows_layout"]
     seed, peaks = mem["seed_build"], mem["step_peak_vs_plan"]
@@ -121,6 +126,16 @@ def table(result: dict) -> str:
     rows.append(("prepare_throughput_vs_lib", prep["prepare_throughput_vs_library"], ">= 0.8",
                  f"{prep['ours_tokens_per_s']:,} vs {prep['library_tokens_per_s']:,} tokens/s, "
                  f"{prep['setup']}"))
+    hf = f["hf_interop"]
+    rows += [
+        ("hf_import_s", hf["hf_import_s"], "-",
+         f"export {hf['hf_export_s']} s; transformers' load + save "
+         f"{hf['transformers_load_and_save_s']} s; {hf['setup']}"),
+        ("hf_peak_rss_over_weights", max(hf["import_peak_rss_over_weights"],
+                                         hf["export_peak_rss_over_weights"]), "< 1",
+         f"import {hf['import_peak_rss_over_weights']}, export "
+         f"{hf['export_peak_rss_over_weights']} of {hf['weights_gb']} GB beyond the imports"),
+    ]
     gpu = f.get("gpu")
     if gpu:
         plain = gpu["variants"]["plain"]

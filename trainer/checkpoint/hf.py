@@ -136,8 +136,10 @@ def import_hf(hf_dir: Path, out_dir: Path, warn: Callable[[str], None] = print) 
                for n, s in shapes.items()}
     with warnings.catch_warnings():  # DCP warns that it runs in one process, as intended
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save({}, checkpoint_id=out_dir, planner=_LazySavePlanner(tensors, value),
-                 no_dist=True)
+        # One file per tensor: DCP's writer keeps every tensor of a file until the file is
+        # done, so a single file would hold the whole model at once.
+        dcp.save({}, storage_writer=dcp.FileSystemWriter(out_dir, single_file_per_rank=False),
+                 planner=_LazySavePlanner(tensors, value), no_dist=True)
     (out_dir / "model.yaml").write_text(
         f"# Imported from {hf_dir.resolve()} by python -m trainer.hf import\n"
         + yaml.safe_dump(asdict(model), sort_keys=False))

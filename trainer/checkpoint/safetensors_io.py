@@ -44,7 +44,6 @@ class SafetensorsReader:
         else:
             raise FileNotFoundError(f"{folder} has neither {SINGLE} nor {INDEX}. Fix: point at "
                                     f"a folder written by save_pretrained (safetensors).")
-        self._open: dict[Path, object] = {}
 
     def names(self) -> set[str]:
         return set(self.files)
@@ -54,12 +53,13 @@ class SafetensorsReader:
         if path is None:
             raise ValueError(f"{self.folder}: the weights have no tensor {name!r}. Fix: check "
                              f"that the folder holds the whole model its config.json describes.")
-        if path not in self._open:
-            if not path.is_file():
-                raise FileNotFoundError(f"{path} (named by {INDEX}) is missing. Fix: copy "
-                                        f"every shard of the model.")
-            self._open[path] = safe_open(path, framework="pt")  # memory-mapped, read lazily
-        return self._open[path].get_tensor(name)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} (named by {INDEX}) is missing. Fix: copy every "
+                                    f"shard of the model.")
+        # Opened per tensor: a file kept open keeps every page read so far mapped (and counted
+        # in the process's resident memory); reading the header again is cheap.
+        with safe_open(path, framework="pt") as f:
+            return f.get_tensor(name)
 
 
 def write_streamed(folder: Path, specs: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
