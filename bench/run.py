@@ -134,7 +134,8 @@ def table(result: dict) -> str:
         ("hf_peak_rss_over_weights", max(hf["import_peak_rss_over_weights"],
                                          hf["export_peak_rss_over_weights"]), "< 1",
          f"import {hf['import_peak_rss_over_weights']}, export "
-         f"{hf['export_peak_rss_over_weights']} of {hf['weights_gb']} GB beyond the imports"),
+         f"{hf['export_peak_rss_over_weights']} of {hf['weights_gb']} GB beyond the imports' "
+         f"peak (MB: {hf['peak_rss_mb']})"),
     ]
     gpu = f.get("gpu")
     if gpu:

@@ -2,7 +2,7 @@
 
     python -m trainer.prepare SRC_FOLDER OUT_DIR [--valid-fraction F]
         [--tokenizer byte | TOKENIZER_JSON | FOLDER] [--train-tokenizer VOCAB_SIZE]
-        [--eod-token TOKEN]
+        [--eod-token TOKEN] [--megatron PREFIX]
 """
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 
 from trainer.data.dataset import TokenDataset, prepare
+from trainer.data.megatron import write_indexed
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -26,6 +27,9 @@ def main(argv: list[str] | None = None) -> None:
                              "kept as OUT_DIR/tokenizer.json")
     parser.add_argument("--eod-token", help="the end-of-document token (default: the "
                                             "tokenizer's eos_token or a usual name)")
+    parser.add_argument("--megatron", metavar="PREFIX",
+                        help="also write the tokens as a Megatron-LM indexed dataset, "
+                             "PREFIX.bin and PREFIX.idx (one sequence per document)")
     args = parser.parse_args(argv)
     if args.train_tokenizer is not None and args.tokenizer != "byte":
         parser.exit(2, "error: pass --tokenizer or --train-tokenizer, not both\n")
@@ -45,6 +49,13 @@ def main(argv: list[str] | None = None) -> None:
         start, end = ds.split(name)
         print(f"  {name}: tokens [{start:,}, {end:,}) = {end - start:,} tokens, "
               f"{ds.num_documents(name):,} documents")
+    if args.megatron:
+        try:
+            bin_path, idx_path = write_indexed(ds, args.megatron)
+        except ValueError as e:
+            parser.exit(2, f"error: {e}\n")
+        print(f"wrote {bin_path} and {idx_path} (Megatron-LM indexed dataset, version 1): "
+              f"data.path={args.megatron}")
 
 
 if __name__ == "__main__":

@@ -162,13 +162,16 @@ def test_an_unsupported_model_is_one_line(change, message, tmp_path):
     assert not (tmp_path / "out" / "meta.json").exists()
 
 
-def test_rope_scaling_is_imported_with_a_warning(tmp_path):
+def test_rope_scaling_is_imported_with_a_warning_and_an_import_never_overwrites(tmp_path):
     hf_model("gqa_padded_vocab", tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
     out = cli("-m", "trainer.hf", "import", str(tmp_path / "hf"), str(tmp_path / "out"))
     assert "rope scaling" in out.stdout and "not modelled" in out.stdout
+    again = subprocess.run([sys.executable, "-m", "trainer.hf", "import", str(tmp_path / "hf"),
+                            str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT)
+    assert again.returncode == 2 and "already exists and is not empty" in again.stderr
 
 
 def test_an_imported_checkpoint_without_finetune_or_of_another_model_is_refused(tmp_path):

@@ -4,6 +4,8 @@ flat buffers padded to a multiple of the weight replicas, after one real step (A
 exist). Planned from shapes and the Layout alone; measured on gloo ranks."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -18,8 +20,13 @@ from test_parity import OPTIM, SEED, TINY, make_data, make_layout
 FP32 = 4
 
 
-def held_after_one_step(rank, layout, batch) -> dict:
-    engine = build_engine(TINY, OPTIM, SEED, layout, torch.device("cpu"))
+# Grouped-query attention, tied embeddings and a vocabulary of 250 padded to 256.
+GQA_TIED = replace(TINY, vocab_size=250, num_heads=8, num_query_groups=2,
+                   tie_word_embeddings=True)
+
+
+def held_after_one_step(rank, layout, batch, model=TINY) -> dict:
+    engine = build_engine(model, OPTIM, SEED, layout, torch.device("cpu"))
     train_step(engine.model, engine.optimizer, rank_micro_batches(lambda i: batch[i], layout, rank),
                1e-3)
     opt = engine.optimizer
@@ -32,15 +39,17 @@ def held_after_one_step(rank, layout, batch) -> dict:
     }
 
 
-@pytest.mark.parametrize("world, kwargs", [
-    (3, dict(tensor_parallel_num_weight_shards=3)),  # rows 256, 64, 352 padded to 3's multiples
-    (4, dict(tensor_model_parallel_size=2, sequence_parallel=True)),  # DP 2 over TP 2
-    (6, dict(tensor_parallel_num_weight_shards=3)),  # padded shards, two replicas
-])
-def test_planned_bytes_are_the_allocated_bytes(world, kwargs):
+@pytest.mark.parametrize("world, kwargs, model", [
+    (3, dict(tensor_parallel_num_weight_shards=3), TINY),  # rows 256, 64, 352 padded to 3's
+    (4, dict(tensor_model_parallel_size=2, sequence_parallel=True), TINY),  # DP 2 over TP 2
+    (6, dict(tensor_parallel_num_weight_shards=3), TINY),  # padded shards, two replicas
+    (4, dict(tensor_model_parallel_size=2, tensor_parallel_num_weight_shards=2), GQA_TIED),
+], ids=["ws3", "tp2_sp_dp2", "ws3_dp2", "gqa_tied_tp2_ws2"])
+def test_planned_bytes_are_the_allocated_bytes(world, kwargs, model):
     layout = make_layout(world, kwargs)
-    (plan,) = memory_per_stage(parameter_shapes(TINY), TINY.num_layers, layout)
-    batch = make_data(layout.global_batch_size)[0]
-    for rank, held in enumerate(run_ranks(world, held_after_one_step, layout, batch, timeout=120)):
+    (plan,) = memory_per_stage(parameter_shapes(model), model.num_layers, layout)
+    batch = make_data(layout.global_batch_size, model)[0]
+    results = run_ranks(world, held_after_one_step, layout, batch, model, timeout=120)
+    for rank, held in enumerate(results):
         planned = {key: getattr(plan, key) for key in held}
         assert held == planned, (rank, held, planned)

@@ -103,13 +103,11 @@ GQA = ModelConfig(name="llama", vocab_size=1000, hidden_size=256, num_layers=2, 
                   ffn_hidden_size=688, rope_theta=1e4, norm_eps=1e-5, init_std=0.02,
                   num_query_groups=2, tie_word_embeddings=True)
 GQA_CASES = {
-    "gqa": (1, {}, {}),
     "gqa_tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), {}),
     "gqa_cp4_p2p": (4, dict(context_parallel_size=4), {}),
     "gqa_cp4_all_gather": (4, dict(context_parallel_size=4),
                            dict(cp_comm_type=CPCommType.all_gather)),
     "gqa_cp2_a2a": (2, dict(context_parallel_size=2), dict(cp_comm_type=CPCommType.a2a)),
-    "gqa_selective_cp2": (2, dict(context_parallel_size=2), dict(recompute_granularity=SELECTIVE)),
     "gqa_bf16_ws2": (2, dict(tensor_parallel_num_weight_shards=2), dict(precision=Precision.bf16)),
 }
 

@@ -128,3 +128,27 @@ def test_launch_trains_on_a_megatron_prefix(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "step      8/8" in proc.stdout and "eval at step 8" in proc.stdout
     assert (tmp_path / "run" / "checkpoints" / "step_00000008").is_dir()
+
+
+def test_our_writer_writes_the_format_as_the_independent_writer_does(tmp_path):
+    """trainer.prepare --megatron: byte for byte what this file's writer (the published
+    format) writes for the same documents, one sequence each, and read back as prepared."""
+    from trainer.data.dataset import TokenDataset, prepare
+    from trainer.data.megatron import write_indexed as ours
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, text in enumerate(["first document", "second, longer document", "3"]):
+        (src / f"{i}.txt").write_text(text)
+    dataset = TokenDataset.open(prepare(src, tmp_path / "ds", 0.0))
+    ours(dataset, tmp_path / "ours_text_document")
+    starts = dataset.meta["doc_starts"] + [dataset.num_tokens]
+    tokens = dataset.tokens.tolist()
+    assert dataset.tokens.dtype == np.uint8  # bytes: Megatron's code 1
+    write_indexed(tmp_path / "theirs", [[tokens[a:b]] for a, b in zip(starts, starts[1:])],
+                  np.uint8)
+    for suffix in (".bin", ".idx"):
+        assert (Path(f"{tmp_path / 'ours_text_document'}{suffix}").read_bytes()
+                == Path(f"{tmp_path / 'theirs'}{suffix}").read_bytes())
+    back = open_indexed(tmp_path / "ours_text_document", 0.0)
+    assert back.tokens.tolist() == tokens and back.meta["doc_starts"] == starts[:-1]

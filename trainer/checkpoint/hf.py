@@ -12,7 +12,10 @@ holds no optimizer state, step or data position), and OUT/model.yaml, the model 
 """
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import shutil
 import warnings
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -29,6 +32,8 @@ from trainer.report.memory import parameter_shapes
 
 ARCHITECTURE = "LlamaForCausalLM"
 WEIGHTS_ONLY = "weights_only"  # meta.json key of an imported checkpoint
+REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+            "intermediate_size")
 
 
 def model_config(hf: dict, source: Path, warn: Callable[[str], None] = print) -> ModelConfig:
@@ -40,6 +45,10 @@ def model_config(hf: dict, source: Path, warn: Callable[[str], None] = print) ->
 
     need("architectures", ARCHITECTURE in (hf.get("architectures") or [ARCHITECTURE]),
          f"import a {ARCHITECTURE} (Llama architecture) model")
+    missing = [key for key in REQUIRED if not isinstance(hf.get(key), int)]
+    if missing:
+        raise ValueError(f"{source} has no integer {missing[0]}. Fix: use the config.json "
+                         f"save_pretrained wrote for the model.")
     need("hidden_act", hf.get("hidden_act", "silu") == "silu", "use a SwiGLU (silu) model")
     for key in ("attention_bias", "mlp_bias"):
         need(key, not hf.get(key, False), "use a model without biases")
@@ -130,7 +139,13 @@ def import_hf(hf_dir: Path, out_dir: Path, warn: Callable[[str], None] = print) 
         torch.cat(pieces, out=full[:sum(rows for _, rows in parts[name])])
         return full
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with _new_folder(out_dir) as tmp:
+        _write_import(tmp, shapes, value, hf_dir, model)
+    return model
+
+
+def _write_import(out_dir: Path, shapes: dict[str, tuple[int, ...]],
+                  value: Callable[[str], torch.Tensor], hf_dir: Path, model: ModelConfig) -> None:
     # Each tensor whole, planned from its shape alone (a meta tensor carries no values).
     tensors = {f"model.{n}": Chunked(s, [((0,) * len(s), torch.empty(s, device="meta"))])
                for n, s in shapes.items()}
@@ -145,8 +160,27 @@ def import_hf(hf_dir: Path, out_dir: Path, warn: Callable[[str], None] = print) 
         + yaml.safe_dump(asdict(model), sort_keys=False))
     meta = {WEIGHTS_ONLY: True, "source": str(hf_dir.resolve()), "model": asdict(model),
             "step": 0, "consumed_samples": 0}
-    (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))  # last: the import finished
-    return model
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+@contextlib.contextmanager
+def _new_folder(path: Path) -> Iterator[Path]:
+    """A hidden sibling to write into, renamed to `path` when done: `path` is either absent or
+    complete. An existing non-empty `path` is refused rather than mixed with stale files."""
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise ValueError(f"{path} already exists and is not empty. Fix: choose a new folder, "
+                         f"or remove it first.")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        if path.exists():
+            path.rmdir()  # empty (checked above)
+        tmp.rename(path)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 class _LazySavePlanner(ChunkSavePlanner):
@@ -194,7 +228,7 @@ def export_hf(ckpt: Path, hf_dir: Path, model: ModelConfig, dtype: torch.dtype =
             yield from zip((n for n, _ in pieces),
                            full[:sum(r for _, r in pieces)].split([r for _, r in pieces]))
 
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    files = write_streamed(hf_dir, specs, dtype, tensors(), max_shard_bytes)
-    (hf_dir / "config.json").write_text(json.dumps(hf_config(model, dtype), indent=2))
-    return files
+    with _new_folder(hf_dir) as tmp:
+        files = write_streamed(tmp, specs, dtype, tensors(), max_shard_bytes)
+        (tmp / "config.json").write_text(json.dumps(hf_config(model, dtype), indent=2))
+    return [hf_dir / f.name for f in files]

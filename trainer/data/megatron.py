@@ -1,5 +1,7 @@
 """Megatron-LM's indexed dataset (PREFIX.bin + PREFIX.idx, version 1), read memory-mapped as it
-is, with its document boundaries, as a TokenDataset (no conversion, no copy).
+is, with its document boundaries, as a TokenDataset (no conversion, no copy); and written from
+one of our prepared datasets (python -m trainer.prepare --format megatron), one sequence per
+document, so the same tokens feed Megatron-LM too.
 
 PREFIX.idx, little-endian: the magic b"MMIDIDX\\x00\\x00", u64 version 1, u8 dtype code, u64
 number of sequences S, u64 length of the document index D (documents + 1), then S x i32
@@ -11,6 +13,8 @@ datasets (data.valid_fraction); the fingerprint is the .idx's digest and the .bi
 from __future__ import annotations
 
 import hashlib
+import os
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +24,9 @@ from trainer.data.dataset import FORMAT_VERSION, TokenDataset, split_point
 MAGIC = b"MMIDIDX\x00\x00"
 HEADER = len(MAGIC) + 8 + 1 + 8 + 8
 TOKEN_DTYPES = {1: "<u1", 2: "<i1", 3: "<i2", 4: "<i4", 5: "<i8", 8: "<u2"}  # 6, 7: floats
+# What our token dtypes are written as: Megatron has no unsigned 32-bit code (it stores large
+# vocabularies as int32), so uint32 ids, all below 2**31 in practice, become int32.
+WRITE_CODES = {"uint8": 1, "uint16": 8, "uint32": 4, "int32": 4}
 
 
 def is_indexed(path: Path | str) -> bool:
@@ -72,6 +79,34 @@ def open_indexed(prefix: Path | str, valid_fraction: float) -> TokenDataset:
             "fingerprint": f"megatron:sha256:{digest}:bin{size}"}
     tokens = np.memmap(bin_path, dtype=dtype, mode="r", shape=(num_tokens,))
     return TokenDataset(Path(prefix), meta, tokens)
+
+
+def write_indexed(dataset: TokenDataset, prefix: Path | str) -> tuple[Path, Path]:
+    """PREFIX.bin and PREFIX.idx holding `dataset`'s tokens, one sequence per document."""
+    code = WRITE_CODES[dataset.tokens.dtype.name]
+    dtype = np.dtype(TOKEN_DTYPES[code])
+    if dataset.tokens.size and int(dataset.tokens.max()) > np.iinfo(dtype).max:
+        raise ValueError(f"{dataset.path}: token ids above {np.iinfo(dtype).max} do not fit "
+                         f"Megatron's {dtype.name}")
+    starts = np.asarray(dataset.meta["doc_starts"], dtype=np.int64)
+    lengths = np.diff(np.append(starts, dataset.num_tokens))
+    if (lengths > np.iinfo(np.int32).max).any():
+        raise ValueError(f"{dataset.path}: a document longer than 2**31 tokens does not fit the "
+                         f"index's int32 lengths")
+    bin_path, idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
+    bin_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(bin_path, "wb") as f:
+        block = 1 << 24
+        for i in range(0, dataset.num_tokens, block):
+            f.write(np.asarray(dataset.tokens[i:i + block], dtype=dtype).tobytes())
+    with open(idx_path, "wb") as f:  # last: a prefix with an .idx is complete
+        f.write(MAGIC + struct.pack("<QBQQ", 1, code, len(starts), len(starts) + 1))
+        f.write(lengths.astype("<i4").tobytes())
+        f.write((starts * dtype.itemsize).astype("<i8").tobytes())
+        f.write(np.arange(len(starts) + 1, dtype="<i8").tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    return bin_path, idx_path
 
 
 def largest_token(dataset: TokenDataset, block: int = 1 << 24) -> int:
