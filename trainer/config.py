@@ -76,6 +76,11 @@ class ModelConfig:
     # vocabulary splits over TP. Unlike Megatron, TP does not enter the rounding: the padded
     # shape, and so a checkpoint, is the same under every layout.
     make_vocab_size_divisible_by: int = 128
+    # Llama 3's rope scaling (Megatron's --use-rope-scaling, --rope-scaling-factor): rotary
+    # frequencies with wavelengths past 8,192 tokens divided by the factor, smoothly between
+    # 2,048 and 8,192 (Meta's low/high frequency factors 1 and 4, as Megatron fixes them).
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
 
     @property
     def query_groups(self) -> int:

@@ -82,6 +82,8 @@ TABLE = [
     R(f"model.make_vocab_size_divisible_by=6 {TP4}",
       ("make_vocab_size_divisible_by=6", "is 258", "a multiple of 4")),
     R("model.make_vocab_size_divisible_by=0", ("model.make_vocab_size_divisible_by=0",)),
+    R("model.use_rope_scaling=true model.rope_scaling_factor=0.5",
+      ("model.rope_scaling_factor=0.5",)),
     R("model.num_query_groups=3", ("model.num_query_groups=3", "model.num_heads=4")),
     R(f"model.num_heads=8 model.num_query_groups=2 {TP4}",
       ("model.num_query_groups=2", "tensor_model_parallel_size=4")),

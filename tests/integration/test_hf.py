@@ -1,6 +1,7 @@
 """Hugging Face interop, checked against transformers itself (offline): random tiny
-LlamaForCausalLM models (grouped-query attention with a vocabulary that needs padding, and
-multi-head attention with tied embeddings, one saved as a sharded set) imported and compared
+LlamaForCausalLM models (grouped-query attention with a vocabulary that needs padding and
+Llama 3's rope scaling, and multi-head attention with tied embeddings saved as a sharded set)
+imported and compared
 logit for logit; import then export bit-exact; a model trained here under weight sharding,
 exported, gives transformers the same loss; and a model imported back fine-tunes under TP 2
 from where the training left it.
@@ -33,11 +34,19 @@ from trainer.model.transformer import Transformer
 
 from config_helpers import ROOT
 
+# Llama 3's rope scaling. With head_dim 8 the wavelengths are 6, 63, 628 and 6,283 tokens, so
+# the last frequency is in the interpolated band (2,048-8,192): a missing or wrong scaling
+# changes the logits.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 MODELS = {  # name -> (LlamaConfig arguments, save_pretrained max_shard_size)
-    "gqa_padded_vocab": (dict(vocab_size=250, num_attention_heads=8, num_key_value_heads=2,
-                              tie_word_embeddings=False), None),
+    "gqa_padded_vocab_rope_scaling": (dict(
+        vocab_size=250, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
+        rope_parameters=LLAMA3_ROPE, max_position_embeddings=65536), None),
     "mha_tied_sharded": (dict(vocab_size=256, num_attention_heads=4, num_key_value_heads=4,
-                              tie_word_embeddings=True), "60KB"),
+                              tie_word_embeddings=True, rope_parameters=DEFAULT_ROPE), "60KB"),
 }
 TOLERANCE = 1e-5
 RUN = ("train.micro_batch_size=4", "train.seq_length=32", "train.train_samples=160",
@@ -59,7 +68,7 @@ def hf_model(name: str, folder: Path):
     config = transformers.LlamaConfig(
         hidden_size=64, intermediate_size=176, num_hidden_layers=2, head_dim=64 // kwargs[
             "num_attention_heads"], rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, **kwargs)
+        **kwargs)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
     model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
@@ -89,8 +98,10 @@ def test_import_matches_transformers_and_export_is_bit_exact(name, tmp_path):
     model = ModelConfig(**yaml.safe_load((tmp_path / "ours" / "model.yaml").read_text()))
     assert model.vocab_size == theirs.config.vocab_size
     assert model.query_groups == theirs.config.num_key_value_heads
+    assert model.use_rope_scaling == (theirs.config.rope_parameters["rope_type"] == "llama3")
     ours = our_model(tmp_path / "ours", model)
-    tokens = torch.randint(0, model.vocab_size, (2, 48), generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, model.vocab_size, (2, 256), generator=gen)  # positions to 255
     with torch.no_grad():
         got, want = ours(tokens), theirs(tokens).logits
     assert got.shape[-1] == model.padded_vocab_size == 256
@@ -151,9 +162,12 @@ def test_a_trained_model_exported_gives_transformers_the_same_loss_and_fine_tune
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ({"architectures": ["MistralForCausalLM"]}, "architectures=['MistralForCausalLM']"),
     ({"attention_bias": True}, "attention_bias=True"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
+     "only Llama 3's"),
+    ({"rope_parameters": {**LLAMA3_ROPE, "high_freq_factor": 2.0}}, "only Llama 3's"),
 ])
 def test_an_unsupported_model_is_one_line(change, message, tmp_path):
-    hf_model("gqa_padded_vocab", tmp_path / "hf")
+    hf_model("mha_tied_sharded", tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **change}))
     out = subprocess.run([sys.executable, "-m", "trainer.hf", "import", str(tmp_path / "hf"),
@@ -162,13 +176,9 @@ def test_an_unsupported_model_is_one_line(change, message, tmp_path):
     assert not (tmp_path / "out" / "meta.json").exists()
 
 
-def test_rope_scaling_is_imported_with_a_warning_and_an_import_never_overwrites(tmp_path):
-    hf_model("gqa_padded_vocab", tmp_path / "hf")
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    config["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
-    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
-    out = cli("-m", "trainer.hf", "import", str(tmp_path / "hf"), str(tmp_path / "out"))
-    assert "rope scaling" in out.stdout and "not modelled" in out.stdout
+def test_an_import_never_overwrites(tmp_path):
+    hf_model("mha_tied_sharded", tmp_path / "hf")
+    cli("-m", "trainer.hf", "import", str(tmp_path / "hf"), str(tmp_path / "out"))
     again = subprocess.run([sys.executable, "-m", "trainer.hf", "import", str(tmp_path / "hf"),
                             str(tmp_path / "out")], capture_output=True, text=True, cwd=ROOT)
     assert again.returncode == 2 and "already exists and is not empty" in again.stderr

@@ -1,6 +1,7 @@
 """Model shapes beyond multi-head attention train the same model as one process: grouped-query
-attention with tied embeddings under TP, SP, weight shards, sequence shards and every
-cp_comm_type, and a padded vocabulary (the parity suite's method and tolerances, test_parity).
+attention with tied embeddings and Llama 3's rope scaling under TP, SP, weight shards,
+sequence shards and every cp_comm_type, and a padded vocabulary (the parity suite's method
+and tolerances, test_parity).
 
 The padded model is compared with the *unpadded* one-process model: its padding rows are
 never looked up and their logits are excluded from the loss, so the first vocab_size rows of
@@ -19,8 +20,10 @@ from trainer.train.options import EngineOptions
 from harness import run_ranks
 from test_parity import LAYOUTS, TINY, assert_parity, make_layout, reference_cache, train_rank
 
-# 8 query heads in 4 K/V groups (2 per TP rank under TP 2), head and embedding one weight.
-GQA_TIED = replace(TINY, num_heads=8, num_query_groups=4, tie_word_embeddings=True)
+# 8 query heads in 4 K/V groups (2 per TP rank under TP 2), head and embedding one weight,
+# Llama 3's rope scaling (at global positions under CP, like the plain rotary embedding).
+GQA_TIED = replace(TINY, num_heads=8, num_query_groups=4, tie_word_embeddings=True,
+                   use_rope_scaling=True, rope_scaling_factor=32.0)
 P2P, ALL_GATHER, A2A = CPCommType.p2p, CPCommType.all_gather, CPCommType.a2a
 CASES = [("tp2_sp", P2P), ("tp2_ws4", P2P), ("ws4_ss2", P2P), ("cp2", P2P),
          ("cp2", ALL_GATHER), ("cp2", A2A), ("cp2_ws2_ss2", A2A), ("every_axis", P2P),

@@ -2,7 +2,8 @@
 checkpoints, one tensor at a time (`python -m trainer.hf`).
 
 The two models agree without any permutation (../shared/notes/scale.md): the rotary
-embedding's convention is the same (two halves, frequencies theta^(-2i/d)), our fused qkv is
+embedding's convention is the same (two halves, frequencies theta^(-2i/d), and Llama 3's rope
+scaling, the only scaling modelled: any other is refused), our fused qkv is
 cat(q_proj, k_proj, v_proj) on the rows and gate_up is cat(gate_proj, up_proj). The vocabulary
 is padded on the way in (zero rows, never looked up or predicted) and cut on the way out.
 
@@ -28,6 +29,7 @@ import yaml
 from trainer.checkpoint.dcp import Chunked, ChunkSavePlanner
 from trainer.checkpoint.safetensors_io import SafetensorsReader, write_streamed
 from trainer.config import ModelConfig
+from trainer.model.transformer import LLAMA3_ROPE_CONTEXT, LLAMA3_ROPE_HIGH, LLAMA3_ROPE_LOW
 from trainer.report.memory import parameter_shapes
 
 ARCHITECTURE = "LlamaForCausalLM"
@@ -36,9 +38,9 @@ REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_hea
             "intermediate_size")
 
 
-def model_config(hf: dict, source: Path, warn: Callable[[str], None] = print) -> ModelConfig:
+def model_config(hf: dict, source: Path) -> ModelConfig:
     """Our ModelConfig of a Hugging Face Llama config.json; what we cannot model is refused in
-    one line, or warned about when the weights still load (rope scaling)."""
+    one line."""
     def need(key: str, ok: bool, fix: str) -> None:
         if not ok:
             raise ValueError(f"{source}: {key}={hf.get(key)!r} is not supported. Fix: {fix}.")
@@ -58,10 +60,7 @@ def model_config(hf: dict, source: Path, warn: Callable[[str], None] = print) ->
     rope = hf.get("rope_parameters") or {}  # transformers 5; 4 spells it rope_theta/rope_scaling
     scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
                                          else None)
-    if scaling:
-        warn(f"warning: {source}: rope scaling {scaling} is not modelled; every rotary frequency "
-             f"stays theta^(-2i/d), so logits differ from transformers' (most past "
-             f"original_max_position_embeddings)")
+    factor = _llama3_rope_factor(scaling, source) if scaling else None
     groups = hf.get("num_key_value_heads") or heads
     return ModelConfig(
         name="llama", vocab_size=hf["vocab_size"], hidden_size=hidden,
@@ -71,18 +70,39 @@ def model_config(hf: dict, source: Path, warn: Callable[[str], None] = print) ->
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         init_std=float(hf.get("initializer_range", 0.02)),
         num_query_groups=None if groups == heads else groups,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)))
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        use_rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0)
+
+
+def _llama3_rope_factor(scaling: dict, source: Path) -> float:
+    """The factor of Llama 3's rope scaling; any other scaling is refused (it would change
+    every position's rotation, silently)."""
+    kind = scaling.get("rope_type", scaling.get("type"))
+    fixed = {"low_freq_factor": LLAMA3_ROPE_LOW, "high_freq_factor": LLAMA3_ROPE_HIGH,
+             "original_max_position_embeddings": LLAMA3_ROPE_CONTEXT}
+    if kind != "llama3" or any(float(scaling.get(k, v)) != v for k, v in fixed.items()):
+        raise ValueError(f"{source}: rope scaling {scaling} is not supported: only Llama 3's "
+                         f"(rope_type llama3 with {fixed}) is modelled. Fix: import a model "
+                         f"with that rope scaling or none.")
+    return float(scaling["factor"])
 
 
 def hf_config(model: ModelConfig, dtype: torch.dtype) -> dict:
     """config.json for transformers' LlamaForCausalLM (both rope spellings, 4 and 5)."""
+    rope = {"rope_type": "default", "rope_theta": model.rope_theta}
+    scaling = None
+    if model.use_rope_scaling:
+        scaling = {"rope_type": "llama3", "factor": model.rope_scaling_factor,
+                   "low_freq_factor": LLAMA3_ROPE_LOW, "high_freq_factor": LLAMA3_ROPE_HIGH,
+                   "original_max_position_embeddings": LLAMA3_ROPE_CONTEXT}
+        rope = {**scaling, "rope_theta": model.rope_theta}
     return {
         "architectures": [ARCHITECTURE], "model_type": "llama", "vocab_size": model.vocab_size,
         "hidden_size": model.hidden_size, "intermediate_size": model.ffn_hidden_size,
         "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_heads,
         "num_key_value_heads": model.query_groups, "head_dim": model.head_dim,
         "hidden_act": "silu", "rms_norm_eps": model.norm_eps, "rope_theta": model.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": model.rope_theta},
+        "rope_parameters": rope, "rope_scaling": scaling,
         "attention_bias": False, "mlp_bias": False,
         "tie_word_embeddings": model.tie_word_embeddings, "initializer_range": model.init_std,
         "dtype": str(dtype).removeprefix("torch."),
@@ -112,14 +132,14 @@ def hf_parts(model: ModelConfig) -> dict[str, list[tuple[str, int]]]:
     return out
 
 
-def import_hf(hf_dir: Path, out_dir: Path, warn: Callable[[str], None] = print) -> ModelConfig:
+def import_hf(hf_dir: Path, out_dir: Path) -> ModelConfig:
     """HF_DIR (config.json + safetensors) -> OUT_DIR: a weights-only DCP checkpoint in fp32
     (the trainer's master weights) and model.yaml."""
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} does not exist. Fix: point at a Hugging Face "
                                 f"model folder (config.json and *.safetensors).")
-    model = model_config(json.loads(config_path.read_text()), config_path, warn)
+    model = model_config(json.loads(config_path.read_text()), config_path)
     reader, shapes, parts = SafetensorsReader(hf_dir), parameter_shapes(model), hf_parts(model)
     unused = reader.names() - {n for p in parts.values() for n, _ in p} - {"lm_head.weight"}
     if unused:

@@ -45,11 +45,31 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+# Llama 3's rope scaling constants (Meta's reference; Megatron fixes them too): frequencies
+# whose wavelength exceeds CONTEXT / LOW are divided by the factor, those under CONTEXT / HIGH
+# kept, and the ones between interpolated.
+LLAMA3_ROPE_CONTEXT, LLAMA3_ROPE_LOW, LLAMA3_ROPE_HIGH = 8192, 1.0, 4.0
+
+
+def rotary_frequencies(head_dim: int, theta: float, scaling_factor: float | None = None,
+                       device: torch.device | None = None) -> torch.Tensor:
+    """[head_dim / 2] fp32 frequencies theta^(-2i/d), Llama-3-scaled when a factor is given."""
+    half = head_dim // 2
+    freqs = theta ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
+    if scaling_factor is None:
+        return freqs
+    context, low, high = LLAMA3_ROPE_CONTEXT, LLAMA3_ROPE_LOW, LLAMA3_ROPE_HIGH
+    wavelength = 2 * math.pi / freqs
+    scaled = torch.where(wavelength > context / low, freqs / scaling_factor, freqs)
+    smooth = (context / wavelength - low) / (high - low)
+    between = (wavelength >= context / high) & (wavelength <= context / low)
+    return torch.where(between, (1 - smooth) * scaled / scaling_factor + smooth * scaled, scaled)
+
+
+def apply_rotary(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     """Rotary embedding of x [batch, seq, heads, head_dim] at integer `positions` [batch, seq].
     Positions are global token positions, so a sequence split over ranks rotates the same."""
     half = x.shape[-1] // 2
-    freqs = theta ** (-torch.arange(half, device=x.device, dtype=torch.float32) / half)
     angles = positions.to(torch.float32)[..., None] * freqs  # [batch, seq, half]
     cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
     x1, x2 = x[..., :half].float(), x[..., half:].float()
@@ -61,6 +81,7 @@ class Attention(nn.Module):
         super().__init__()
         h = cfg.hidden_size
         self.head_dim, self.rope_theta = cfg.head_dim, cfg.rope_theta
+        self.rope_scaling = cfg.rope_scaling_factor if cfg.use_rope_scaling else None
         self.parts = (cfg.num_heads, cfg.query_groups, cfg.query_groups)  # q | k | v, in heads
         # q, k and v in one projection: one GEMM, and under TP one collective for all three.
         self.qkv = nn.Linear(h, h + 2 * cfg.kv_size, bias=False)
@@ -76,8 +97,8 @@ class Attention(nn.Module):
         q, k, v = qkv.split(widths, dim=-1)
         b, s = q.shape[:2]
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
-        theta = self.rope_theta
-        q, k = apply_rotary(q, positions, theta), apply_rotary(k, positions, theta)
+        freqs = rotary_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, x.device)
+        q, k = apply_rotary(q, positions, freqs), apply_rotary(k, positions, freqs)
         out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         return self.o(out.transpose(1, 2).reshape(b, s, -1))
 

@@ -77,6 +77,9 @@ def check_model(model: ModelConfig) -> None:
             f"dim of {head_dim}, which is odd; rotary embeddings need an even head dim. Fix: "
             f"change model.num_heads or model.hidden_size.")
     _finite("model.rope_theta", model.rope_theta, 0, False, fix="use e.g. 10000.0")
+    if model.use_rope_scaling:
+        _finite("model.rope_scaling_factor", model.rope_scaling_factor, 1, True,
+                fix="use Llama 3.1's 8.0 or Llama 3.2's 32.0")
     _finite("model.norm_eps", model.norm_eps, 0, False, fix="use e.g. 1e-5")
     _finite("model.init_std", model.init_std, 0, False, fix="use e.g. 0.02")
 
