@@ -91,6 +91,11 @@ class ModelConfig:
         return self.hidden_size // self.num_heads
 
     @property
+    def qkv_heads(self) -> tuple[int, int, int]:
+        """Heads of q, k and v in the fused qkv projection (its parts' relative sizes)."""
+        return self.num_heads, self.query_groups, self.query_groups
+
+    @property
     def kv_size(self) -> int:
         """Width of k (and of v): query_groups heads of head_dim."""
         return self.query_groups * self.head_dim

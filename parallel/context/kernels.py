@@ -76,7 +76,7 @@ def _expand_groups(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """K/V of fewer heads (grouped-query attention) repeated for their query heads: the CPU
     kernel reads the groups as they are; the CUDA kernels are given whole heads."""
     repeat = q.shape[1] // kv.shape[1]
-    return kv if repeat == 1 else kv.repeat_interleave(repeat, dim=1).contiguous()
+    return kv if repeat == 1 else kv.repeat_interleave(repeat, dim=1)
 
 
 def _sum_groups(grad: torch.Tensor, groups: int) -> torch.Tensor:

@@ -169,8 +169,7 @@ def _write_import(out_dir: Path, shapes: dict[str, tuple[int, ...]],
     # Each tensor whole, planned from its shape alone (a meta tensor carries no values).
     tensors = {f"model.{n}": Chunked(s, [((0,) * len(s), torch.empty(s, device="meta"))])
                for n, s in shapes.items()}
-    with warnings.catch_warnings():  # DCP warns that it runs in one process, as intended
-        warnings.simplefilter("ignore", UserWarning)
+    with _one_process():
         # One file per tensor: DCP's writer keeps every tensor of a file until the file is
         # done, so a single file would hold the whole model at once.
         dcp.save({}, storage_writer=dcp.FileSystemWriter(out_dir, single_file_per_rank=False),
@@ -181,6 +180,15 @@ def _write_import(out_dir: Path, shapes: dict[str, tuple[int, ...]],
     meta = {WEIGHTS_ONLY: True, "source": str(hf_dir.resolve()), "model": asdict(model),
             "step": 0, "consumed_samples": 0}
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+
+
+@contextlib.contextmanager
+def _one_process() -> Iterator[None]:
+    """DCP without a process group, as intended here: its warning that it assumes one process
+    is silenced."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        yield
 
 
 @contextlib.contextmanager
@@ -242,8 +250,7 @@ def export_hf(ckpt: Path, hf_dir: Path, model: ModelConfig, dtype: torch.dtype =
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for name, pieces in parts.items():
             full = torch.empty(shapes[name], dtype=torch.float32)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", UserWarning)
+            with _one_process():
                 dcp.load({f"model.{name}": full}, checkpoint_id=ckpt, no_dist=True)
             yield from zip((n for n, _ in pieces),
                            full[:sum(r for _, r in pieces)].split([r for _, r in pieces]))

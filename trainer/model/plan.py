@@ -18,8 +18,7 @@ def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
     """The plan of the Transformer built from `cfg` (its fused parts depend on the shape)."""
     # Fused parts by relative size: q|k|v (heads, groups, groups) and gate|up, so their TP
     # split keeps each part's rows together.
-    groups = cfg.query_groups
-    fused = {"attn.qkv": (cfg.num_heads, groups, groups), "mlp.gate_up": (1, 1)}
+    fused = {"attn.qkv": cfg.qkv_heads, "mlp.gate_up": (1, 1)}
     return ParallelPlan(
         linears={name: (style, fused.get(name, (1,))) for name, style in TP_STYLES.items()},
         embedding=EMBEDDING,  # vocab-parallel: rows split over TP like the head

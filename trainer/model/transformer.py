@@ -82,7 +82,7 @@ class Attention(nn.Module):
         h = cfg.hidden_size
         self.head_dim, self.rope_theta = cfg.head_dim, cfg.rope_theta
         self.rope_scaling = cfg.rope_scaling_factor if cfg.use_rope_scaling else None
-        self.parts = (cfg.num_heads, cfg.query_groups, cfg.query_groups)  # q | k | v, in heads
+        self.parts = cfg.qkv_heads  # q | k | v
         # q, k and v in one projection: one GEMM, and under TP one collective for all three.
         self.qkv = nn.Linear(h, h + 2 * cfg.kv_size, bias=False)
         self.o = nn.Linear(h, h, bias=False)
