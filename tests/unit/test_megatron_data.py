@@ -152,3 +152,24 @@ def test_our_writer_writes_the_format_as_the_independent_writer_does(tmp_path):
                 == Path(f"{tmp_path / 'theirs'}{suffix}").read_bytes())
     back = open_indexed(tmp_path / "ours_text_document", 0.0)
     assert back.tokens.tolist() == tokens and back.meta["doc_starts"] == starts[:-1]
+
+
+def test_a_large_dataset_is_sampled_before_the_run_and_every_sample_checked_as_read(tmp_path):
+    """Reading a 2 TB .bin for its largest id would take an hour: past the budget only evenly
+    spread blocks are read before the run, and the stream refuses an out-of-vocabulary id in
+    any sample it reads, in one line."""
+    from trainer.data.megatron import largest_token
+
+    tokens = np.arange(1600) % 200
+    tokens[300] = 5000  # between the sampled blocks below
+    write_indexed(tmp_path / "big", [[tokens.tolist()]])
+    dataset = open_indexed(tmp_path / "big", 0.0)
+    assert largest_token(dataset) == (5000, True)  # small: read whole
+    largest, whole = largest_token(dataset, budget=64, block=16)  # blocks at 0, 528, 1056, 1584
+    assert largest < 200 and not whole
+    stream = SampleStream(dataset, "train", 32, 0, False, max_id=256)
+    assert stream.get(range(5)).max() < 200  # samples before the bad one read fine
+    with pytest.raises(ConfigError, match=r"sample 9 holds token id 5000, but "
+                                          r"model.vocab_size=256"):
+        stream.get(range(12))
+    assert SampleStream(dataset, "train", 32, 0, False).get(range(12)).max() == 5000

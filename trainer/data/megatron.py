@@ -109,7 +109,19 @@ def write_indexed(dataset: TokenDataset, prefix: Path | str) -> tuple[Path, Path
     return bin_path, idx_path
 
 
-def largest_token(dataset: TokenDataset, block: int = 1 << 24) -> int:
-    """The largest token id (read in blocks: a Megatron index does not record its vocabulary)."""
-    tokens = dataset.tokens
-    return max(int(tokens[i:i + block].max()) for i in range(0, tokens.size, block))
+SCAN_TOKENS, SCAN_BLOCK = 1 << 26, 1 << 20  # what the start-time vocabulary check reads
+
+
+def largest_token(dataset: TokenDataset, budget: int = SCAN_TOKENS,
+                  block: int = SCAN_BLOCK) -> tuple[int, bool]:
+    """(the largest token id read, whether every token was read). A Megatron index does not
+    record its vocabulary: a dataset of up to `budget` tokens is read whole; a larger one (a
+    2 TB .bin would take an hour) in `budget / block` blocks spread evenly over it, and the
+    sample stream checks the rest as it reads them (SampleStream's max_id)."""
+    tokens, n = dataset.tokens, dataset.tokens.size
+    if n <= budget:
+        starts = range(0, n, block)
+    else:
+        count = max(budget // block, 1)
+        starts = (i * (n - block) // max(count - 1, 1) for i in range(count))
+    return max(int(tokens[s:s + block].max()) for s in starts), n <= budget

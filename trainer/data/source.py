@@ -119,13 +119,15 @@ class DataSource:
     def prepare(self) -> None:
         """Before any rank starts: the built-in corpus is prepared once, or checked if it is there
         (a data.path was checked when the spec was settled); a Megatron dataset, whose index
-        records no vocabulary, has its tokens read once for the largest id."""
+        records no vocabulary, has its tokens read for the largest id (all of them up to 64M
+        tokens, else evenly spread blocks of that many: the stream checks every sample it
+        reads, so an id past the vocabulary never trains)."""
         for _, part in self.blend:
             part.prepare()
         if self.builtin:
             builtin_corpus(self.path.parent, self.valid_fraction)
         if self.megatron:
-            largest = largest_token(self.open())
+            largest, _ = largest_token(self.open())
             if largest >= self.vocab_size:
                 raise ValueError(f"data.path={self.path} holds token id {largest}, but "
                                  f"model.vocab_size={self.vocab_size}. Fix: set "

@@ -7,6 +7,7 @@ from typing import Literal, Sequence
 import numpy as np
 import torch
 
+from trainer.config import ConfigError
 from trainer.data.blend import PERIOD, blend_pattern
 from trainer.data.dataset import TokenDataset
 
@@ -21,13 +22,15 @@ class SampleStream:
     """
 
     def __init__(self, dataset: TokenDataset, split: Literal["train", "valid"], seq_length: int,
-                 seed: int, shuffle: bool):
+                 seed: int, shuffle: bool, max_id: int | None = None):
+        """max_id: ids must be below it, checked on every sample read (a Megatron dataset: its
+        index records no vocabulary, and a large one is only sampled before the run)."""
         if seq_length < 1:
             raise ValueError(f"seq_length={seq_length} must be at least 1")
         if not 0 <= seed < 2**32:
             raise ValueError(f"seed={seed} must be in [0, 2**32)")
         self.dataset, self.split, self.seq_length = dataset, split, seq_length
-        self.seed, self.shuffle = seed, shuffle
+        self.seed, self.shuffle, self.max_id = seed, shuffle, max_id
         self.start, end = dataset.split(split)
         self.num_samples_per_epoch = (end - self.start - 1) // seq_length
         if self.num_samples_per_epoch < 1:
@@ -64,7 +67,15 @@ class SampleStream:
         for epoch in np.unique(epochs):
             here = epochs == epoch
             samples[here] = self.epoch_order(int(epoch))[positions[here]]
-        return torch.from_numpy(np.array(self.windows[samples], dtype=np.int64))
+        out = np.array(self.windows[samples], dtype=np.int64)
+        if self.max_id is not None and out.size and out.max() >= self.max_id:
+            row = int(np.argmax(out.max(axis=1)))
+            raise ConfigError(
+                f"data.path={self.dataset.path}: stream sample {int(idx[row])} holds token id "
+                f"{int(out[row].max())}, but model.vocab_size={self.max_id} (the dataset's "
+                f"index records no vocabulary). Fix: set model.vocab_size to the tokenizer's "
+                f"vocabulary.")
+        return torch.from_numpy(out)
 
     @property
     def identity(self) -> dict:

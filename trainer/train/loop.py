@@ -18,6 +18,7 @@ from hydra.errors import CompactHydraException
 from trainer.checkpoint import dcp as checkpoint
 from trainer.config import ConfigError
 from trainer.data.batch import rank_micro_batches
+from trainer.data.source import DataSource
 from trainer.data.stream import BlendedStream, SampleStream
 from trainer.launch.signals import PREEMPT, Interrupted, PreemptionWatch, code_of, signal_of
 from trainer.report.metrics import MetricsLogger
@@ -33,10 +34,13 @@ def open_streams(spec: RunSpec) -> tuple[Stream, Stream | None]:
     """The train and valid streams of data.path, or of each part of data.blend, mixed."""
     seq, seed, blend = spec.layout.seq_length, spec.config.data.seed, spec.data.blend
 
+    def max_id(source: DataSource) -> int | None:  # ids a Megatron dataset is checked against
+        return source.vocab_size if source.megatron else None
+
     def stream(split: str, shuffle: bool) -> Stream:
         if not blend:  # checked when the spec was settled
-            return SampleStream(spec.data.open(), split, seq, seed, shuffle)
-        return BlendedStream([SampleStream(part.open(), split, seq, seed, shuffle)
+            return SampleStream(spec.data.open(), split, seq, seed, shuffle, max_id(spec.data))
+        return BlendedStream([SampleStream(part.open(), split, seq, seed, shuffle, max_id(part))
                               for _, part in blend], [weight for weight, _ in blend])
 
     return stream("train", True), stream("valid", False) if spec.plan.eval_interval else None
