@@ -101,7 +101,7 @@ def build_fsdp2(rank: int, world: int) -> tuple[Step, Callable[[], int]]:
     model = Transformer(MODEL)
     model.init_weights(SEED)
     mesh = init_device_mesh("cpu", (world,))
-    for block in model.layers:
+    for block in model.layers.values():
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
     for module in model.modules():

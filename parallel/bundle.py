@@ -49,6 +49,17 @@ class GradReduceQueue:
         accumulate(pending.wait())
 
 
+class _Pass:
+    """One forward pass through a bundle's block: its recorded uses whose backward has not run
+    yet, and the gradients their backwards formed so far. A pipeline runs several passes
+    (micro-batches) forward before their backwards, so each pass's gradients are reduced, and
+    the weights its backward gathered freed, when that pass's own backward is done."""
+
+    def __init__(self) -> None:
+        self.pending = 0
+        self.grads: dict[int, torch.Tensor] = {}
+
+
 class _Gathered:
     """One all-gather of a bundle's shards, maybe still in flight; weights() waits for it and
     cuts the message into each member's full TP-local weight."""
@@ -58,6 +69,7 @@ class _Gathered:
         self._bundle = bundle
         self._weights: list[torch.Tensor] | None = None
         self.used = False  # its first use starts the neighbour's gather (overlap)
+        self.forward_pass = _Pass()  # the pass these weights serve, when gathered for forward
 
     def weights(self) -> list[torch.Tensor]:
         if self._weights is None:
@@ -83,10 +95,10 @@ class ShardBundle:
     forward: the first use gathers every member's weight (unless the previous block already
     started it); they are freed when the block's forward ends (release_forward, a forward hook
     on the block set by parallelize), so a member may run twice.
-    backward: every use recorded in the autograd graph is counted; the first backward use
-    gathers the weights again, each use's gradient is added to its member's, and when the
-    last counted use is done one reduce-scatter returns all shard gradients, and the gathered
-    weights are freed.
+    backward: every use recorded in the autograd graph is counted, per forward pass; the first
+    backward use gathers the weights again, each use's gradient is added to its member's, and
+    when the pass's last counted use is done one reduce-scatter returns all shard gradients,
+    and the gathered weights are freed.
     recompute: a forward run inside backward (the block's own, before its backward) takes the
     backward's gather, so recompute and backward share one; it is not a recorded use.
     overlap (parallelize links neighbours): the first forward use starts `next`'s gather, the
@@ -102,8 +114,7 @@ class ShardBundle:
         self.previous: ShardBundle | None = None
         self._forward: _Gathered | None = None
         self._backward: _Gathered | None = None
-        self._pending = 0  # recorded uses whose backward has not run yet
-        self._grads: dict[int, torch.Tensor] = {}
+        self._pending = 0  # recorded uses whose backward has not run yet, over all passes
 
     def add(self, shard: torch.nn.Parameter, rows: int) -> int:
         self.members.append((shard, rows))
@@ -130,11 +141,12 @@ class ShardBundle:
         if self._backward is None:
             self._backward = self._gather(early=True)
 
-    def forward_weight(self, index: int, needs_grad: bool) -> torch.Tensor:
+    def forward_weight(self, index: int, needs_grad: bool
+                       ) -> tuple[torch.Tensor, _Pass | None]:
         """`needs_grad`: this use enters the autograd graph, so (outside a recompute) its
-        backward will come."""
-        if _in_backward():
-            return self._backward_weights()[index]
+        backward will come. Returns the weight and the pass its backward belongs to."""
+        if _in_backward():  # recompute: the original forward counted this use
+            return self._backward_weights()[index], None
         if self._forward is None:
             self._forward = self._gather()
         if not self._forward.used:
@@ -142,7 +154,8 @@ class ShardBundle:
             if self.next is not None:
                 self.next.prefetch_forward()
         self._pending += needs_grad
-        return self._forward.weights()[index]
+        self._forward.forward_pass.pending += needs_grad
+        return self._forward.weights()[index], self._forward.forward_pass
 
     def release_forward(self) -> None:
         if self._forward is not None:
@@ -162,24 +175,26 @@ class ShardBundle:
                 self.previous.prefetch_backward()
         return self._backward.weights()
 
-    def add_grad(self, index: int, grad_full: torch.Tensor) -> None:
-        previous = self._grads.get(index)
-        self._grads[index] = grad_full if previous is None else previous + grad_full
+    def add_grad(self, index: int, grad_full: torch.Tensor, forward_pass: _Pass) -> None:
+        grads = forward_pass.grads
+        previous = grads.get(index)
+        grads[index] = grad_full if previous is None else previous + grad_full
         self._pending -= 1
-        if self._pending > 0:
+        forward_pass.pending -= 1
+        if forward_pass.pending > 0:
             return
         size = self.group.size
         parts = []
         for i, (shard, rows) in enumerate(self.members):
-            grad = self._grads.get(i)
+            grad = grads.get(i)
             if grad is None:  # a member this forward did not use
                 grad = shard.new_zeros((rows, *shard.shape[1:]))
             parts.append(F.pad(grad, (0, 0, 0, shard.shape[0] * size - rows)).view(size, -1))
         flat = torch.cat(parts, dim=1).reshape(-1)
         if self.dtypes.reduce is not None:
             flat = flat.to(self.dtypes.reduce)
-        self._grads.clear()
-        self._backward = None  # the block's backward is done: its weights go
+        grads.clear()
+        self._backward = None  # the pass's backward is done: its weights go
         if self.reduce_queue is None:
             self._accumulate(self.group.reduce_scatter(flat))
         else:
@@ -212,7 +227,8 @@ class _BundledLinear(torch.autograd.Function):
         ctx.bundle, ctx.index = bundle, index
         x = autocast_input(x)
         ctx.save_for_backward(x)
-        return F.linear(x, bundle.forward_weight(index, needs_grad))
+        weight, ctx.forward_pass = bundle.forward_weight(index, needs_grad)
+        return F.linear(x, weight)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
@@ -222,7 +238,7 @@ class _BundledLinear(torch.autograd.Function):
         grad_x = grad_y @ weight if ctx.needs_input_grad[0] else None
         grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(
             grad_y.dtype)
-        bundle.add_grad(index, grad_w.to(bundle.members[index][0].dtype))
+        bundle.add_grad(index, grad_w.to(bundle.members[index][0].dtype), ctx.forward_pass)
         return grad_x, None, None, None, None  # the shard's gradient was added by the bundle
 
 

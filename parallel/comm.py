@@ -3,7 +3,8 @@
 Every byte the engine moves goes through a Group, so benchmarks and logs can read bytes per step
 by collective kind. Bytes are what this rank sends under the bandwidth-optimal ring algorithm
 (NCCL's "bus bytes"): all-gather and reduce-scatter (n-1) x shard, all-reduce 2(n-1)/n x tensor,
-all-to-all (n-1)/n x tensor (the part it keeps does not move), point-to-point the tensor. A
+all-to-all (n-1)/n x tensor (the part it keeps does not move), point-to-point the tensor,
+broadcast the tensor on its root. A
 group of one rank moves nothing and calls nothing. A collective started asynchronously
 (start_*) is counted when it starts, and once more in `overlapped`, so a test can tell overlap
 from a synchronous fallback.
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE = "all_gather", "reduce_scatter", "all_reduce"
-ALL_TO_ALL, P2P = "all_to_all", "p2p"
+ALL_TO_ALL, P2P, BROADCAST = "all_to_all", "p2p", "broadcast"
 
 # torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old ones.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -68,6 +69,10 @@ class Pending:
             for work in self._works[:self._sends]:
                 work.wait()
             self._works, self._source, self._sends = self._works[self._sends:], None, 0
+
+    def completed(self) -> bool:
+        """Whether it has completed (without waiting)."""
+        return all(work.is_completed() for work in self._works)
 
     def wait(self) -> Any:
         for work in self._works:
@@ -145,6 +150,29 @@ class Group:
         self.stats.record(self.kind, ALL_REDUCE, 2 * (self.size - 1) * _nbytes(tensor) // self.size)
         dist.all_reduce(tensor, op=op, group=self.handle)
         return tensor
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
+        """In place: every member gets group rank `root`'s `tensor`."""
+        if self.size == 1:
+            return tensor
+        self.stats.record(self.kind, BROADCAST, _nbytes(tensor) if self.rank == root else 0)
+        dist.broadcast(tensor, group=self.handle, group_src=root)
+        return tensor
+
+    def start_send(self, tensor: torch.Tensor, peer: int, tag: int) -> Pending:
+        """Point-to-point to group rank `peer`; the receiver's start_recv has the same tag (a
+        tag per message, so messages between two ranks match whatever order they are posted
+        in). Pending.wait() once the tensor may be reused."""
+        source = tensor.contiguous()
+        self.stats.record(self.kind, P2P, _nbytes(source), True)
+        return Pending(None, dist.isend(source, group=self.handle, group_dst=peer, tag=tag),
+                       source)
+
+    def start_recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
+                   peer: int, tag: int) -> Pending:
+        """The message group rank `peer` sends with `tag`, into a new tensor (Pending.wait())."""
+        out = self._new(torch.empty(0, dtype=dtype, device=device), shape)
+        return Pending(out, dist.irecv(out, group=self.handle, group_src=peer, tag=tag))
 
 
     def all_to_all(self, parts: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ a group; there are no module-level groups.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -32,8 +33,11 @@ class Groups:
     stats: CommStats
 
 
-def build_groups(layout: Layout, stats: CommStats | None = None) -> Groups:
-    """Collective: every rank of the initialised default process group must call it."""
+def build_groups(layout: Layout, stats: CommStats | None = None,
+                 timeout: timedelta | None = None) -> Groups:
+    """Collective: every rank of the initialised default process group must call it.
+    `timeout`: how long a collective of these groups waits for a peer before it fails (torch's
+    new_group does not inherit the default group's; it would wait 30 minutes)."""
     if not dist.is_initialized():
         raise RuntimeError("build_groups needs torch.distributed to be initialised first")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -52,7 +56,7 @@ def build_groups(layout: Layout, stats: CommStats | None = None) -> Groups:
             key = tuple(ranks)
             if key not in handles:
                 # A one-rank group needs no process group; same-ranks groups share one.
-                handles[key] = dist.new_group(ranks) if len(ranks) > 1 else None
+                handles[key] = dist.new_group(ranks, timeout=timeout) if len(ranks) > 1 else None
             if rank in ranks:
                 mine[name] = Group(name, ranks, rank, handles[key], stats)
     for name, group in mine.items():

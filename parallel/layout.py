@@ -54,6 +54,9 @@ CONFIG_KEY = {
     "tensor_parallel_num_sequence_shards": "parallel.tensor_parallel_num_sequence_shards",
     "context_parallel_size": "parallel.context_parallel_size",
     "pipeline_model_parallel_size": "parallel.pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size": "parallel.virtual_pipeline_model_parallel_size",
+    "num_layers_in_first_pipeline_stage": "parallel.num_layers_in_first_pipeline_stage",
+    "num_layers_in_last_pipeline_stage": "parallel.num_layers_in_last_pipeline_stage",
     "micro_batch_size": "train.micro_batch_size",
     "global_batch_size": "train.global_batch_size",
     "seq_length": "train.seq_length",
@@ -102,6 +105,9 @@ class Layout:
     tensor_parallel_num_sequence_shards: int | None = None
     context_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: int | None = None  # model chunks per stage; null = 1
+    num_layers_in_first_pipeline_stage: int | None = None  # null: the even split
+    num_layers_in_last_pipeline_stage: int | None = None
     micro_batch_size: int = 1
     global_batch_size: int | None = None
     seq_length: int | None = None
@@ -121,6 +127,9 @@ class Layout:
             tensor_parallel_num_sequence_shards=parallel.tensor_parallel_num_sequence_shards,
             context_parallel_size=parallel.context_parallel_size,
             pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
+            num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_pipeline_stage,
+            num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage,
             micro_batch_size=train.micro_batch_size,
             global_batch_size=train.global_batch_size,
             seq_length=train.seq_length,
@@ -136,6 +145,7 @@ class Layout:
         self._check_world_size()
         self._check_batch()
         self._check_seq_length()
+        self._check_pipeline()
 
     # ----------------------------------------------------------------------------- validation
 
@@ -144,7 +154,8 @@ class Layout:
             raise LayoutError(
                 f"parallel.sequence_parallel={self.sequence_parallel!r} must be true or false.")
         optional = ("tensor_parallel_num_weight_shards", "tensor_parallel_num_sequence_shards",
-                    "global_batch_size", "seq_length")
+                    "global_batch_size", "seq_length", "virtual_pipeline_model_parallel_size",
+                    "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
         for name, key in CONFIG_KEY.items():
             value = getattr(self, name)
             if name == "sequence_parallel" or (value is None and name in optional):
@@ -229,6 +240,28 @@ class Layout:
             f"train.seq_length={seq} must be divisible by {' and by '.join(why)}. Fix: set "
             f"train.seq_length to a multiple of {multiple} ({multiples_near(seq, multiple)}).")
 
+    def _check_pipeline(self) -> None:
+        pp, v, m = self.pp_size, self.virtual_pipeline_size, self.num_microbatches
+        step = self.micro_batch_size * self.batch_parallel_size
+        v_key = CONFIG_KEY["virtual_pipeline_model_parallel_size"]
+        if v > 1 and pp == 1:
+            raise LayoutError(
+                f"{v_key}={v} interleaves pipeline stages, but "
+                f"parallel.pipeline_model_parallel_size=1. Fix: set {v_key}=null, or PP > 1.")
+        if v > 1 and m % pp:
+            raise LayoutError(
+                f"{v_key}={v}: the interleaved schedule runs micro-batches in groups of PP, so "
+                f"their number ({m} = train.global_batch_size {self.global_batch_size} / "
+                f"(train.micro_batch_size {self.micro_batch_size} x batch_parallel_size "
+                f"{self.batch_parallel_size})) must be divisible by "
+                f"parallel.pipeline_model_parallel_size={pp}. Fix: set train.global_batch_size "
+                f"to {multiples_near(self.global_batch_size, pp * step)}.")
+        for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+            if getattr(self, name) is not None and pp == 1:
+                raise LayoutError(f"{CONFIG_KEY[name]}={getattr(self, name)} needs "
+                                  f"parallel.pipeline_model_parallel_size > 1. Fix: set it to "
+                                  f"null.")
+
     # -------------------------------------------------------------------------- derived sizes
 
     @property
@@ -238,6 +271,10 @@ class Layout:
     @property
     def pp_size(self) -> int:
         return self.pipeline_model_parallel_size
+
+    @property
+    def virtual_pipeline_size(self) -> int:
+        return self.virtual_pipeline_model_parallel_size or 1
 
     @property
     def sp_degree(self) -> int:
@@ -296,6 +333,54 @@ class Layout:
         """Elements of a flat buffer of `numel` that one weight_replica rank updates: padded up
         to a multiple of the replicas (ZeRO-1 over weight_replica)."""
         return -(-numel // self.num_weight_replicas)
+
+    def pipeline_layers(self, num_layers: int) -> list[range]:
+        """The blocks of each model chunk, in model order (chunk c = virtual index x PP +
+        stage): contiguous ranges. The ends take num_layers_in_first/last_pipeline_stage when
+        set, the other stages split the rest evenly, and each stage's blocks split evenly over
+        its virtual chunks. A split that does not divide raises, naming the keys."""
+        pp, v = self.pp_size, self.virtual_pipeline_size
+        first, last = (self.num_layers_in_first_pipeline_stage,
+                       self.num_layers_in_last_pipeline_stage)
+        fixed = {s: n for s, n in ((0, first), (pp - 1, last)) if n is not None}
+        if pp == 1:
+            fixed = {}
+        keys = [CONFIG_KEY[k] for k, n in (("num_layers_in_first_pipeline_stage", first),
+                                            ("num_layers_in_last_pipeline_stage", last))
+                if n is not None]
+        rest, free = num_layers - sum(fixed.values()), pp - len(fixed)
+        given = f" (model.num_layers={num_layers}" + "".join(
+            f", {k}={n}" for k, n in zip(keys, fixed.values())) + ")"
+        ends = " and ".join(keys) or "parallel.num_layers_in_first/last_pipeline_stage"
+        if rest < 0 or (free == 0 and rest):
+            raise LayoutError(
+                f"the fixed stage layer counts add up to {sum(fixed.values())}, "
+                f"{'more than' if rest < 0 else 'not'} the model's{given}. Fix: change {ends} "
+                f"so that they do.")
+        if free and rest % free:
+            raise LayoutError(
+                f"{rest} layers do not split evenly over the {free} pipeline stage(s) without a "
+                f"fixed count{given}. Fix: set parallel.pipeline_model_parallel_size so that "
+                f"they do, or {ends} to move layers to the first or last stage.")
+        per_stage = [fixed.get(s, rest // free if free else 0) for s in range(pp)]
+        for stage, n in enumerate(per_stage):
+            if n < v or n % v:
+                v_key = CONFIG_KEY["virtual_pipeline_model_parallel_size"]
+                raise LayoutError(
+                    f"pipeline stage {stage} gets {n} layer(s){given}, which do not split into "
+                    f"{v} model chunk(s) of at least one layer ({v_key}={v}). Fix: change "
+                    f"{v_key}, parallel.pipeline_model_parallel_size or the stage layer counts.")
+        out, start = [], 0
+        for chunk in range(pp * v):
+            size = per_stage[chunk % pp] // v
+            out.append(range(start, start + size))
+            start += size
+        return out
+
+    def stage_chunks(self, stage: int, num_layers: int) -> list[range]:
+        """The blocks of each of `stage`'s virtual chunks, in chunk order."""
+        chunks = self.pipeline_layers(num_layers)
+        return [chunks[c * self.pp_size + stage] for c in range(self.virtual_pipeline_size)]
 
     def derived(self) -> dict[str, int]:
         """The values the config's read-only `layout` node carries, in DERIVED_KEYS order."""

@@ -18,6 +18,8 @@ from parallel.comm import Group
 from parallel.context import context_attention
 from parallel.groups import Groups
 from parallel.layout import Layout
+from parallel.pipeline.runner import PipelineRunner
+from parallel.pipeline.stages import Pruned, StagePart, chunk_view, prune
 from parallel.plan import ParallelPlan
 from parallel.sharding import CommDtypes
 from parallel.tensor import (
@@ -42,6 +44,7 @@ class CommOptions:
     overlap_param_gather: bool = False  # the next block's gather runs while this one computes
     overlap_grad_reduce: bool = False  # a block's reduce-scatter runs during earlier blocks'
     cp_comm_type: str = "p2p"  # context parallel attention: p2p (ring), all_gather or a2a
+    pipeline_schedule: str = "1f1b"  # parallel.pipeline.schedules.SCHEDULES
 
     def dtypes(self, compute_dtype: torch.dtype) -> CommDtypes:
         if compute_dtype == torch.float32:  # no autocast: messages in the masters' dtype
@@ -56,8 +59,13 @@ class ParallelModel(nn.Module):
     def __init__(self, module: nn.Module, groups: Groups, sequence_parallel: bool, head: str,
                  compute_dtype: torch.dtype = torch.float32,
                  bundles: list[ShardBundle] | None = None,
-                 reduce_queue: GradReduceQueue | None = None, vocab_size: int | None = None):
+                 reduce_queue: GradReduceQueue | None = None, vocab_size: int | None = None,
+                 stage: Stage | None = None):
         super().__init__()
+        # The pipeline stage this rank runs (all of the model without pipeline parallelism);
+        # its chunk views are not submodules, so each parameter is registered once.
+        self.stage = stage or Stage(StagePart([], True, True), [module], Pruned([], []))
+        self.runner: PipelineRunner | None = None  # set by parallelize: runs the micro-batches
         self.module, self.groups, self.sequence_parallel = module, groups, sequence_parallel
         self.bundles, self.reduce_queue = bundles or [], reduce_queue
         # bf16: autocast the forward (and so the backward) while weights, gradients and
@@ -68,13 +76,44 @@ class ParallelModel(nn.Module):
         # Whole on every rank of a weight tile (norms): gradients need a sum over gtp_remat, and
         # over TP too with SP (each TP rank saw different tokens).
         self.replicated = [(n, p) for n, p in module.named_parameters() if n not in sharded]
-        self.vocab_start = self.layers[head].tp.rank * self.layers[head].rows
+        self.vocab_start = (self.layers[head].tp.rank * self.layers[head].rows
+                            if head in self.layers else 0)
         self.vocab_size = vocab_size  # logits of ids at or past it are padding
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.forward_chunk(0, tokens, positions)
+
+    def forward_chunk(self, chunk: int, inputs: torch.Tensor, positions: torch.Tensor
+                      ) -> torch.Tensor:
+        """This rank's virtual pipeline chunk `chunk` (the whole model without pipelining):
+        tokens or hidden states in, hidden states or logits out."""
         autocast = self.compute_dtype != torch.float32
-        with torch.autocast(tokens.device.type, dtype=self.compute_dtype, enabled=autocast):
-            return self.module(tokens, positions)
+        with torch.autocast(inputs.device.type, dtype=self.compute_dtype, enabled=autocast):
+            return self.stage.chunks[chunk](inputs, positions)
+
+    @property
+    def stage_copies(self) -> set[str]:
+        """Parameters this stage holds as a copy another stage owns (tied embeddings on the
+        last stage): the owner's optimizer updates and saves them."""
+        return {f"{h}.weight" for h in self.stage.pruned.holders}
+
+    def reduce_embedding_grads(self) -> None:
+        """Tied embeddings across stages: sum the shared weight's gradient over the embedding
+        group (first and last stage), before the optimizer reads it; the copy's is then done."""
+        for name in self.stage.pruned.shared:
+            param = self.module.get_parameter(name)
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            self.groups.embedding.all_reduce(param.grad)
+            if name in self.stage_copies:
+                param.grad = None
+
+    @torch.no_grad()
+    def sync_stage_copies(self) -> None:
+        """The owner's (first stage's) value of every shared weight into its copies: after an
+        update or a load. Collective over the embedding group."""
+        for name in self.stage.pruned.shared:
+            self.groups.embedding.broadcast(self.module.get_parameter(name).data, root=0)
 
     def token_losses(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, labels, self.groups.tp, self.vocab_start,
@@ -137,6 +176,16 @@ class ParallelModel(nn.Module):
         return out
 
 
+@dataclass
+class Stage:
+    """The pipeline stage a rank runs: its part, one view of the model per virtual chunk, and
+    what pruning the model for it kept only as a copy (tied embeddings)."""
+
+    part: StagePart
+    chunks: list[nn.Module]
+    pruned: Pruned
+
+
 def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Groups, rank: int,
                 device: torch.device, compute_dtype: torch.dtype = torch.float32,
                 options: CommOptions = CommOptions(), vocab_size: int | None = None
@@ -146,10 +195,14 @@ def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Gr
     vocab_size: the head's logits from this id on are padding (excluded from the loss).
     A weight the model shares between layers (tied embeddings) stays one parameter: both
     replacements store the same shard, and autograd sums the two uses' gradients into it."""
-    if layout.pp_size > 1:
-        raise NotImplementedError("pipeline stages are not supported in training yet")
     tp, gtp, sp = groups.tp, groups.gtp_remat, layout.sequence_parallel and layout.tp_size > 1
     dtypes = options.dtypes(compute_dtype)
+    stage = layout.coords(rank).pp
+    part = StagePart(layout.stage_chunks(stage, len(getattr(model, plan.blocks))),
+                     stage == 0, stage == layout.pp_size - 1)
+    pruned = Pruned([], [])
+    if layout.pp_size > 1:  # before anything is allocated: a rank holds its stage only
+        pruned = prune(model, plan, part, _shared_weights(model))
     ties = _shared_weights(model)
     for name, child in list(model.named_modules()):
         replacement = _parallel_layer(name, child, plan, tp, gtp, sp, dtypes)
@@ -165,6 +218,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Gr
         _tie(model.get_submodule(name), model.get_submodule(owner), name, owner)
     queue = GradReduceQueue() if options.overlap_grad_reduce and gtp.size > 1 else None
     bundles: dict[str, ShardBundle] = {}
+    chunk_of = {f"{plan.blocks}.{i}": c for c, blocks in enumerate(part.chunks) for i in blocks}
     if gtp.size > 1:  # one collective per transformer block, not one per weight
         for name, child in model.named_modules():  # blocks in forward order
             if isinstance(child, ParallelLinear) and name.startswith(f"{plan.blocks}."):
@@ -175,15 +229,20 @@ def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Gr
         for block, bundle in bundles.items():  # the gathered weights live for one block forward
             model.get_submodule(block).register_forward_hook(
                 lambda module, args, output, bundle=bundle: bundle.release_forward())
-        if options.overlap_param_gather:
-            link(list(bundles.values()))
+        if options.overlap_param_gather:  # within a chunk: its blocks run one after another
+            for chunk in range(len(part.chunks)):
+                link([b for name, b in bundles.items() if chunk_of[name] == chunk])
     if layout.runtime_context_parallel_size > 1:
         attention = context_attention(options.cp_comm_type, groups.context, layout, rank)
         for module in model.modules():
             if hasattr(module, "attention_fn"):
                 module.attention_fn = attention
-    return ParallelModel(model, groups, sp, plan.head, compute_dtype, list(bundles.values()),
-                         queue, vocab_size)
+    chunks = ([chunk_view(model, plan, part, c) for c in range(len(part.chunks))]
+              if layout.pp_size > 1 else [model])
+    parallel = ParallelModel(model, groups, sp, plan.head, compute_dtype,
+                             list(bundles.values()), queue, vocab_size, Stage(part, chunks, pruned))
+    parallel.runner = PipelineRunner(parallel, layout, options.pipeline_schedule, plan.hidden_size)
+    return parallel
 
 
 def _shared_weights(model: nn.Module) -> dict[str, str]:

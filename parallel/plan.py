@@ -15,7 +15,13 @@ class ParallelPlan:
     linears: dict[str, tuple[str, tuple[int, ...]]]
     embedding: str  # the token embedding (vocab-parallel)
     head: str  # the output projection whose logits feed the vocab-parallel loss
-    blocks: str  # the ModuleList of blocks; each block's sharded linears share one bundle
+    # The blocks, a ModuleDict keyed by block index; each block's sharded linears share one
+    # bundle. A pipeline stage keeps some of them (names unchanged), and drops the embedding or
+    # the final norm and head where it does not run them: the model's forward must accept those
+    # as None (it then takes, or returns, hidden states).
+    blocks: str
+    final_norm: str  # the norm before the head (on the last pipeline stage)
+    hidden_size: int  # width of the hidden states between blocks (what crosses stages)
     # Function attributes of a block's modules that selective recompute wraps (Megatron's
     # selective: the attention core and the MLP activation), by attribute name.
     recompute_hooks: tuple[str, ...] = ()

@@ -116,6 +116,15 @@ class ParallelConfig:
     tensor_parallel_num_sequence_shards: Optional[int] = MISSING  # null = SP degree
     context_parallel_size: int = MISSING
     pipeline_model_parallel_size: int = MISSING
+    # The order a stage runs its micro-batches in (parallel.pipeline.schedules.SCHEDULES):
+    # 1f1b (up to PP in flight), interleaved_1f1b (virtual chunks per stage: a smaller bubble
+    # for more messages) or gpipe (every forward, then every backward).
+    pipeline_schedule: str = MISSING
+    # Megatron's names. Model chunks per stage for interleaved_1f1b (null = 1), and blocks on
+    # the first and last stage (null: an even split; the others split the rest evenly).
+    virtual_pipeline_model_parallel_size: Optional[int] = MISSING
+    num_layers_in_first_pipeline_stage: Optional[int] = MISSING
+    num_layers_in_last_pipeline_stage: Optional[int] = MISSING
     # Communication (Megatron's flag names): how weight gathers and gradient reductions run;
     # they change bytes and timing, never the result.
     grad_reduce_in_bf16: bool = MISSING  # bf16 only: reduce-scatter gradients in bf16

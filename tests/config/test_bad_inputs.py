@@ -39,6 +39,7 @@ TP2 = ("parallel.tensor_model_parallel_size=2 parallel.sequence_parallel=true "
 TP4 = ("parallel.tensor_model_parallel_size=4 parallel.sequence_parallel=true "
        "cluster.procs_per_node=4")
 SHORT = "train.train_samples=64"  # a real start that wrongly passed would still end soon
+PP2 = "cluster.procs_per_node=2 parallel.pipeline_model_parallel_size=2"
 
 
 @dataclass(frozen=True)
@@ -91,8 +92,30 @@ TABLE = [
       "parallel.context_parallel_size=4 parallel.cp_comm_type=a2a",
       ("parallel.cp_comm_type=a2a", "model.num_query_groups=2", "runtime CP = 4")),
     R(f"model.ffn_hidden_size=177 {TP2}", ("model.ffn_hidden_size=177",)),
-    R("parallel.pipeline_model_parallel_size=2 cluster.procs_per_node=2",
-      ("parallel.pipeline_model_parallel_size=2",)),
+    # pipeline stages: the layer split, the schedule and its micro-batches
+    R("model.num_layers=3 cluster.procs_per_node=2 parallel.pipeline_model_parallel_size=2",
+      ("model.num_layers=3", "2 pipeline stage(s)")),
+    R("model.num_layers=4 cluster.procs_per_node=2 parallel.pipeline_model_parallel_size=2 "
+      "parallel.num_layers_in_first_pipeline_stage=5",
+      ("num_layers_in_first_pipeline_stage=5", "model.num_layers=4", "add up to 5")),
+    R("parallel.num_layers_in_last_pipeline_stage=1",
+      ("num_layers_in_last_pipeline_stage=1", "pipeline_model_parallel_size > 1")),
+    R("parallel.num_layers_in_first_pipeline_stage=0", ("num_layers_in_first_pipeline_stage=0",)),
+    R("parallel.pipeline_schedule=zigzag", ("parallel.pipeline_schedule='zigzag'", "gpipe")),
+    R(f"{PP2} parallel.pipeline_schedule=interleaved_1f1b",
+      ("interleaved_1f1b", "virtual_pipeline_model_parallel_size >= 2")),
+    R(f"{PP2} model.num_layers=4 parallel.virtual_pipeline_model_parallel_size=2 "
+      "train.global_batch_size=16",
+      ("virtual_pipeline_model_parallel_size=2", "pipeline_schedule=interleaved_1f1b")),
+    R(f"{PP2} model.num_layers=4 parallel.virtual_pipeline_model_parallel_size=2 "
+      "parallel.pipeline_schedule=interleaved_1f1b train.global_batch_size=24",
+      ("virtual_pipeline_model_parallel_size=2", "(3 =", "global_batch_size to 16 or 32")),
+    R(f"{PP2} parallel.virtual_pipeline_model_parallel_size=2 "
+      "parallel.pipeline_schedule=interleaved_1f1b train.global_batch_size=16",
+      ("pipeline stage 0 gets 1 layer(s)", "virtual_pipeline_model_parallel_size=2")),
+    R(f"{PP2} model.num_layers=4 parallel.virtual_pipeline_model_parallel_size=2 "
+      "parallel.pipeline_schedule=interleaved_1f1b train.global_batch_size=16 "
+      "model.tie_word_embeddings=true", (), OK, torch=True),
     R("model.num_layers=0", ("model.num_layers=0",)),
     R("model.vocab_size=0", ("model.vocab_size=0",)),
     R("model.vocab_size=200", ("model.vocab_size=200", "256")),

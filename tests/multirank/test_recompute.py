@@ -156,7 +156,7 @@ def saved_and_calls(rank: int) -> dict:
         out[name] = {"tensors": len(saved.sizes), "bytes": sum(saved.sizes.values()),
                      "forward": forward, "total": dict(calls), "loss": loss.item(),
                      "names": [n for n, _ in engine.model.named_parameters()],
-                     "modules": [type(m).__name__ for m in engine.model.module.layers]}
+                     "modules": [type(m).__name__ for m in engine.model.module.layers.values()]}
     return out
 
 

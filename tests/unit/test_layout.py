@@ -168,7 +168,9 @@ def test_from_config_names_the_cluster_key():
     parallel = Node(tensor_model_parallel_size=1, sequence_parallel=False,
                     tensor_parallel_num_weight_shards=None,
                     tensor_parallel_num_sequence_shards=None, context_parallel_size=1,
-                    pipeline_model_parallel_size=1)
+                    pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+                    num_layers_in_first_pipeline_stage=None,
+                    num_layers_in_last_pipeline_stage=None)
     train = Node(micro_batch_size=1, global_batch_size=None, seq_length=64)
     assert Layout.from_config(parallel, Node(num_nodes=2, procs_per_node=4), train).world_size == 8
     with pytest.raises(LayoutError, match=r"cluster.procs_per_node=0"):
@@ -199,3 +201,43 @@ def test_context_chunks_are_zigzag_and_cover_each_sequence_once():
                          for p in chunk)
         assert covered == list(range(64))
     assert Layout(2, seq_length=10).context_chunks(1) == [range(10)]
+
+
+def test_pipeline_layers_split_evenly_or_as_the_ends_say():
+    pp4 = Layout(4, pipeline_model_parallel_size=4)
+    assert pp4.pipeline_layers(8) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    ends = Layout(4, pipeline_model_parallel_size=4, num_layers_in_first_pipeline_stage=1,
+                  num_layers_in_last_pipeline_stage=3)
+    assert ends.pipeline_layers(8) == [range(0, 1), range(1, 3), range(3, 5), range(5, 8)]
+    only_first = Layout(3, pipeline_model_parallel_size=3, num_layers_in_first_pipeline_stage=2)
+    assert only_first.pipeline_layers(6) == [range(0, 2), range(2, 4), range(4, 6)]
+    with pytest.raises(LayoutError, match=r"model.num_layers=7.*do|do not split evenly"):
+        pp4.pipeline_layers(7)
+    with pytest.raises(LayoutError, match=r"num_layers_in_last_pipeline_stage=3"):
+        ends.pipeline_layers(5)  # 1 layer left for two middle stages
+
+
+def test_interleaving_places_model_chunks_round_robin():
+    """Model chunk c = virtual index x PP + stage: stage 0 of PP 2 with 2 chunks runs blocks
+    0-1 and 4-5 of 8 (Megatron's interleaved placement)."""
+    layout = Layout(2, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                    global_batch_size=4)
+    assert layout.stage_chunks(0, 8) == [range(0, 2), range(4, 6)]
+    assert layout.stage_chunks(1, 8) == [range(2, 4), range(6, 8)]
+    with pytest.raises(LayoutError, match=r"virtual_pipeline_model_parallel_size=2"):
+        layout.pipeline_layers(2)  # one layer per stage cannot make two chunks
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(world_size=2, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+          global_batch_size=3), r"their number \(3 = train.global_batch_size 3.*to 2 or 4"),
+    (dict(world_size=2, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+          global_batch_size=1), r"divisible by parallel.pipeline_model_parallel_size=2.*Fix"),
+    (dict(world_size=1, virtual_pipeline_model_parallel_size=2),
+     r"virtual_pipeline_model_parallel_size=2 interleaves"),
+    (dict(world_size=1, num_layers_in_first_pipeline_stage=1),
+     r"num_layers_in_first_pipeline_stage=1 needs parallel.pipeline_model_parallel_size > 1"),
+])
+def test_pipeline_rules_name_the_keys(kwargs, match):
+    with pytest.raises(LayoutError, match=match):
+        Layout(**kwargs)

@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from parallel.layout import Layout
-from trainer.model.plan import stage_of
-from trainer.report.memory import memory_per_stage, parameter_shapes, unsharded_memory
+from trainer.report.memory import (
+    memory_per_stage,
+    parameter_shapes,
+    stage_of,
+    unsharded_memory,
+)
 
 from test_model import TINY
 
@@ -47,6 +52,32 @@ def test_fp32_weights_gradients_and_moments_are_kept():
 def test_pipeline_stages_partition_the_model():
     stages = memory_per_stage(SHAPES, 2, Layout(2, pipeline_model_parallel_size=2))
     assert sum(s.parameters for s in stages) == unsharded_memory(SHAPES).parameters
-    assert stage_of("embed.weight", 2, 2) == 0 and stage_of("head.weight", 2, 2) == 1
-    assert [stage_of(f"layers.{i}.attn.qkv.weight", 8, 4) for i in range(8)] == [0, 0, 1, 1, 2, 2,
-                                                                               3, 3]
+    pp2, pp4 = Layout(2, pipeline_model_parallel_size=2), Layout(4, pipeline_model_parallel_size=4)
+    assert stage_of("embed.weight", pp2, 2) == 0 and stage_of("head.weight", pp2, 2) == 1
+    assert [stage_of(f"layers.{i}.attn.qkv.weight", pp4, 8) for i in range(8)] == [
+        0, 0, 1, 1, 2, 2, 3, 3]
+    assert [s.blocks for s in stages] == [(0,), (1,)]
+
+
+def test_interleaved_and_uneven_stages_place_blocks_by_model_chunk():
+    interleaved = Layout(2, pipeline_model_parallel_size=2,
+                         virtual_pipeline_model_parallel_size=2, global_batch_size=2)
+    # model chunks [0,1] [2,3] [4,5] [6,7]: stage 0 runs chunks 0 and 2
+    assert [stage_of(f"layers.{i}.mlp.down.weight", interleaved, 8) for i in range(8)] == [
+        0, 0, 1, 1, 0, 0, 1, 1]
+    uneven = Layout(4, pipeline_model_parallel_size=4, num_layers_in_first_pipeline_stage=1,
+                    num_layers_in_last_pipeline_stage=1)
+    assert [s.blocks for s in memory_per_stage(parameter_shapes(replace(TINY, num_layers=6)), 6,
+                                               uneven)] == [(0,), (1, 2), (3, 4), (5,)]
+
+
+def test_tied_embeddings_put_a_copy_outside_the_optimizer_on_the_last_stage():
+    tied = parameter_shapes(replace(TINY, tie_word_embeddings=True))
+    pp2 = Layout(2, pipeline_model_parallel_size=2)
+    first, last = memory_per_stage(tied, 2, pp2, tie_word_embeddings=True)
+    untied_last = memory_per_stage(tied, 2, pp2)[1]
+    embedding = 256 * 64
+    assert last.param_bytes - untied_last.param_bytes == 4 * embedding
+    assert last.grad_bytes - untied_last.grad_bytes == 4 * embedding
+    assert last.optim_bytes == untied_last.optim_bytes
+    assert first.optim_bytes >= 8 * embedding

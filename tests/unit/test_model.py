@@ -63,12 +63,13 @@ def test_bad_head_count_is_a_clear_error():
         Transformer(bad)
 
 
-def test_training_refuses_what_the_engine_cannot_split_yet():
+def test_training_refuses_what_the_engine_cannot_split():
     from parallel.layout import Layout
     from trainer.spec.checks import check_model_fits_layout
 
-    with pytest.raises(ValueError, match="pipeline stages are not supported in training yet"):
-        check_model_fits_layout(TINY, Layout(2, pipeline_model_parallel_size=2))
+    with pytest.raises(ValueError, match="2 layers do not split evenly over the 4 pipeline"):
+        check_model_fits_layout(TINY, Layout(4, pipeline_model_parallel_size=4))
+    check_model_fits_layout(TINY, Layout(2, pipeline_model_parallel_size=2))
     with pytest.raises(ValueError, match="model.num_heads=4 is not divisible by "
                                          "parallel.tensor_model_parallel_size=8"):
         check_model_fits_layout(TINY, Layout(8, tensor_model_parallel_size=8))

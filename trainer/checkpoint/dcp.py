@@ -113,8 +113,10 @@ def _tensors(engine: Engine, moments_views: dict) -> dict[str, Chunked]:
     model, out = engine.model, {}
     for name, param in model.module.named_parameters():
         shape = model.global_shape(name)
-        avg, avg_sq = moments_views[name]
         out[f"model.{name}"] = Chunked(shape, model.global_chunks(name, param.data))
+        if name in model.stage_copies:  # the same values as its owner's; no moments here
+            continue
+        avg, avg_sq = moments_views[name]
         out[f"optim.exp_avg.{name}"] = Chunked(shape, model.global_chunks(name, avg))
         out[f"optim.exp_avg_sq.{name}"] = Chunked(shape, model.global_chunks(name, avg_sq))
     return out

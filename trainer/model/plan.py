@@ -7,7 +7,7 @@ from __future__ import annotations
 from parallel.plan import ParallelPlan, by_suffix
 from trainer.config import ModelConfig
 
-EMBEDDING, HEAD, BLOCKS = "embed", "head", "layers"
+EMBEDDING, HEAD, BLOCKS, FINAL_NORM = "embed", "head", "layers", "norm"
 # Module-name suffix -> TP style. Column then row keeps one collective per pair; the head's
 # vocab-parallel logits feed the vocab-parallel loss.
 TP_STYLES = {"attn.qkv": "column", "attn.o": "row", "mlp.gate_up": "column", "mlp.down": "row",
@@ -23,7 +23,9 @@ def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
         linears={name: (style, fused.get(name, (1,))) for name, style in TP_STYLES.items()},
         embedding=EMBEDDING,  # vocab-parallel: rows split over TP like the head
         head=HEAD,
-        blocks=BLOCKS,  # the ModuleList of transformer blocks: one weight-gather bundle each
+        blocks=BLOCKS,  # the transformer blocks by index: one weight-gather bundle each
+        final_norm=FINAL_NORM,
+        hidden_size=cfg.hidden_size,
         # Cheap to recompute, costly to keep: the softmax(QK^T)V core and silu(gate) * up.
         recompute_hooks=("attention_fn", "activation_fn"),
     )
@@ -32,12 +34,3 @@ def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
 def tp_style(name: str) -> str:
     """The TP style of linear module `name` (the same for every model shape)."""
     return by_suffix(TP_STYLES, name)
-
-
-def stage_of(name: str, num_layers: int, num_stages: int) -> int:
-    """The pipeline stage of parameter `name`: a contiguous, balanced split of the blocks;
-    embedding first, final norm and head last."""
-    prefix = f"{BLOCKS}."
-    if name.startswith(prefix):
-        return int(name[len(prefix):].split(".")[0]) * num_stages // num_layers
-    return 0 if name.startswith(f"{EMBEDDING}.") else num_stages - 1

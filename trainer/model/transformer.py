@@ -128,7 +128,11 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """tokens [batch, seq] (+ positions [batch, seq]) -> logits [batch, seq, vocab]."""
+    """tokens [batch, seq] (+ positions [batch, seq]) -> logits [batch, seq, vocab].
+
+    A pipeline stage (parallel.pipeline.stages) sets the embedding, or the final norm and head,
+    to None where another stage runs them: it then takes hidden states [batch, seq, hidden]
+    instead of tokens, or returns them instead of logits."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -138,7 +142,8 @@ class Transformer(nn.Module):
         # looked up, and the loss excludes their logits (vocab_size tells it where they start).
         self.vocab_size = cfg.vocab_size
         self.embed = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
+        # By index, so a pipeline stage that keeps some blocks keeps their names (layers.i).
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False)
         if cfg.tie_word_embeddings:  # one parameter, named embed.weight; both uses add grads
@@ -146,11 +151,12 @@ class Transformer(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         if positions is None:
-            positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
-        x = self.embed(tokens)
-        for block in self.layers:
+            positions = torch.arange(tokens.shape[1], device=tokens.device).expand(
+                tokens.shape[:2])
+        x = tokens if self.embed is None else self.embed(tokens)
+        for block in self.layers.values():
             x = block(x, positions)
-        return self.head(self.norm(x))
+        return x if self.head is None else self.head(self.norm(x))
 
     def initial_values(self, name: str, full: tuple[int, ...], offsets: tuple[int, ...],
                        shape: tuple[int, ...], seed: int) -> torch.Tensor:

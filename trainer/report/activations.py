@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallel.layout import Layout
+from parallel.pipeline.schedules import FORWARD, Action
 from trainer.config import CPCommType, ModelConfig, Precision, RecomputeGranularity
 from trainer.train.options import EngineOptions
 
@@ -132,16 +133,35 @@ class StepMemory:
                 + self.logits_bytes + self.gathered_bytes)
 
 
+def stage_activation_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
+                           chunks: list[range], last: bool, actions: list[Action]) -> int:
+    """The most a pipeline stage keeps at once: its schedule (`actions`) runs micro-batches
+    forward before their backwards, so the activations of every (micro-batch, chunk) in flight
+    are alive together (1F1B: up to PP micro-batches on the first stage; without pipeline
+    parallelism one). `chunks`: the stage's blocks by virtual chunk; `last`: it holds the head."""
+    k, e, comm = Tokens.of(layout), compute_bytes(options.precision), options.cp_comm_type
+    per_chunk = [sum(block_activation_bytes(m, k, e, options.recomputes(i), comm)
+                     for i in chunk) for chunk in chunks]
+    if last:
+        per_chunk[-1] += head_activation_bytes(m, k, e)
+    alive = peak = 0
+    for action in actions:
+        alive += per_chunk[action.chunk] * (1 if action.kind == FORWARD else -1)
+        peak = max(peak, alive)
+    return peak
+
+
 def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, blocks: list[int],
-                block_weights: int, largest_weight: int, head_weights: int) -> StepMemory:
+                block_weights: int, largest_weight: int, head_weights: int, kept: int,
+                last: bool = True) -> StepMemory:
     """For the blocks in `blocks` (a pipeline stage's). block_weights: TP-local elements of
     one block's 2-D weights as gathered over GTP_remat (padding included); largest_weight:
-    the largest of them; head_weights: the head's or the embedding's, the larger."""
+    the largest of them; head_weights: the stage's head's or embedding's, the larger (0 for
+    neither); kept: its activations in flight (stage_activation_bytes); last: it computes the
+    loss."""
     k, e = Tokens.of(layout), compute_bytes(options.precision)
     recomputes = [options.recomputes(i) for i in blocks]
     comm = options.cp_comm_type
-    kept = sum(block_activation_bytes(m, k, e, r, comm) for r in recomputes)
-    kept += head_activation_bytes(m, k, e)
     one_block = block_activation_bytes(m, k, e, None, comm)
     full = any(r is RecomputeGranularity.full for r in recomputes)
     rebuilt = one_block if full else 0
@@ -151,7 +171,7 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, blocks: 
         autocast = (len(blocks) * block_weights + head_weights) * e
     # Backward of the head: the gradient of the logits (fp32, and its scaled copy) beside the
     # saved softmax.
-    logits = 2 * loss_bytes(m, k)
+    logits = 2 * loss_bytes(m, k) if last else 0
     if sharded:
         # A gathered weight is the TP-local full weight, and its gradient is formed whole
         # (and packed once more for the reduce-scatter) before the shard comes back. A block

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from parallel.layout import AXES, GROUP_AXES, GROUP_PURPOSE, Layout
+from parallel.pipeline.schedules import ideal_bubble_fraction
 from trainer.report.memory import (
     memory_per_stage,
     parameter_shapes,
@@ -137,14 +138,44 @@ def format_report(spec: RunSpec, memory: dict[str, Any], rows: list[dict[str, in
         lines.append(f"  {label:18s} " + " ".join(_bytes(entry[k]) for k in STEP_COLUMNS))
     lines += ["  (peak = state + activations + backward + recompute + autocast + logits + "
               "gathered;", "   the formula of each term: README, memory plan)"]
+    if layout.pp_size > 1:
+        lines += pipeline_lines(settings.parallel.pipeline_schedule, layout, memory)
     return "\n".join(lines)
+
+
+def pipeline_lines(schedule: str, layout: Layout, memory: dict[str, Any]) -> list[str]:
+    """The schedule's bubble and what each stage holds and keeps in flight."""
+    p, v, m = layout.pp_size, layout.virtual_pipeline_size, layout.num_microbatches
+    chunks = f", {v} model chunks per stage" if v > 1 else ""
+    lines = ["", f"pipeline: {p} stages, schedule {schedule}{chunks}, {m} micro-batches a step; "
+             f"bubble {100 * ideal_bubble_fraction(p, m, v):.1f}% of the step ((PP-1) / "
+             f"({'v x ' if v > 1 else ''}m + PP-1), stages of equal time)"]
+    for entry in memory["per_stage"]:
+        ends = (["embedding"] if entry["stage"] == 0 else []) + (
+            ["final norm, head, loss"] if entry["stage"] == p - 1 else [])
+        lines.append(f"  stage {entry['stage']}: blocks {_ranges(entry['blocks'])}"
+                     f"{' + ' + ', '.join(ends) if ends else ''}; activations of "
+                     f"{entry['in_flight']} (micro-batch, chunk) pair(s) in flight at most")
+    return lines
+
+
+def _ranges(blocks: list[int]) -> str:
+    """'0-3, 8-11': consecutive runs."""
+    runs: list[list[int]] = []
+    for block in blocks:
+        if runs and block == runs[-1][-1] + 1:
+            runs[-1].append(block)
+        else:
+            runs.append([block])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
 def layout_record(spec: RunSpec) -> tuple[dict[str, Any], str]:
     """layout.json's content, and the readable report of the same facts."""
     settings, layout = spec.config, spec.layout
     shapes = parameter_shapes(settings.model)
-    state = memory_per_stage(shapes, settings.model.num_layers, layout)
+    state = memory_per_stage(shapes, settings.model.num_layers, layout,
+                             settings.model.tie_word_embeddings)
     steps = step_per_stage(shapes, settings.model, layout, EngineOptions.from_config(settings),
                            state)
     memory = {
@@ -162,6 +193,8 @@ def layout_record(spec: RunSpec) -> tuple[dict[str, Any], str]:
             "tensor_parallel_num_sequence_shards": layout.tensor_parallel_num_sequence_shards,
             "context_parallel_size": layout.context_parallel_size,
             "pipeline_model_parallel_size": layout.pp_size,
+            "virtual_pipeline_model_parallel_size": layout.virtual_pipeline_size,
+            "pipeline_schedule": settings.parallel.pipeline_schedule,
             "micro_batch_size": layout.micro_batch_size,
             "seq_length": layout.seq_length,
         },
@@ -170,6 +203,8 @@ def layout_record(spec: RunSpec) -> tuple[dict[str, Any], str]:
         "groups": layout.all_groups(),
         "ranks": rows,
         "memory": memory,
+        "pipeline": {"bubble_fraction": ideal_bubble_fraction(
+            layout.pp_size, layout.num_microbatches, layout.virtual_pipeline_size)},
         "warnings": warnings,
     }
     return record, format_report(spec, memory, rows)

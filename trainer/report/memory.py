@@ -11,9 +11,10 @@ import math
 from dataclasses import asdict, dataclass
 
 from parallel.layout import Layout
+from parallel.pipeline.schedules import in_flight, stage_actions
 from trainer.config import ModelConfig
-from trainer.model.plan import BLOCKS, EMBEDDING, stage_of, tp_style
-from trainer.report.activations import step_memory
+from trainer.model.plan import BLOCKS, EMBEDDING, tp_style
+from trainer.report.activations import stage_activation_bytes, step_memory
 from trainer.train.options import EngineOptions
 
 
@@ -24,6 +25,7 @@ class StageMemory:
     param_bytes: int
     grad_bytes: int
     optim_bytes: int
+    blocks: tuple[int, ...] = ()  # the blocks this stage holds
 
     @property
     def total_bytes(self) -> int:
@@ -66,24 +68,43 @@ def local_numel(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[int,
 BYTES_PER_ELEMENT = (4, 4, 8)
 
 
-def memory_per_stage(shapes: dict[str, tuple[int, ...]], num_layers: int,
-                     layout: Layout) -> list[StageMemory]:
+def stage_of(name: str, layout: Layout, num_layers: int) -> int:
+    """The pipeline stage that holds parameter `name` (Layout.pipeline_layers: blocks by model
+    chunk; the embedding on the first stage, the final norm and head on the last)."""
+    prefix = f"{BLOCKS}."
+    if name.startswith(prefix):
+        block = int(name[len(prefix):].split(".")[0])
+        chunk = next(c for c, blocks in enumerate(layout.pipeline_layers(num_layers))
+                     if block in blocks)
+        return chunk % layout.pp_size
+    return 0 if name.startswith(f"{EMBEDDING}.") else layout.pp_size - 1
+
+
+def memory_per_stage(shapes: dict[str, tuple[int, ...]], num_layers: int, layout: Layout,
+                     tie_word_embeddings: bool = False) -> list[StageMemory]:
     """Per-rank memory for one rank of each pipeline stage, exactly as the trainer allocates
     it: shards padded by rows (GTP_remat), and the optimizer's two flat buffers (sharded
     weights, replicated tensors) padded to a multiple of the weight replicas, each replica
-    updating one part (train.optim.FlatBuffer)."""
+    updating one part (train.optim.FlatBuffer). Tied embeddings across stages: the last stage
+    holds a copy of the embedding's shard and its gradient, outside the optimizer."""
     p_bytes, g_bytes, o_bytes = BYTES_PER_ELEMENT
     out = []
     for stage in range(layout.pp_size):
         kinds = {True: 0, False: 0}  # sharded, replicated elements
         for name, shape in shapes.items():
-            if stage_of(name, num_layers, layout.pp_size) == stage:
+            if stage_of(name, layout, num_layers) == stage:
                 numel, sharded = local_numel(name, shape, layout)
                 kinds[sharded] += numel
+        copy = 0
+        if tie_word_embeddings and layout.pp_size > 1 and stage == layout.pp_size - 1:
+            name = f"{EMBEDDING}.weight"
+            copy = local_numel(name, shapes[name], layout)[0]
         parts = [layout.optimizer_part(n) for n in kinds.values() if n]
         buffers = sum(parts) * layout.num_weight_replicas
-        out.append(StageMemory(stage, sum(kinds.values()), buffers * p_bytes, buffers * g_bytes,
-                               sum(parts) * o_bytes))
+        blocks = tuple(i for chunk in layout.stage_chunks(stage, num_layers) for i in chunk)
+        out.append(StageMemory(stage, sum(kinds.values()) + copy,
+                               (buffers + copy) * p_bytes, (buffers + copy) * g_bytes,
+                               sum(parts) * o_bytes, blocks))
     return out
 
 
@@ -94,16 +115,26 @@ def step_per_stage(shapes: dict[str, tuple[int, ...]], model: ModelConfig, layou
     gathered = {name: local_numel(name, shape, layout)[0] * layout.gtp_remat_size
                 for name, shape in shapes.items() if len(shape) == 2}
     first_block = [n for n in gathered if n.startswith(f"{BLOCKS}.0.")]
-    outside = [n for n in gathered if not n.startswith(f"{BLOCKS}.")]
+    outside = {n: stage_of(n, layout, model.num_layers)
+               for n in gathered if not n.startswith(f"{BLOCKS}.")}
+    if model.tie_word_embeddings:  # the head uses the embedding's weight on the last stage
+        outside[f"{EMBEDDING}.weight.head"] = layout.pp_size - 1
+        gathered[f"{EMBEDDING}.weight.head"] = gathered[f"{EMBEDDING}.weight"]
+    m = layout.num_microbatches
     out = []
     for stage in state:
-        blocks = [i for i in range(model.num_layers) if stage_of(
-            f"{BLOCKS}.{i}.", model.num_layers, layout.pp_size) == stage.stage]
-        step = step_memory(model, layout, options, blocks,
+        last = stage.stage == layout.pp_size - 1
+        chunks = layout.stage_chunks(stage.stage, model.num_layers)
+        actions = stage_actions(options.pipeline_schedule, stage.stage, layout.pp_size, m,
+                                layout.virtual_pipeline_size)
+        kept = stage_activation_bytes(model, layout, options, chunks, last, actions)
+        step = step_memory(model, layout, options, list(stage.blocks),
                            sum(gathered[n] for n in first_block),
                            max(gathered[n] for n in first_block),
-                           max(gathered[n] for n in outside))
-        out.append({**asdict(step), "peak_bytes": stage.total_bytes + step.transient_bytes})
+                           max([gathered[n] for n, s in outside.items() if s == stage.stage],
+                               default=0), kept, last)
+        out.append({**asdict(step), "peak_bytes": stage.total_bytes + step.transient_bytes,
+                    "in_flight": in_flight(actions)})
     return out
 
 
@@ -111,5 +142,7 @@ def unsharded_memory(shapes: dict[str, tuple[int, ...]]) -> StageMemory:
     """The same model in one process: the reference the per-rank figures divide."""
     numel = sum(math.prod(shape) for shape in shapes.values())
     p_bytes, g_bytes, o_bytes = BYTES_PER_ELEMENT
-    return StageMemory(0, numel, numel * p_bytes, numel * g_bytes, numel * o_bytes)
+    blocks = sorted({int(name.split(".")[1]) for name in shapes if name.startswith(f"{BLOCKS}.")})
+    return StageMemory(0, numel, numel * p_bytes, numel * g_bytes, numel * o_bytes,
+                       tuple(blocks))
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from parallel.layout import Layout
+from parallel.pipeline.schedules import SCHEDULES
 from trainer.config import (
     CheckpointConfig,
     ClusterConfig,
@@ -100,10 +101,22 @@ def check_model_fits_layout(model: ModelConfig, layout: Layout) -> None:
             f"model.make_vocab_size_divisible_by={model.make_vocab_size_divisible_by} is "
             f"{model.padded_vocab_size}, which parallel.tensor_model_parallel_size={tp} does "
             f"not divide. Fix: set model.make_vocab_size_divisible_by to a multiple of {tp}.")
-    if layout.pp_size > 1:
+    layout.pipeline_layers(model.num_layers)  # the blocks split over stages and chunks
+
+
+def check_pipeline_schedule(schedule: str, layout: Layout) -> None:
+    """Interleaving and virtual chunks go together (Megatron: a virtual size selects it)."""
+    _one_of("parallel.pipeline_schedule", schedule, SCHEDULES, "pipeline schedule")
+    v, key = layout.virtual_pipeline_size, "parallel.virtual_pipeline_model_parallel_size"
+    if schedule == "interleaved_1f1b" and v < 2:
         raise ValueError(
-            f"parallel.pipeline_model_parallel_size={layout.pp_size}: pipeline stages are not "
-            f"supported in training yet. Fix: set it to 1.")
+            f"parallel.pipeline_schedule=interleaved_1f1b needs {key} >= 2 model chunks per "
+            f"stage (it is {layout.virtual_pipeline_model_parallel_size}). Fix: set {key}=2, "
+            f"or parallel.pipeline_schedule=1f1b.")
+    if schedule != "interleaved_1f1b" and v > 1:
+        raise ValueError(
+            f"{key}={v} needs parallel.pipeline_schedule=interleaved_1f1b (it is "
+            f"{schedule}). Fix: set that, or {key}=null.")
 
 
 def check_context_parallel(model: ModelConfig, layout: Layout, cp_comm_type: CPCommType) -> None:
@@ -148,7 +161,9 @@ def check_layout_inputs(parallel: Any, cluster: Any, train: Any) -> None:
     for key in ("tensor_model_parallel_size", "context_parallel_size",
                 "pipeline_model_parallel_size"):
         _positive_int(f"parallel.{key}", getattr(parallel, key), f"set parallel.{key}=1 (off)")
-    for key in ("tensor_parallel_num_weight_shards", "tensor_parallel_num_sequence_shards"):
+    for key in ("tensor_parallel_num_weight_shards", "tensor_parallel_num_sequence_shards",
+                "virtual_pipeline_model_parallel_size", "num_layers_in_first_pipeline_stage",
+                "num_layers_in_last_pipeline_stage"):
         if getattr(parallel, key) is not None:
             _positive_int(f"parallel.{key}", getattr(parallel, key),
                           f"set it to 1 or more, or parallel.{key}=null for its default")
@@ -246,6 +261,7 @@ def check_values(cfg: Config, layout: Layout) -> None:
     check_model(cfg.model)
     check_model_fits_layout(cfg.model, layout)
     check_context_parallel(cfg.model, layout, cfg.parallel.cp_comm_type)
+    check_pipeline_schedule(cfg.parallel.pipeline_schedule, layout)
     check_memory_options(cfg, layout)
     check_seeds(cfg)
     check_optim(cfg.optim)

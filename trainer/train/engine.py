@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
@@ -18,7 +19,11 @@ from parallel.parallelize import CommOptions, ParallelModel, parallelize
 from trainer.config import ModelConfig, OptimConfig, Precision
 from trainer.model.plan import parallel_plan
 from trainer.model.transformer import Transformer
-from trainer.spec.checks import check_context_parallel, check_model_fits_layout
+from trainer.spec.checks import (
+    check_context_parallel,
+    check_model_fits_layout,
+    check_pipeline_schedule,
+)
 from trainer.train.optim import ShardedAdamW
 from trainer.train.options import EngineOptions
 from trainer.train.recompute import apply_recompute
@@ -40,15 +45,20 @@ COMPUTE_DTYPE = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16}
 
 
 def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layout: Layout,
-                 device: torch.device, options: EngineOptions = EngineOptions()) -> Engine:
-    """Collective over the default process group."""
+                 device: torch.device, options: EngineOptions = EngineOptions(),
+                 timeout_s: int | None = None) -> Engine:
+    """Collective over the default process group. timeout_s: how long a collective of the
+    engine's groups waits for a peer (cluster.timeout_s); None: torch's default."""
     check_model_fits_layout(model_cfg, layout)
     check_context_parallel(model_cfg, layout, options.cp_comm_type)
-    groups = build_groups(layout, CommStats())
+    check_pipeline_schedule(options.pipeline_schedule, layout)
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    groups = build_groups(layout, CommStats(), timeout)
     with torch.device("meta"):
         model = ARCHITECTURES[model_cfg.name](model_cfg)
     comm = CommOptions(options.grad_reduce_in_bf16, options.overlap_param_gather,
-                       options.overlap_grad_reduce, options.cp_comm_type.value)
+                       options.overlap_grad_reduce, options.cp_comm_type.value,
+                       options.pipeline_schedule)
     plan = parallel_plan(model_cfg)
     parallel = parallelize(model, plan, layout, groups, torch.distributed.get_rank(), device,
                            COMPUTE_DTYPE[options.precision], comm, model_cfg.vocab_size)

@@ -75,7 +75,8 @@ class Trainer:
         self.plan, self.schedule = spec.plan, spec.schedule
         self.train_stream, self.valid_stream = open_streams(spec)
         self.engine = build_engine(settings.model, settings.optim, settings.train.seed,
-                                   self.layout, device, EngineOptions.from_config(settings))
+                                   self.layout, device, EngineOptions.from_config(settings),
+                                   settings.cluster.timeout_s)
         self.state = checkpoint.TrainState(data=self.train_stream.identity)
         ckpt = settings.checkpoint
         self.save_dir = Path(ckpt.dir) if ckpt.dir else run_dir / "checkpoints"

@@ -59,6 +59,8 @@ class ShardedAdamW:
         self.replica, self.world, self.clip = groups.weight_replica, groups.world, cfg.clip_grad
         sharded, replicated = [], []
         for name, param in model.module.named_parameters():
+            if name in model.stage_copies:  # another stage owns it (tied embeddings)
+                continue
             (sharded if model.is_sharded(name) else replicated).append((name, param))
             if model.is_sharded(name) != (param.ndim >= 2):
                 raise ValueError(f"{name}: weight decay follows sharding here, and this "

@@ -19,13 +19,15 @@ class EngineOptions:
     overlap_param_gather: bool = False
     overlap_grad_reduce: bool = False
     cp_comm_type: CPCommType = CPCommType.p2p
+    pipeline_schedule: str = "1f1b"  # parallel.pipeline.schedules.SCHEDULES
 
     @classmethod
     def from_config(cls, cfg: Config) -> EngineOptions:
         train, parallel = cfg.train, cfg.parallel
         return cls(train.precision, train.recompute_granularity, train.recompute_num_layers,
                    parallel.grad_reduce_in_bf16, parallel.overlap_param_gather,
-                   parallel.overlap_grad_reduce, parallel.cp_comm_type)
+                   parallel.overlap_grad_reduce, parallel.cp_comm_type,
+                   parallel.pipeline_schedule)
 
     def recomputes(self, block: int) -> Optional[RecomputeGranularity]:
         """What block `block` recomputes in backward (None: nothing)."""

@@ -3,7 +3,9 @@
 The loss of the step is the sum of per-token losses over the whole global batch divided by its
 number of loss tokens, so every layout trains the same model as one process: each rank divides
 its own sum by the global count before backward, and gradients are then summed (never averaged)
-over the ranks that saw different tokens.
+over the ranks that saw different tokens. The micro-batches run in the pipeline schedule's
+order (parallel.pipeline.runner); only the last stage computes the loss, and it is shared from
+there, so every rank reports, and refuses, the same step.
 """
 from __future__ import annotations
 
@@ -46,18 +48,24 @@ def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: lis
         raise ValueError("the global batch has no loss tokens (every label is ignored)")
     optimizer.zero_grad()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    for mb in micro_batches:
-        summed = _loss_sum(model, mb)
-        (summed / total_tokens).backward()
-        loss_sum += summed.detach().double()
+
+    def last_stage(i: int, logits: torch.Tensor) -> torch.Tensor:
+        summed = _masked_sum(model.token_losses(logits, micro_batches[i].labels),
+                             micro_batches[i].labels)
+        loss_sum.add_(summed.detach().double())
+        return summed / total_tokens
+
+    model.runner.run([(mb.tokens, mb.positions) for mb in micro_batches], last_stage)
     model.finish_grad_reduce()  # reduce-scatters still overlapping the last backward
     model.reduce_replicated_grads()
+    model.reduce_embedding_grads()  # tied embeddings on the first and last stage
     # Both are global values, so every rank refuses a non-finite step together.
-    loss = groups.token_distinct.all_reduce(loss_sum).item() / total_tokens
+    loss = _from_last_stage(model, loss_sum).item() / total_tokens
     grad_norm = optimizer.reduce_gradients()
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         raise NonFiniteStep(loss, grad_norm)
     optimizer.update(lr, grad_norm)
+    model.sync_stage_copies()
     return StepResult(loss=loss, grad_norm=grad_norm, loss_tokens=total_tokens)
 
 
@@ -65,14 +73,27 @@ def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: lis
 def evaluate(model: ParallelModel, micro_batches: list[MicroBatch]) -> float:
     """Mean per-token loss over every rank's micro-batches (the whole evaluation batch)."""
     device = next(model.parameters()).device
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # loss sum, loss tokens
-    for mb in micro_batches:
-        sums[0] += _loss_sum(model, mb).double()
-        sums[1] += int((mb.labels != IGNORE).sum())
-    total, tokens = model.groups.token_distinct.all_reduce(sums).tolist()
-    return total / tokens
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = torch.tensor(float(sum(int((mb.labels != IGNORE).sum()) for mb in micro_batches)),
+                          dtype=torch.float64, device=device)
+
+    def last_stage(i: int, logits: torch.Tensor) -> torch.Tensor:
+        labels = micro_batches[i].labels
+        loss_sum.add_(_masked_sum(model.token_losses(logits, labels), labels).double())
+        return logits
+
+    model.runner.run([(mb.tokens, mb.positions) for mb in micro_batches], last_stage,
+                     train=False)
+    total = _from_last_stage(model, loss_sum).item()
+    return total / model.groups.token_distinct.all_reduce(tokens).item()
 
 
-def _loss_sum(model: ParallelModel, mb: MicroBatch) -> torch.Tensor:
-    losses = model.token_losses(model(mb.tokens, mb.positions), mb.labels)
-    return losses.masked_fill(mb.labels == IGNORE, 0.0).sum()
+def _masked_sum(losses: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return losses.masked_fill(labels == IGNORE, 0.0).sum()
+
+
+def _from_last_stage(model: ParallelModel, value: torch.Tensor) -> torch.Tensor:
+    """A loss sum over the global batch, on every rank: summed over the ranks that saw other
+    tokens, then sent from the last pipeline stage (the others hold 0) to every stage."""
+    model.groups.token_distinct.all_reduce(value)
+    return model.groups.pp.broadcast(value, root=model.groups.pp.size - 1)

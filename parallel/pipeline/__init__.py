@@ -1,0 +1,1 @@
+"""Pipeline parallel: schedules (pure) and their execution over the pp group."""

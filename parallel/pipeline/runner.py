@@ -1,0 +1,157 @@
+"""Running a schedule on one rank: its stage's forwards and backwards, in the schedule's order,
+with activations and their gradients crossing stages point-to-point over the pp group.
+
+Every rank replays the list parallel.pipeline.schedules gives its stage, so the dry run's
+figures (bubble, micro-batches in flight) are the run's. A micro-batch's hidden states go to the
+next stage with their token positions (a stage needs nothing else of the batch); gradients come
+back the same way. Sends never block: a rank only waits for what it is about to use, and each
+message has its own tag, so two ranks may post theirs in any order. A peer that died or raised
+leaves a receive waiting, which the process group's timeout (cluster.timeout_s) fails.
+
+Without pipeline parallelism the same code runs each micro-batch forward then backward, with
+no messages: one path for every layout.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from parallel.comm import Pending
+from parallel.layout import Layout
+from parallel.pipeline.schedules import FORWARD, model_chunk, stage_actions
+
+# The last chunk's logits of micro-batch i -> the tensor its backward starts from (training),
+# or anything (evaluation). The caller keeps what it needs of the loss.
+LastStage = Callable[[int, torch.Tensor], torch.Tensor]
+ACTIVATION, POSITIONS, GRADIENT = range(3)  # message kinds, part of each tag
+
+
+class PipelineRunner:
+    def __init__(self, model: torch.nn.Module, layout: Layout, schedule: str, hidden_size: int):
+        """model: a parallel.parallelize.ParallelModel (which builds its runner)."""
+        self.model, self.layout, self.schedule = model, layout, schedule
+        self.pp = model.groups.pp
+        self.stage, self.size = self.pp.rank, self.pp.size
+        self.virtual = layout.virtual_pipeline_size
+        self.last_chunk = self.size * self.virtual - 1
+        # Between blocks the residual stream stays in the masters' dtype (parallel.sharding),
+        # split over TP along the sequence with SP.
+        self.dtype = next(model.parameters()).dtype
+        self.hidden_shape = (layout.micro_batch_size,
+                             layout.context_local_length // layout.sp_degree, hidden_size)
+        self.positions_shape = (layout.micro_batch_size, layout.context_local_length)
+        # Set to measure what the schedule keeps: the bytes autograd saves in each forward
+        # (weights excluded), summed over the (micro-batch, chunk) pairs in flight; the most
+        # of the last run, and the most pairs in flight, beside the dry run's plan of them.
+        self.measure = False
+        self.peak_saved_bytes = self.peak_in_flight = 0
+
+    def run(self, inputs: Sequence[tuple[torch.Tensor, torch.Tensor]], last: LastStage,
+            train: bool = True) -> None:
+        """inputs: (tokens, positions) of each micro-batch, as this rank keeps them (a stage
+        after the first uses neither: its come with the hidden states). train=False runs the
+        forwards only, in the schedule's order, without autograd."""
+        actions = stage_actions(self.schedule, self.stage, self.size, len(inputs), self.virtual)
+        if not train:
+            actions = [a for a in actions if a.kind == FORWARD]
+        self._device = inputs[0][0].device
+        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        sends: list[Pending] = []
+        kept: dict[tuple[int, int], int] = {}  # bytes each pair in flight saved (measure)
+        self.peak_saved_bytes = self.peak_in_flight = 0
+        for action in actions:
+            key, chunk = (action.microbatch, action.chunk), model_chunk(
+                self.stage, action.chunk, self.size)
+            if action.kind == FORWARD:
+                with torch.set_grad_enabled(train), _SavedBytes(self.measure, self.model) as size:
+                    x, positions = self._inputs(chunk, action.microbatch, inputs, train)
+                    out = self.model.forward_chunk(action.chunk, x, positions)
+                    if chunk == self.last_chunk:
+                        out = last(action.microbatch, out)
+                    else:
+                        sends += self._send_forward(chunk, action.microbatch, out, positions)
+                if train:
+                    saved[key], kept[key] = (x, out), size.bytes
+                    self.peak_in_flight = max(self.peak_in_flight, len(saved))
+                    self.peak_saved_bytes = max(self.peak_saved_bytes, sum(kept.values()))
+            else:
+                x, out = saved.pop(key)
+                kept.pop(key)
+                if chunk == self.last_chunk:
+                    torch.autograd.backward(out)
+                else:
+                    grad = self._recv(self.hidden_shape, self.dtype, +1, chunk + 1,
+                                      action.microbatch, GRADIENT)
+                    torch.autograd.backward(out, grad)
+                del out
+                if chunk > 0:
+                    sends.append(self._send(x.grad, -1, chunk, action.microbatch, GRADIENT))
+            sends = [s for s in sends if not s.completed()]  # let delivered buffers go
+        for send in sends:
+            send.wait()
+
+    # ------------------------------------------------------------------------------ messages
+
+    def _inputs(self, chunk: int, microbatch: int, inputs: Sequence, train: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if chunk == 0:
+            return inputs[microbatch]
+        positions = self._recv(self.positions_shape, torch.long, -1, chunk, microbatch,
+                               POSITIONS)
+        x = self._recv(self.hidden_shape, self.dtype, -1, chunk, microbatch, ACTIVATION)
+        return x.requires_grad_(train), positions
+
+    def _send_forward(self, chunk: int, microbatch: int, out: torch.Tensor,
+                      positions: torch.Tensor) -> list[Pending]:
+        if tuple(out.shape) != self.hidden_shape or out.dtype != self.dtype:
+            raise RuntimeError(
+                f"pipeline stage {self.stage}: model chunk {chunk} returned "
+                f"{tuple(out.shape)} {out.dtype}, the next stage expects {self.hidden_shape} "
+                f"{self.dtype}")
+        return [self._send(positions, +1, chunk + 1, microbatch, POSITIONS),
+                self._send(out.detach(), +1, chunk + 1, microbatch, ACTIVATION)]
+
+    def _tag(self, chunk: int, microbatch: int, kind: int) -> int:
+        """Unique within a step: which micro-batch, which model chunk receives it, what."""
+        return (microbatch * (self.last_chunk + 1) + chunk) * 3 + kind
+
+    def _send(self, tensor: torch.Tensor, step: int, chunk: int, microbatch: int,
+              kind: int) -> Pending:
+        """To the stage `step` (+1 next, -1 previous; model chunks wrap around the stages)."""
+        return self.pp.start_send(tensor, (self.stage + step) % self.size,
+                                  self._tag(chunk, microbatch, kind))
+
+    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, step: int, chunk: int,
+              microbatch: int, kind: int) -> torch.Tensor:
+        return self.pp.start_recv(shape, dtype, self._device, (self.stage + step) % self.size,
+                                  self._tag(chunk, microbatch, kind)).wait()
+
+
+class _SavedBytes:
+    """Bytes of the distinct storages autograd saves inside the block (weights excluded), when
+    `on`; otherwise nothing is hooked."""
+
+    def __init__(self, on: bool, model: torch.nn.Module):
+        self.on, self.model, self.bytes = on, model, 0
+
+    def __enter__(self) -> _SavedBytes:
+        if self.on:
+            weights = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+            storages: dict[int, int] = {}
+
+            def pack(tensor: torch.Tensor) -> torch.Tensor:
+                storage = tensor.untyped_storage()
+                if storage.data_ptr() not in weights:
+                    storages[storage.data_ptr()] = storage.nbytes()
+                return tensor
+
+            self._storages = storages
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.on:
+            self._hooks.__exit__(*exc)
+            self.bytes = sum(self._storages.values())
