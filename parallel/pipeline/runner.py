@@ -13,6 +13,7 @@ no messages: one path for every layout.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -46,6 +47,9 @@ class PipelineRunner:
         # of the last run, and the most pairs in flight, beside the dry run's plan of them.
         self.measure = False
         self.peak_saved_bytes = self.peak_in_flight = 0
+        # Seconds of the last run: all of it, and computing (forwards, loss, backwards; not
+        # waiting for messages). 1 - busy / total is the bubble this stage saw.
+        self.run_s = self.busy_s = 0.0
 
     def run(self, inputs: Sequence[tuple[torch.Tensor, torch.Tensor]], last: LastStage,
             train: bool = True) -> None:
@@ -60,16 +64,19 @@ class PipelineRunner:
         sends: list[Pending] = []
         kept: dict[tuple[int, int], int] = {}  # bytes each pair in flight saved (measure)
         self.peak_saved_bytes = self.peak_in_flight = 0
+        started, self.busy_s = time.perf_counter(), 0.0
         for action in actions:
             key, chunk = (action.microbatch, action.chunk), model_chunk(
                 self.stage, action.chunk, self.size)
             if action.kind == FORWARD:
                 with torch.set_grad_enabled(train), _SavedBytes(self.measure, self.model) as size:
                     x, positions = self._inputs(chunk, action.microbatch, inputs, train)
+                    busy = time.perf_counter()
                     out = self.model.forward_chunk(action.chunk, x, positions)
                     if chunk == self.last_chunk:
                         out = last(action.microbatch, out)
-                    else:
+                    self.busy_s += time.perf_counter() - busy
+                    if chunk != self.last_chunk:
                         sends += self._send_forward(chunk, action.microbatch, out, positions)
                 if train:
                     saved[key], kept[key] = (x, out), size.bytes
@@ -78,18 +85,18 @@ class PipelineRunner:
             else:
                 x, out = saved.pop(key)
                 kept.pop(key)
-                if chunk == self.last_chunk:
-                    torch.autograd.backward(out)
-                else:
-                    grad = self._recv(self.hidden_shape, self.dtype, +1, chunk + 1,
-                                      action.microbatch, GRADIENT)
-                    torch.autograd.backward(out, grad)
+                grad = None if chunk == self.last_chunk else self._recv(
+                    self.hidden_shape, self.dtype, +1, chunk + 1, action.microbatch, GRADIENT)
+                busy = time.perf_counter()
+                torch.autograd.backward(out, grad)
+                self.busy_s += time.perf_counter() - busy
                 del out
                 if chunk > 0:
                     sends.append(self._send(x.grad, -1, chunk, action.microbatch, GRADIENT))
             sends = [s for s in sends if not s.completed()]  # let delivered buffers go
         for send in sends:
             send.wait()
+        self.run_s = time.perf_counter() - started
 
     # ------------------------------------------------------------------------------ messages
 

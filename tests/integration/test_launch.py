@@ -3,6 +3,7 @@ failures that end the run within a bound, preemption and resume, and validated s
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -126,10 +127,16 @@ def test_launch_py_starts_the_configured_ranks(dataset, tmp_path):
 
 
 def test_torchrun_ranks_train_and_a_wrong_world_is_named(dataset, tmp_path):
+    # Two pipeline stages with tied embeddings: the loss is reported once, from the last stage
     code, out, err = finish(start(dataset, tmp_path / "ok", "cluster.procs_per_node=2",
-                                  "train.train_samples=16", torchrun=2))
+                                  "parallel.pipeline_model_parallel_size=2",
+                                  "model.tie_word_embeddings=true", "train.global_batch_size=8",
+                                  "train.train_samples=32", torchrun=2))
     assert code == 0, err
-    assert [m["step"] for m in metrics(tmp_path / "ok")] == [1, 2, 3, 4]
+    logged = metrics(tmp_path / "ok")
+    assert [m["step"] for m in logged] == [1, 2, 3, 4]
+    assert all(math.isfinite(m["loss"]) and m["loss"] > 0 for m in logged)
+    assert out.count("step      1/4") == 1
     code, out, err = finish(start(dataset, tmp_path / "bad", "cluster.procs_per_node=4",
                                   "train.train_samples=16", torchrun=2))
     assert code != 0
@@ -151,7 +158,10 @@ def test_a_killed_rank_ends_the_run_and_is_named(dataset, tmp_path):
 
 
 def test_a_hung_rank_ends_the_run_within_the_timeout(dataset, tmp_path):
+    """Across pipeline stages: the first stage waits for the second's activations' gradients
+    in a point-to-point receive on the pp group, which must time out like a collective."""
     proc = start(dataset, tmp_path, "cluster.procs_per_node=2", "train.train_samples=100000",
+                 "parallel.pipeline_model_parallel_size=2", "train.global_batch_size=8",
                  "cluster.timeout_s=5")
     pids = rank_pids(proc)
     wait_for_steps(tmp_path, 2, proc)

@@ -26,6 +26,7 @@ from trainer.data.dataset import prepare
 from trainer.spec.runspec import settle
 from trainer.train.engine import build_engine
 from trainer.train.loop import Trainer
+from trainer.train.options import EngineOptions
 
 from config_helpers import compose_config
 from harness import run_ranks
@@ -57,6 +58,23 @@ CHANGES = {
         ("cluster.procs_per_node=2",),
         ("cluster.procs_per_node=2", "parallel.tensor_model_parallel_size=2",
          "parallel.sequence_parallel=true")),
+    # Pipeline stages hold their blocks under the single-device names: any split loads any
+    # other. Tied embeddings: the last stage's copy is not saved twice, nor its moments.
+    "pp2_tied_to_pp1": (
+        ("cluster.procs_per_node=2", "parallel.pipeline_model_parallel_size=2",
+         "model.tie_word_embeddings=true"),
+        ("cluster.procs_per_node=2", "model.tie_word_embeddings=true")),
+    "pp1_to_pp2_interleaved": (
+        ("cluster.procs_per_node=2", "model.num_layers=4"),
+        ("cluster.procs_per_node=2", "model.num_layers=4",
+         "parallel.pipeline_model_parallel_size=2",
+         "parallel.virtual_pipeline_model_parallel_size=2",
+         "parallel.pipeline_schedule=interleaved_1f1b")),
+    "pp2_weight_shards_2_to_pp4": (
+        ("cluster.procs_per_node=4", "model.num_layers=4",
+         "parallel.pipeline_model_parallel_size=2", "parallel.tensor_parallel_num_weight_shards=2"),
+        ("cluster.procs_per_node=4", "model.num_layers=4",
+         "parallel.pipeline_model_parallel_size=4")),
 }
 
 
@@ -83,7 +101,8 @@ def state_chunks(engine) -> dict:
     chunks, shapes = {}, {}
     for name, param in model.module.named_parameters():
         shapes[name] = model.global_shape(name)
-        for kind, tensor in zip(("param", "exp_avg", "exp_avg_sq"), (param.data, *views[name])):
+        moments = () if name in model.stage_copies else views[name]  # its owner has them
+        for kind, tensor in zip(("param", "exp_avg", "exp_avg_sq"), (param.data, *moments)):
             chunks[kind, name] = [(o, t.clone()) for o, t in model.global_chunks(name, tensor)]
     return {"chunks": chunks, "shapes": shapes}
 
@@ -113,7 +132,7 @@ def job_train_and_save(rank, spec, run_dir):
 def job_load(rank, spec, path):
     settings = spec.config
     engine = build_engine(settings.model, settings.optim, settings.train.seed, spec.layout,
-                          torch.device("cpu"))
+                          torch.device("cpu"), EngineOptions.from_config(settings))
     state = checkpoint.load(engine, path)
     return {"train_state": state, "state": state_chunks(engine)}
 

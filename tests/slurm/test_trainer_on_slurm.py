@@ -66,7 +66,7 @@ def squeue_ids(slurm_env: dict) -> list[str]:
 
 def test_a_two_point_sweep_of_two_rank_jobs(slurm_env, slurm_partition, dataset, tmp_path):
     proc = sweep(slurm_env, slurm_partition, tmp_path / "sweep", dataset,
-                 "train.train_samples=16", "parallel.tensor_parallel_num_weight_shards=1,2",
+                 "train.train_samples=16", "parallel.pipeline_model_parallel_size=1,2",
                  log=tmp_path / "log.txt")
     assert proc.wait(timeout=180) == 0, (tmp_path / "log.txt").read_text()
     folders = run_folders(tmp_path / "sweep")
@@ -75,7 +75,7 @@ def test_a_two_point_sweep_of_two_rank_jobs(slurm_env, slurm_partition, dataset,
         assert steps(folder) == [1, 2, 3, 4]
         layout = json.loads((folder / "layout.json").read_text())["derived"]
         assert layout["world_size"] == 2
-    assert {json.loads((f / "layout.json").read_text())["derived"]["gtp_remat_size"]
+    assert {json.loads((f / "layout.json").read_text())["inputs"]["pipeline_model_parallel_size"]
             for f in folders} == {1, 2}
 
 
