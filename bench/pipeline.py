@@ -51,13 +51,14 @@ from trainer.train.step import train_step  # noqa: E402
 
 # Blocks dominate (small vocabulary), so the stages' compute is near equal, as the ideal
 # assumes; 8 layers split into 4 chunks of 2 for interleaving.
-MODEL = ModelConfig(name="llama", vocab_size=256, hidden_size=192, num_layers=8, num_heads=4,
-                    ffn_hidden_size=512, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02)
+MODEL = ModelConfig(name="llama", vocab_size=256, hidden_size=256, num_layers=8, num_heads=4,
+                    ffn_hidden_size=688, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02)
 OPTIM = OptimConfig(name="adamw", weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
                     clip_grad=1.0)
-PP, MICRO, SEQ, M, SEED, LR = 2, 1, 128, 8, 1234, 1e-4
+PP, MICRO, SEQ, M, SEED, LR = 2, 1, 256, 8, 1234, 1e-4
 SCHEDULES = {"1f1b": 1, "interleaved_1f1b": 2, "gpipe": 1}  # -> virtual chunks per stage
-MODES = {"quick": dict(warmup=2, steps=6), "full": dict(warmup=3, steps=20)}
+MODES = {"quick": dict(warmup=2, steps=7), "full": dict(warmup=3, steps=20)}
+HOPS = 20  # messages timed per way of posting the receive
 TOLERANCE = 1e-5  # relative, on the first step's loss: same sums in fp32, another order
 TORCH = "torch_1f1b"
 
@@ -101,7 +102,7 @@ class TorchStage(nn.Module):
         return out if self.last else (out, positions)
 
 
-def torch_schedule(rank: int) -> Schedule1F1B:
+def torch_schedule(rank: int) -> tuple[Schedule1F1B, nn.Module]:
     tokens = M * MICRO * SEQ
 
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -110,8 +111,36 @@ def torch_schedule(rank: int) -> Schedule1F1B:
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                                reduction="sum") / tokens
 
-    stage = PipelineStage(TorchStage(rank), rank, PP, torch.device("cpu"))
-    return Schedule1F1B(stage, n_microbatches=M, loss_fn=loss_fn, scale_grads=False)
+    module = TorchStage(rank)
+    stage = PipelineStage(module, rank, PP, torch.device("cpu"))
+    return Schedule1F1B(stage, n_microbatches=M, loss_fn=loss_fn, scale_grads=False), module
+
+
+def hop_s(rank: int, early: bool) -> float | None:
+    """What one stage-to-stage hop costs the receiver on gloo (rank 1's seconds waiting, median),
+    for a message sent while it computed: its receive posted only when needed (as the runner
+    does, positions then activations, one after the other) or posted before computing. Gloo
+    moves the bytes only once the receive is posted, so a late one waits a round trip of its
+    transport threads, which on a loaded 2-core box is milliseconds."""
+    x = torch.zeros(MICRO, SEQ, MODEL.hidden_size)
+    positions = torch.zeros(MICRO, SEQ, dtype=torch.long)
+    messages, work, waits = (positions, x), torch.randn(256, 256), []
+    for i in range(HOPS):
+        dist.barrier()
+        if rank == 0:
+            for k, t in enumerate(messages):
+                dist.isend(t, 1, tag=2 * i + k).wait()
+            continue
+        recv = lambda k: dist.irecv(torch.empty_like(messages[k]), 0, tag=2 * i + k)  # noqa: E731
+        posted = [recv(k) for k in range(len(messages))] if early else []
+        begin = time.perf_counter()
+        while time.perf_counter() - begin < 0.01:  # the sender's messages go out meanwhile
+            work @ work
+        begin = time.perf_counter()
+        for k in range(len(messages)):
+            (posted[k] if early else recv(k)).wait()  # late: one after the other, as _inputs
+        waits.append(time.perf_counter() - begin)
+    return statistics.median(waits) if waits else None
 
 
 def rank_steps(rank: int, warmup: int, steps: int) -> dict:
@@ -119,7 +148,7 @@ def rank_steps(rank: int, warmup: int, steps: int) -> dict:
     engines = {name: build_engine(MODEL, OPTIM, SEED, make_layout(v), torch.device("cpu"),
                                   EngineOptions(pipeline_schedule=name))
                for name, v in SCHEDULES.items()}
-    schedule = torch_schedule(rank)
+    schedule, module = torch_schedule(rank)
     tokens = torch.cat([mb.tokens for mb in batches])
     positions = torch.cat([mb.positions for mb in batches])
     labels = torch.cat([mb.labels for mb in batches])
@@ -131,7 +160,7 @@ def rank_steps(rank: int, warmup: int, steps: int) -> dict:
             dist.barrier()  # every rank starts the step together
             if name == TORCH:
                 losses: list[torch.Tensor] = []
-                schedule._stage.submod.zero_grad(set_to_none=False)  # like ours: in place
+                module.zero_grad(set_to_none=False)  # like ours: in place
                 start = time.perf_counter()
                 if rank == 0:
                     schedule.step(tokens, positions)
@@ -150,6 +179,7 @@ def rank_steps(rank: int, warmup: int, steps: int) -> dict:
             record["run_s"].append(seconds)
             if record["loss"] is None:
                 record["loss"] = result  # first step: same initial weights everywhere
+    out["hop_s"] = {"posted_late": hop_s(rank, False), "posted_early": hop_s(rank, True)}
     return out
 
 

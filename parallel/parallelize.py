@@ -99,14 +99,15 @@ class ParallelModel(nn.Module):
 
     def reduce_embedding_grads(self) -> None:
         """Tied embeddings across stages: sum the shared weight's gradient over the embedding
-        group (first and last stage), before the optimizer reads it; the copy's is then done."""
+        group (first and last stage), before the optimizer reads it. The copy's gradient is
+        then used up: zeroed for the next step (like the optimizer's buffers, it stays)."""
         for name in self.stage.pruned.shared:
             param = self.module.get_parameter(name)
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             self.groups.embedding.all_reduce(param.grad)
             if name in self.stage_copies:
-                param.grad = None
+                param.grad.zero_()
 
     @torch.no_grad()
     def sync_stage_copies(self) -> None:

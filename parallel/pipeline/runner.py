@@ -14,13 +14,14 @@ no messages: one path for every layout.
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import torch
 
 from parallel.comm import Pending
 from parallel.layout import Layout
-from parallel.pipeline.schedules import FORWARD, model_chunk, stage_actions
+from parallel.pipeline.schedules import FORWARD, Action, model_chunk, stage_actions
 
 # The last chunk's logits of micro-batch i -> the tensor its backward starts from (training),
 # or anything (evaluation). The caller keeps what it needs of the loss.
@@ -60,43 +61,49 @@ class PipelineRunner:
         if not train:
             actions = [a for a in actions if a.kind == FORWARD]
         self._device = inputs[0][0].device
-        saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        sends: list[Pending] = []
-        kept: dict[tuple[int, int], int] = {}  # bytes each pair in flight saved (measure)
+        flight = _InFlight()
         self.peak_saved_bytes = self.peak_in_flight = 0
         started, self.busy_s = time.perf_counter(), 0.0
         for action in actions:
-            key, chunk = (action.microbatch, action.chunk), model_chunk(
-                self.stage, action.chunk, self.size)
             if action.kind == FORWARD:
-                with torch.set_grad_enabled(train), _SavedBytes(self.measure, self.model) as size:
-                    x, positions = self._inputs(chunk, action.microbatch, inputs, train)
-                    busy = time.perf_counter()
-                    out = self.model.forward_chunk(action.chunk, x, positions)
-                    if chunk == self.last_chunk:
-                        out = last(action.microbatch, out)
-                    self.busy_s += time.perf_counter() - busy
-                    if chunk != self.last_chunk:
-                        sends += self._send_forward(chunk, action.microbatch, out, positions)
-                if train:
-                    saved[key], kept[key] = (x, out), size.bytes
-                    self.peak_in_flight = max(self.peak_in_flight, len(saved))
-                    self.peak_saved_bytes = max(self.peak_saved_bytes, sum(kept.values()))
+                self._forward(action, inputs, last, train, flight)
             else:
-                x, out = saved.pop(key)
-                kept.pop(key)
-                grad = None if chunk == self.last_chunk else self._recv(
-                    self.hidden_shape, self.dtype, +1, chunk + 1, action.microbatch, GRADIENT)
-                busy = time.perf_counter()
-                torch.autograd.backward(out, grad)
-                self.busy_s += time.perf_counter() - busy
-                del out
-                if chunk > 0:
-                    sends.append(self._send(x.grad, -1, chunk, action.microbatch, GRADIENT))
-            sends = [s for s in sends if not s.completed()]  # let delivered buffers go
-        for send in sends:
+                self._backward(action, flight)
+            flight.sends = [s for s in flight.sends if not s.completed()]  # let buffers go
+        for send in flight.sends:
             send.wait()
         self.run_s = time.perf_counter() - started
+
+    def _forward(self, action: Action, inputs: Sequence, last: LastStage, train: bool,
+                 flight: _InFlight) -> None:
+        chunk = model_chunk(self.stage, action.chunk, self.size)
+        with torch.set_grad_enabled(train), _SavedBytes(self.measure, self.model) as size:
+            x, positions = self._inputs(chunk, action.microbatch, inputs, train)
+            busy = time.perf_counter()
+            out = self.model.forward_chunk(action.chunk, x, positions)
+            if chunk == self.last_chunk:
+                out = last(action.microbatch, out)
+            self.busy_s += time.perf_counter() - busy
+            if chunk != self.last_chunk:
+                flight.sends += self._send_forward(chunk, action.microbatch, out, positions)
+        if train:  # kept until its backward: the pair's graph, and its input for the gradient
+            key = (action.microbatch, action.chunk)
+            flight.saved[key], flight.kept[key] = (x, out), size.bytes
+            self.peak_in_flight = max(self.peak_in_flight, len(flight.saved))
+            self.peak_saved_bytes = max(self.peak_saved_bytes, sum(flight.kept.values()))
+
+    def _backward(self, action: Action, flight: _InFlight) -> None:
+        chunk = model_chunk(self.stage, action.chunk, self.size)
+        x, out = flight.saved.pop((action.microbatch, action.chunk))
+        flight.kept.pop((action.microbatch, action.chunk))
+        grad = None if chunk == self.last_chunk else self._recv(
+            self.hidden_shape, self.dtype, +1, chunk + 1, action.microbatch, GRADIENT)
+        busy = time.perf_counter()
+        torch.autograd.backward(out, grad)
+        self.busy_s += time.perf_counter() - busy
+        del out
+        if chunk > 0:
+            flight.sends.append(self._send(x.grad, -1, chunk, action.microbatch, GRADIENT))
 
     # ------------------------------------------------------------------------------ messages
 
@@ -133,6 +140,15 @@ class PipelineRunner:
               microbatch: int, kind: int) -> torch.Tensor:
         return self.pp.start_recv(shape, dtype, self._device, (self.stage + step) % self.size,
                                   self._tag(chunk, microbatch, kind)).wait()
+
+
+@dataclass
+class _InFlight:
+    """One run's pairs between their forward and backward, and its sends not yet delivered."""
+
+    saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    kept: dict[tuple[int, int], int] = field(default_factory=dict)  # their saved bytes (measure)
+    sends: list[Pending] = field(default_factory=list)
 
 
 class _SavedBytes:

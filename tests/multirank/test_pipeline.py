@@ -94,3 +94,28 @@ def test_activations_in_flight_match_the_plan(name):
         assert got["pairs"] == planned["in_flight"]
         assert got["pairs"] > 1 or got["stage"] == layout.pp_size - 1
         assert abs(got["bytes"] / planned["activation_bytes"] - 1) < 5e-3
+
+
+def eval_loss(rank: int, layout, schedule: str, batch: torch.Tensor) -> float:
+    from trainer.data.batch import rank_micro_batches
+    from trainer.train.engine import build_engine
+    from trainer.train.step import evaluate
+
+    from test_parity import OPTIM, SEED
+
+    engine = build_engine(TIED, OPTIM, SEED, layout, torch.device("cpu"),
+                          EngineOptions(pipeline_schedule=schedule))
+    return evaluate(engine.model, rank_micro_batches(lambda idx: batch[idx], layout, rank))
+
+
+def test_evaluation_runs_the_stages_forward_only():
+    """The schedule's forwards alone give the one-process evaluation loss, on every rank (the
+    sum comes from the last stage); tied embeddings, so the head uses the copy."""
+    world, kwargs, schedule, _ = CASES["pp2_tied"]
+    layout = make_layout(world, kwargs, MICRO_BATCHES)
+    batch = torch.randint(0, TIED.vocab_size, (layout.global_batch_size, layout.seq_length + 1),
+                          generator=torch.Generator().manual_seed(0))
+    one = run_ranks(1, eval_loss, make_layout(1, {}, MICRO_BATCHES), "1f1b", batch)[0]
+    got = run_ranks(world, eval_loss, layout, schedule, batch)
+    assert got[0] == got[1]
+    assert abs(got[0] - one) <= 1e-6 * one, (got, one)

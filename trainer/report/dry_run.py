@@ -224,6 +224,9 @@ def format_measured(measured: dict[str, Any], planned: dict[str, int]) -> str:
         f"{m['device']}): build {m['build_s']:.2f} s, one step {m['step_s']:.2f} s",
         f"  {'state allocated':18s} {_bytes(m['state_bytes'])}   (planned "
         f"{_bytes(planned['total_bytes']).strip()})",
+        f"  {'activations':18s} {_bytes(m['activation_bytes'])}   (planned "
+        f"{_bytes(planned['activation_bytes']).strip()}; {m['in_flight']} (micro-batch, chunk) "
+        f"pair(s) in flight, planned {planned['in_flight']})",
         f"  {'build peak':18s} {_bytes(m['build_peak_bytes'])}",
         f"  {'step peak':18s} {_bytes(m['step_peak_bytes'])}",
     ])

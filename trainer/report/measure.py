@@ -60,8 +60,11 @@ class PeakMemory:
 
 def state_bytes(engine: Engine) -> int:
     """Parameters, gradients and optimizer state this rank really allocated."""
-    optimizer = engine.optimizer
+    optimizer, model = engine.optimizer, engine.model
     total = sum(b.params.nbytes + b.grads.nbytes for b in optimizer.buffers)
+    for name in model.stage_copies:  # tied embeddings: the last stage's copy and its gradient
+        param = model.module.get_parameter(name)
+        total += param.nbytes + (param.grad.nbytes if param.grad is not None else 0)
     for state in optimizer.adam.state.values():
         total += sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor) and v.ndim)
     return total
@@ -92,8 +95,11 @@ def measure_rank(spec: RunSpec, rank: int, step: bool = True) -> dict[str, Any]:
         if not step:
             return figures
         start = time.perf_counter()
+        engine.model.runner.measure = True  # the activations the schedule keeps at once
         train_step(engine.model, engine.optimizer, micro_batches, spec.schedule.lr(0))
         return {**figures, "step_s": round(time.perf_counter() - start, 3),
-                "step_peak_bytes": peak.above_baseline(), "state_bytes": state_bytes(engine)}
+                "step_peak_bytes": peak.above_baseline(), "state_bytes": state_bytes(engine),
+                "activation_bytes": engine.model.runner.peak_saved_bytes,
+                "in_flight": engine.model.runner.peak_in_flight}
     finally:
         dist.destroy_process_group()
