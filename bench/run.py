@@ -28,6 +28,7 @@ import loader  # noqa: E402
 import memory  # noqa: E402
 import overhead  # noqa: E402
 import overlap  # noqa: E402
+import pipeline  # noqa: E402
 import prepare_speed  # noqa: E402
 
 
@@ -53,6 +54,7 @@ def run(quick: bool) -> dict:
     figures["memory_follows_layout"] = memory.measure(quick)
     figures["overlap"] = overlap.measure(3 if quick else 5)
     figures["context_parallel"] = context.measure(quick)
+    figures["pipeline"] = pipeline.measure(quick)
     figures["prepare"] = prepare_speed.measure(quick)
     figures["hf_interop"] = hf_interop.measure(quick)
     gpu = HERE / "gpu_results.json"
@@ -122,6 +124,17 @@ def table(result: dict) -> str:
                                        abs(r - 1)), "1.00",
          ", ".join(f"{k} {v}" for k, v in steps["bytes_over_analytic"].items())),
     ]
+    pp = f["pipeline"]
+    bubble, versus = pp["bubble_over_ideal"], pp["step_time_vs_torch_pipelining"]
+    rows += [(f"bubble_{name}_over_ideal", bubble[name]["ratio"], "<= 1.1",
+              f"measured {bubble[name]['measured']}, ideal {bubble[name]['ideal']}; with gloo's "
+              f"late-receive hops {bubble[name]['late_receive_model']}; gpipe "
+              f"{bubble['gpipe']['ratio']}; {pp['setup']}")
+             for name in ("1f1b", "interleaved_1f1b")]
+    rows.append(("pp2_step_vs_torch_pipelining", versus["ratio"], "<= 1.0",
+                 f"ours {versus['ours_s_median']} s, torch Schedule1F1B "
+                 f"{versus['torch_s_median']} s; first loss off by "
+                 f"{versus['first_loss']['relative_error']} (relative)"))
     prep = f["prepare"]
     rows.append(("prepare_throughput_vs_lib", prep["prepare_throughput_vs_library"], ">= 0.8",
                  f"{prep['ours_tokens_per_s']:,} vs {prep['library_tokens_per_s']:,} tokens/s, "

@@ -1,9 +1,10 @@
 """parallelize: apply the layout to a single-device model from outside, by module name.
 
-In a fixed order: tensor parallel (+ sequence parallel) layers with GTP-sharded weights replace
-the model's linears and embedding (each block's in one ShardBundle), then context-parallel
-attention is injected. The model keeps its own code; what it holds afterwards is this rank's
-shards.
+In a fixed order: the model is cut to this rank's pipeline stage (parallel.pipeline.stages),
+tensor parallel (+ sequence parallel) layers with GTP-sharded weights replace the model's
+linears and embedding (each block's in one ShardBundle), then context-parallel attention is
+injected. The model keeps its own code; what it holds afterwards is this rank's shards, and
+its runner (parallel.pipeline.runner) runs the micro-batches in the schedule's order.
 """
 from __future__ import annotations
 

@@ -4,8 +4,9 @@ with activations and their gradients crossing stages point-to-point over the pp 
 Every rank replays the list parallel.pipeline.schedules gives its stage, so the dry run's
 figures (bubble, micro-batches in flight) are the run's. A micro-batch's hidden states go to the
 next stage with their token positions (a stage needs nothing else of the batch); gradients come
-back the same way. Sends never block: a rank only waits for what it is about to use, and each
-message has its own tag, so two ranks may post theirs in any order. A peer that died or raised
+back the same way. Sends never block, and a receive is posted one action before its data is
+needed, so it arrives while the rank computes; a rank only waits for what it is about to use.
+Each message has its own tag, so two ranks may post theirs in any order. A peer that died or raised
 leaves a receive waiting, which the process group's timeout (cluster.timeout_s) fails.
 
 Without pipeline parallelism the same code runs each micro-batch forward then backward, with
@@ -27,6 +28,9 @@ from parallel.pipeline.schedules import FORWARD, Action, model_chunk, stage_acti
 # or anything (evaluation). The caller keeps what it needs of the loss.
 LastStage = Callable[[int, torch.Tensor], torch.Tensor]
 ACTIVATION, POSITIONS, GRADIENT = range(3)  # message kinds, part of each tag
+# Receives are posted this many actions before the one that needs them (each holds one
+# micro-batch's hidden states until then).
+RECEIVE_AHEAD = 1
 
 
 class PipelineRunner:
@@ -64,7 +68,9 @@ class PipelineRunner:
         flight = _InFlight()
         self.peak_saved_bytes = self.peak_in_flight = 0
         started, self.busy_s = time.perf_counter(), 0.0
-        for action in actions:
+        for i, action in enumerate(actions):
+            for upcoming in actions[i:i + 1 + RECEIVE_AHEAD]:
+                self._post_receives(upcoming, flight)
             if action.kind == FORWARD:
                 self._forward(action, inputs, last, train, flight)
             else:
@@ -78,7 +84,7 @@ class PipelineRunner:
                  flight: _InFlight) -> None:
         chunk = model_chunk(self.stage, action.chunk, self.size)
         with torch.set_grad_enabled(train), _SavedBytes(self.measure, self.model) as size:
-            x, positions = self._inputs(chunk, action.microbatch, inputs, train)
+            x, positions = self._inputs(action, inputs, train, flight)
             busy = time.perf_counter()
             out = self.model.forward_chunk(action.chunk, x, positions)
             if chunk == self.last_chunk:
@@ -96,8 +102,7 @@ class PipelineRunner:
         chunk = model_chunk(self.stage, action.chunk, self.size)
         x, out = flight.saved.pop((action.microbatch, action.chunk))
         flight.kept.pop((action.microbatch, action.chunk))
-        grad = None if chunk == self.last_chunk else self._recv(
-            self.hidden_shape, self.dtype, +1, chunk + 1, action.microbatch, GRADIENT)
+        grad = None if chunk == self.last_chunk else self._received(action, flight)[0]
         busy = time.perf_counter()
         torch.autograd.backward(out, grad)
         self.busy_s += time.perf_counter() - busy
@@ -107,13 +112,33 @@ class PipelineRunner:
 
     # ------------------------------------------------------------------------------ messages
 
-    def _inputs(self, chunk: int, microbatch: int, inputs: Sequence, train: bool
+    def _post_receives(self, action: Action, flight: _InFlight) -> None:
+        """Post the receives `action` needs, once: gloo moves a message's bytes only once its
+        receive is posted, so one posted an action early arrives while this rank computes."""
+        key = (action.kind, action.microbatch, action.chunk)
+        chunk = model_chunk(self.stage, action.chunk, self.size)
+        if key in flight.posted:
+            return
+        flight.posted.add(key)
+        if action.kind == FORWARD and chunk > 0:
+            flight.receives[key] = [
+                self._recv(self.positions_shape, torch.long, -1, chunk, action.microbatch,
+                           POSITIONS),
+                self._recv(self.hidden_shape, self.dtype, -1, chunk, action.microbatch,
+                           ACTIVATION)]
+        elif action.kind != FORWARD and chunk < self.last_chunk:
+            flight.receives[key] = [self._recv(self.hidden_shape, self.dtype, +1, chunk + 1,
+                                               action.microbatch, GRADIENT)]
+
+    def _received(self, action: Action, flight: _InFlight) -> list[torch.Tensor]:
+        pending = flight.receives.pop((action.kind, action.microbatch, action.chunk))
+        return [p.wait() for p in pending]
+
+    def _inputs(self, action: Action, inputs: Sequence, train: bool, flight: _InFlight
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if chunk == 0:
-            return inputs[microbatch]
-        positions = self._recv(self.positions_shape, torch.long, -1, chunk, microbatch,
-                               POSITIONS)
-        x = self._recv(self.hidden_shape, self.dtype, -1, chunk, microbatch, ACTIVATION)
+        if model_chunk(self.stage, action.chunk, self.size) == 0:
+            return inputs[action.microbatch]
+        positions, x = self._received(action, flight)
         return x.requires_grad_(train), positions
 
     def _send_forward(self, chunk: int, microbatch: int, out: torch.Tensor,
@@ -137,9 +162,9 @@ class PipelineRunner:
                                   self._tag(chunk, microbatch, kind))
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, step: int, chunk: int,
-              microbatch: int, kind: int) -> torch.Tensor:
+              microbatch: int, kind: int) -> Pending:
         return self.pp.start_recv(shape, dtype, self._device, (self.stage + step) % self.size,
-                                  self._tag(chunk, microbatch, kind)).wait()
+                                  self._tag(chunk, microbatch, kind))
 
 
 @dataclass
@@ -149,6 +174,8 @@ class _InFlight:
     saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     kept: dict[tuple[int, int], int] = field(default_factory=dict)  # their saved bytes (measure)
     sends: list[Pending] = field(default_factory=list)
+    receives: dict[tuple[str, int, int], list[Pending]] = field(default_factory=dict)
+    posted: set[tuple[str, int, int]] = field(default_factory=set)  # (kind, micro-batch, chunk)
 
 
 class _SavedBytes:
