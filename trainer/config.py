@@ -151,7 +151,9 @@ class TrainConfig:
     seq_length: int = MISSING
     precision: Precision = MISSING
     recompute_granularity: Optional[RecomputeGranularity] = MISSING  # null = keep activations
-    recompute_num_layers: Optional[int] = MISSING  # the first N blocks recompute; null = all
+    # the first N blocks of each pipeline stage's model chunk recompute (Megatron's per stage);
+    # null = all
+    recompute_num_layers: Optional[int] = MISSING
     seed: int = MISSING  # model initialisation (the same full weights under every layout)
     train_samples: int = MISSING  # the run ends after this many samples (a multiple of the GBS)
     eval_interval: Optional[int] = MISSING  # steps between evaluations; null = never

@@ -195,11 +195,12 @@ def test_recompute_is_applied_once_and_needs_the_plans_hooks():
     names no hooks fails in one line with the fix instead of silently keeping everything."""
     with torch.device("meta"):
         model = Transformer(TINY)
-    apply_recompute(model, parallel_plan(TINY), VARIANTS["selective"])
+    blocks = [range(TINY.num_layers)]
+    apply_recompute(model, parallel_plan(TINY), VARIANTS["selective"], blocks)
     with pytest.raises(RuntimeError, match="already applied"):
-        apply_recompute(model, parallel_plan(TINY), VARIANTS["full"])
+        apply_recompute(model, parallel_plan(TINY), VARIANTS["full"], blocks)
     with torch.device("meta"):
         model = Transformer(TINY)
     with pytest.raises(ValueError, match="recompute_granularity=full"):
         apply_recompute(model, replace(parallel_plan(TINY), recompute_hooks=()),
-                        VARIANTS["selective"])
+                        VARIANTS["selective"], blocks)

@@ -66,7 +66,8 @@ def squeue_ids(slurm_env: dict) -> list[str]:
 
 def test_a_two_point_sweep_of_two_rank_jobs(slurm_env, slurm_partition, dataset, tmp_path):
     proc = sweep(slurm_env, slurm_partition, tmp_path / "sweep", dataset,
-                 "train.train_samples=16", "parallel.pipeline_model_parallel_size=1,2",
+                 "train.train_samples=16", "train.global_batch_size=4",
+                 "parallel.pipeline_model_parallel_size=1,2",
                  log=tmp_path / "log.txt")
     assert proc.wait(timeout=180) == 0, (tmp_path / "log.txt").read_text()
     folders = run_folders(tmp_path / "sweep")

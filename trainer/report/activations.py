@@ -140,8 +140,9 @@ def stage_activation_bytes(m: ModelConfig, layout: Layout, options: EngineOption
     are alive together (1F1B: up to PP micro-batches on the first stage; without pipeline
     parallelism one). `chunks`: the stage's blocks by virtual chunk; `last`: it holds the head."""
     k, e, comm = Tokens.of(layout), compute_bytes(options.precision), options.cp_comm_type
+    # recompute_num_layers counts from each chunk's first block (trainer.train.recompute)
     per_chunk = [sum(block_activation_bytes(m, k, e, options.recomputes(i), comm)
-                     for i in chunk) for chunk in chunks]
+                     for i in range(len(chunk))) for chunk in chunks]
     if last:
         per_chunk[-1] += head_activation_bytes(m, k, e)
     alive = peak = 0

@@ -128,7 +128,8 @@ def step_per_stage(shapes: dict[str, tuple[int, ...]], model: ModelConfig, layou
         actions = stage_actions(options.pipeline_schedule, stage.stage, layout.pp_size, m,
                                 layout.virtual_pipeline_size)
         kept = stage_activation_bytes(model, layout, options, chunks, last, actions)
-        step = step_memory(model, layout, options, list(stage.blocks),
+        positions = [i for chunk in chunks for i in range(len(chunk))]  # within each chunk
+        step = step_memory(model, layout, options, positions,
                            sum(gathered[n] for n in first_block),
                            max(gathered[n] for n in first_block),
                            max([gathered[n] for n, s in outside.items() if s == stage.stage],

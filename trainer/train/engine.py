@@ -62,7 +62,8 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layo
     plan = parallel_plan(model_cfg)
     parallel = parallelize(model, plan, layout, groups, torch.distributed.get_rank(), device,
                            COMPUTE_DTYPE[options.precision], comm, model_cfg.vocab_size)
-    apply_recompute(model, plan, options)  # around the parallel layers it replays in backward
+    # Around the parallel layers it replays in backward; counted within each model chunk.
+    apply_recompute(model, plan, options, parallel.stage.part.chunks)
     # The optimizer moves the (still untouched) parameters into its flat buffers first, so the
     # values are written once, in place, and no second copy of them is ever resident.
     optimizer = OPTIMIZERS[optim_cfg.name](parallel, optim_cfg, layout)

@@ -73,26 +73,34 @@ def recompute_hooks(block: nn.Module, hooks: tuple[str, ...]) -> int:
     return wrapped
 
 
-def apply_recompute(model: nn.Module, plan: ParallelPlan, options: EngineOptions) -> None:
+def apply_recompute(model: nn.Module, plan: ParallelPlan, options: EngineOptions,
+                    chunks: list[range]) -> None:
     """Wrap each block that `options.recomputes` selects, in place. Call once, after
-    parallelize: the wrappers must enclose the parallel layers and attention they replay."""
+    parallelize: the wrappers must enclose the parallel layers and attention they replay.
+    chunks: the blocks of each model chunk this rank runs (Layout.stage_chunks);
+    recompute_num_layers counts from the start of each, as Megatron's does per stage."""
     if options.recompute_granularity is None:
         return
     blocks = model.get_submodule(plan.blocks)
-    for index, block in enumerate(blocks):
-        granularity = options.recomputes(index)
-        if granularity is None:
-            continue
-        if _already_wrapped(block, plan.recompute_hooks):
-            raise RuntimeError(f"{plan.blocks}.{index}: recompute is already applied")
-        if granularity is RecomputeGranularity.full:
-            recompute_block(block)
-        elif not recompute_hooks(block, plan.recompute_hooks):
-            raise ValueError(
-                f"train.recompute_granularity=selective, but block {plan.blocks}.{index} has "
-                f"none of the plan's recompute_hooks {plan.recompute_hooks}. Fix: name the "
-                f"model's attention and activation function attributes in its plan, or use "
-                f"train.recompute_granularity=full.")
+    for chunk in chunks:
+        for position, block_index in enumerate(chunk):
+            _apply(blocks[str(block_index)], block_index, options.recomputes(position), plan)
+
+
+def _apply(block: nn.Module, index: int, granularity: RecomputeGranularity | None,
+           plan: ParallelPlan) -> None:
+    if granularity is None:
+        return
+    if _already_wrapped(block, plan.recompute_hooks):
+        raise RuntimeError(f"{plan.blocks}.{index}: recompute is already applied")
+    if granularity is RecomputeGranularity.full:
+        recompute_block(block)
+    elif not recompute_hooks(block, plan.recompute_hooks):
+        raise ValueError(
+            f"train.recompute_granularity=selective, but block {plan.blocks}.{index} has "
+            f"none of the plan's recompute_hooks {plan.recompute_hooks}. Fix: name the "
+            f"model's attention and activation function attributes in its plan, or use "
+            f"train.recompute_granularity=full.")
 
 
 def _already_wrapped(block: nn.Module, hooks: tuple[str, ...]) -> bool:
