@@ -312,6 +312,12 @@ class Layout:
         return self.seq_length // self.runtime_context_parallel_size
 
     @property
+    def residual_local_length(self) -> int:
+        """Tokens of each sequence the residual stream holds on a rank between blocks (what
+        crosses pipeline stages): its context-local tokens, split again over TP with SP."""
+        return self.context_local_length // self.sp_degree
+
+    @property
     def num_weight_replicas(self) -> int:
         return self.context_parallel_size * self.data_parallel_size
 

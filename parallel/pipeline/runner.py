@@ -44,8 +44,7 @@ class PipelineRunner:
         # Between blocks the residual stream stays in the masters' dtype (parallel.sharding),
         # split over TP along the sequence with SP.
         self.dtype = next(model.parameters()).dtype
-        self.hidden_shape = (layout.micro_batch_size,
-                             layout.context_local_length // layout.sp_degree, hidden_size)
+        self.hidden_shape = (layout.micro_batch_size, layout.residual_local_length, hidden_size)
         self.positions_shape = (layout.micro_batch_size, layout.context_local_length)
         # Set to measure what the schedule keeps: the bytes autograd saves in each forward
         # (weights excluded), summed over the (micro-batch, chunk) pairs in flight; the most
