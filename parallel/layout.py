@@ -276,56 +276,56 @@ class Layout:
     def virtual_pipeline_size(self) -> int:
         return self.virtual_pipeline_model_parallel_size or 1
 
-    @property
+    @cached_property
     def sp_degree(self) -> int:
         return self.tp_size if self.sequence_parallel else 1
 
-    @property
+    @cached_property
     def gtp_remat_size(self) -> int:
         return self.tensor_parallel_num_weight_shards // self.tp_size
 
-    @property
+    @cached_property
     def gtp_remat_num_sequence_shards(self) -> int:
         return self.tensor_parallel_num_sequence_shards // self.sp_degree
 
-    @property
+    @cached_property
     def gtp_remat_num_batch_shards(self) -> int:
         return self.gtp_remat_size // self.gtp_remat_num_sequence_shards
 
-    @property
+    @cached_property
     def data_parallel_size(self) -> int:
         model = self.tp_size * self.gtp_remat_size * self.context_parallel_size * self.pp_size
         return self.world_size // model
 
-    @property
+    @cached_property
     def batch_parallel_size(self) -> int:
         return self.data_parallel_size * self.gtp_remat_num_batch_shards
 
-    @property
+    @cached_property
     def runtime_context_parallel_size(self) -> int:
         return self.context_parallel_size * self.gtp_remat_num_sequence_shards
 
-    @property
+    @cached_property
     def context_local_length(self) -> int:
         """Tokens of each sequence one rank keeps: its two zigzag chunks (before SP splits
         them again over TP between layers)."""
         return self.seq_length // self.runtime_context_parallel_size
 
-    @property
+    @cached_property
     def residual_local_length(self) -> int:
         """Tokens of each sequence the residual stream holds on a rank between blocks (what
         crosses pipeline stages): its context-local tokens, split again over TP with SP."""
         return self.context_local_length // self.sp_degree
 
-    @property
+    @cached_property
     def num_weight_replicas(self) -> int:
         return self.context_parallel_size * self.data_parallel_size
 
-    @property
+    @cached_property
     def num_microbatches(self) -> int:
         return self.global_batch_size // (self.micro_batch_size * self.batch_parallel_size)
 
-    @property
+    @cached_property
     def weight_tile_size(self) -> int:
         """TP x GTP_remat: the ranks that together hold one full copy of the weights."""
         return self.tp_size * self.gtp_remat_size
@@ -341,6 +341,13 @@ class Layout:
         return -(-numel // self.num_weight_replicas)
 
     def pipeline_layers(self, num_layers: int) -> list[range]:
+        """The blocks of each model chunk, in model order (see _pipeline_layers)."""
+        cache = self.__dict__.setdefault("_layers_cache", {})  # frozen: not through setattr
+        if num_layers not in cache:
+            cache[num_layers] = self._pipeline_layers(num_layers)
+        return list(cache[num_layers])
+
+    def _pipeline_layers(self, num_layers: int) -> list[range]:
         """The blocks of each model chunk, in model order (chunk c = virtual index x PP +
         stage): contiguous ranges. The ends take num_layers_in_first/last_pipeline_stage when
         set, the other stages split the rest evenly, and each stage's blocks split evenly over
@@ -508,6 +515,16 @@ class Layout:
             return [range(seq)]
         chunk = seq // (2 * cp)
         return [range(i * chunk, (i + 1) * chunk) for i in self.context_chunk_ids(rank)]
+
+    def group_span(self, name: str) -> int:
+        """Consecutive ranks one group of this kind reaches across, from its lowest rank to its
+        highest: within an NVLink domain of that many ranks, its collectives stay on NVLink."""
+        return self._spans[name]
+
+    @cached_property
+    def _spans(self) -> dict[str, int]:
+        return {name: 1 + sum((self.axis_sizes[a] - 1) * self.axis_strides[a] for a in axes)
+                for name, axes in GROUP_AXES.items()}
 
     def weight_tiles_crossing(self, domain_size: int) -> list[list[int]]:
         """Weight tiles (TP x GTP_remat consecutive ranks) that span more than one NVLink

@@ -142,6 +142,16 @@ class ClusterConfig:
     procs_per_node: int = MISSING
     gpus_per_nvlink_domain: int = MISSING
     timeout_s: int = MISSING  # a collective waiting longer fails its rank (a peer died or hung)
+    # The hardware, per device (each preset names its sources). parallel=auto sizes and times
+    # its candidate layouts from these; nothing else reads them.
+    device_memory_gib: float = MISSING  # memory of one device
+    memory_margin: float = MISSING  # share of device memory a layout must leave free
+    peak_bf16_tflops: float = MISSING  # dense bf16 peak of one device (train.precision=bf16)
+    peak_fp32_tflops: float = MISSING  # its fp32 peak (train.precision=fp32)
+    compute_efficiency: float = MISSING  # the share of peak a transformer's GEMMs reach
+    nvlink_bandwidth_gbs: float = MISSING  # GB/s one device sends inside its NVLink domain
+    network_bandwidth_gbs: float = MISSING  # GB/s one device sends to other domains
+    link_latency_us: float = MISSING  # per message hop of a collective
 
 
 @dataclass

@@ -82,3 +82,18 @@ def test_the_names_checked_at_compose_time_are_the_implementations_built():
 
     assert set(checks.ARCHITECTURES) == set(engine.ARCHITECTURES)
     assert set(checks.OPTIMIZERS) == set(engine.OPTIMIZERS)
+
+
+@pytest.mark.parametrize("changes", [{}, {"num_query_groups": 2}, {"tie_word_embeddings": True},
+                                     {"vocab_size": 250, "num_layers": 3}])
+def test_parameter_shapes_from_the_config_are_the_built_models(changes):
+    """The compose-time shapes (no torch) against the Transformer itself, names and order."""
+    from dataclasses import replace
+
+    from trainer.model.plan import parameter_shapes
+
+    cfg = replace(TINY, **changes)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    built = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    assert list(parameter_shapes(cfg).items()) == built

@@ -34,3 +34,22 @@ def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
 def tp_style(name: str) -> str:
     """The TP style of linear module `name` (the same for every model shape)."""
     return by_suffix(TP_STYLES, name)
+
+
+def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The Transformer's named_parameters() shapes, in its order, from the config alone (no
+    torch): the memory plan and the layout search size a rank from them at compose time
+    (tests/unit/test_model.py holds them equal to the built model's). A tied head is the
+    embedding's parameter, so it has no entry of its own."""
+    h, f, vocab = cfg.hidden_size, cfg.ffn_hidden_size, cfg.padded_vocab_size
+    shapes: dict[str, tuple[int, ...]] = {f"{EMBEDDING}.weight": (vocab, h)}
+    for i in range(cfg.num_layers):
+        block = f"{BLOCKS}.{i}"
+        shapes |= {f"{block}.attn_norm.weight": (h,), f"{block}.mlp_norm.weight": (h,),
+                   f"{block}.attn.qkv.weight": (h + 2 * cfg.kv_size, h),
+                   f"{block}.attn.o.weight": (h, h),
+                   f"{block}.mlp.gate_up.weight": (2 * f, h), f"{block}.mlp.down.weight": (h, f)}
+    shapes[f"{FINAL_NORM}.weight"] = (h,)
+    if not cfg.tie_word_embeddings:
+        shapes[f"{HEAD}.weight"] = (vocab, h)
+    return shapes

@@ -161,10 +161,10 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, blocks: 
     neither); kept: its activations in flight (stage_activation_bytes); last: it computes the
     loss."""
     k, e = Tokens.of(layout), compute_bytes(options.precision)
-    recomputes = [options.recomputes(i) for i in blocks]
     comm = options.cp_comm_type
     one_block = block_activation_bytes(m, k, e, None, comm)
-    full = any(r is RecomputeGranularity.full for r in recomputes)
+    full = options.recompute_granularity is RecomputeGranularity.full and any(
+        options.recomputes(i) for i in blocks)
     rebuilt = one_block if full else 0
     sharded = layout.gtp_remat_size > 1
     autocast = 0

@@ -11,6 +11,7 @@ from typing import Any
 
 from parallel.layout import AXES, GROUP_AXES, GROUP_PURPOSE, Layout
 from parallel.pipeline.schedules import ideal_bubble_fraction
+from trainer.auto.search import Candidate, Choice
 from trainer.report.memory import (
     memory_per_stage,
     parameter_shapes,
@@ -140,7 +141,36 @@ def format_report(spec: RunSpec, memory: dict[str, Any], rows: list[dict[str, in
               "gathered;", "   the formula of each term: README, memory plan)"]
     if layout.pp_size > 1:
         lines += pipeline_lines(settings.parallel.pipeline_schedule, layout, memory)
+    if spec.auto is not None:
+        lines += auto_lines(spec.auto)
     return "\n".join(lines)
+
+
+def auto_lines(choice: Choice) -> list[str]:
+    """parallel=auto: the choice, the next best and what the search dropped."""
+    hw = choice.hardware
+
+    def row(label: str, c: Candidate) -> str:
+        return (f"  {label:7s} {c.describe():58s} {c.estimate.step_s:9.3f} s "
+                f"{c.layout.global_batch_size:6d} {1e3 * c.seconds_per_sample:9.3f} ms "
+                f"{c.peak_bytes / 2**30:8.1f} GiB  {c.estimate.dominant}")
+    lines = ["", f"parallel=auto: the fastest of {choice.fitting} layouts that fit "
+             f"{choice.budget_bytes / 2**30:.1f} GiB a rank (cluster.device_memory_gib "
+             f"{hw.device_memory_gib:g} less {100 * hw.memory_margin:g}%), by the cost model "
+             f"(trainer/auto/cost.py: {hw.peak_bf16_tflops:g} / {hw.peak_fp32_tflops:g} TFLOP/s "
+             f"bf16 / fp32 at {100 * hw.compute_efficiency:g}%, NVLink "
+             f"{hw.nvlink_bandwidth_gbs:g} GB/s, network {hw.network_bandwidth_gbs:g} GB/s); "
+             f"searched in {choice.search_s:.2f} s",
+             f"  {'':7s} {'layout':58s} {'step':>11s} {'batch':>6s} {'per sample':>12s} "
+             f"{'peak':>12s}  dominant cost",
+             row("chosen", choice.chosen)]
+    lines += [row(f"#{i + 2}", c) for i, c in enumerate(choice.alternatives)]
+    lines.append("  step time by cost (chosen): " + ", ".join(
+        f"{kind} {seconds:.3f} s" for kind, seconds in choice.chosen.estimate.seconds.items()
+        if seconds))
+    lines.append("  dropped: " + "; ".join(f"{n} {reason}" for reason, n in
+                                           choice.dropped.items()))
+    return lines
 
 
 def pipeline_lines(schedule: str, layout: Layout, memory: dict[str, Any]) -> list[str]:
@@ -207,6 +237,8 @@ def layout_record(spec: RunSpec) -> tuple[dict[str, Any], str]:
             layout.pp_size, layout.num_microbatches, layout.virtual_pipeline_size)},
         "warnings": warnings,
     }
+    if spec.auto is not None:
+        record["auto"] = spec.auto.as_dict()
     return record, format_report(spec, memory, rows)
 
 

@@ -1,9 +1,9 @@
 """Bytes each rank holds for parameters, gradients and optimizer state under a layout.
 
-The model's parameter shapes come from the real model built on the meta device (no memory, no
-GPU); the placement follows the model's plan and the Layout: planned weights are split over TP
-and their rows over GTP_remat (padded), small tensors stay whole, optimizer state is sharded
-over weight_replica.
+The model's parameter shapes come from its config (trainer.model.plan.parameter_shapes, held
+equal to the built model's by a test); the placement follows the model's plan and the Layout:
+planned weights are split over TP and their rows over GTP_remat (padded), small tensors stay
+whole, optimizer state is sharded over weight_replica.
 """
 from __future__ import annotations
 
@@ -13,7 +13,12 @@ from dataclasses import asdict, dataclass
 from parallel.layout import Layout
 from parallel.pipeline.schedules import in_flight, stage_actions
 from trainer.config import ModelConfig
-from trainer.model.plan import BLOCKS, EMBEDDING, tp_style
+from trainer.model.plan import (
+    BLOCKS,
+    EMBEDDING,
+    parameter_shapes,  # noqa: F401  (the shapes every plan sizes from)
+    tp_style,
+)
 from trainer.report.activations import stage_activation_bytes, step_memory
 from trainer.train.options import EngineOptions
 
@@ -33,16 +38,6 @@ class StageMemory:
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "total_bytes": self.total_bytes}
-
-
-def parameter_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    import torch
-
-    from trainer.model.transformer import Transformer
-
-    with torch.device("meta"):
-        model = Transformer(model_cfg)
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
 
 
 def local_numel(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[int, bool]:
@@ -71,13 +66,20 @@ BYTES_PER_ELEMENT = (4, 4, 8)
 def stage_of(name: str, layout: Layout, num_layers: int) -> int:
     """The pipeline stage that holds parameter `name` (Layout.pipeline_layers: blocks by model
     chunk; the embedding on the first stage, the final norm and head on the last)."""
-    prefix = f"{BLOCKS}."
-    if name.startswith(prefix):
-        block = int(name[len(prefix):].split(".")[0])
-        chunk = next(c for c, blocks in enumerate(layout.pipeline_layers(num_layers))
-                     if block in blocks)
-        return chunk % layout.pp_size
-    return 0 if name.startswith(f"{EMBEDDING}.") else layout.pp_size - 1
+    return stage_map(layout, num_layers)(name)
+
+
+def stage_map(layout: Layout, num_layers: int):
+    """stage_of for many names: the block split asked of the Layout once."""
+    pp, prefix = layout.pp_size, f"{BLOCKS}."
+    block_stage = {block: chunk % pp for chunk, blocks in
+                   enumerate(layout.pipeline_layers(num_layers)) for block in blocks}
+
+    def of(name: str) -> int:
+        if name.startswith(prefix):
+            return block_stage[int(name[len(prefix):].split(".", 1)[0])]
+        return 0 if name.startswith(f"{EMBEDDING}.") else pp - 1
+    return of
 
 
 def memory_per_stage(shapes: dict[str, tuple[int, ...]], num_layers: int, layout: Layout,
@@ -88,13 +90,14 @@ def memory_per_stage(shapes: dict[str, tuple[int, ...]], num_layers: int, layout
     updating one part (train.optim.FlatBuffer). Tied embeddings across stages: the last stage
     holds a copy of the embedding's shard and its gradient, outside the optimizer."""
     p_bytes, g_bytes, o_bytes = BYTES_PER_ELEMENT
+    # sharded, replicated elements of each stage
+    per_stage = [{True: 0, False: 0} for _ in range(layout.pp_size)]
+    of = stage_map(layout, num_layers)
+    for name, shape in shapes.items():
+        numel, sharded = local_numel(name, shape, layout)
+        per_stage[of(name)][sharded] += numel
     out = []
-    for stage in range(layout.pp_size):
-        kinds = {True: 0, False: 0}  # sharded, replicated elements
-        for name, shape in shapes.items():
-            if stage_of(name, layout, num_layers) == stage:
-                numel, sharded = local_numel(name, shape, layout)
-                kinds[sharded] += numel
+    for stage, kinds in enumerate(per_stage):
         copy = 0
         if tie_word_embeddings and layout.pp_size > 1 and stage == layout.pp_size - 1:
             name = f"{EMBEDDING}.weight"
@@ -115,8 +118,8 @@ def step_per_stage(shapes: dict[str, tuple[int, ...]], model: ModelConfig, layou
     gathered = {name: local_numel(name, shape, layout)[0] * layout.gtp_remat_size
                 for name, shape in shapes.items() if len(shape) == 2}
     first_block = [n for n in gathered if n.startswith(f"{BLOCKS}.0.")]
-    outside = {n: stage_of(n, layout, model.num_layers)
-               for n in gathered if not n.startswith(f"{BLOCKS}.")}
+    of = stage_map(layout, model.num_layers)
+    outside = {n: of(n) for n in gathered if not n.startswith(f"{BLOCKS}.")}
     if model.tie_word_embeddings:  # the head uses the embedding's weight on the last stage
         outside[f"{EMBEDDING}.weight.head"] = layout.pp_size - 1
         gathered[f"{EMBEDDING}.weight.head"] = gathered[f"{EMBEDDING}.weight"]

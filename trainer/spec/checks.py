@@ -152,6 +152,15 @@ def check_cluster(cluster: ClusterConfig) -> None:
                   "set it to the GPUs one NVLink domain connects (8 on a DGX H100)")
     _positive_int("cluster.timeout_s", cluster.timeout_s,
                   "set it to the seconds a collective may wait (default 300)")
+    for key in ("device_memory_gib", "peak_bf16_tflops", "peak_fp32_tflops",
+                "nvlink_bandwidth_gbs", "network_bandwidth_gbs"):
+        _finite(f"cluster.{key}", getattr(cluster, key), 0, False,
+                fix="set it from the device's datasheet (conf/cluster/dgx_h100.yaml names its)")
+    _finite("cluster.link_latency_us", cluster.link_latency_us, 0, True, fix="use e.g. 5")
+    _finite("cluster.compute_efficiency", cluster.compute_efficiency, 0, False, 1, True,
+            fix="use the share of peak FLOP/s a training step reaches, e.g. 0.45")
+    _finite("cluster.memory_margin", cluster.memory_margin, 0, True, 1, False,
+            fix="use e.g. 0.1 (a tenth of the device kept free)")
 
 
 def check_layout_inputs(parallel: Any, cluster: Any, train: Any) -> None:

@@ -6,6 +6,7 @@ parallel.layout's; this module only adapts it to OmegaConf and to Hydra's error 
 from __future__ import annotations
 
 import hashlib
+from enum import Enum
 from typing import Any
 
 import omegaconf
@@ -14,8 +15,12 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from parallel.layout import Layout, LayoutError
+from trainer.auto.hardware import Hardware
+from trainer.auto.search import SEARCHED, Choice, Problem, search
+from trainer.config import ModelConfig, Precision
 
 RESOLVER = "gtp.layout"
+AUTO = "gtp.auto"
 
 
 class LayoutResolutionError(InterpolationResolutionError, CompactHydraException):
@@ -36,6 +41,64 @@ def layout_node(parallel: Any, cluster: Any, train: Any) -> DictConfig:
     would break `--cfg job --resolve`)."""
     layout = build_layout(parallel, cluster, train)
     return OmegaConf.create(layout.derived(), flags={"readonly": True})
+
+
+class AutoLayoutError(InterpolationResolutionError, CompactHydraException):
+    """parallel=auto found no layout (or a key it reads is invalid): one line."""
+
+
+def auto_problem(root: DictConfig) -> Problem | None:
+    """The search's inputs read from the composed config, or None without parallel=auto. A
+    searched key whose value is not the auto interpolation was set by the user: it is fixed."""
+    fixed, free = [], []
+    for path in SEARCHED:
+        group, key = path.split(".")
+        node = root[group]._get_node(key)
+        value = node._value() if node is not None else None
+        if isinstance(value, str) and value.startswith("${" + AUTO + ":"):
+            free.append(path)
+        else:
+            fixed.append((path, _plain(root[group][key])))
+    if not free:
+        return None
+    model: ModelConfig = OmegaConf.to_object(root.model)
+    train, cluster, parallel = root.train, root.cluster, root.parallel
+    given = tuple((f"parallel.{k}", parallel[k]) for k in (
+        "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+        "grad_reduce_in_bf16", "overlap_param_gather", "overlap_grad_reduce"))
+    world = cluster.num_nodes * cluster.procs_per_node
+    return Problem(model, Hardware.from_cluster(cluster), world, train.micro_batch_size,
+                   train.global_batch_size, train.seq_length,
+                   Precision(_plain(train.precision)), train.recompute_num_layers, tuple(fixed),
+                   given)
+
+
+def _plain(value: Any) -> Any:
+    return value.value if isinstance(value, Enum) else value
+
+
+_SEARCHES: dict[str, Choice] = {}  # one search per distinct problem in this process
+
+
+def auto_choice(root: DictConfig) -> Choice | None:
+    """The search's answer for this config (None without parallel=auto); NoLayoutFits and a bad
+    model become the one-line error."""
+    try:
+        problem = auto_problem(root)
+        if problem is None:
+            return None
+        key = repr(problem)
+        if key not in _SEARCHES:
+            _SEARCHES[key] = search(problem)
+        return _SEARCHES[key]
+    except ValueError as error:
+        raise AutoLayoutError(str(error)) from None
+
+
+def auto_value(path: str, *, _root_: DictConfig) -> Any:
+    """${gtp.auto:parallel.KEY}: the chosen layout's value of one searched key."""
+    choice = auto_choice(_root_)
+    return choice.chosen.values[path]
 
 
 def folder_name(overrides: str, limit: int = 120) -> str:
@@ -59,4 +122,5 @@ def register() -> None:
     register = OmegaConf.register_resolver if modern else OmegaConf.register_new_resolver
     register(RESOLVER, layout_node, replace=True)
     register("gtp.folder", folder_name, replace=True)
+    register(AUTO, auto_value, replace=True)
 

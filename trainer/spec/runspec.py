@@ -6,14 +6,16 @@ before any job starts. Nothing below a RunSpec re-derives what it holds.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from parallel.layout import Layout
+from trainer.auto.search import Choice
 from trainer.config import Config, ConfigError, unknown_keys
 from trainer.data.source import DataSource
 from trainer.spec.checks import check_layout_inputs, check_values
-from trainer.spec.resolvers import build_layout
+from trainer.spec.resolvers import auto_choice, build_layout
 from trainer.train.accounting import RunPlan
 from trainer.train.schedule import LrSchedule
 
@@ -28,6 +30,7 @@ class RunSpec:
     plan: RunPlan  # steps, evaluation batches, intervals
     schedule: LrSchedule
     data: DataSource  # where the tokens are, and what is known of them before opening
+    auto: Optional[Choice] = None  # parallel=auto: the search that chose the layout
 
 
 def settle(cfg: DictConfig) -> RunSpec:
@@ -52,6 +55,7 @@ def settle(cfg: DictConfig) -> RunSpec:
         raise ConfigError(
             f"Unknown config key(s): {', '.join(unknown)}. Fix: check the spelling against "
             f"`python launch.py --cfg job`; keys cannot be added with +key=value.")
+    auto = auto_choice(cfg)  # parallel=auto: the search, before its values are read
     try:
         check_layout_inputs(cfg.parallel, cfg.cluster, cfg.train)  # before the Layout's rules
     except ValueError as error:
@@ -68,5 +72,5 @@ def settle(cfg: DictConfig) -> RunSpec:
         data = DataSource.from_config(config.data, config.model, config.train)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    return RunSpec(config, layout, plan, schedule, data)
+    return RunSpec(config, layout, plan, schedule, data, auto)
 

@@ -1,0 +1,1 @@
+"""parallel=auto: the layout search (candidates, their memory and step time, the choice)."""

@@ -1,0 +1,174 @@
+"""The step time of one layout, estimated before it runs: compute at the hardware's achieved
+FLOP/s, plus each communication's time on its link less what overlap hides, plus the pipeline
+bubble. Symbols as in trainer/report/activations.py (all local to a rank): b micro-batch, s this
+rank's tokens of a sequence, T = b*s, S = seq_length, h, f, V, t = TP, G = GTP_remat, C =
+runtime CP, e bytes of the compute dtype.
+
+Per micro-batch and block (forward; backward is twice the FLOPs and mirrors the messages):
+    FLOPs        2*T*W/t for the linears (W: a block's weight elements), 2*T*S*h/t for causal
+                 attention (each query sees S/2 keys: zigzag balances them); full recompute runs
+                 the forward again, selective the attention core
+    TP (t > 1)   two all-gathers and two reduce-scatters of T*h*e (SP; without SP two
+                 all-reduces: the same bytes), not hidden
+    GTP_remat    the block's weights gathered (forward, again in backward, and for a full
+                 recompute; bf16 under bf16) and their gradients reduce-scattered; hidden behind
+                 the block's compute with overlap_param_gather / overlap_grad_reduce
+    CP (C > 1)   p2p: K/V (2*T*c/t*e) C-1 hops forward, C-1 and their fp32 gradients C hops in
+                 backward, hidden behind attention; all_gather: K/V gathered, their gradients
+                 reduce-scattered; a2a: q, k, v and the output between sequence and heads, both
+                 ways; neither hidden
+    PP           the residual stream (b*s/t_sp*h fp32) to the next stage, its gradient back
+Per step: the optimizer's flat buffers reduce-scattered and gathered over weight_replica. The
+step runs m micro-batches on the slowest stage plus the bubble: (PP-1)/v of them more.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from parallel.layout import Layout
+from trainer.auto.hardware import Hardware
+from trainer.config import CPCommType, ModelConfig, Precision, RecomputeGranularity
+from trainer.train.options import EngineOptions
+
+FP32 = 4
+KINDS = ("compute", "tensor parallel", "weight gathers", "context parallel", "pipeline sends",
+         "optimizer reduce", "pipeline bubble")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    step_s: float
+    seconds: dict[str, float] = field(default_factory=dict)  # by KINDS: compute, exposed comm
+
+    @property
+    def dominant(self) -> str:
+        return max(self.seconds, key=self.seconds.get)
+
+    def as_dict(self) -> dict:
+        return {"step_s": self.step_s, "dominant": self.dominant,
+                "seconds": {k: round(v, 6) for k, v in self.seconds.items()}}
+
+
+def block_weights(m: ModelConfig) -> int:
+    """A block's 2-D weight elements: qkv, o, gate_up, down."""
+    h, f = m.hidden_size, m.ffn_hidden_size
+    return h * (h + 2 * m.kv_size) + h * h + 3 * f * h
+
+
+def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardware) -> Estimate:
+    t, g, c = layout.tp_size, layout.gtp_remat_size, layout.runtime_context_parallel_size
+    b, s, S, h = layout.micro_batch_size, layout.context_local_length, layout.seq_length, \
+        m.hidden_size
+    T, V, W = b * s, m.padded_vocab_size, block_weights(m)
+    e = 2 if options.precision is Precision.bf16 else FP32
+    flops = hw.flops(options.precision)
+    # Compute of one micro-batch through one block, forward and backward.
+    linear_fwd = 2 * T * W / t / flops
+    attn_fwd = 2 * T * S * h / t / flops
+    extra = {RecomputeGranularity.full: linear_fwd + attn_fwd,
+             RecomputeGranularity.selective: attn_fwd, None: 0.0}
+    head_fwd = 2 * T * h * V / t / flops
+
+    tp_link, gtp_link = hw.link(layout, "tp"), hw.link(layout, "gtp_remat")
+    cp_link, pp_link = hw.link(layout, "context"), hw.link(layout, "pp")
+    # Tensor parallel: 4 collectives of T*h*e forward per block, 4 backward; 2 around the head.
+    tp_block = 8 * tp_link.ring(t, T * h * e) if t > 1 else 0.0
+    tp_head = 2 * tp_link.ring(t, T * h * e) if t > 1 else 0.0
+    # Weight gathers of one block (a full weight is W/t elements; each rank holds 1/G of it).
+    gather = gtp_link.ring(g, W / t * e) if g > 1 else 0.0
+    grad_bytes = 2 if options.grad_reduce_in_bf16 else FP32
+    scatter = gtp_link.ring(g, W / t * grad_bytes) if g > 1 else 0.0
+    # Context parallel per block, forward and backward.
+    kv = 2 * T * m.kv_size / t * e
+    cp_fwd = cp_bwd = 0.0
+    if c > 1:
+        comm = options.cp_comm_type
+        if comm is CPCommType.p2p:
+            ring_fwd = (c - 1) * cp_link.send(kv)
+            ring_bwd = (c - 1) * cp_link.send(kv) + c * cp_link.send(kv / e * FP32)
+            cp_fwd, cp_bwd = max(0.0, ring_fwd - attn_fwd), max(0.0, ring_bwd - 2 * attn_fwd)
+        elif comm is CPCommType.all_gather:
+            cp_fwd, cp_bwd = cp_link.ring(c, c * kv), cp_link.ring(c, c * kv / e * FP32)
+        else:  # a2a: q, k, v in, the output back; their gradients the other way
+            moved = (2 * T * h / t * e + kv) * c
+            cp_fwd = cp_bwd = cp_link.all_to_all(c, moved)
+
+    def block_time(recompute: RecomputeGranularity | None) -> tuple[float, dict[str, float]]:
+        fwd = linear_fwd + attn_fwd
+        bwd = 2 * fwd + extra[recompute]
+        regathers = 2 if recompute is RecomputeGranularity.full else 1
+        # The next block's weights gather under this block's forward; in backward the
+        # gathers and the gradient reduce-scatters run under its backward, where overlapped.
+        exposed = max(0.0, gather - fwd) if options.overlap_param_gather else gather
+        hidden = (regathers * gather if options.overlap_param_gather else 0.0) + (
+            scatter if options.overlap_grad_reduce else 0.0)
+        shown = regathers * gather + scatter - hidden
+        exposed += max(0.0, hidden - bwd) + shown
+        return fwd + bwd, {"tensor parallel": tp_block, "weight gathers": exposed,
+                           "context parallel": cp_fwd + cp_bwd}
+
+    # The slowest stage's micro-batch, and its optimizer step.
+    micro_s, micro_parts, optimizer_s = 0.0, dict.fromkeys(KINDS, 0.0), 0.0
+    r, replica_link = layout.num_weight_replicas, hw.link(layout, "weight_replica")
+    all_chunks, pp = layout.pipeline_layers(m.num_layers), layout.pp_size
+    for stage in sorted({0, min(1, pp - 1), pp - 1}):  # the middle stages are stage 1's twins
+        chunks = all_chunks[stage::pp]
+        parts = dict.fromkeys(KINDS, 0.0)
+        counts = {None: 0, options.recompute_granularity: 0}
+        for chunk in chunks:  # recompute_num_layers counts within each chunk
+            n, first_n = len(chunk), options.recompute_num_layers
+            recomputed = n if first_n is None else min(n, first_n)
+            counts[options.recompute_granularity] += recomputed
+            counts[None] += n - recomputed
+        for recompute, count in counts.items():
+            compute, comm = block_time(recompute)
+            parts["compute"] += count * compute
+            for kind, value in comm.items():
+                parts[kind] += count * value
+        first, last = stage == 0, stage == pp - 1
+        elements = sum(len(chunk) for chunk in chunks) * W
+        if last:  # the head: gathered for forward and again for backward
+            parts["compute"] += 3 * head_fwd
+            parts["tensor parallel"] += tp_head
+            head = (2 * gather + scatter) * V * h / W
+            parts["weight gathers"] += max(0.0, head - 3 * head_fwd) \
+                if options.overlap_param_gather else head
+            elements += V * h if not m.tie_word_embeddings or layout.pp_size == 1 else 0
+        if first:  # the embedding: gathered once, its gradient reduce-scattered
+            parts["weight gathers"] += (gather + scatter) * V * h / W
+            elements += V * h
+        if pp > 1:  # the residual stream out and its gradient back, per chunk
+            stream = b * layout.residual_local_length * h * FP32
+            parts["pipeline sends"] += 2 * len(chunks) * pp_link.send(stream)
+        if sum(parts.values()) > micro_s:
+            micro_s, micro_parts = sum(parts.values()), parts
+        # The optimizer's fp32 flat buffers: gradients reduce-scattered, weights gathered.
+        optimizer_s = max(optimizer_s, 2 * replica_link.ring(r, elements / (t * g) * FP32))
+    seconds = {kind: value * layout.num_microbatches for kind, value in micro_parts.items()}
+    seconds["pipeline bubble"] = micro_s * (layout.pp_size - 1) / layout.virtual_pipeline_size
+    seconds["optimizer reduce"] = optimizer_s
+    return Estimate(sum(seconds.values()), seconds)
+
+
+def floor_s(m: ModelConfig, layout: Layout, precision: Precision, hw: Hardware) -> float:
+    """At most estimate(...).step_s under any option of this layout (recompute, cp_comm_type,
+    overlap): the last stage's compute without recompute and its TP messages, m times and
+    through the bubble, plus the optimizer's reduction of the smallest stage. The search skips
+    a layout whose floor is already slower than the candidates it keeps."""
+    t, pp = layout.tp_size, layout.pp_size
+    b, s, S, h = layout.micro_batch_size, layout.context_local_length, layout.seq_length, \
+        m.hidden_size
+    T, V, W = b * s, m.padded_vocab_size, block_weights(m)
+    e = 2 if precision is Precision.bf16 else FP32
+    flops = hw.flops(precision)
+    blocks = m.num_layers // pp if layout.num_layers_in_last_pipeline_stage is None else \
+        layout.num_layers_in_last_pipeline_stage
+    tp_link = hw.link(layout, "tp")
+    ring = tp_link.ring(t, T * h * e) if t > 1 else 0.0
+    micro = blocks * (3 * 2 * T * (W / t + S * h / t) / flops + 8 * ring) \
+        + 3 * 2 * T * h * V / t / flops + 2 * ring
+    fewest = min(blocks, (m.num_layers - blocks) // max(1, pp - 1)) if pp > 1 else blocks
+    optimizer = 2 * hw.link(layout, "weight_replica").ring(
+        layout.num_weight_replicas, fewest * W / (t * layout.gtp_remat_size) * FP32)
+    return micro * (layout.num_microbatches + (pp - 1) / layout.virtual_pipeline_size) \
+        + optimizer

@@ -1,0 +1,325 @@
+"""parallel=auto: every layout the trainer can run for a model, a sequence length and a cluster,
+sized by the memory plan, timed by the cost model, and the fastest that fits.
+
+The search walks the degrees (TP, SP, weight shards, sequence shards, CP, PP), then for each
+layout the Layout accepts its virtual stages, cp_comm_type and recompute. Any key the user set
+stays as set: it constrains the search. A candidate whose planned peak (trainer.auto.fit, the
+dry run's plan) exceeds the device less its margin is dropped; recompute is only tried where the
+layout does not fit without it (it is never faster). Candidates rank by seconds per sample (the
+global batch may follow the layout when train.global_batch_size is null), then by memory.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from parallel.layout import Layout, LayoutError
+from trainer.auto.cost import Estimate, estimate, floor_s
+from trainer.auto.fit import PeakPlanner
+from trainer.auto.hardware import GiB, Hardware
+from trainer.config import CPCommType, ModelConfig, Precision, RecomputeGranularity
+from trainer.model.plan import parameter_shapes
+from trainer.spec.checks import check_context_parallel, check_model
+from trainer.train.options import EngineOptions
+
+# The keys the search sets, by config path; the rest of parallel.* are inputs.
+SEARCHED = ("parallel.tensor_model_parallel_size", "parallel.sequence_parallel",
+            "parallel.tensor_parallel_num_weight_shards",
+            "parallel.tensor_parallel_num_sequence_shards", "parallel.context_parallel_size",
+            "parallel.pipeline_model_parallel_size",
+            "parallel.virtual_pipeline_model_parallel_size", "parallel.pipeline_schedule",
+            "parallel.cp_comm_type", "train.recompute_granularity")
+ALTERNATIVES = 5
+RECOMPUTES = (None, RecomputeGranularity.selective, RecomputeGranularity.full)
+
+
+class NoLayoutFits(ValueError):
+    """No candidate fits the device: the message names the nearest miss and the fixes."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """What the search reads: the model, the batch, the cluster and the keys already set."""
+
+    model: ModelConfig
+    hardware: Hardware
+    world_size: int
+    micro_batch_size: int
+    global_batch_size: Optional[int]
+    seq_length: int
+    precision: Precision
+    recompute_num_layers: Optional[int]
+    fixed: tuple[tuple[str, Any], ...] = ()  # SEARCHED keys the config sets, as set
+    # parallel.* inputs that are not searched: overlap, bf16 reduction, stage layer counts
+    given: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    values: dict[str, Any]  # SEARCHED key -> the config value (enums as their string)
+    layout: Layout
+    estimate: Estimate
+    peak_bytes: int
+    peak_stage: int
+
+    @property
+    def seconds_per_sample(self) -> float:
+        return self.estimate.step_s / self.layout.global_batch_size
+
+    def describe(self) -> str:
+        v, lay = self.values, self.layout
+        parts = [f"TP={lay.tp_size}" + (" SP" if lay.sequence_parallel and lay.tp_size > 1
+                                         else ""),
+                 f"WS={lay.tensor_parallel_num_weight_shards}",
+                 f"SS={lay.tensor_parallel_num_sequence_shards}",
+                 f"CP={lay.context_parallel_size}", f"PP={lay.pp_size}",
+                 f"DP={lay.data_parallel_size}"]
+        if lay.virtual_pipeline_size > 1:
+            parts.append(f"v={lay.virtual_pipeline_size}")
+        if lay.runtime_context_parallel_size > 1:
+            parts.append(v["parallel.cp_comm_type"])
+        parts.append(f"recompute={v['train.recompute_granularity'] or 'off'}")
+        return " ".join(parts)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"layout": self.describe(), "values": self.values,
+                "global_batch_size": self.layout.global_batch_size,
+                "peak_bytes": self.peak_bytes, "peak_stage": self.peak_stage,
+                "seconds_per_sample": self.seconds_per_sample, **self.estimate.as_dict()}
+
+
+@dataclass(frozen=True)
+class Choice:
+    chosen: Candidate
+    alternatives: tuple[Candidate, ...]
+    dropped: dict[str, int]  # reason -> layouts
+    fitting: int  # candidates that fit
+    budget_bytes: int
+    search_s: float
+    hardware: Hardware = field(repr=False, default=None)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"chosen": self.chosen.as_dict(),
+                "alternatives": [c.as_dict() for c in self.alternatives],
+                "dropped": self.dropped, "fitting": self.fitting,
+                "budget_bytes": self.budget_bytes, "search_s": round(self.search_s, 3)}
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _choices(fixed: dict[str, Any], key: str, options: list) -> list:
+    return [fixed[key]] if key in fixed else options
+
+
+def degrees(p: Problem, fixed: dict[str, Any], dropped: Counter):
+    """(TP, SP, WS, SS, CP, PP) the integer rules allow; a tuple a rule refuses is counted
+    under that rule."""
+    m, world = p.model, p.world_size
+    for tp in _choices(fixed, "parallel.tensor_model_parallel_size", divisors(world)):
+        sizes = (m.num_heads, m.query_groups, m.ffn_hidden_size, m.padded_vocab_size)
+        tp_fault = ("TP does not divide the model's heads, K/V groups, FFN or padded "
+                    "vocabulary" if any(n % tp for n in sizes) else
+                    "TP spans more than one NVLink domain"
+                    if tp > p.hardware.gpus_per_nvlink_domain else None)
+        if tp > 1 and "parallel.sequence_parallel" not in fixed:
+            # SP off moves the same bytes (an all-reduce is a reduce-scatter and an
+            # all-gather) and keeps TP x more activations: never better, not enumerated.
+            dropped["sequence_parallel=false with TP > 1 (more memory, same traffic)"] += 1
+        for sp in _choices(fixed, "parallel.sequence_parallel", [tp > 1]):
+            sp_degree = tp if sp else 1
+            ws_fixed = fixed.get("parallel.tensor_parallel_num_weight_shards", 0)
+            gs = divisors(world // tp) if ws_fixed == 0 else [(ws_fixed or tp) // tp]
+            for g in gs:
+                ss_fixed = fixed.get("parallel.tensor_parallel_num_sequence_shards", 0)
+                nss = divisors(g) if ss_fixed == 0 else [(ss_fixed or sp_degree) / sp_degree]
+                for ns in nss:
+                    rest = world // (tp * g) if world % (tp * g) == 0 else 0
+                    for cp in _choices(fixed, "parallel.context_parallel_size",
+                                       divisors(rest) if rest else [1]):
+                        for pp in _choices(fixed, "parallel.pipeline_model_parallel_size",
+                                           [d for d in divisors(rest // cp) if d <= m.num_layers]
+                                           if rest and rest % cp == 0 else [1]):
+                            fault = tp_fault or _integer_fault(p, tp, sp_degree, g, ns, cp, pp)
+                            if fault:
+                                dropped[fault] += 1
+                                continue
+                            yield tp, sp, tp * g, int(ns * sp_degree), cp, pp
+
+
+def _integer_fault(p: Problem, tp: int, sp: int, g: int, ns: float, cp: int, pp: int) -> str:
+    if ns != int(ns) or g % ns:
+        return "the Layout's rules (sequence shards)"
+    ns = int(ns)
+    runtime = cp * ns
+    if p.seq_length % math.lcm(2 * runtime if runtime > 1 else 1, runtime * sp):
+        return "train.seq_length does not split over runtime CP x SP"
+    if p.global_batch_size is not None:
+        bps = p.world_size // (tp * pp * cp * ns)
+        if p.global_batch_size % (p.micro_batch_size * bps):
+            return "train.global_batch_size is not a multiple of micro x batch_parallel_size"
+    return ""
+
+
+def search(p: Problem) -> Choice:
+    """The fastest fitting layout, its best alternatives and what was dropped; NoLayoutFits
+    when none fits."""
+    started = time.perf_counter()
+    check_model(p.model)
+    fixed, given = dict(p.fixed), dict(p.given)
+    m, planner = p.model, PeakPlanner(parameter_shapes(p.model), p.model)
+    budget, dropped = p.hardware.budget_bytes, Counter()
+    over = "planned peak over the device memory less its margin"
+    fits: list[tuple[float, int, Candidate]] = []
+    nearest: tuple[int, Candidate] | None = None
+    recomputes = _choices(fixed, "train.recompute_granularity",
+                          list(RECOMPUTES[p.recompute_num_layers is not None:]))
+    layouts = []  # (the least its step could cost per sample, its place, the layout)
+    for tp, sp, ws, ss, cp, pp in degrees(p, fixed, dropped):
+        for v in _virtual(p, fixed, pp, dropped):
+            try:
+                layout = Layout(p.world_size, tp, sp, ws, ss, cp, pp, v,
+                                given.get("parallel.num_layers_in_first_pipeline_stage"),
+                                given.get("parallel.num_layers_in_last_pipeline_stage"),
+                                p.micro_batch_size, p.global_batch_size, p.seq_length)
+                layout.pipeline_layers(m.num_layers)
+            except LayoutError as error:
+                dropped[_rule(str(error))] += 1
+                continue
+            floor = floor_s(m, layout, p.precision, p.hardware) / layout.global_batch_size
+            layouts.append((floor, len(layouts), layout))
+    layouts.sort(key=lambda item: item[:2])
+    kept: list[float] = []  # a max-heap (negated) of the best seconds per sample so far
+    for place, (floor, _, layout) in enumerate(layouts):
+        if len(kept) > ALTERNATIVES and floor >= -kept[0]:
+            dropped["slower than the six best at its compute, TP and optimizer time alone"] += \
+                len(layouts) - place
+            break
+        v = layout.virtual_pipeline_model_parallel_size
+        stages = planner.stages(layout)
+        comms = list(_comm_types(p, fixed, layout, dropped))
+        schedule = fixed.get("parallel.pipeline_schedule", "interleaved_1f1b" if v else "1f1b")
+        if planner.state_floor(stages) > budget:  # over with any option
+            dropped[over] += len(comms) * len(recomputes)
+            continue
+        for comm in comms:
+            for index, recompute in enumerate(recomputes):
+                options = EngineOptions(
+                    p.precision, recompute, p.recompute_num_layers,
+                    given.get("parallel.grad_reduce_in_bf16", False),
+                    given.get("parallel.overlap_param_gather", True),
+                    given.get("parallel.overlap_grad_reduce", True), comm, schedule)
+                peak, stage = planner.peak(layout, stages, options)
+                values = {"parallel.tensor_model_parallel_size": layout.tp_size,
+                          "parallel.sequence_parallel": layout.sequence_parallel,
+                          "parallel.tensor_parallel_num_weight_shards":
+                              layout.tensor_parallel_num_weight_shards,
+                          "parallel.tensor_parallel_num_sequence_shards":
+                              layout.tensor_parallel_num_sequence_shards,
+                          "parallel.context_parallel_size": layout.context_parallel_size,
+                          "parallel.pipeline_model_parallel_size": layout.pp_size,
+                          "parallel.virtual_pipeline_model_parallel_size": v,
+                          "parallel.pipeline_schedule": schedule,
+                          "parallel.cp_comm_type": comm.value,
+                          "train.recompute_granularity": recompute and recompute.value}
+                if peak > budget:
+                    dropped[over] += 1
+                    if nearest is None or peak < nearest[0]:
+                        nearest = (peak, Candidate(values, layout, Estimate(0.0), peak,
+                                                   stage))
+                    continue
+                candidate = Candidate(values, layout,
+                                      estimate(m, layout, options, p.hardware), peak, stage)
+                fits.append((candidate.seconds_per_sample, peak, candidate))
+                heapq.heappush(kept, -candidate.seconds_per_sample)
+                if len(kept) > ALTERNATIVES + 1:
+                    heapq.heappop(kept)
+                if index + 1 < len(recomputes):  # more recompute is only slower
+                    dropped["more recompute where the layout fits with less"] += \
+                        len(recomputes) - index - 1
+                break
+    if not fits:
+        raise NoLayoutFits(_no_fit_message(p, nearest, fixed))
+    fits.sort(key=lambda item: item[:2])
+    ranked = [c for _, _, c in fits]
+    return Choice(ranked[0], tuple(ranked[1:1 + ALTERNATIVES]),
+                  {reason: n for reason, n in dropped.most_common() if n},
+                  len(ranked), budget, time.perf_counter() - started, p.hardware)
+
+
+def _virtual(p: Problem, fixed: dict[str, Any], pp: int, dropped: Counter
+             ) -> list[Optional[int]]:
+    """Model chunks per stage: none (1f1b, or a fixed gpipe) and, with PP, each v >= 2 that
+    splits the stage's blocks."""
+    key = "parallel.virtual_pipeline_model_parallel_size"
+    if key in fixed:
+        return [fixed[key]]
+    schedule = fixed.get("parallel.pipeline_schedule")
+    options = [None] if schedule != "interleaved_1f1b" else []
+    if pp > 1 and schedule in (None, "interleaved_1f1b"):
+        per_stage = p.model.num_layers // pp
+        virtual = [v for v in range(2, per_stage + 1) if per_stage % v == 0]
+        if _microbatches(p, pp) % pp == 0:
+            options += virtual
+        else:
+            dropped["interleaving with micro-batches not a multiple of PP"] += len(virtual)
+    return options
+
+
+def _microbatches(p: Problem, pp: int) -> int:
+    """Micro-batches a step for a fixed global batch (1 when it follows the layout; then the
+    interleaved schedule, which needs a multiple of PP, is out)."""
+    if p.global_batch_size is None:
+        return 1
+    return p.global_batch_size // p.micro_batch_size  # over BPS: a multiple of PP iff this is
+
+
+def _comm_types(p: Problem, fixed: dict[str, Any], layout: Layout, dropped: Counter):
+    key = "parallel.cp_comm_type"
+    if key in fixed:
+        yield CPCommType(fixed[key])
+        return
+    if layout.runtime_context_parallel_size == 1:
+        yield CPCommType.p2p  # unused without CP; the default
+        return
+    for comm in CPCommType:
+        try:
+            check_context_parallel(p.model, layout, comm)
+        except ValueError:
+            dropped["cp_comm_type=a2a needs the TP-local heads divisible by runtime CP"] += 1
+            continue
+        yield comm
+
+
+def _rule(message: str) -> str:
+    """A Layout error counted by the key it names first."""
+    key = message.split("=", 1)[0].split()[-1].strip("(") if "=" in message else "layout"
+    return f"the Layout's rules ({key})"
+
+
+def _no_fit_message(p: Problem, nearest: tuple[int, Candidate] | None,
+                    fixed: dict[str, Any]) -> str:
+    hw, budget = p.hardware, p.hardware.budget_bytes
+    where = (f"parallel=auto: no layout of world_size={p.world_size} fits model "
+             f"({p.model.num_layers} layers x hidden {p.model.hidden_size}) at train.seq_length="
+             f"{p.seq_length}, train.micro_batch_size={p.micro_batch_size} in "
+             f"cluster.device_memory_gib={hw.device_memory_gib:g} less cluster.memory_margin="
+             f"{hw.memory_margin:g} ({budget / GiB:.1f} GiB a rank)")
+    if nearest is None:
+        constraints = ", ".join(f"{k}={v}" for k, v in fixed.items()) or "none"
+        return (f"{where}: no layout passes the rules (set keys: {constraints}). Fix: remove "
+                f"the parallel.* overrides that constrain the search, or change the world size.")
+    peak, best = nearest
+    need = peak / budget
+    fixes = [f"about {math.ceil(need)}x the ranks (cluster.num_nodes)"]
+    if "train.recompute_granularity" in fixed and fixed["train.recompute_granularity"] != "full":
+        fixes.append("train.recompute_granularity=full")
+    fixes.append(f"a shorter train.seq_length (under {p.seq_length // math.ceil(need)})")
+    fixes.append("a device with more memory")
+    return (f"{where}: the nearest, {best.describe()}, plans {peak / GiB:.1f} GiB on stage "
+            f"{best.peak_stage}. Fix: {', or '.join(fixes)}.")
