@@ -92,8 +92,9 @@ def test_no_module_imports_itself_back():
 
 # Modules that run at compose time (the resolver, the sweeper, settle, the dry run's checks):
 # nothing they import, directly or not, may import torch.
-COMPOSE_TIME = ("trainer.config", "trainer.spec.runspec", "trainer.spec.sweeps", "trainer.auto.search",
-                "trainer.spec.resolvers", "hydra_plugins.gtp_trainer_resolvers")
+COMPOSE_TIME = ("trainer.config", "trainer.spec.runspec", "trainer.spec.sweeps",
+                "trainer.spec.resolvers", "trainer.auto.search",
+                "hydra_plugins.gtp_trainer_resolvers")
 
 
 @pytest.mark.parametrize("name", COMPOSE_TIME)

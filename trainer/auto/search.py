@@ -6,7 +6,8 @@ layout the Layout accepts its virtual stages, cp_comm_type and recompute. Any ke
 stays as set: it constrains the search. A candidate whose planned peak (trainer.auto.fit, the
 dry run's plan) exceeds the device less its margin is dropped; recompute is only tried where the
 layout does not fit without it (it is never faster). Candidates rank by seconds per sample (the
-global batch may follow the layout when train.global_batch_size is null), then by memory.
+global batch may follow the layout when train.global_batch_size is null); near ties go to the
+simpler layout, then to the smaller peak.
 """
 from __future__ import annotations
 
@@ -156,6 +157,8 @@ def _integer_fault(p: Problem, tp: int, sp: int, g: int, ns: float, cp: int, pp:
     if ns != int(ns) or g % ns:
         return "the Layout's rules (sequence shards)"
     ns = int(ns)
+    if p.world_size % (tp * g * cp * pp):
+        return "world_size not divisible by TP x GTP_remat x CP x PP"
     runtime = cp * ns
     if p.seq_length % math.lcm(2 * runtime if runtime > 1 else 1, runtime * sp):
         return "train.seq_length does not split over runtime CP x SP"
@@ -177,8 +180,9 @@ def search(p: Problem) -> Choice:
     over = "planned peak over the device memory less its margin"
     fits: list[tuple[float, int, Candidate]] = []
     nearest: tuple[int, Candidate] | None = None
-    recomputes = _choices(fixed, "train.recompute_granularity",
-                          list(RECOMPUTES[p.recompute_num_layers is not None:]))
+    recomputes = [RecomputeGranularity(r) if r else None for r in _choices(
+        fixed, "train.recompute_granularity",
+        list(RECOMPUTES[p.recompute_num_layers is not None:]))]
     layouts = []  # (the least its step could cost per sample, its place, the layout)
     for tp, sp, ws, ss, cp, pp in degrees(p, fixed, dropped):
         for v in _virtual(p, fixed, pp, dropped):
@@ -204,11 +208,13 @@ def search(p: Problem) -> Choice:
         stages = planner.stages(layout)
         comms = list(_comm_types(p, fixed, layout, dropped))
         schedule = fixed.get("parallel.pipeline_schedule", "interleaved_1f1b" if v else "1f1b")
-        if planner.state_floor(stages) > budget:  # over with any option
-            dropped[over] += len(comms) * len(recomputes)
-            continue
-        for comm in comms:
-            for index, recompute in enumerate(recomputes):
+        floor_only = planner.state_floor(stages) > budget  # over with any option
+        if floor_only:
+            dropped[over] += len(comms) * len(recomputes) - 1
+            if nearest is not None and planner.state_floor(stages) >= nearest[0]:
+                continue  # and not nearer than the nearest miss so far
+        for comm in comms[:1] if floor_only else comms:
+            for index, recompute in enumerate(recomputes[-1:] if floor_only else recomputes):
                 options = EngineOptions(
                     p.precision, recompute, p.recompute_num_layers,
                     given.get("parallel.grad_reduce_in_bf16", False),
@@ -245,11 +251,18 @@ def search(p: Problem) -> Choice:
                 break
     if not fits:
         raise NoLayoutFits(_no_fit_message(p, nearest, fixed))
-    fits.sort(key=lambda item: item[:2])
+    # Within 0.1% of each other, the simpler layout first (fewer ranks splitting one model
+    # replica: fewer collectives the cost model may have missed), then the smaller peak.
+    fits.sort(key=lambda item: (float(f"{item[0]:.3g}"), _split(item[2].layout), item[1]))
     ranked = [c for _, _, c in fits]
     return Choice(ranked[0], tuple(ranked[1:1 + ALTERNATIVES]),
                   {reason: n for reason, n in dropped.most_common() if n},
                   len(ranked), budget, time.perf_counter() - started, p.hardware)
+
+
+def _split(layout: Layout) -> int:
+    """Ranks that split one model replica or one sequence (all but data parallel)."""
+    return layout.world_size // layout.data_parallel_size * layout.virtual_pipeline_size
 
 
 def _virtual(p: Problem, fixed: dict[str, Any], pp: int, dropped: Counter

@@ -1,0 +1,177 @@
+"""parallel=auto: the search's memory is the dry run's plan, its floor bounds its estimate, and
+its choices are the ones worked out by hand; through Hydra, overrides constrain it and a config
+that fits nowhere fails in one line."""
+from __future__ import annotations
+
+import itertools
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+from omegaconf import OmegaConf
+
+from config_helpers import CONF_DIR, ROOT, compose_config
+from parallel.layout import Layout
+from trainer.auto.cost import estimate, floor_s
+from trainer.auto.fit import planned_peak
+from trainer.auto.hardware import Hardware
+from trainer.auto.search import Problem, search
+from trainer.config import CPCommType, ModelConfig, Precision, RecomputeGranularity
+from trainer.model.plan import parameter_shapes
+from trainer.report.memory import memory_per_stage, step_per_stage
+from trainer.spec.runspec import settle
+from trainer.train.options import EngineOptions
+
+
+def model(name: str, **changes) -> ModelConfig:
+    cfg = OmegaConf.to_container(OmegaConf.load(CONF_DIR / "model" / f"{name}.yaml"))
+    return replace(ModelConfig(**cfg), **changes)
+
+
+def hardware(name: str, **changes) -> Hardware:
+    cfg = {**OmegaConf.to_container(OmegaConf.load(CONF_DIR / "cluster" / f"{name}.yaml")),
+           "gpus_per_nvlink_domain": 8, **changes}
+    return Hardware(**{k: cfg[k] for k in Hardware.__dataclass_fields__})
+
+
+LAYOUTS = [  # (world, Layout keywords, options)
+    (64, dict(tensor_model_parallel_size=2, sequence_parallel=True, pipeline_model_parallel_size=4,
+              virtual_pipeline_model_parallel_size=2, global_batch_size=64),
+     EngineOptions(Precision.bf16, RecomputeGranularity.full, 1,
+                   pipeline_schedule="interleaved_1f1b")),
+    (64, dict(tensor_parallel_num_weight_shards=8, tensor_parallel_num_sequence_shards=4,
+              context_parallel_size=2),
+     EngineOptions(Precision.bf16, RecomputeGranularity.selective,
+                   cp_comm_type=CPCommType.all_gather, overlap_param_gather=True)),
+    (64, dict(pipeline_model_parallel_size=4, num_layers_in_first_pipeline_stage=5,
+              global_batch_size=256), EngineOptions(Precision.fp32)),
+    (16, dict(tensor_model_parallel_size=4, sequence_parallel=True, context_parallel_size=4),
+     EngineOptions(Precision.bf16, cp_comm_type=CPCommType.a2a)),
+    (8, dict(pipeline_model_parallel_size=8, global_batch_size=40), EngineOptions(
+        Precision.fp32, pipeline_schedule="gpipe")),
+]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("world,kwargs,options", LAYOUTS)
+def test_the_search_sizes_a_layout_exactly_as_the_dry_runs_plan(world, kwargs, options, tied):
+    m = model("llama3_1_8b", tie_word_embeddings=tied)
+    layout = Layout(world, micro_batch_size=2, seq_length=1024, **kwargs)
+    shapes = parameter_shapes(m)
+    state = memory_per_stage(shapes, m.num_layers, layout, tied)
+    plan = [s["peak_bytes"] for s in step_per_stage(shapes, m, layout, options, state)]
+    assert planned_peak(shapes, m, layout, options) == (max(plan), plan.index(max(plan)))
+
+
+def test_the_floor_never_exceeds_the_estimate():
+    m, hw = model("llama3_1_8b"), hardware("dgx_h100")
+    checked = 0
+    for (world, kwargs, _), precision, recompute, comm, overlap in itertools.product(
+            LAYOUTS, Precision, [None, *RecomputeGranularity], CPCommType, [False, True]):
+        layout = Layout(world, micro_batch_size=2, seq_length=1024, **kwargs)
+        schedule = "interleaved_1f1b" if layout.virtual_pipeline_size > 1 else "1f1b"
+        options = EngineOptions(precision, recompute, None, False, overlap, overlap, comm,
+                                schedule)
+        assert floor_s(m, layout, precision, hw) <= estimate(m, layout, options, hw).step_s
+        checked += 1
+    assert checked == len(LAYOUTS) * 2 * 3 * 3 * 2
+
+
+def problem(m: ModelConfig, hw: Hardware, world: int, seq: int, gbs: int | None = None,
+            precision: Precision = Precision.bf16, **fixed) -> Problem:
+    return Problem(m, hw, world, 1, gbs, seq, precision, None,
+                   tuple((k.replace("__", "."), v) for k, v in fixed.items()))
+
+
+def test_a_model_that_fits_one_device_trains_data_parallel():
+    """1B parameters in 16 bytes each fit an 80 GB H100 at a short sequence: on 8 of them
+    nothing beats every rank keeping the whole model (no weight gathers, no TP messages)."""
+    choice = search(problem(model("llama3_2_1b"), hardware("dgx_h100"), 8, 2048, gbs=64))
+    layout = choice.chosen.layout
+    assert (layout.tp_size, layout.gtp_remat_size, layout.runtime_context_parallel_size,
+            layout.pp_size, layout.data_parallel_size) == (1, 1, 1, 1, 8)
+    assert choice.chosen.values["train.recompute_granularity"] is None
+
+
+def test_a_model_too_large_for_one_device_is_sharded_and_every_choice_is_a_layout():
+    """70B parameters need 1.1 TB of state: on 64 H100s each rank must hold at most 1/14 of
+    it, so no alternative keeps the whole model on a rank."""
+    choice = search(problem(model("llama3_1_70b"), hardware("dgx_h100"), 64, 4096, gbs=64))
+    for candidate in (choice.chosen, *choice.alternatives):
+        lay = candidate.layout
+        assert lay.weight_tile_size * lay.pp_size >= 14, candidate.describe()
+        assert candidate.peak_bytes <= choice.budget_bytes
+        rebuilt = Layout(64, *(candidate.values[f"parallel.{k}"] for k in (
+            "tensor_model_parallel_size", "sequence_parallel", "tensor_parallel_num_weight_shards",
+            "tensor_parallel_num_sequence_shards", "context_parallel_size",
+            "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")),
+            micro_batch_size=1, global_batch_size=64, seq_length=4096)
+        assert rebuilt == lay
+    assert choice.dropped["planned peak over the device memory less its margin"] > 0
+
+
+def test_fixed_keys_constrain_the_search():
+    p = problem(model("llama3_1_8b"), hardware("nvl72", gpus_per_nvlink_domain=64), 64, 32768,
+                parallel__tensor_model_parallel_size=2, parallel__context_parallel_size=1,
+                train__recompute_granularity="selective")
+    choice = search(p)
+    for c in (choice.chosen, *choice.alternatives):
+        assert c.layout.tp_size == 2 and c.layout.context_parallel_size == 1
+        assert c.values["train.recompute_granularity"] == "selective"
+
+
+def test_no_layout_fits_in_one_line_with_the_nearest_miss():
+    with pytest.raises(ValueError) as error:
+        search(problem(model("llama3_1_70b"), hardware("dgx_h100"), 8, 131072))
+    message = str(error.value)
+    assert "\n" not in message and "no layout of world_size=8 fits" in message
+    assert "the nearest, TP=" in message and "Fix: about" in message
+
+
+SEED = ["cluster.num_nodes=16", "cluster.procs_per_node=8", "cluster.gpus_per_nvlink_domain=64",
+        "model=llama3_1_8b", "train.micro_batch_size=1", "train.global_batch_size=1",
+        "train.seq_length=131072", "train.precision=bf16", "cluster=nvl72"]
+
+
+def test_the_seed_example_is_chosen_at_least_as_fast_as_the_seeds_layout():
+    """The seed's 128-rank layout (WS 64, SS 64, CP 2) under the same model and cost model."""
+    auto = settle(compose_config(*SEED, "parallel=auto"))
+    hand = settle(compose_config(*SEED, "parallel.tensor_parallel_num_weight_shards=64",
+                                 "parallel.tensor_parallel_num_sequence_shards=64",
+                                 "parallel.context_parallel_size=2"))
+    hw = auto.auto.hardware
+    from trainer.train.options import EngineOptions as Options
+
+    hand_s = estimate(hand.config.model, hand.layout, Options.from_config(hand.config), hw)
+    assert auto.auto.chosen.estimate.step_s <= hand_s.step_s
+    assert auto.layout == auto.auto.chosen.layout  # what settles is what was chosen
+    print(f"\nseed: hand {hand_s.step_s:.3f} s ({hand_s.dominant}); auto "
+          f"{auto.auto.chosen.describe()} {auto.auto.chosen.estimate.step_s:.3f} s")
+
+
+def test_overrides_are_kept_and_the_choice_shows_in_the_resolved_config():
+    out = subprocess.run([sys.executable, "launch.py", "parallel=auto", "model=llama3_1_8b",
+                          "cluster=dgx_h100", "train.seq_length=8192", "train.precision=bf16",
+                          "train.micro_batch_size=1", "train.global_batch_size=64",
+                          "parallel.pipeline_model_parallel_size=2", "--cfg", "job", "--resolve"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60, check=True).stdout
+    resolved = OmegaConf.create(out)
+    assert resolved.parallel.pipeline_model_parallel_size == 2
+    assert "${" not in out and isinstance(resolved.parallel.tensor_model_parallel_size, int)
+    spec = settle(compose_config("parallel=auto", "model=llama3_1_8b", "cluster=dgx_h100",
+                                 "train.seq_length=8192", "train.precision=bf16",
+                                 "train.micro_batch_size=1", "train.global_batch_size=64",
+                                 "parallel.pipeline_model_parallel_size=2"))
+    assert spec.layout.tp_size == resolved.parallel.tensor_model_parallel_size
+    assert spec.layout.pp_size == 2
+
+
+def test_no_fit_through_the_cli_is_one_line_before_anything_starts():
+    run = subprocess.run([sys.executable, "launch.py", "parallel=auto", "model=llama3_1_70b",
+                          "cluster=dgx_h100", "cluster.num_nodes=1", "train.seq_length=131072",
+                          "train.micro_batch_size=1", "dry_run=true"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 1
+    lines = [line for line in run.stderr.splitlines() if "no layout" in line]
+    assert len(lines) == 1 and "Fix:" in lines[0] and "Traceback" not in run.stderr
