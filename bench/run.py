@@ -19,6 +19,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import auto  # noqa: E402
 import comm_memory  # noqa: E402
 import compose  # noqa: E402
 import context  # noqa: E402
@@ -55,6 +56,7 @@ def run(quick: bool) -> dict:
     figures["overlap"] = overlap.measure(3 if quick else 5)
     figures["context_parallel"] = context.measure(quick)
     figures["pipeline"] = pipeline.measure(quick)
+    figures["auto"] = auto.measure(quick)
     figures["prepare"] = prepare_speed.measure(quick)
     figures["hf_interop"] = hf_interop.measure(quick)
     gpu = HERE / "gpu_results.json"
