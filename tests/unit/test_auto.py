@@ -11,7 +11,6 @@ from dataclasses import replace
 import pytest
 from omegaconf import OmegaConf
 
-from config_helpers import CONF_DIR, ROOT, compose_config
 from parallel.layout import Layout
 from trainer.auto.cost import estimate, floor_s
 from trainer.auto.fit import planned_peak
@@ -22,6 +21,8 @@ from trainer.model.plan import parameter_shapes
 from trainer.report.memory import memory_per_stage, step_per_stage
 from trainer.spec.runspec import settle
 from trainer.train.options import EngineOptions
+
+from config_helpers import CONF_DIR, ROOT, compose_config
 
 
 def model(name: str, **changes) -> ModelConfig:
