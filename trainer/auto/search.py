@@ -119,8 +119,8 @@ def _choices(fixed: dict[str, Any], key: str, options: list) -> list:
 
 
 def degrees(p: Problem, fixed: dict[str, Any], dropped: Counter):
-    """(TP, SP, WS, SS, CP, PP) the integer rules allow; a tuple a rule refuses is counted
-    under that rule."""
+    """(TP, SP, WS, SS, CP, PP) to offer the Layout, which applies every rule of its own; TP
+    that the model cannot split, or that leaves the NVLink domain, is counted and skipped."""
     m, world = p.model, p.world_size
     for tp in _choices(fixed, "parallel.tensor_model_parallel_size", divisors(world)):
         sizes = (m.num_heads, m.query_groups, m.ffn_hidden_size, m.padded_vocab_size)
@@ -134,39 +134,26 @@ def degrees(p: Problem, fixed: dict[str, Any], dropped: Counter):
             dropped["sequence_parallel=false with TP > 1 (more memory, same traffic)"] += 1
         for sp in _choices(fixed, "parallel.sequence_parallel", [tp > 1]):
             sp_degree = tp if sp else 1
-            ws_fixed = fixed.get("parallel.tensor_parallel_num_weight_shards", 0)
-            gs = divisors(world // tp) if ws_fixed == 0 else [(ws_fixed or tp) // tp]
-            for g in gs:
-                ss_fixed = fixed.get("parallel.tensor_parallel_num_sequence_shards", 0)
-                nss = divisors(g) if ss_fixed == 0 else [(ss_fixed or sp_degree) / sp_degree]
-                for ns in nss:
-                    rest = world // (tp * g) if world % (tp * g) == 0 else 0
-                    for cp in _choices(fixed, "parallel.context_parallel_size",
-                                       divisors(rest) if rest else [1]):
-                        for pp in _choices(fixed, "parallel.pipeline_model_parallel_size",
-                                           [d for d in divisors(rest // cp) if d <= m.num_layers]
-                                           if rest and rest % cp == 0 else [1]):
-                            fault = tp_fault or _integer_fault(p, tp, sp_degree, g, ns, cp, pp)
-                            if fault:
-                                dropped[fault] += 1
+            rest = world // tp
+            for g in divisors(rest):
+                for ns in divisors(g):
+                    for cp in divisors(rest // g):
+                        for pp in [d for d in divisors(rest // (g * cp)) if d <= m.num_layers]:
+                            degree = {"parallel.tensor_model_parallel_size": tp,
+                                      "parallel.tensor_parallel_num_weight_shards": tp * g,
+                                      "parallel.tensor_parallel_num_sequence_shards":
+                                          ns * sp_degree,
+                                      "parallel.context_parallel_size": cp,
+                                      "parallel.pipeline_model_parallel_size": pp}
+                            unset = {"parallel.tensor_parallel_num_weight_shards": tp,
+                                     "parallel.tensor_parallel_num_sequence_shards": sp_degree}
+                            if any((fixed[k] if fixed[k] is not None else unset[k]) != v
+                                   for k, v in degree.items() if k in fixed):
+                                continue  # a fixed key asks for another degree
+                            if tp_fault:
+                                dropped[tp_fault] += 1
                                 continue
-                            yield tp, sp, tp * g, int(ns * sp_degree), cp, pp
-
-
-def _integer_fault(p: Problem, tp: int, sp: int, g: int, ns: float, cp: int, pp: int) -> str:
-    if ns != int(ns) or g % ns:
-        return "the Layout's rules (sequence shards)"
-    ns = int(ns)
-    if p.world_size % (tp * g * cp * pp):
-        return "world_size not divisible by TP x GTP_remat x CP x PP"
-    runtime = cp * ns
-    if p.seq_length % math.lcm(2 * runtime if runtime > 1 else 1, runtime * sp):
-        return "train.seq_length does not split over runtime CP x SP"
-    if p.global_batch_size is not None:
-        bps = p.world_size // (tp * pp * cp * ns)
-        if p.global_batch_size % (p.micro_batch_size * bps):
-            return "train.global_batch_size is not a multiple of micro x batch_parallel_size"
-    return ""
+                            yield tp, sp, tp * g, ns * sp_degree, cp, pp
 
 
 def search(p: Problem) -> Choice:
@@ -285,11 +272,12 @@ def _virtual(p: Problem, fixed: dict[str, Any], pp: int, dropped: Counter
 
 
 def _microbatches(p: Problem, pp: int) -> int:
-    """Micro-batches a step for a fixed global batch (1 when it follows the layout; then the
-    interleaved schedule, which needs a multiple of PP, is out)."""
+    """A multiple of every layout's micro-batches a step (1 when the global batch follows the
+    layout; then the interleaved schedule, which needs a multiple of PP, is out)."""
     if p.global_batch_size is None:
         return 1
-    return p.global_batch_size // p.micro_batch_size  # over BPS: a multiple of PP iff this is
+    # m = this / BPS: unless this is a multiple of PP, m is not (the Layout checks m itself)
+    return p.global_batch_size // p.micro_batch_size
 
 
 def _comm_types(p: Problem, fixed: dict[str, Any], layout: Layout, dropped: Counter):
