@@ -8,15 +8,16 @@ measured gloo step times, and its memory plan against the measured dry run of th
   bandwidth), the cost model's step time of each of eight layouts of one model against its
   measured step time (median of 3 after a warm-up): Spearman's rank correlation.
 - memory: the layout auto chooses for the seed's two examples and for llama3_1_8b and
-  llama3_1_70b on 64- and 512-rank dgx_h100 clusters, cut to one block per model chunk and a
-  sixteenth of the sequence (a CPU builds and steps it), planned against the measured dry run
-  (dry_run_rank on the planned peak's stage).
+  llama3_1_70b on 64- and 512-rank dgx_h100 clusters, cut to one block per model chunk, a
+  sixteenth of the sequence and at most PP micro-batches (a CPU builds and steps it), planned
+  against the measured dry run (dry_run_rank on the planned peak's stage).
 
-    python bench/auto.py
+    python bench/auto.py [--record]   # --record: into bench/results.json
 """
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -123,10 +124,11 @@ def local_hardware(world: int) -> tuple[Hardware, dict]:
     large = statistics.median(r["large_s"] for r in ranks)
     latency = small / (world - 1)
     bandwidth = (world - 1) * (1 << 20) / max(large - small, 1e-9)  # bytes each rank sends
+    cores = len(os.sched_getaffinity(0))
     hw = Hardware(2.0, 0.1, flops / 1e12, flops / 1e12, 1.0, bandwidth / 1e9, bandwidth / 1e9,
-                  latency * 1e6, world)
+                  latency * 1e6, world, ranks_per_core=max(1.0, world / cores))
     return hw, {"flops_per_rank": round(flops), "latency_us": round(latency * 1e6, 1),
-                "bandwidth_gbs": round(bandwidth / 1e9, 3)}
+                "bandwidth_gbs": round(bandwidth / 1e9, 3), "cores": cores}
 
 
 def _steps(rank: int, layout: Layout, steps: int) -> list[float]:
@@ -187,29 +189,44 @@ def memory(name: str, overrides: list[str]) -> dict:
     layout, values = chosen.layout, chosen.values
     cut_layers = layout.pp_size * layout.virtual_pipeline_size
     cut_seq = layout.seq_length // 16
+    # at most PP micro-batches a step: as many as 1F1B keeps in flight on the first stage
+    per_micro = layout.global_batch_size // layout.num_microbatches
+    cut_gbs = per_micro * min(layout.num_microbatches, layout.pp_size)
     fixed = [f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"
              for k, v in values.items()]
     rank = layout.rank(RankCoords(0, 0, 0, 0, 0, chosen.peak_stage))
     with tempfile.TemporaryDirectory() as folder:
         subprocess.run([sys.executable, "launch.py", *overrides, *fixed,
                         f"model.num_layers={cut_layers}", f"train.seq_length={cut_seq}",
-                        "dry_run=true", f"dry_run_rank={rank}", f"hydra.run.dir={folder}"],
+                        f"train.global_batch_size={cut_gbs}", "dry_run=true",
+                        f"dry_run_rank={rank}", f"hydra.run.dir={folder}"],
                        cwd=ROOT, check=True, capture_output=True, timeout=1200)
         record = json.loads((Path(folder) / "layout.json").read_text())
     plan = record["memory"]["per_stage"][chosen.peak_stage]
     measured = record["measured"]["step_peak_bytes"]
     return {"chosen": chosen.describe(), "planned_peak_full_gib": round(
         chosen.peak_bytes / 2**30, 2), "cut": f"model.num_layers={cut_layers} "
-        f"train.seq_length={cut_seq}", "rank": rank,
+        f"train.seq_length={cut_seq} train.global_batch_size={cut_gbs}", "rank": rank,
         "measured_over_planned": round(measured / plan["peak_bytes"], 3),
         "measured_step_peak_bytes": measured, "planned_peak_bytes": plan["peak_bytes"]}
 
 
 def measure(quick: bool = True) -> dict:
-    out = {"compose": compose(), "ranking": {w: ranking(w) for w in LAYOUTS}}
+    out = {"compose": compose(), "ranking": {str(w): ranking(w) for w in LAYOUTS}}
     out["memory"] = {name: memory(name, o) for name, o in MEMORY.items()}
     return out
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure(), indent=1))
+    # --record: also write the figures into bench/results.json (figures.auto), as bench/run.py
+    # would, without running the other benchmarks.
+    import datetime
+
+    result = {"measured": datetime.date.today().isoformat(), **measure()}
+    print(json.dumps(result, indent=1))
+    if "--record" in sys.argv:
+        path = HERE / "results.json"
+        record = json.loads(path.read_text())
+        record["figures"]["auto"] = result
+        path.write_text(json.dumps(record, indent=1))
+        print(f"wrote {path} (figures.auto)")

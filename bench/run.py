@@ -137,6 +137,7 @@ def table(result: dict) -> str:
                  f"ours {versus['ours_s_median']} s, torch Schedule1F1B "
                  f"{versus['torch_s_median']} s; first loss off by "
                  f"{versus['first_loss']['relative_error']} (relative)"))
+    rows += auto_rows(f["auto"])
     prep = f["prepare"]
     rows.append(("prepare_throughput_vs_lib", prep["prepare_throughput_vs_library"], ">= 0.8",
                  f"{prep['ours_tokens_per_s']:,} vs {prep['library_tokens_per_s']:,} tokens/s, "
@@ -161,6 +162,23 @@ def table(result: dict) -> str:
     lines = [f"{'figure':26s} {'value':>8s}  {'goal':8s} notes"]
     lines += [f"{n:26s} {v:>8}  {g:8s} {note}" for n, v, g, note in rows]
     return "\n".join(lines)
+
+
+def auto_rows(a: dict) -> list[tuple]:
+    """parallel=auto: compose time, its ranking against measured step times, its memory."""
+    compose = a["compose"]
+    rows = [("auto_compose_over_plain", max(c["auto_over_plain"] for c in compose.values()),
+             "<= 3", ", ".join(f"{n} {c['auto_s']} s / {c['plain_s']} s"
+                               for n, c in compose.items()))]
+    rows += [(f"auto_rank_correlation_w{world}", r["rank_correlation"], ">= 0.8",
+              f"{len(r['layouts'])} layouts, calibrated {r['calibrated']}")
+             for world, r in a["ranking"].items()]
+    if a.get("memory"):
+        worst = max(a["memory"].values(), key=lambda r: abs(r["measured_over_planned"] - 1))
+        rows.append(("auto_memory_measured_over_plan", worst["measured_over_planned"],
+                     "0.8-1.2", ", ".join(f"{n} {r['measured_over_planned']}"
+                                          for n, r in a["memory"].items())))
+    return rows
 
 
 def main() -> None:

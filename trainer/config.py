@@ -152,6 +152,10 @@ class ClusterConfig:
     nvlink_bandwidth_gbs: float = MISSING  # GB/s one device sends inside its NVLink domain
     network_bandwidth_gbs: float = MISSING  # GB/s one device sends to other domains
     link_latency_us: float = MISSING  # per message hop of a collective
+    # CPU runs: the cores a node's ranks share. With more ranks than cores they take turns, so
+    # overlap hides no communication (the same cores move it) and a pipeline's waiting ranks
+    # hand their cores to the others. null: each rank has a device of its own (GPUs).
+    cpu_cores_per_node: Optional[int] = None
 
 
 @dataclass

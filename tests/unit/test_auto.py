@@ -7,6 +7,7 @@ import itertools
 import subprocess
 import sys
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 from omegaconf import OmegaConf
@@ -33,7 +34,7 @@ def model(name: str, **changes) -> ModelConfig:
 def hardware(name: str, **changes) -> Hardware:
     cfg = {**OmegaConf.to_container(OmegaConf.load(CONF_DIR / "cluster" / f"{name}.yaml")),
            "gpus_per_nvlink_domain": 8, **changes}
-    return Hardware(**{k: cfg[k] for k in Hardware.__dataclass_fields__})
+    return Hardware.from_cluster(SimpleNamespace(**cfg))
 
 
 LAYOUTS = [  # (world, Layout keywords, options)
@@ -77,6 +78,30 @@ def test_the_floor_never_exceeds_the_estimate():
         assert floor_s(m, layout, precision, hw) <= estimate(m, layout, options, hw).step_s
         checked += 1
     assert checked == len(LAYOUTS) * 2 * 3 * 3 * 2
+
+
+def test_ranks_that_share_cores_hide_nothing_and_lose_only_part_of_the_bubble():
+    """cluster=local: 4 ranks on its 2 cores take turns. A WS 4 layout's gathers cost the same
+    with overlap as without (the cores that compute also move them); a PP 2 stage waiting in
+    the bubble hands its core over (2 ranks a core, 2 stages: nothing lost), PP 4 loses
+    (4 - 2) / (4 - 1) of it; 8 ranks on the same 2 cores keep PP 4's bubble free."""
+    m = model("tiny", num_layers=4)
+    shared = hardware("local", procs_per_node=4)
+    assert shared.ranks_per_core == 2 and hardware("dgx_h100").ranks_per_core == 1
+    on, off = (EngineOptions(overlap_param_gather=o, overlap_grad_reduce=o) for o in (True, False))
+    ws = Layout(4, tensor_parallel_num_weight_shards=4, micro_batch_size=2, seq_length=256)
+    assert estimate(m, ws, on, shared).step_s == estimate(m, ws, off, shared).step_s
+    own = replace(shared, ranks_per_core=1.0)
+    assert estimate(m, ws, on, own).step_s < estimate(m, ws, off, own).step_s
+    for world, pp, share in ((4, 2, 0.0), (4, 4, 2 / 3), (8, 4, 0.0)):
+        hw = hardware("local", procs_per_node=world)
+        layout = Layout(world, pipeline_model_parallel_size=pp, micro_batch_size=2,
+                        seq_length=256, global_batch_size=8 * world // pp)
+        assert hw.bubble_share(pp) == pytest.approx(share)
+        bubble = estimate(m, layout, on, hw).seconds["pipeline bubble"]
+        alone = estimate(m, layout, on, replace(hw, ranks_per_core=1.0)).seconds
+        assert bubble == pytest.approx(share * alone["pipeline bubble"])
+        assert floor_s(m, layout, Precision.fp32, hw) <= estimate(m, layout, on, hw).step_s
 
 
 def problem(m: ModelConfig, hw: Hardware, world: int, seq: int, gbs: int | None = None,

@@ -20,6 +20,8 @@ Per micro-batch and block (forward; backward is twice the FLOPs and mirrors the 
     PP           the residual stream (b*s/t_sp*h fp32) to the next stage, its gradient back
 Per step: the optimizer's flat buffers reduce-scattered and gathered over weight_replica. The
 step runs m micro-batches on the slowest stage plus the bubble: (PP-1)/v of them more.
+Ranks sharing CPU cores (Hardware.shares_cores): nothing is hidden, and the bubble costs only
+Hardware.bubble_share(PP) of its time.
 """
 from __future__ import annotations
 
@@ -62,6 +64,9 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
     T, V, W = b * s, m.padded_vocab_size, block_weights(m)
     e = 2 if options.precision is Precision.bf16 else FP32
     flops = hw.flops(options.precision)
+    overlaps = not hw.shares_cores  # shared cores compute and move messages in turn
+    overlap_gather = options.overlap_param_gather and overlaps
+    overlap_reduce = options.overlap_grad_reduce and overlaps
     # Compute of one micro-batch through one block, forward and backward.
     linear_fwd = 2 * T * W / t / flops
     attn_fwd = 2 * T * S * h / t / flops
@@ -86,7 +91,8 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
         if comm is CPCommType.p2p:
             ring_fwd = (c - 1) * cp_link.send(kv)
             ring_bwd = (c - 1) * cp_link.send(kv) + c * cp_link.send(kv / e * FP32)
-            cp_fwd, cp_bwd = max(0.0, ring_fwd - attn_fwd), max(0.0, ring_bwd - 2 * attn_fwd)
+            hides = overlaps * attn_fwd
+            cp_fwd, cp_bwd = max(0.0, ring_fwd - hides), max(0.0, ring_bwd - 2 * hides)
         elif comm is CPCommType.all_gather:
             cp_fwd, cp_bwd = cp_link.ring(c, c * kv), cp_link.ring(c, c * kv / e * FP32)
         else:  # a2a: q, k, v in, the output back; their gradients the other way
@@ -99,9 +105,9 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
         regathers = 2 if recompute is RecomputeGranularity.full else 1
         # The next block's weights gather under this block's forward; in backward the
         # gathers and the gradient reduce-scatters run under its backward, where overlapped.
-        exposed = max(0.0, gather - fwd) if options.overlap_param_gather else gather
-        hidden = (regathers * gather if options.overlap_param_gather else 0.0) + (
-            scatter if options.overlap_grad_reduce else 0.0)
+        exposed = max(0.0, gather - fwd) if overlap_gather else gather
+        hidden = (regathers * gather if overlap_gather else 0.0) + (
+            scatter if overlap_reduce else 0.0)
         shown = regathers * gather + scatter - hidden
         exposed += max(0.0, hidden - bwd) + shown
         return fwd + bwd, {"tensor parallel": tp_block, "weight gathers": exposed,
@@ -132,7 +138,7 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
             parts["tensor parallel"] += tp_head
             head = (2 * gather + scatter) * V * h / W
             parts["weight gathers"] += max(0.0, head - 3 * head_fwd) \
-                if options.overlap_param_gather else head
+                if overlap_gather else head
             elements += V * h if not m.tie_word_embeddings or layout.pp_size == 1 else 0
         if first:  # the embedding: gathered once, its gradient reduce-scattered
             parts["weight gathers"] += (gather + scatter) * V * h / W
@@ -145,7 +151,8 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
         # The optimizer's fp32 flat buffers: gradients reduce-scattered, weights gathered.
         optimizer_s = max(optimizer_s, 2 * replica_link.ring(r, elements / (t * g) * FP32))
     seconds = {kind: value * layout.num_microbatches for kind, value in micro_parts.items()}
-    seconds["pipeline bubble"] = micro_s * (layout.pp_size - 1) / layout.virtual_pipeline_size
+    seconds["pipeline bubble"] = micro_s * (layout.pp_size - 1) / layout.virtual_pipeline_size \
+        * hw.bubble_share(layout.pp_size)
     seconds["optimizer reduce"] = optimizer_s
     return Estimate(sum(seconds.values()), seconds)
 
@@ -170,5 +177,5 @@ def floor_s(m: ModelConfig, layout: Layout, precision: Precision, hw: Hardware) 
     fewest = min(blocks, (m.num_layers - blocks) // max(1, pp - 1)) if pp > 1 else blocks
     optimizer = 2 * hw.link(layout, "weight_replica").ring(
         layout.num_weight_replicas, fewest * W / (t * layout.gtp_remat_size) * FP32)
-    return micro * (layout.num_microbatches + (pp - 1) / layout.virtual_pipeline_size) \
-        + optimizer
+    bubble = (pp - 1) / layout.virtual_pipeline_size * hw.bubble_share(pp)
+    return micro * (layout.num_microbatches + bubble) + optimizer

@@ -6,6 +6,11 @@ is costed like NCCL's ring algorithms, by the bytes one rank sends and the hops 
 (alpha-beta): an all-gather or reduce-scatter of a tensor of X bytes over n ranks sends
 (n-1)/n x X and takes n-1 hops; an all-reduce twice that; an all-to-all (n-1)/n x X in n-1
 hops; a point-to-point send X in one.
+
+Ranks that share CPU cores (cluster.cpu_cores_per_node, fewer than procs_per_node) differ in
+two ways the cost model asks of shares_cores and bubble_share: the cores that compute also move
+the messages, so overlap hides nothing; and a rank waiting in a pipeline's bubble hands its
+core to the ranks still computing.
 """
 from __future__ import annotations
 
@@ -51,11 +56,28 @@ class Hardware:
     network_bandwidth_gbs: float
     link_latency_us: float
     gpus_per_nvlink_domain: int
+    ranks_per_core: float = 1.0  # > 1: the ranks of a node take turns on its CPU cores
 
     @classmethod
     def from_cluster(cls, cluster: Any) -> Hardware:
         """From the cluster config node (DictConfig or dataclass)."""
-        return cls(*(getattr(cluster, name) for name in cls.__dataclass_fields__))
+        cores = cluster.cpu_cores_per_node
+        share = max(1.0, cluster.procs_per_node / cores) if cores else 1.0
+        names = [name for name in cls.__dataclass_fields__ if name != "ranks_per_core"]
+        return cls(*(getattr(cluster, name) for name in names), ranks_per_core=share)
+
+    @property
+    def shares_cores(self) -> bool:
+        return self.ranks_per_core > 1
+
+    def bubble_share(self, pp: int) -> float:
+        """The share of a pipeline bubble's time the step loses. A device per rank: all of it.
+        k ranks a core: at the bubble's deepest 1/pp of the ranks compute, and they keep every
+        core busy once k >= pp; between, the loss falls linearly from 1 at k = 1 to 0 at
+        k = pp (an interpolation, checked by bench/auto.py's ranking on gloo ranks)."""
+        if pp == 1:
+            return 0.0
+        return max(0.0, (pp - self.ranks_per_core) / (pp - 1))
 
     @property
     def budget_bytes(self) -> int:

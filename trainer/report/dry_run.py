@@ -159,8 +159,9 @@ def auto_lines(choice: Choice) -> list[str]:
              f"{hw.device_memory_gib:g} less {100 * hw.memory_margin:g}%), by the cost model "
              f"(trainer/auto/cost.py: {hw.peak_bf16_tflops:g} / {hw.peak_fp32_tflops:g} TFLOP/s "
              f"bf16 / fp32 at {100 * hw.compute_efficiency:g}%, NVLink "
-             f"{hw.nvlink_bandwidth_gbs:g} GB/s, network {hw.network_bandwidth_gbs:g} GB/s); "
-             f"searched in {choice.search_s:.2f} s",
+             f"{hw.nvlink_bandwidth_gbs:g} GB/s, network {hw.network_bandwidth_gbs:g} GB/s"
+             + (f", {hw.ranks_per_core:g} ranks a CPU core" if hw.shares_cores else "")
+             + f"); searched in {choice.search_s:.2f} s",
              f"  {'':7s} {'layout':58s} {'step':>11s} {'batch':>6s} {'per sample':>12s} "
              f"{'peak':>12s}  dominant cost",
              row("chosen", choice.chosen)]

@@ -161,6 +161,9 @@ def check_cluster(cluster: ClusterConfig) -> None:
             fix="use the share of peak FLOP/s a training step reaches, e.g. 0.45")
     _finite("cluster.memory_margin", cluster.memory_margin, 0, True, 1, False,
             fix="use e.g. 0.1 (a tenth of the device kept free)")
+    if cluster.cpu_cores_per_node is not None:
+        _positive_int("cluster.cpu_cores_per_node", cluster.cpu_cores_per_node,
+                      "set it to the node's CPU cores, or null where each rank has a GPU")
 
 
 def check_layout_inputs(parallel: Any, cluster: Any, train: Any) -> None:
