@@ -9,8 +9,9 @@ measured gloo step times, and its memory plan against the measured dry run of th
   measured step time (median of 3 after a warm-up): Spearman's rank correlation.
 - memory: the layout auto chooses for the seed's two examples and for llama3_1_8b and
   llama3_1_70b on 64- and 512-rank dgx_h100 clusters, cut to one block per model chunk, a
-  sixteenth of the sequence and at most PP micro-batches (a CPU builds and steps it), planned
-  against the measured dry run (dry_run_rank on the planned peak's stage).
+  sixteenth of the sequence, at most PP micro-batches and fp32 (a CPU builds and steps it),
+  planned against the measured dry run of the cut's worst stage; the seed's 128-rank example
+  also in bf16.
 
     python bench/auto.py [--record]   # --record: into bench/results.json
 """
@@ -179,41 +180,56 @@ def ranking(world: int, steps: int = 3) -> dict:
     return {"rank_correlation": round(rho, 3), "calibrated": figures, "layouts": rows}
 
 
-def memory(name: str, overrides: list[str]) -> dict:
+def _override(value) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else \
+        str(value)
+
+
+def _dry_run(args: list[str], folder: str) -> dict:
+    subprocess.run([sys.executable, "launch.py", *args, "dry_run=true",
+                    f"hydra.run.dir={folder}"], cwd=ROOT, check=True, capture_output=True,
+                   timeout=1800)
+    return json.loads((Path(folder) / "layout.json").read_text())
+
+
+def memory(name: str, overrides: list[str], precision: str = "fp32") -> dict:
+    """The chosen layout, cut, planned against its measured dry run on the cut's worst stage.
+    precision: the cut's train.precision (fp32 by default: this CPU's bf16 GEMMs run at about
+    4 GFLOP/s, a tenth of fp32, and an 8B head's weight gradient alone takes minutes)."""
     from trainer.spec.runspec import settle
 
     from config_helpers import compose_config
 
-    choice = settle(compose_config(*overrides, "parallel=auto")).auto
-    chosen = choice.chosen
+    chosen = settle(compose_config(*overrides, "parallel=auto")).auto.chosen
     layout, values = chosen.layout, chosen.values
-    cut_layers = layout.pp_size * layout.virtual_pipeline_size
-    cut_seq = layout.seq_length // 16
-    # at most PP micro-batches a step: as many as 1F1B keeps in flight on the first stage
+    # one block per model chunk, a sixteenth of the sequence, at most PP micro-batches a step
+    # (as many as 1F1B keeps in flight on the first stage)
     per_micro = layout.global_batch_size // layout.num_microbatches
-    cut_gbs = per_micro * min(layout.num_microbatches, layout.pp_size)
-    fixed = [f"{k}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"
-             for k, v in values.items()]
-    rank = layout.rank(RankCoords(0, 0, 0, 0, 0, chosen.peak_stage))
+    cut = {"model.num_layers": layout.pp_size * layout.virtual_pipeline_size,
+           "train.seq_length": layout.seq_length // 16,
+           "train.global_batch_size": per_micro * min(layout.num_microbatches, layout.pp_size),
+           "train.precision": precision}
+    args = [*overrides, *(f"{k}={_override(v)}" for k, v in {**values, **cut}.items())]
     with tempfile.TemporaryDirectory() as folder:
-        subprocess.run([sys.executable, "launch.py", *overrides, *fixed,
-                        f"model.num_layers={cut_layers}", f"train.seq_length={cut_seq}",
-                        f"train.global_batch_size={cut_gbs}", "dry_run=true",
-                        f"dry_run_rank={rank}", f"hydra.run.dir={folder}"],
-                       cwd=ROOT, check=True, capture_output=True, timeout=1200)
-        record = json.loads((Path(folder) / "layout.json").read_text())
-    plan = record["memory"]["per_stage"][chosen.peak_stage]
+        stages = _dry_run(args, folder)["memory"]["per_stage"]
+    worst = max(range(len(stages)), key=lambda i: stages[i]["peak_bytes"])
+    rank = layout.rank(RankCoords(0, 0, 0, 0, 0, worst))
+    with tempfile.TemporaryDirectory() as folder:
+        record = _dry_run([*args, f"dry_run_rank={rank}"], folder)
+    planned = record["memory"]["per_stage"][worst]["peak_bytes"]
     measured = record["measured"]["step_peak_bytes"]
     return {"chosen": chosen.describe(), "planned_peak_full_gib": round(
-        chosen.peak_bytes / 2**30, 2), "cut": f"model.num_layers={cut_layers} "
-        f"train.seq_length={cut_seq} train.global_batch_size={cut_gbs}", "rank": rank,
-        "measured_over_planned": round(measured / plan["peak_bytes"], 3),
-        "measured_step_peak_bytes": measured, "planned_peak_bytes": plan["peak_bytes"]}
+        chosen.peak_bytes / 2**30, 2), "cut": " ".join(f"{k}={v}" for k, v in cut.items()),
+        "rank": rank, "stage": worst,
+        "measured_over_planned": round(measured / planned, 3),
+        "measured_step_peak_bytes": measured, "planned_peak_bytes": planned}
 
 
 def measure(quick: bool = True) -> dict:
     out = {"compose": compose(), "ranking": {str(w): ranking(w) for w in LAYOUTS}}
     out["memory"] = {name: memory(name, o) for name, o in MEMORY.items()}
+    seed = "seed_128rank_cp2"
+    out["memory"][f"{seed}_bf16"] = memory(seed, MEMORY[seed], "bf16")
     return out
 
 

@@ -81,3 +81,12 @@ def test_tied_embeddings_put_a_copy_outside_the_optimizer_on_the_last_stage():
     assert last.grad_bytes - untied_last.grad_bytes == 4 * embedding
     assert last.optim_bytes == untied_last.optim_bytes
     assert first.optim_bytes >= 8 * embedding
+
+
+def test_the_plan_keeps_as_many_gradient_reduces_in_flight_as_the_bundles_do():
+    """With overlap_grad_reduce the step plan counts REDUCES_IN_FLIGHT earlier blocks' packed
+    gradients beside a block's backward: the depth of the queue that keeps them."""
+    from parallel.bundle import GradReduceQueue
+    from trainer.report.activations import REDUCES_IN_FLIGHT
+
+    assert GradReduceQueue().depth == REDUCES_IN_FLIGHT

@@ -120,7 +120,7 @@ class PeakPlanner:
             kept = kept_bytes(per_chunk, options.pipeline_schedule, stage, layout)
             positions = [i for c in chunks for i in range(len(c))]
             step = step_memory(m, layout, options, positions, gathered, largest, ends, kept,
-                               last)
+                               last, stage == 0)
             worst = max(worst, (state + step.transient_bytes, stage))
         return worst
 

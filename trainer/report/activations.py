@@ -115,6 +115,17 @@ def loss_bytes(m: ModelConfig, k: Tokens) -> int:
     return k.T * (m.padded_vocab_size // k.t) * FP32
 
 
+# parallel.bundle.GradReduceQueue's depth: block gradient reduce-scatters in flight at once
+# with parallel.overlap_grad_reduce (tests/unit/test_memory.py holds them equal).
+REDUCES_IN_FLIGHT = 2
+
+
+def _chunk_blocks(positions: list[int]) -> list[int]:
+    """Blocks of each of a stage's model chunks, from each block's position in its chunk."""
+    starts = [i for i, p in enumerate(positions) if p == 0]
+    return [end - start for start, end in zip(starts, [*starts[1:], len(positions)])] or [0]
+
+
 @dataclass(frozen=True)
 class StepMemory:
     """Per-micro-batch figures of one rank (bytes)."""
@@ -154,12 +165,12 @@ def stage_activation_bytes(m: ModelConfig, layout: Layout, options: EngineOption
 
 def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, blocks: list[int],
                 block_weights: int, largest_weight: int, head_weights: int, kept: int,
-                last: bool = True) -> StepMemory:
-    """For the blocks in `blocks` (a pipeline stage's). block_weights: TP-local elements of
-    one block's 2-D weights as gathered over GTP_remat (padding included); largest_weight:
-    the largest of them; head_weights: the stage's head's or embedding's, the larger (0 for
-    neither); kept: its activations in flight (stage_activation_bytes); last: it computes the
-    loss."""
+                last: bool = True, first: bool = True) -> StepMemory:
+    """For the blocks in `blocks` (a pipeline stage's: each block's position in its chunk).
+    block_weights: TP-local elements of one block's 2-D weights as gathered over GTP_remat
+    (padding included); largest_weight: the largest of them; head_weights: the stage's head's
+    or embedding's, the larger (0 for neither); kept: its activations in flight
+    (stage_activation_bytes); last: it computes the loss; first: it holds the embedding."""
     k, e = Tokens.of(layout), compute_bytes(options.precision)
     comm = options.cp_comm_type
     one_block = block_activation_bytes(m, k, e, None, comm)
@@ -182,6 +193,21 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, blocks: 
         alive = 2 if options.overlap_param_gather else 1
         block = alive * block_weights * e + 2 * block_weights * FP32 + largest_weight * narrow
         head = head_weights * (e + narrow + FP32)
+        if options.overlap_grad_reduce:
+            # parallel.bundle.GradReduceQueue: in a chunk's backward the packed gradients of
+            # up to REDUCES_IN_FLIGHT blocks already done, and their reduce-scatters' outputs
+            # (1/G of each), stay alive beside the next block's backward; those blocks' kept
+            # activations are gone by then. The runner ends the queue with each pass, so the
+            # head (first in its chunk's backward) sees none, the embedding (last) up to the
+            # depth.
+            reduce_bytes = 2 if options.grad_reduce_in_bf16 else FP32
+            queued = (block_weights + block_weights // layout.gtp_remat_size) * reduce_bytes
+            freed = block_activation_bytes(m, k, e, options.recompute_granularity, comm)
+            before = min(REDUCES_IN_FLIGHT, max(_chunk_blocks(blocks)) - 1)
+            block += max(0, before * (queued - freed))
+            if first and head_weights:
+                done = _chunk_blocks(blocks)[0]
+                head += max(0, min(REDUCES_IN_FLIGHT, done) * queued - done * freed)
     else:  # weights are used in place; one weight's gradient is formed before it is added
         block, head = largest_weight * FP32, head_weights * FP32
     return StepMemory(kept, one_block, rebuilt, autocast, logits, max(block, head))

@@ -136,7 +136,7 @@ def step_per_stage(shapes: dict[str, tuple[int, ...]], model: ModelConfig, layou
                            sum(gathered[n] for n in first_block),
                            max(gathered[n] for n in first_block),
                            max([gathered[n] for n, s in outside.items() if s == stage.stage],
-                               default=0), kept, last)
+                               default=0), kept, last, stage.stage == 0)
         out.append({**asdict(step), "peak_bytes": stage.total_bytes + step.transient_bytes,
                     "in_flight": in_flight(actions)})
     return out
