@@ -198,14 +198,15 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, blocks: 
             # up to REDUCES_IN_FLIGHT blocks already done, and their reduce-scatters' outputs
             # (1/G of each), stay alive beside the next block's backward; those blocks' kept
             # activations are gone by then. The runner ends the queue with each pass, so the
-            # head (first in its chunk's backward) sees none, the embedding (last) up to the
-            # depth.
+            # head (first in its chunk's backward) sees none; a first stage's embedding (last)
+            # sees up to the depth (with the head on the stage too, the head's larger
+            # transient is the one the plan takes for both).
             reduce_bytes = 2 if options.grad_reduce_in_bf16 else FP32
             queued = (block_weights + block_weights // layout.gtp_remat_size) * reduce_bytes
             freed = block_activation_bytes(m, k, e, options.recompute_granularity, comm)
             before = min(REDUCES_IN_FLIGHT, max(_chunk_blocks(blocks)) - 1)
             block += max(0, before * (queued - freed))
-            if first and head_weights:
+            if first and not last and head_weights:
                 done = _chunk_blocks(blocks)[0]
                 head += max(0, min(REDUCES_IN_FLIGHT, done) * queued - done * freed)
     else:  # weights are used in place; one weight's gradient is formed before it is added

@@ -6,6 +6,7 @@ parallel.layout's; this module only adapts it to OmegaConf and to Hydra's error 
 from __future__ import annotations
 
 import hashlib
+from dataclasses import replace
 from enum import Enum
 from typing import Any
 
@@ -77,20 +78,32 @@ def _plain(value: Any) -> Any:
     return value.value if isinstance(value, Enum) else value
 
 
-_SEARCHES: dict[str, Choice] = {}  # one search per distinct problem in this process
+# One search per distinct problem in this process: (the problem, its choice) by the problem's
+# inputs other than its fixed keys.
+_SEARCHES: dict[str, list[tuple[Problem, Choice]]] = {}
 
 
 def auto_choice(root: DictConfig) -> Choice | None:
     """The search's answer for this config (None without parallel=auto); NoLayoutFits and a bad
-    model become the one-line error."""
+    model become the one-line error.
+
+    Resolving in place (`--cfg job --resolve`, OmegaConf.resolve) turns each searched key into
+    its chosen value as it goes, so the next key's problem has more keys fixed, to the values
+    the search chose: an earlier choice that already meets every fixed key is the best under
+    them too, and is reused rather than searched again."""
     try:
         problem = auto_problem(root)
         if problem is None:
             return None
-        key = repr(problem)
-        if key not in _SEARCHES:
-            _SEARCHES[key] = search(problem)
-        return _SEARCHES[key]
+        earlier = _SEARCHES.setdefault(repr(replace(problem, fixed=())), [])
+        fixed = set(problem.fixed)
+        for known, choice in earlier:
+            if set(known.fixed) <= fixed and all(
+                    choice.chosen.values[path] == value for path, value in fixed):
+                return choice
+        choice = search(problem)
+        earlier.append((problem, choice))
+        return choice
     except ValueError as error:
         raise AutoLayoutError(str(error)) from None
 
