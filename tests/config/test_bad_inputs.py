@@ -198,6 +198,8 @@ TABLE = [
     R("cluster.procs_per_node=0", ("cluster.procs_per_node=0",)),
     R("cluster.gpus_per_nvlink_domain=0", ("cluster.gpus_per_nvlink_domain=0",)),
     R("cluster.timeout_s=0", ("cluster.timeout_s=0",)),
+    R("cluster.device_memory_gib=0", ("cluster.device_memory_gib=0", "datasheet")),
+    R("cluster.cpu_cores_per_node=0", ("cluster.cpu_cores_per_node=0", "null")),
     # data
     R("data.path=/nonexistent", ("data.path=/nonexistent",)),
     R("data.path={file}", ("data.path=", "is a file")),

@@ -155,7 +155,8 @@ def check_cluster(cluster: ClusterConfig) -> None:
     for key in ("device_memory_gib", "peak_bf16_tflops", "peak_fp32_tflops",
                 "nvlink_bandwidth_gbs", "network_bandwidth_gbs"):
         _finite(f"cluster.{key}", getattr(cluster, key), 0, False,
-                fix="set it from the device's datasheet (conf/cluster/dgx_h100.yaml names its)")
+                fix="set it from the device's datasheet (conf/cluster/dgx_h100.yaml cites "
+                    "its sources)")
     _finite("cluster.link_latency_us", cluster.link_latency_us, 0, True, fix="use e.g. 5")
     _finite("cluster.compute_efficiency", cluster.compute_efficiency, 0, False, 1, True,
             fix="use the share of peak FLOP/s a training step reaches, e.g. 0.45")
