@@ -204,7 +204,7 @@ def memory(name: str, overrides: list[str], precision: str = "fp32") -> dict:
     layout, values = chosen.layout, chosen.values
     # one block per model chunk, a sixteenth of the sequence, at most PP micro-batches a step
     # (as many as 1F1B keeps in flight on the first stage)
-    per_micro = layout.global_batch_size // layout.num_microbatches
+    per_micro = layout.micro_batch_size * layout.batch_parallel_size  # samples a micro-batch
     cut = {"model.num_layers": layout.pp_size * layout.virtual_pipeline_size,
            "train.seq_length": layout.seq_length // 16,
            "train.global_batch_size": per_micro * min(layout.num_microbatches, layout.pp_size),

@@ -146,11 +146,16 @@ class ParallelModel(nn.Module):
             for offsets, view in self.global_chunks(name, param):
                 view.copy_(values(name, self.global_shape(name), offsets, tuple(view.shape)))
 
-    def finish_grad_reduce(self) -> None:
-        """Wait for the gradient reduce-scatters still in flight (overlap_grad_reduce): after
-        this every sharded gradient is complete. Call after the last backward of a step."""
+    def wait_grad_reduces(self) -> None:
+        """Wait for the gradient reduce-scatters still in flight (overlap_grad_reduce): the
+        runner calls it after each backward pass, so their full-size messages never sit beside
+        the next pass's activations."""
         if self.reduce_queue is not None:
             self.reduce_queue.finish()
+
+    def finish_grad_reduce(self) -> None:
+        """After the last backward of a step: every sharded gradient is complete."""
+        self.wait_grad_reduces()
         # A gathered weight kept past the step would be stale after the update.
         assert not any(b.live_gathers() for b in self.bundles), "gathered weights outlived use"
 

@@ -104,10 +104,7 @@ class PipelineRunner:
         grad = None if chunk == self.last_chunk else self._received(action, flight)[0]
         busy = time.perf_counter()
         torch.autograd.backward(out, grad)
-        if self.model.reduce_queue is not None:
-            # The gradient reduce-scatters this pass started end with it: their full-size
-            # messages would otherwise sit beside the next pass's activations.
-            self.model.reduce_queue.finish()
+        self.model.wait_grad_reduces()  # this pass's reduce-scatters end with it
         self.busy_s += time.perf_counter() - busy
         del out
         if chunk > 0:

@@ -91,7 +91,7 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
         if comm is CPCommType.p2p:
             ring_fwd = (c - 1) * cp_link.send(kv)
             ring_bwd = (c - 1) * cp_link.send(kv) + c * cp_link.send(kv / e * FP32)
-            hides = overlaps * attn_fwd
+            hides = attn_fwd if overlaps else 0.0
             cp_fwd, cp_bwd = max(0.0, ring_fwd - hides), max(0.0, ring_bwd - 2 * hides)
         elif comm is CPCommType.all_gather:
             cp_fwd, cp_bwd = cp_link.ring(c, c * kv), cp_link.ring(c, c * kv / e * FP32)
