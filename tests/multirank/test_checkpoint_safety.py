@@ -1,6 +1,10 @@
 """A crash while saving never damages the last good checkpoint, and loading finds it."""
 from __future__ import annotations
 
+import errno
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,11 +21,12 @@ def job_crash_in_second_save(rank, spec, run_dir):
     trainer = Trainer(spec, run_dir, torch.device("cpu"))
     real_save = checkpoint.dcp.save
 
-    def dying_save(state_dict, checkpoint_id, planner):
-        if checkpoint_id.name.startswith("step_00000004"):
-            (checkpoint_id / f"__{rank}_0.distcp").write_bytes(b"half a file")
-            raise OSError("disk full (simulated)")
-        return real_save(state_dict, checkpoint_id=checkpoint_id, planner=planner)
+    def dying_save(state_dict, storage_writer, planner):
+        folder = Path(storage_writer.path)
+        if folder.name.startswith("step_00000004"):
+            (folder / f"__{rank}_0.distcp").write_bytes(b"half a file")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
+        return real_save(state_dict, storage_writer=storage_writer, planner=planner)
 
     checkpoint.dcp.save = dying_save
     trainer.run()
@@ -35,10 +40,13 @@ def job_load(rank, spec, path):
 def test_a_crash_during_save_keeps_the_last_good_checkpoint(dataset, tmp_path):  # noqa: F811  (the imported fixture)
     spec = settings_for(dataset, tmp_path, OVERRIDES, f"train.train_samples={4 * GBS}",
                         "checkpoint.save_interval=2")
-    with pytest.raises(RankFailure, match="disk full"):
-        run_ranks(2, job_crash_in_second_save, spec, tmp_path)
     ckpt_dir = tmp_path / "checkpoints"
-    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step_00000002", "step_00000004.tmp"]
+    with pytest.raises(RankFailure, match=(
+            f"CheckpointSaveFailed: saving checkpoint {ckpt_dir / 'step_00000004'} failed: No "
+            f"space left on device: {ckpt_dir / 'step_00000004.tmp'}. Nothing of it was kept; "
+            f"the latest checkpoint is {ckpt_dir / 'step_00000002'}. Fix: free space")):
+        run_ranks(2, job_crash_in_second_save, spec, tmp_path)
+    assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step_00000002"]  # no .tmp left
     assert checkpoint.resolve(ckpt_dir).name == "step_00000002"
     resumed = settings_for(dataset, tmp_path, OVERRIDES, f"train.train_samples={4 * GBS}",
                            f"checkpoint.load={ckpt_dir}")

@@ -3,22 +3,27 @@
 Every value is saved at its place in the single-device tensor (global offsets), so a checkpoint
 does not know the layout that wrote it: DCP reads, for each rank, just the overlap with what the
 rank now holds. Parameters and Adam moments come back bit-exactly. A checkpoint is written into
-`step_XXXXXXXX.tmp` and renamed when every rank has finished, so a crash mid-save leaves the
-last good checkpoint untouched; one damaged later (a full disk, a truncated copy) fails
-verify() and a resume skips it.
+`step_XXXXXXXX.tmp` and renamed when every rank has finished and meta.json records every
+file's checksum, so a crash mid-save leaves the last good checkpoint untouched; one damaged
+later (a truncated copy, changed bytes) fails trainer.checkpoint.integrity's checks and a resume
+skips it.
 """
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
+import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from hydra.errors import CompactHydraException
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -29,9 +34,18 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from trainer.checkpoint.integrity import (
+    CHECKSUMS,
+    META,
+    METADATA,
+    PREFIX,
+    TMP_SUFFIX,
+    file_checksum,
+    latest,
+    resolve,  # noqa: F401  (TODO: trainer/hf.py to import it from integrity)
+    verify,
+)
 from trainer.train.engine import Engine
-
-PREFIX, TMP_SUFFIX = "step_", ".tmp"
 
 
 @dataclass
@@ -122,123 +136,142 @@ def _tensors(engine: Engine, moments_views: dict) -> dict[str, Chunked]:
     return out
 
 
+class CheckpointSaveFailed(CompactHydraException):
+    """A save failed (a full disk, say): one line with the operating system's words and the
+    path; the checkpoint before it is still the latest, and nothing of this one is left."""
+
+
+class _RecordingWriter(dcp.FileSystemWriter):
+    """DCP's file writer, remembering the files this rank wrote (their checksums are its part
+    of meta.json)."""
+
+    def __init__(self, path: Path):
+        super().__init__(path)
+        self.written: list[str] = []
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        self.written = sorted({result.storage_data.relative_path for result in future.value()})
+        return future
+
+
 def save(engine: Engine, state: TrainState, directory: Path, meta: dict[str, Any]) -> Path:
-    """Collective. Returns the finished checkpoint folder."""
+    """Collective. Returns the finished checkpoint folder. It is written as a .tmp folder and
+    renamed once meta.json, with every file's checksum, is in it; a failure removes the .tmp."""
     final = directory / f"{PREFIX}{state.step:08d}"
     tmp = final.with_name(final.name + TMP_SUFFIX)
-    if dist.get_rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    moments = engine.optimizer.gather_moments()
-    tensors = _tensors(engine, engine.optimizer.moment_views(moments))
-    # The trainer draws no random numbers after initialisation (the sample order is a function of
-    # data.seed and the sample index), so every rank's generator state is the same; it is kept
-    # so that anything random added later (dropout) resumes exactly.
-    objects = {"train_state": json.dumps(asdict(state)), "optim_step": moments.step,
-               "rng": torch.get_rng_state()}
-    dcp.save(objects, checkpoint_id=tmp, planner=ChunkSavePlanner(tensors))
-    dist.barrier()
-    if dist.get_rank() == 0:
-        (tmp / "meta.json").write_text(json.dumps({**meta, **asdict(state)}, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-    dist.barrier()
+    rank = dist.get_rank()
+    try:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        moments = engine.optimizer.gather_moments()
+        tensors = _tensors(engine, engine.optimizer.moment_views(moments))
+        # The trainer draws no random numbers after initialisation (the sample order is a
+        # function of data.seed and the sample index), so every rank's generator state is the
+        # same; it is kept so that anything random added later (dropout) resumes exactly.
+        objects = {"train_state": json.dumps(asdict(state)), "optim_step": moments.step,
+                   "rng": torch.get_rng_state()}
+        writer = _RecordingWriter(tmp)
+        dcp.save(objects, storage_writer=writer, planner=ChunkSavePlanner(tensors))
+        # Each rank checksums the files it wrote (still in its page cache), rank 0 also DCP's
+        # .metadata; rank 0 records them all in meta.json, the file that marks the save done.
+        mine = {name: file_checksum(tmp / name)
+                for name in writer.written + ([METADATA] if rank == 0 else [])}
+        everyone: list[dict | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        if rank == 0:
+            checksums = {name: value for part in everyone for name, value in part.items()}
+            write_meta(tmp, {**meta, **asdict(state), CHECKSUMS: checksums})
+            shutil.rmtree(final, ignore_errors=True)
+            tmp.rename(final)
+        dist.barrier()
+    except (OSError, CheckpointException) as error:  # CheckpointException: any rank's failure
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointSaveFailed(_save_failure(final, error)) from None
     return final
 
 
-def latest(directory: Path, warn: Callable[[str], None] | None = None) -> Path | None:
-    """The newest good finished checkpoint in a folder of them (unfinished .tmp ones never
-    count). A newer one that is corrupt or incomplete is skipped, with a line to `warn`: a run
-    killed while a disk filled up must still resume from the checkpoint before."""
-    found = sorted(p for p in directory.glob(f"{PREFIX}*") if p.is_dir()
-                   and not p.name.endswith(TMP_SUFFIX))
-    for path in reversed(found):
-        problem = verify(path)
-        if problem is None:
-            return path
-        if warn is not None:
-            warn(f"warning: skipped checkpoint {path}: {problem}")
-    return None
+def write_meta(folder: Path, record: dict[str, Any]) -> None:
+    """meta.json, flushed to the disk before the folder is renamed into place."""
+    with open(folder / META, "w") as f:
+        json.dump(record, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
 
 
-def resolve(path: Path, warn: Callable[[str], None] | None = None) -> Path:
-    """A checkpoint folder, or a folder of them (the latest good one)."""
-    if (path / ".metadata").exists():
-        problem = verify(path)
-        if problem is not None:
-            raise ValueError(f"checkpoint.load={path}: {problem}. Fix: point checkpoint.load at "
-                             f"a good checkpoint (or at its folder, for the latest good one).")
-        return path
-    skipped: list[str] = []
+def _save_failure(final: Path, error: BaseException) -> str:
+    """One line from a failed save: the first rank's operating-system error (DCP wraps each
+    rank's in a CheckpointException with its traceback) and what is left."""
+    where = ""
+    if isinstance(error, CheckpointException) and error.failures:
+        failed, (error, _) = min(error.failures.items())
+        where = f" on rank {failed}"
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        cause = _probe(final.parent)  # torch.save's writer reports a short write as its own
+    if isinstance(cause, OSError) and cause.strerror:
+        what = cause.strerror + (f": {cause.filename}" if cause.filename else "")
+    else:
+        what = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0]}"
+    good = latest(final.parent, check=lambda path: verify(path, None))
+    fix = ("free space on its disk" if isinstance(cause, OSError) and cause.errno == errno.ENOSPC
+           else "make it writable")
+    return (f"saving checkpoint {final} failed{where}: {what}. Nothing of it was kept; the "
+            f"latest checkpoint is {good or 'none'}. Fix: {fix} (or set checkpoint.dir to "
+            f"another disk), then run the same command again to resume")
 
-    def skip(line: str) -> None:
-        skipped.append(line)
-        if warn is not None:
-            warn(line)
 
-    found = latest(path, skip)
-    if found is None:
-        bad = f"; {len(skipped)} there are corrupt or incomplete" if skipped else ""
-        raise FileNotFoundError(
-            f"checkpoint.load={path}: no checkpoint there (a folder with .metadata, or a folder "
-            f"of {PREFIX}* checkpoints){bad}. Fix: point checkpoint.load at one, or set it to "
-            f"null.")
-    return found
-
-
-def verify(path: Path) -> str | None:
-    """What is wrong with a checkpoint folder, or None: cheap, with no process group. Reads
-    DCP's .metadata and checks that every stored item's bytes are there; meta.json, which rank
-    0 writes last, says the save finished."""
-    if not (path / ".metadata").is_file():
-        return "it has no .metadata (the save did not finish)"
+def _probe(folder: Path, size: int = 1 << 20) -> OSError | None:
+    """The operating system's own error for writing into `folder` now (before the failed
+    save's files are removed, so a full disk is still full), or None if a write succeeds."""
+    probe = folder / f".write-probe-{os.getpid()}"
     try:
-        storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
-    except Exception as error:  # noqa: BLE001  (unpickling garbage can raise anything)
-        why = (str(error).splitlines() or [""])[0][:80]
-        return f"its .metadata is unreadable ({type(error).__name__}: {why})"
-    if not isinstance(storage, dict):
-        return "its .metadata lists no stored data"
-    sizes: dict[str, int | None] = {}  # each data file holds many items: stat it once
-    for info in storage.values():
-        name, end = info.relative_path, info.offset + info.length
-        if name not in sizes:
-            sizes[name] = (path / name).stat().st_size if (path / name).is_file() else None
-        size = sizes[name]
-        if size is None:
-            return f"its data file {name} is missing"
-        if size < end:
-            return f"its data file {name} is truncated ({size} of at least {end} bytes)"
-    if not (path / "meta.json").is_file():
-        return "its meta.json is missing (the save did not finish)"
-    return None
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            data = memoryview(bytes(size))
+            while data:  # a nearly full disk takes part of a write; the next one fails
+                data = data[os.write(fd, data):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return None
+    except OSError as error:
+        return error
+    finally:
+        probe.unlink(missing_ok=True)
 
 
-def check_loadable(path: Path, shapes: dict[str, tuple[int, ...]], finetune: bool) -> None:
+def check_loadable(path: Path, shapes: dict[str, tuple[int, ...]], finetune: bool,
+                   where: str | None = None, fix: str = "use the model config it was saved with "
+                   "(its meta.json records it)") -> None:
     """Before any rank starts: the checkpoint has every parameter of this model at its shape
-    (`shapes`: the single-device ones), and a train state unless only weights are wanted."""
+    (`shapes`: the single-device ones), and a train state unless only weights are wanted.
+    `where` names the checkpoint in the message (default: checkpoint.load=PATH)."""
+    where = where or f"checkpoint.load={path}"
     saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     for name, shape in shapes.items():
         entry = saved.get(f"model.{name}")
         if not isinstance(entry, TensorStorageMetadata):
-            raise ValueError(f"checkpoint.load={path} has no weight {name!r}: another model wrote "
-                             f"it. Fix: use the model config it was saved with (its meta.json "
-                             f"records it).")
+            raise ValueError(f"{where} has no weight {name!r}: another model wrote it. "
+                             f"Fix: {fix}.")
         if tuple(entry.size) != shape:
-            raise ValueError(f"checkpoint.load={path}: weight {name!r} has shape "
-                             f"{tuple(entry.size)}, this model's is {shape}. Fix: use the model "
-                             f"config it was saved with (its meta.json records it).")
+            raise ValueError(f"{where}: weight {name!r} has shape {tuple(entry.size)}, this "
+                             f"model's is {shape}. Fix: {fix}.")
     if not finetune and "train_state" not in saved:
-        raise ValueError(f"checkpoint.load={path} holds weights only (no optimizer state, step or "
-                         f"data position; e.g. a Hugging Face import). Fix: set "
+        raise ValueError(f"{where} holds weights only (no optimizer state, step or data "
+                         f"position; e.g. a Hugging Face import). Fix: set "
                          f"checkpoint.finetune=true.")
 
 
 def load_weights(engine: Engine, path: Path) -> None:
     """Collective. Fills this rank's parameters only (checkpoint.finetune): the optimizer's
-    moments and step, the train state and the random generators stay as built."""
-    path = resolve(path)
+    moments and step, the train state and the random generators stay as built. `path` is a
+    checkpoint folder the ranks verified (trainer.train.resume)."""
     model, tensors = engine.model, {}
     for name, param in model.module.named_parameters():
         tensors[f"model.{name}"] = Chunked(model.global_shape(name),
@@ -248,8 +281,8 @@ def load_weights(engine: Engine, path: Path) -> None:
 
 
 def load(engine: Engine, path: Path) -> TrainState:
-    """Collective. Fills this rank's parameters and Adam moments, whatever the saving layout."""
-    path = resolve(path)
+    """Collective. Fills this rank's parameters and Adam moments, whatever the saving layout.
+    `path` is a checkpoint folder the ranks verified (trainer.train.resume)."""
     moments = engine.optimizer.empty_moments()
     tensors = _tensors(engine, engine.optimizer.moment_views(moments))
     objects: dict[str, Any] = {"train_state": "", "optim_step": 0,
