@@ -212,6 +212,9 @@ class LoggerConfig:
     project: Optional[str] = MISSING  # wandb project; unused by the console logger
 
 
+RUN_CHECKPOINTS = "checkpoints"  # checkpoint.dir=null: <run dir>/checkpoints
+
+
 @dataclass
 class CheckpointConfig:
     dir: Optional[str] = MISSING  # null = <run dir>/checkpoints

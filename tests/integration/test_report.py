@@ -58,8 +58,9 @@ def test_launch_log_is_the_console_of_every_rank(runs):
     assert log.splitlines()[0] == f"run folder: {run_dir}"
     assert "started rank 0 (pid " in log  # launch.py's own process
     # rank 0, a spawned process, prints the start line, the steps and the evaluations
-    assert re.search(r"^2 rank\(s\), global batch 8 samples, 4 steps from step 0; cosine: lr "
-                     r"0\.001, warmup 8 samples, decay to 0\.0001 at 32 samples$", log, re.M), log
+    assert re.search(r"^2 rank\(s\), global batch 8 samples, 4 steps from step 0 \(samples 0 "
+                     r"to 32\); cosine: lr 0\.001, warmup 8 samples, decay to 0\.0001 at 32 "
+                     r"samples$", log, re.M), log
     assert len(re.findall(r"^step +\d/4 \|", log, re.M)) == 4
     assert len(re.findall(r"^eval at step \d", log, re.M)) == 2
 

@@ -10,6 +10,7 @@ import torch
 from trainer.config import ConfigError
 from trainer.data.blend import PERIOD, blend_pattern
 from trainer.data.dataset import TokenDataset
+from trainer.data.source import DataSource
 
 
 class SampleStream:
@@ -108,3 +109,23 @@ class BlendedStream:
     def identity(self) -> dict:
         return {"blend": [[w, s.identity] for w, s in zip(self.weights, self.streams)],
                 "period": PERIOD}
+
+
+Stream = SampleStream | BlendedStream
+
+
+def open_streams(source: DataSource, seq_length: int, seed: int,
+                 with_valid: bool) -> tuple[Stream, Stream | None]:
+    """The train and valid streams of a data source (data.path, or each part of data.blend,
+    mixed); the valid one only if the run evaluates."""
+    def max_id(part: DataSource) -> int | None:  # ids a Megatron dataset is checked against
+        return part.vocab_size if part.megatron else None
+
+    def stream(split: str, shuffle: bool) -> Stream:
+        if not source.blend:
+            return SampleStream(source.open(), split, seq_length, seed, shuffle, max_id(source))
+        return BlendedStream([SampleStream(part.open(), split, seq_length, seed, shuffle,
+                                           max_id(part)) for _, part in source.blend],
+                             [weight for weight, _ in source.blend])
+
+    return stream("train", True), stream("valid", False) if with_valid else None

@@ -193,4 +193,5 @@ def _failure_message(failed: list, reported: dict[int, str], world: int) -> str:
         rank, why = next(iter(said.items()))
     others = sorted(r for r, _ in failed if r != rank)
     also = f" (then rank(s) {', '.join(map(str, others))} failed too)" if others else ""
-    return f"rank {rank} of {world} failed: {why}{also}. The other ranks were stopped."
+    return (f"rank {rank} of {world} failed: {why.rstrip('.')}{also}. The other ranks were "
+            f"stopped.")

@@ -18,6 +18,9 @@ from trainer.config import ConfigError
 from trainer.launch.signals import PreemptionWatch
 from trainer.spec.runspec import RunSpec
 
+# What env:// initialisation needs; torchrun (and a Kubernetes PyTorchJob) sets them all.
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
 
 @dataclass(frozen=True)
 class RankEnv:
@@ -44,10 +47,24 @@ def launched_rank() -> RankEnv | None:
         os.environ["MASTER_PORT"] = str(20000 + zlib.crc32(job_id.encode()) % 12000)
         env = TorchDistributedEnvironment().export(set_cuda_visible_devices=False, overwrite=True)
         return RankEnv(env.rank, env.world_size, env.local_rank, "env://", "submitit")
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return RankEnv(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]),
-                       int(os.environ.get("LOCAL_RANK", 0)), "env://", "torchrun")
-    return None
+    found = {name: os.environ[name] for name in TORCHRUN_VARIABLES if name in os.environ}
+    if "RANK" not in found and "WORLD_SIZE" not in found:
+        return None
+    missing = [name for name in TORCHRUN_VARIABLES if name not in found]
+    if missing:
+        raise ConfigError(
+            f"{', '.join(f'{k}={v}' for k, v in found.items())} set in the environment without "
+            f"{', '.join(missing)}: a torchrun rank has all of {', '.join(TORCHRUN_VARIABLES)}, "
+            f"so these look left over from another job (this process would wait for peers that "
+            f"never come). Fix: `unset {' '.join(k for k in found if k in ('RANK', 'WORLD_SIZE'))}`"
+            f" to let launch.py start the ranks (cluster.procs_per_node), or start it with "
+            f"torchrun.")
+    for name in ("RANK", "WORLD_SIZE"):
+        if not found[name].isdigit():
+            raise ConfigError(f"{name}={found[name]!r} in the environment is not a rank count. "
+                              f"Fix: unset it, or start launch.py with torchrun.")
+    return RankEnv(int(found["RANK"]), int(found["WORLD_SIZE"]),
+                   int(os.environ.get("LOCAL_RANK", 0)), "env://", "torchrun")
 
 
 def check_world(env: RankEnv, spec: RunSpec) -> None:

@@ -1,6 +1,7 @@
 """Start a run from launch.py: check the inputs that need files (the dataset, prepared now if it
-is the built-in one; the checkpoint to load), write the run directory's artifacts, and start the
-ranks the way this process was launched (trainer.launch.ranks, trainer.launch.local)."""
+is the built-in one; the checkpoint the run starts from), lock what the run writes, write the
+run directory's artifacts, and start the ranks the way this process was launched
+(trainer.launch.ranks, trainer.launch.local)."""
 from __future__ import annotations
 
 import tempfile
@@ -9,26 +10,30 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from trainer.checkpoint import dcp as checkpoint
+from trainer.checkpoint.integrity import verify
 from trainer.config import ConfigError
-from trainer.launch.folder import run_lock
+from trainer.data.stream import open_streams
+from trainer.launch.folder import checkpoint_lock, run_lock
 from trainer.launch.local import launch_local
 from trainer.launch.ranks import RankEnv, check_world, launched_rank, run_rank
 from trainer.report.console import console_log
 from trainer.report.dry_run import layout_record, write_layout_json
-from trainer.report.memory import parameter_shapes
 from trainer.report.plot import write_curves
 from trainer.spec.runspec import RunSpec
+from trainer.train import resume
 
 
-def check_inputs(spec: RunSpec) -> None:
-    """Before any rank starts; a problem is one line naming the key."""
+def check_inputs(spec: RunSpec, run_dir: Path) -> None:
+    """Before any rank starts; a problem is one line naming the key or the file. The checkpoint
+    the run starts from is checked from its metadata (the ranks verify its checksums)."""
     try:
-        spec.data.prepare()
-        ckpt = spec.config.checkpoint
-        if ckpt.load is not None:
-            path = checkpoint.resolve(Path(ckpt.load))
-            checkpoint.check_loadable(path, parameter_shapes(spec.config.model), ckpt.finetune)
+        spec.data.prepare(spec.config.train)
+        save_dir = resume.save_folder(spec.config.checkpoint, run_dir)
+        point = resume.find(spec.config.checkpoint, save_dir, None, lambda p: verify(p, None))
+        if point is not None:
+            train, _ = open_streams(spec.data, spec.layout.seq_length, spec.config.data.seed,
+                                    with_valid=False)
+            resume.check(spec, point, train.identity)
     except (ValueError, FileNotFoundError) as error:
         raise ConfigError(str(error)) from None
 
@@ -41,19 +46,24 @@ def write_run_artifacts(cfg: DictConfig, spec: RunSpec, run_dir: Path) -> None:
 
 
 def run(cfg: DictConfig, spec: RunSpec, run_dir: Path) -> None:
-    """Lock the run folder before anything is written into it (trainer.launch.folder), then start
-    the ranks."""
+    """Lock the run folder before anything is written into it, and the checkpoint folder before
+    the run reads which checkpoint to resume (trainer.launch.folder), then start the ranks."""
     env = launched_rank()
-    with run_lock(run_dir, hold=env is None or env.rank == 0):
+    hold = env is None or env.rank == 0
+    with run_lock(run_dir, hold=hold), checkpoint_lock(
+            resume.save_folder(spec.config.checkpoint, run_dir), hold=hold):
+        if env is not None:  # torchrun or submitit started this process as one rank
+            check_world(env, spec)
+        check_inputs(spec, run_dir)
         _start(cfg, spec, run_dir, env)
 
 
 def _start(cfg: DictConfig, spec: RunSpec, run_dir: Path, env: RankEnv | None) -> None:
-    # The model config travels with every checkpoint (python -m trainer.hf export reads it).
-    meta = {"run_dir": str(run_dir), "model": asdict(spec.config.model)}
-    if env is not None:  # torchrun or submitit started this process as one rank
-        check_world(env, spec)
-        check_inputs(spec)
+    # The model config travels with every checkpoint (python -m trainer.hf export reads it), and
+    # the global batch size, which a resume under another one names in its messages.
+    meta = {"run_dir": str(run_dir), "model": asdict(spec.config.model),
+            "global_batch_size": spec.plan.global_batch_size}
+    if env is not None:
         if env.rank == 0:
             write_run_artifacts(cfg, spec, run_dir)
         with console_log(run_dir, writer=env.rank == 0):
@@ -63,7 +73,6 @@ def _start(cfg: DictConfig, spec: RunSpec, run_dir: Path, env: RankEnv | None) -
                 if env.rank == 0:
                     write_curves(run_dir)
         return
-    check_inputs(spec)
     write_run_artifacts(cfg, spec, run_dir)
     with console_log(run_dir, writer=True):
         try:

@@ -25,11 +25,17 @@ def _step_of(line: str) -> float:
 
 
 class MetricsLogger:
+    """total_steps numbers the progress line; the time left is counted in samples (the steps
+    of a resumed run may hold another global batch than the steps before)."""
+
     def __init__(self, run_dir: Path, cfg: LoggerConfig, writer: bool, total_steps: int,
-                 config: dict[str, Any] | None = None):
+                 samples: tuple[int, int], config: dict[str, Any] | None = None):
+        """samples: (consumed when this run starts, train.train_samples); a resumed run times
+        only its own steps."""
         self.cfg, self.writer, self.total_steps = cfg, writer, total_steps
+        self.first_samples, self.total_samples = samples
         self.path = run_dir / "metrics.jsonl"
-        self.started, self.first_step = time.perf_counter(), None
+        self.started = time.perf_counter()
         self.wandb = None
         if writer:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -57,12 +63,11 @@ class MetricsLogger:
 
     def log(self, step: int, record: dict[str, Any]) -> None:
         """One training step: written every log_interval steps and at the last step."""
-        if self.first_step is None:  # a resumed run times only its own steps
-            self.first_step, self.started = step - 1, time.perf_counter()
         if not self.writer or (step % self.cfg.log_interval and step != self.total_steps):
             return
-        done = step - self.first_step
-        left = (time.perf_counter() - self.started) / done * (self.total_steps - step)
+        consumed = record["consumed_samples"]
+        elapsed = time.perf_counter() - self.started
+        left = elapsed / max(consumed - self.first_samples, 1) * (self.total_samples - consumed)
         print(f"step {step:>6d}/{self.total_steps} | samples {record['consumed_samples']:>9,d} | "
               f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
               f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:>9,.0f} tok/s | "

@@ -1,12 +1,19 @@
 """Sample accounting of a run: steps, evaluation batches and intervals, checked before any
 process starts. Counts are independent samples (global batches), never ranks: CP, sequence
 shards and TP change who reads a sample, not how many samples a step consumes.
+
+Progress is samples too: a run ends when it has consumed train.train_samples, so a resume under
+another global batch size continues at the checkpoint's consumed samples and ends exactly
+there. A run from the start is whole steps; after a resume from a count that is not a multiple
+of the new global batch, the last step is the smaller batch that is left, if that is a global
+batch of the layout (whole micro-batches on every batch lane); otherwise the resume is refused.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
-from parallel.layout import Layout, multiples_near
+from parallel.layout import Layout, LayoutError, multiples_near
 from trainer.config import CheckpointConfig, TrainConfig
 
 
@@ -16,6 +23,7 @@ class RunPlan:
     train_steps: int
     eval_interval: int | None  # steps
     eval_layout: Layout | None  # the layout whose global batch is one evaluation
+    train_samples: int  # where the run ends, whatever global batch consumed the samples before
 
     @classmethod
     def from_config(cls, train: TrainConfig, checkpoint: CheckpointConfig,
@@ -46,5 +54,70 @@ class RunPlan:
             raise ValueError(f"checkpoint.save_interval={checkpoint.save_interval} must be >= 1 "
                              f"(steps). Fix: set it to a number of steps, or null to save only "
                              f"at the end.")
-        return cls(gbs, train.train_samples // gbs, train.eval_interval, eval_layout)
+        return cls(gbs, train.train_samples // gbs, train.eval_interval, eval_layout,
+                   train.train_samples)
 
+    def steps_from(self, consumed: int) -> int:
+        """Steps left once `consumed` samples have been trained (the last may be smaller)."""
+        return max(-(-(self.train_samples - consumed) // self.global_batch_size), 0)
+
+    def step_layout(self, layout: Layout, consumed: int) -> Layout:
+        """The layout of the step that starts at `consumed` samples: the run's, or for a last
+        step with fewer samples left than a global batch, the same with that global batch (a
+        LayoutError when it is not one: check_resume refuses that before any rank starts)."""
+        left = self.train_samples - consumed
+        return layout if left >= self.global_batch_size else replace(layout,
+                                                                      global_batch_size=left)
+
+    def check_resume(self, layout: Layout, consumed: int, where: str, saved_gbs: int | None,
+                     again_ok: bool) -> None:
+        """A run that resumes at `consumed` samples (`where`: the checkpoint, as the message
+        names it) can end exactly at train.train_samples. again_ok: the run's own checkpoint,
+        whose relaunch after the end has nothing to do and is no error."""
+        total = self.train_samples
+        if consumed > total or (consumed == total and not again_ok):
+            past = "past" if consumed > total else "equal to"
+            raise ValueError(
+                f"{where} has consumed {consumed:,} samples, {past} train.train_samples="
+                f"{total}: nothing is left to train. Fix: set train.train_samples above "
+                f"{consumed} (a multiple of the global batch size {self.global_batch_size}) to "
+                f"train on, or start from another checkpoint.")
+        left = total - consumed
+        if left % self.global_batch_size == 0:
+            return
+        try:
+            self.step_layout(layout, total - left % self.global_batch_size)
+        except LayoutError as error:
+            why = str(error).split(" Fix:")[0]
+            sizes = [g for g in _batch_sizes(layout, left) if total % g == 0]
+            sizes = sorted(sizes, key=lambda g: abs(g - self.global_batch_size))[:2]
+            fits = " or ".join(f"train.global_batch_size={g}" for g in sorted(sizes))
+            fixes = [fits] if fits else []
+            if saved_gbs is not None and saved_gbs not in sizes and total % saved_gbs == 0:
+                fixes.append(f"the checkpoint's own train.global_batch_size={saved_gbs}")
+            raise ValueError(
+                f"{where} has consumed {consumed:,} samples: the {left:,} left to "
+                f"train.train_samples={total} are {left // self.global_batch_size} step(s) of "
+                f"train.global_batch_size={self.global_batch_size} and a last one of "
+                f"{left % self.global_batch_size} sample(s), which is no global batch of this "
+                f"layout ({why}). Fix: resume with "
+                f"{' or '.join(fixes) or 'another train.global_batch_size'}.") from None
+
+
+def _batch_sizes(layout: Layout, left: int) -> list[int]:
+    """The global batch sizes of this layout that split `left` samples into whole steps: the
+    multiples of micro x batch_parallel that divide it (found from the divisors of the steps)."""
+    step = layout.micro_batch_size * layout.batch_parallel_size
+    if left % step:
+        return []
+    units, divisors = left // step, set()
+    for d in range(1, math.isqrt(units) + 1):
+        if units % d == 0:
+            divisors |= {d, units // d}
+    found = []
+    for d in sorted(divisors):
+        try:
+            found.append(replace(layout, global_batch_size=d * step).global_batch_size)
+        except LayoutError:
+            pass  # e.g. interleaved 1F1B: micro-batches in groups of PP
+    return found

@@ -16,44 +16,17 @@ import torch.distributed as dist
 from hydra.errors import CompactHydraException
 
 from trainer.checkpoint import dcp as checkpoint
+from trainer.checkpoint.integrity import PREFIX, agreed, latest, verify
 from trainer.config import ConfigError
 from trainer.data.batch import rank_micro_batches
-from trainer.data.source import DataSource
-from trainer.data.stream import BlendedStream, SampleStream
+from trainer.data.stream import open_streams
 from trainer.launch.signals import PREEMPT, Interrupted, PreemptionWatch, code_of, signal_of
 from trainer.report.metrics import MetricsLogger
 from trainer.spec.runspec import RunSpec
-from trainer.train.engine import Engine, build_engine
+from trainer.train import resume
+from trainer.train.engine import build_engine
 from trainer.train.options import EngineOptions
 from trainer.train.step import NonFiniteStep, evaluate, train_step
-
-Stream = SampleStream | BlendedStream
-
-
-def open_streams(spec: RunSpec) -> tuple[Stream, Stream | None]:
-    """The train and valid streams of data.path, or of each part of data.blend, mixed."""
-    seq, seed, blend = spec.layout.seq_length, spec.config.data.seed, spec.data.blend
-
-    def max_id(source: DataSource) -> int | None:  # ids a Megatron dataset is checked against
-        return source.vocab_size if source.megatron else None
-
-    def stream(split: str, shuffle: bool) -> Stream:
-        if not blend:  # checked when the spec was settled
-            return SampleStream(spec.data.open(), split, seq, seed, shuffle, max_id(spec.data))
-        return BlendedStream([SampleStream(part.open(), split, seq, seed, shuffle, max_id(part))
-                              for _, part in blend], [weight for weight, _ in blend])
-
-    return stream("train", True), stream("valid", False) if spec.plan.eval_interval else None
-
-
-def resume(engine: Engine, path: Path, stream: Stream) -> checkpoint.TrainState:
-    state = checkpoint.load(engine, path)
-    if state.data != stream.identity:
-        raise ConfigError(
-            f"the checkpoint {path} was trained on the sample stream {state.data}, this run's "
-            f"is {stream.identity}. Fix: use the same dataset, train.seq_length and data.seed, "
-            f"or start from another checkpoint.dir / checkpoint.load.")
-    return state
 
 
 class TrainingDiverged(CompactHydraException):
@@ -73,80 +46,88 @@ class Trainer:
         self.settings, self.layout, self.device = settings, spec.layout, device
         self.rank, self.meta, self.watch = dist.get_rank(), meta or {}, watch
         self.plan, self.schedule = spec.plan, spec.schedule
-        self.train_stream, self.valid_stream = open_streams(spec)
+        self.train_stream, self.valid_stream = open_streams(
+            spec.data, self.layout.seq_length, settings.data.seed, bool(self.plan.eval_interval))
         self.engine = build_engine(settings.model, settings.optim, settings.train.seed,
                                    self.layout, device, EngineOptions.from_config(settings),
                                    settings.cluster.timeout_s)
         self.state = checkpoint.TrainState(data=self.train_stream.identity)
-        ckpt = settings.checkpoint
-        self.save_dir = Path(ckpt.dir) if ckpt.dir else run_dir / "checkpoints"
+        self.save_dir = resume.save_folder(settings.checkpoint, run_dir)
         warn = (lambda line: print(line, flush=True)) if self.rank == 0 else None
-        load = checkpoint.resolve(Path(ckpt.load), warn) if ckpt.load is not None else None
-        own = None  # this run's own latest checkpoint, when a relaunch may continue from it
-        if ckpt.resume and (ckpt.finetune or load is None):
-            own = checkpoint.latest(self.save_dir, warn)
-        if ckpt.finetune and own is None:  # weights only: this run starts at step 0
-            checkpoint.load_weights(self.engine, load)
+        # launch.py checked this choice before the ranks started; here every file's checksum is
+        # verified too, split over the ranks, so a damaged newest checkpoint gives way to the one
+        # before it.
+        try:
+            point = resume.find(settings.checkpoint, self.save_dir, warn,
+                                agreed(self.engine.groups.world.handle))
+            if point is not None:
+                resume.check(spec, point, self.train_stream.identity)
+        except (ValueError, FileNotFoundError) as error:
+            raise ConfigError(str(error)) from None
+        if point is not None and point.weights_only:  # fine-tuning: this run starts at step 0
+            checkpoint.load_weights(self.engine, point.path)
             if self.rank == 0:
-                print(f"fine-tuning from {load}: weights loaded; optimizer, schedule and data "
-                      f"start fresh", flush=True)
-            load = None
-        elif own is not None:
-            load = own  # a relaunch (of a fine-tuning run too) continues where it stopped
-        if load is not None:
-            self.state = resume(self.engine, load, self.train_stream)
-        self.logger = MetricsLogger(run_dir, settings.logger, self.rank == 0,
-                                    self.plan.train_steps)
+                print(f"fine-tuning from {point.path}: weights loaded; optimizer, schedule and "
+                      f"data start fresh", flush=True)
+        elif point is not None:
+            self.state = checkpoint.load(self.engine, point.path)
+        self.total_steps = self.state.step + self.plan.steps_from(self.state.consumed_samples)
+        self.logger = MetricsLogger(run_dir, settings.logger, self.rank == 0, self.total_steps,
+                                    (self.state.consumed_samples, self.plan.train_samples))
         self.logger.forget_after(self.state.step)  # steps logged after the checkpoint run again
 
     def run(self) -> list[dict[str, Any]]:
-        """Collective. Returns the records this rank computed (every rank computes the same)."""
+        """Collective. Returns the records this rank computed (every rank computes the same).
+        Steps run until train.train_samples are consumed; the step counter only numbers them
+        (a resume under another global batch size continues both)."""
         plan, state, layout, logger = self.plan, self.state, self.layout, self.logger
         logger.note(f"{layout.world_size} rank(s), global batch {plan.global_batch_size} "
-                    f"samples, {plan.train_steps} steps from step {state.step}; "
+                    f"samples, {self.total_steps} steps from step {state.step} (samples "
+                    f"{state.consumed_samples:,} to {plan.train_samples:,}); "
                     f"{self.schedule.describe()}")
-        gbs, tokens_per_step = plan.global_batch_size, plan.global_batch_size * layout.seq_length
         records = []
-        if state.step >= plan.train_steps:
-            logger.note(f"nothing to train: the checkpoint is at step {state.step} of "
-                        f"{plan.train_steps}")
-        while state.step < plan.train_steps:
+        if state.consumed_samples >= plan.train_samples:
+            logger.note(f"nothing to train: the checkpoint has consumed {state.consumed_samples:,}"
+                        f" of train.train_samples={plan.train_samples:,}")
+        while state.consumed_samples < plan.train_samples:
             started, consumed = time.perf_counter(), state.consumed_samples
+            step_layout = plan.step_layout(layout, consumed)  # smaller only for a last step
+            samples = step_layout.global_batch_size
             micro_batches = rank_micro_batches(
-                lambda idx, at=consumed: self.train_stream.get([at + i for i in idx]), layout,
-                self.rank, self.device)
-            lr = self.schedule.lr(consumed + gbs)
+                lambda idx, at=consumed: self.train_stream.get([at + i for i in idx]),
+                step_layout, self.rank, self.device)
+            lr = self.schedule.lr(consumed + samples)
             self.engine.groups.stats.reset()
             try:
                 result = train_step(self.engine.model, self.engine.optimizer, micro_batches, lr)
             except NonFiniteStep as error:
                 logger.close()
                 raise self.diverged(state.step + 1, error, lr) from None
-            state.step, state.consumed_samples = state.step + 1, consumed + gbs
+            state.step, state.consumed_samples = state.step + 1, consumed + samples
+            last = state.consumed_samples == plan.train_samples
             record = {"consumed_samples": state.consumed_samples, "loss": result.loss, "lr": lr,
                       "grad_norm": result.grad_norm,
-                      "tokens_per_s": tokens_per_step / (time.perf_counter() - started),
+                      "tokens_per_s": samples * layout.seq_length / (time.perf_counter() - started),
                       "comm_bytes": self.engine.groups.stats.by_op()}  # this rank, this step
             records.append({"step": state.step, **record})
             logger.log(state.step, record)
-            if plan.eval_interval and (state.step % plan.eval_interval == 0
-                                       or state.step == plan.train_steps):
+            if plan.eval_interval and (state.step % plan.eval_interval == 0 or last):
                 records.append({"step": state.step, "eval_loss": self.evaluate()})
                 logger.log_eval(state.step, {"eval_loss": records[-1]["eval_loss"],
                                              "eval_samples": plan.eval_layout.global_batch_size})
             interval = self.settings.checkpoint.save_interval
-            saved = (interval and state.step % interval == 0) or state.step == plan.train_steps
+            saved = (interval and state.step % interval == 0) or last
             if saved:
                 path = checkpoint.save(self.engine, state, self.save_dir, self.meta)
                 logger.note(f"saved {path}")
-            signum = self.stop_requested() if state.step < plan.train_steps else None
+            signum = self.stop_requested() if not last else None
             if signum is not None:
                 self.stop(signum, saved)
         logger.close()
         return records
 
     def diverged(self, step: int, error: NonFiniteStep, lr: float) -> TrainingDiverged:
-        good = checkpoint.latest(self.save_dir)
+        good = latest(self.save_dir, check=lambda path: verify(path, None))
         return TrainingDiverged(
             f"Training diverged at step {step}: {error} (lr {lr:.3g}). "
             f"The step was not applied and nothing of it was saved; the last good checkpoint is "
@@ -166,7 +147,7 @@ class Trainer:
         """Collective: save this step (unless it just was), then leave the loop. Preemption
         exits 0 (submitit requeues on that); an interrupt is an error the user asked for."""
         state = self.state
-        path = (self.save_dir / f"{checkpoint.PREFIX}{state.step:08d}" if saved
+        path = (self.save_dir / f"{PREFIX}{state.step:08d}" if saved
                 else checkpoint.save(self.engine, state, self.save_dir, self.meta))
         self.logger.close()
         if signum == PREEMPT:

@@ -1,0 +1,80 @@
+"""What a run starts from, decided in one place: its own latest checkpoint (a relaunch continues
+where it stopped), checkpoint.load, or nothing. launch.py asks before any rank starts, with a
+quick look at each checkpoint, and checks what the config can tell against the checkpoint's
+metadata (the model's shapes, the sample stream, the samples left to train), so a mismatch is
+one line before anything is built; the ranks then ask again, verifying every file's checksum
+between them, and an older checkpoint is taken when the newest turns out to be damaged.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from trainer.checkpoint.dcp import check_loadable
+from trainer.checkpoint.integrity import Verifier, latest, read_meta, resolve
+from trainer.config import RUN_CHECKPOINTS, CheckpointConfig
+from trainer.model.plan import parameter_shapes
+from trainer.spec.runspec import RunSpec
+
+OTHER_FOLDER = "give this run its own folder (hydra.run.dir) or checkpoint.dir"
+
+
+def save_folder(ckpt: CheckpointConfig, run_dir: Path) -> Path:
+    """Where a run writes (and auto-resumes) its checkpoints."""
+    return Path(ckpt.dir) if ckpt.dir else run_dir / RUN_CHECKPOINTS
+
+
+@dataclass(frozen=True)
+class ResumePoint:
+    path: Path
+    weights_only: bool  # checkpoint.finetune: weights from checkpoint.load, then step 0
+    own: bool  # the run's own latest checkpoint: a relaunch after the end has nothing to do
+
+    @property
+    def where(self) -> str:
+        """How a message names it."""
+        return (f"this run's latest checkpoint {self.path}" if self.own
+                else f"checkpoint.load={self.path}")
+
+
+def find(ckpt: CheckpointConfig, save_dir: Path, warn: Callable[[str], None] | None,
+         check: Verifier) -> ResumePoint | None:
+    """The checkpoint this run starts from, or None. A relaunch (of a fine-tuning run too)
+    continues from its own latest; otherwise checkpoint.load, all of it or (finetune) its
+    weights only. `check` says whether a checkpoint is good (trainer.checkpoint.integrity)."""
+    load = resolve(Path(ckpt.load), warn, check) if ckpt.load is not None else None
+    own = None
+    if ckpt.resume and (ckpt.finetune or load is None):
+        own = latest(save_dir, warn, check)
+    if own is not None:
+        return ResumePoint(own, False, True)
+    if load is not None:
+        return ResumePoint(load, ckpt.finetune, False)
+    return None
+
+
+def check(spec: RunSpec, point: ResumePoint, stream_identity: dict) -> None:
+    """What the checkpoint's metadata can tell before its tensors are read: every weight of this
+    model at its shape, the same sample stream, and an end at exactly train.train_samples.
+    A ValueError names the checkpoint and the fix."""
+    fix = "use the model config it was saved with (its meta.json records it)"
+    check_loadable(point.path, parameter_shapes(spec.config.model), point.weights_only,
+                   point.where, fix + (f", or {OTHER_FOLDER}" if point.own else ""))
+    if point.weights_only:
+        return
+    try:
+        meta = read_meta(point.path)
+    except ValueError as error:
+        raise ValueError(f"{point.where}: {error}. Fix: start from another checkpoint.") from None
+    if meta.get("data") != stream_identity:
+        raise ValueError(
+            f"{point.where} was trained on the sample stream {meta.get('data')}, this run's is "
+            f"{stream_identity}. Fix: use the same dataset, train.seq_length and data.seed, or "
+            f"{OTHER_FOLDER if point.own else 'start from another checkpoint'}.")
+    consumed = meta.get("consumed_samples")
+    if not isinstance(consumed, int) or consumed < 0:
+        raise ValueError(f"{point.where}: its meta.json records no consumed_samples. Fix: start "
+                         f"from another checkpoint.")
+    spec.plan.check_resume(spec.layout, consumed, point.where, meta.get("global_batch_size"),
+                           again_ok=point.own)
