@@ -155,6 +155,20 @@ def test_no_layout_fits_in_one_line_with_the_nearest_miss():
     assert "the nearest, TP=" in message and "Fix: about" in message
 
 
+def test_the_no_fit_fix_offers_a_shorter_sequence_only_where_the_state_alone_fits():
+    # 70B on 8 H100s: ~131 GiB of weights, gradients and Adam state a rank whatever the tokens.
+    held = str(pytest.raises(ValueError, search, problem(
+        model("llama3_1_70b"), hardware("dgx_h100"), 8, 131072)).value)
+    assert "of it weights, gradients and optimizer state" in held
+    assert "seq_length" not in held.split("Fix:")[1] and "a smaller model" in held
+    # 8B on 8 H100s at 256k tokens: the state fits, the activations do not.
+    long = str(pytest.raises(ValueError, search, problem(
+        model("llama3_1_8b"), hardware("dgx_h100"), 8, 262144)).value)
+    assert "a shorter train.seq_length (about 131072)" in long, long
+    shorter = search(problem(model("llama3_1_8b"), hardware("dgx_h100"), 8, 131072))
+    assert shorter.chosen.peak_bytes <= hardware("dgx_h100").budget_bytes  # the fix fits
+
+
 SEED = ["cluster.num_nodes=16", "cluster.procs_per_node=8", "cluster.gpus_per_nvlink_domain=64",
         "model=llama3_1_8b", "train.micro_batch_size=1", "train.global_batch_size=1",
         "train.seq_length=131072", "train.precision=bf16", "cluster=nvl72"]

@@ -14,7 +14,7 @@ from trainer.config import ConfigError
 from trainer.data.blend import PERIOD, blend_pattern, samples_per_part
 from trainer.data.dataset import TokenDataset, prepare
 from trainer.spec.runspec import settle
-from trainer.train.loop import open_streams
+from trainer.data.stream import open_streams
 
 from config_helpers import ROOT, compose_config
 from test_megatron_data import write_indexed
@@ -57,7 +57,7 @@ def spec_for(parts, *extra: str):
 
 def test_the_mixture_draws_each_part_by_weight_in_any_order(parts):
     spec = spec_for(parts, "train.eval_interval=null")
-    train, _ = open_streams(spec)
+    train, _ = open_streams(spec.data, spec.layout.seq_length, spec.config.data.seed, False)
     batch = train.get(range(4 * PERIOD)).numpy()
     from_megatron = (batch[:, 0] >= 200).mean()  # our part is "a" (97) and newlines
     assert abs(from_megatron - 0.75) < 1e-3
@@ -81,6 +81,31 @@ def test_blend_mistakes_are_one_line_at_compose_time(parts, tmp_path):
             settle(compose_config("model=tiny", "train.seq_length=16", *overrides.split()))
         message = str(error.value)
         assert "\n" not in message and named in message and "Fix:" in message, message
+
+
+def test_a_blend_of_datasets_made_with_different_tokenizers_is_refused(parts, tmp_path):
+    ours, _ = parts
+    bpe = []
+    for i, text in enumerate(("the quick brown fox jumps over the lazy dog. ",
+                              "pack my box with five dozen liquor jugs! ")):
+        docs = tmp_path / f"docs{i}"
+        docs.mkdir()
+        for j in range(6):
+            (docs / f"{j}.txt").write_text(f"{j} {text}" * 80)
+        bpe.append(prepare(docs, tmp_path / f"bpe{i}", 0.2, train_vocab_size=280))
+    assert [TokenDataset.open(b).vocab_size for b in bpe] == [280, 280]  # names and sizes alike
+    alike = prepare(tmp_path / "docs1", tmp_path / "alike", 0.2,
+                    tokenizer=bpe[0] / "tokenizer.json")
+    base = ("model=tiny", "model.vocab_size=512", "train.seq_length=16",
+            "train.eval_interval=null")
+    for mixed, named in (((ours, bpe[0]), "byte (vocabulary 256)"),
+                         ((bpe[0], bpe[1]), "tokenizer.json (vocabulary 280)")):
+        with pytest.raises(ConfigError) as error:
+            settle(compose_config(*base, f"data.blend=[1,{mixed[0]},1,{mixed[1]}]"))
+        message = str(error.value)
+        assert message.startswith("data.blend mixes tokenizers: ") and named in message
+        assert "\n" not in message and "Fix:" in message, message
+    settle(compose_config(*base, f"data.blend=[1,{bpe[0]},1,{alike}]"))  # one tokenizer file
 
 
 def test_launch_trains_on_a_blend_and_resumes_its_stream(parts, tmp_path):

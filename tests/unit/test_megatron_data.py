@@ -69,13 +69,13 @@ def test_a_run_reads_a_megatron_prefix_and_checks_its_ids(tmp_path):
     spec = settle(compose_config("model=tiny", f"data.path={tmp_path / 'ok'}",
                                  "train.seq_length=32", "data.valid_fraction=0.3",
                                  "train.eval_samples=8"))
-    spec.data.prepare()  # ids below 200 fit model=tiny's 256
+    spec.data.prepare(spec.config.train)  # ids below 200 fit model=tiny's 256
     assert spec.data.open().num_tokens == sum(len(s) for d in corpus() for s in d)
     write_indexed(tmp_path / "wide", [[[5, 300] * 600]])
     wide = settle(compose_config("model=tiny", f"data.path={tmp_path / 'wide'}",
                                  "train.seq_length=32", "train.eval_interval=null"))
     with pytest.raises(ValueError, match=r"holds token id 300, but model.vocab_size=256. Fix"):
-        wide.data.prepare()
+        wide.data.prepare(wide.config.train)
 
 
 def damaged(tmp_path: Path, how: str) -> Path:

@@ -166,7 +166,7 @@ def search(p: Problem) -> Choice:
     budget, dropped = p.hardware.budget_bytes, Counter()
     over = "planned peak over the device memory less its margin"
     fits: list[tuple[float, int, Candidate]] = []
-    nearest: tuple[int, Candidate] | None = None
+    nearest: tuple[int, Candidate, int] | None = None  # (peak, layout, its stage's state)
     recomputes = [RecomputeGranularity(r) if r else None for r in _choices(
         fixed, "train.recompute_granularity",
         list(RECOMPUTES[p.recompute_num_layers is not None:]))]
@@ -224,7 +224,7 @@ def search(p: Problem) -> Choice:
                     dropped[over] += 1
                     if nearest is None or peak < nearest[0]:
                         nearest = (peak, Candidate(values, layout, Estimate(0.0), peak,
-                                                   stage))
+                                                   stage), stages[stage][1])
                     continue
                 candidate = Candidate(values, layout,
                                       estimate(m, layout, options, p.hardware), peak, stage)
@@ -303,7 +303,7 @@ def _rule(message: str) -> str:
     return f"the Layout's rules ({key})"
 
 
-def _no_fit_message(p: Problem, nearest: tuple[int, Candidate] | None,
+def _no_fit_message(p: Problem, nearest: tuple[int, Candidate, int] | None,
                     fixed: dict[str, Any]) -> str:
     hw, budget = p.hardware, p.hardware.budget_bytes
     where = (f"parallel=auto: no layout of world_size={p.world_size} fits model "
@@ -315,12 +315,23 @@ def _no_fit_message(p: Problem, nearest: tuple[int, Candidate] | None,
         constraints = ", ".join(f"{k}={v}" for k, v in fixed.items()) or "none"
         return (f"{where}: no layout passes the rules (set keys: {constraints}). Fix: remove "
                 f"the parallel.* overrides that constrain the search, or change the world size.")
-    peak, best = nearest
-    need = peak / budget
-    fixes = [f"about {math.ceil(need)}x the ranks (cluster.num_nodes)"]
-    if "train.recompute_granularity" in fixed and fixed["train.recompute_granularity"] != "full":
-        fixes.append("train.recompute_granularity=full")
-    fixes.append(f"a shorter train.seq_length (under {p.seq_length // math.ceil(need)})")
-    fixes.append("a device with more memory")
+    peak, best, state = nearest
+    # Weights, gradients and optimizer state shrink only with more ranks or a smaller model;
+    # the rest (activations, gathered weights) shrinks with the tokens of a micro-batch too.
+    fixes = [f"about {math.ceil(peak / budget)}x the ranks (cluster.num_nodes)",
+             "a smaller model"]
+    if state < budget:
+        if "train.recompute_granularity" in fixed and fixed["train.recompute_granularity"] != \
+                "full":
+            fixes.append("train.recompute_granularity=full")
+        if p.micro_batch_size > 1:
+            fixes.append("a smaller train.micro_batch_size")
+        # Scaled as if all of the rest were activations; a power of two at or below that.
+        shorter = p.seq_length * (budget - state) // (peak - state)
+        if shorter >= 1 and p.micro_batch_size == 1:
+            fixes.append(f"a shorter train.seq_length (about {1 << (shorter.bit_length() - 1)})")
+    fixes.append(f"a device with more than {peak / GiB:.0f} GiB (cluster.device_memory_gib)")
+    held = (f" ({state / GiB:.1f} GiB of it weights, gradients and optimizer state)"
+            if state >= budget else "")
     return (f"{where}: the nearest, {best.describe()}, plans {peak / GiB:.1f} GiB on stage "
-            f"{best.peak_stage}. Fix: {', or '.join(fixes)}.")
+            f"{best.peak_stage}{held}. Fix: {', or '.join(fixes)}.")

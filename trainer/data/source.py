@@ -5,6 +5,7 @@ launch.py before any rank starts). No torch: the sweeper and the dry run check d
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,6 +67,8 @@ class DataSource:
         fraction = _valid_fraction(data, train)
         _check_vocab(TOKENIZERS[tokenizer].vocab_size, "the built-in corpus", model)
         path = builtin_location(Path(data.cache_dir) if data.cache_dir else None, fraction)
+        # Its splits are checked at start, once it is prepared (prepare()): a dry run, which
+        # reads no data, plans any train.seq_length whether or not this machine prepared it.
         if not (path / "meta.json").exists():
             check_writable("data.cache_dir", data.cache_dir or "null (~/.cache/gtp-trainer)",
                            path.parent, "the built-in corpus is prepared once")
@@ -103,6 +106,7 @@ class DataSource:
                     dataclasses.replace(data, path=path, blend=None), model, alone)))
             except ValueError as error:
                 raise ValueError(f"data.blend: {error}") from None
+        _check_one_tokenizer(parts)
         if train.eval_interval is not None:
             need = samples_per_part([w for w, _ in parts], train.eval_samples)
             for (weight, part), n in zip(parts, need):
@@ -116,16 +120,18 @@ class DataSource:
                         f"samples. Fix: lower train.eval_samples, or hold out more of it.")
         return cls(Path(f"blend of {len(parts)}"), False, float("nan"), blend=tuple(parts))
 
-    def prepare(self) -> None:
+    def prepare(self, train: TrainConfig) -> None:
         """Before any rank starts: the built-in corpus is prepared once, or checked if it is there
-        (a data.path was checked when the spec was settled); a Megatron dataset, whose index
-        records no vocabulary, has its tokens read for the largest id (all of them up to 64M
-        tokens, else evenly spread blocks of that many: the stream checks every sample it
-        reads, so an id past the vocabulary never trains)."""
+        (a data.path was checked when the spec was settled), and its splits against `train`; a
+        Megatron dataset, whose index records no vocabulary, has its tokens read for the largest
+        id (all of them up to 64M tokens, else evenly spread blocks of that many: the stream
+        checks every sample it reads, so an id past the vocabulary never trains)."""
         for _, part in self.blend:
-            part.prepare()
+            part.prepare(train)
         if self.builtin:
             builtin_corpus(self.path.parent, self.valid_fraction)
+            _check_splits(self.open().meta["splits"], f"null (the built-in corpus, {self.path})",
+                          train)
         if self.megatron:
             largest, _ = largest_token(self.open())
             if largest >= self.vocab_size:
@@ -174,6 +180,32 @@ def _check_splits(splits: dict, where: str, train: TrainConfig) -> None:
             f"evaluation would repeat samples. Fix: lower train.eval_samples, or hold out more "
             f"(data.valid_fraction for the built-in corpus or a Megatron dataset, "
             f"`python -m trainer.prepare --valid-fraction` for a prepared one).")
+
+
+def _check_one_tokenizer(parts: list[tuple[float, DataSource]]) -> None:
+    """The parts of a blend share one tokenizer: a token id must mean the same text in every
+    part. Ours record theirs in meta.json; a Megatron index records none (not compared)."""
+    named = [(part.path, _tokenizer_of(part)) for _, part in parts if not part.megatron]
+    for path, (name, identity) in named[1:]:
+        first_path, (first_name, first) = named[0]
+        if identity != first:
+            raise ValueError(
+                f"data.blend mixes tokenizers: {first_path} was made with {first_name}, {path} "
+                f"with {name}, so one token id would mean different text in each. Fix: prepare "
+                f"every part with the same tokenizer (python -m trainer.prepare --tokenizer "
+                f"...), or blend only those that share one.")
+
+
+def _tokenizer_of(part: DataSource) -> tuple[str, tuple]:
+    """(how a message names it, what must be equal): a BPE trained by prepare is kept in the
+    dataset as tokenizer.json, a loaded one is named by its file; their bytes are compared, as
+    two BPEs of one size trained on different text share a name and a vocabulary size."""
+    meta = part.open().meta
+    name = f"{meta['tokenizer']} (vocabulary {meta['vocab_size']})"
+    for file in (part.path.resolve() / "tokenizer.json", Path(meta["tokenizer"])):
+        if file.is_absolute() and file.is_file():
+            return name, (meta["vocab_size"], hashlib.sha256(file.read_bytes()).hexdigest())
+    return name, (meta["vocab_size"], meta["tokenizer"])
 
 
 def _check_vocab(vocab_size: int, what: str, model: ModelConfig) -> None:

@@ -15,7 +15,7 @@ from trainer.auto.search import Choice
 from trainer.config import Config, ConfigError, unknown_keys
 from trainer.data.source import DataSource
 from trainer.spec.checks import check_layout_inputs, check_values
-from trainer.spec.resolvers import auto_choice, build_layout
+from trainer.spec.resolvers import AutoLayoutError, auto_choice, build_layout
 from trainer.train.accounting import RunPlan
 from trainer.train.schedule import LrSchedule
 
@@ -46,7 +46,10 @@ def settle(cfg: DictConfig) -> RunSpec:
         for key in ("hydra", "layout"):
             if cfg._get_node(key, validate_access=False) is not None:
                 del cfg[key]  # not pop(), which would resolve the value it returns
-    missing = sorted(OmegaConf.missing_keys(cfg))
+    try:
+        missing = sorted(OmegaConf.missing_keys(cfg))
+    except AutoLayoutError as error:  # the search ran inside OmegaConf, which adds key lines
+        raise ConfigError(str(error).splitlines()[0]) from None
     if missing:
         raise ConfigError(f"Missing config value(s) (???): {', '.join(missing)}. Fix: set them "
                           f"on the command line, e.g. {missing[0]}=VALUE, or in a config file.")

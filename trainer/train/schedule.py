@@ -124,6 +124,10 @@ def _check_values(schedule: ScheduleConfig) -> None:
     if not (math.isfinite(s.lr) and s.lr >= 0):
         raise ValueError(f"schedule.lr={s.lr} must be a finite number >= 0. Fix: set e.g. "
                          "schedule.lr=3e-4.")
+    if s.lr == 0:  # min_lr <= lr: every step's learning rate would be 0, the run a no-op
+        raise ValueError("schedule.lr=0 trains nothing: no step's learning rate is above "
+                         "schedule.lr, so the weights would never change. Fix: set e.g. "
+                         "schedule.lr=3e-4.")
     if not (math.isfinite(s.min_lr) and s.min_lr >= 0):
         raise ValueError(f"schedule.min_lr={s.min_lr} must be a finite number >= 0. Fix: set "
                          "schedule.min_lr >= 0 (e.g. a tenth of schedule.lr).")
