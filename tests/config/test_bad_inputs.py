@@ -159,6 +159,7 @@ TABLE = [
     R("schedule.lr=inf", ("schedule.lr=inf",)),
     R("schedule.min_lr=0.01", ("schedule.min_lr=0.01", "schedule.lr=0.001")),
     R("schedule.min_lr=-1", ("schedule.min_lr=-1",)),
+    R("schedule.lr=0 schedule.min_lr=0", ("schedule.lr=0", "trains nothing")),
     R("schedule.lr_warmup_samples=10", ("lr_warmup_samples=10", "lr_warmup_fraction=0.0625")),
     R("schedule.lr_warmup_fraction=1.0", ("schedule.lr_warmup_fraction=1.0",)),
     R("schedule.lr_warmup_fraction=null schedule.lr_warmup_samples=-1",
@@ -209,6 +210,8 @@ TABLE = [
     R("data.path={ds} data.valid_fraction=0.1", ("data.valid_fraction=0.1", "data.path=")),
     R("data.path={ds} data.cache_dir=/tmp", ("data.cache_dir='/tmp'",)),
     R("data.path={ds} train.seq_length=131072", ("train.seq_length=131072", "data.path=")),
+    R(f"train.seq_length=1048576 {SHORT}", ("train.seq_length=1048576", "the built-in corpus"),
+      start=True, torch=True),  # known once the corpus is prepared, before the run's files
     R("data.path={ds} train.eval_samples=800", ("train.eval_samples=800", "data.path=")),
     R("data.path={ds} model.vocab_size=200", ("model.vocab_size=200", "256")),
     R("data.tokenizer=gpt2", ("data.tokenizer='gpt2'",)),
@@ -324,6 +327,6 @@ def test_row(index, results, paths):
     if row.kind == OURS:
         assert len(lines) == 1, f"not one line:\n{out.stderr}"
         assert "Fix:" in lines[0], lines[0]
-    if row.start:  # refused before training: nothing of a run was written
+    if row.start:  # refused before training: the command left no folder behind
         run_dir = paths["root"] / "runs" / f"row{index:03d}"
-        assert not (run_dir / "metrics.jsonl").exists() and not (run_dir / "checkpoints").exists()
+        assert not run_dir.exists(), sorted(p.name for p in run_dir.iterdir())

@@ -42,14 +42,18 @@ class RankFailed(CompactHydraException):
     """A rank of a run started here failed; the message names it and its error."""
 
 
-def launch_local(spec: RunSpec, run_dir: Path, meta: dict[str, Any]) -> None:
-    """Start every rank on this machine and supervise them."""
-    layout = spec.layout
+def check_local(spec: RunSpec) -> None:
+    """Before anything of the run is written: launch.py starts ranks on this machine only."""
     if spec.config.cluster.num_nodes != 1:
         raise ConfigError(
             f"cluster.num_nodes={spec.config.cluster.num_nodes}: launch.py starts processes on "
             f"this machine only. Fix: set cluster.num_nodes=1, or start the ranks with torchrun "
             f"on each node, or with SLURM (-m hydra/launcher=slurm).")
+
+
+def launch_local(spec: RunSpec, run_dir: Path, meta: dict[str, Any]) -> None:
+    """Start every rank on this machine and supervise them (check_local passed)."""
+    layout = spec.layout
     context = multiprocessing.get_context("spawn")
     errors = context.SimpleQueue()
     with tempfile.TemporaryDirectory(prefix="gtp-rendezvous-") as meeting:

@@ -68,7 +68,11 @@ def launched_rank() -> RankEnv | None:
 
 
 def check_world(env: RankEnv, spec: RunSpec) -> None:
+    """The launcher started the config's world. Every rank finds a mismatch; rank 0 says it, the
+    others exit quietly with the same failure (one line, not one a rank)."""
     layout = spec.layout
+    if env.world_size != layout.world_size and env.rank != 0:
+        raise SystemExit(1)
     if env.world_size != layout.world_size:
         cluster = spec.config.cluster
         raise ConfigError(

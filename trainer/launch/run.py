@@ -14,7 +14,7 @@ from trainer.checkpoint.integrity import verify
 from trainer.config import ConfigError
 from trainer.data.stream import open_streams
 from trainer.launch.folder import checkpoint_lock, run_lock
-from trainer.launch.local import launch_local
+from trainer.launch.local import check_local, launch_local
 from trainer.launch.ranks import RankEnv, check_world, launched_rank, run_rank
 from trainer.report.console import console_log
 from trainer.report.dry_run import layout_record, write_layout_json
@@ -54,6 +54,8 @@ def run(cfg: DictConfig, spec: RunSpec, run_dir: Path) -> None:
             resume.save_folder(spec.config.checkpoint, run_dir), hold=hold):
         if env is not None:  # torchrun or submitit started this process as one rank
             check_world(env, spec)
+        else:
+            check_local(spec)
         check_inputs(spec, run_dir)
         _start(cfg, spec, run_dir, env)
 
