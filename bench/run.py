@@ -20,6 +20,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import auto  # noqa: E402
+import checksum  # noqa: E402
 import comm_memory  # noqa: E402
 import compose  # noqa: E402
 import context  # noqa: E402
@@ -59,6 +60,7 @@ def run(quick: bool) -> dict:
     figures["auto"] = auto.measure(quick)
     figures["prepare"] = prepare_speed.measure(quick)
     figures["hf_interop"] = hf_interop.measure(quick)
+    figures["checkpoint_checksums"] = checksum.measure(quick)
     gpu = HERE / "gpu_results.json"
     figures["gpu"] = json.loads(gpu.read_text()) if gpu.exists() else None
     return {
@@ -153,6 +155,16 @@ def table(result: dict) -> str:
          f"{hf['export_peak_rss_over_weights']} of {hf['weights_gb']} GB beyond the imports' "
          f"peak (MB: {hf['peak_rss_mb']})"),
     ]
+    ck = f.get("checkpoint_checksums")
+    if ck:
+        rows += [
+            ("checksum_gb_per_s", min(ck["checksum_gb_per_s_on_save"],
+                                      ck["checksum_gb_per_s_on_load"]), ">= 1",
+             f"save {ck['checksum_gb_per_s_on_save']}, load {ck['checksum_gb_per_s_on_load']} "
+             f"GB/s; {ck['setup']}"),
+            ("save_over_dcp_alone", ck["save_over_dcp_alone"], "-",
+             f"checksums and meta.json; verify over load {ck['verify_over_load']}"),
+        ]
     gpu = f.get("gpu")
     if gpu:
         plain = gpu["variants"]["plain"]
