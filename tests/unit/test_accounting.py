@@ -172,3 +172,45 @@ def test_settle_accepts_the_default_config_and_its_plan():
     settings, layout = spec.config, spec.layout
     p = RunPlan.from_config(settings.train, settings.checkpoint, layout)
     assert (p.global_batch_size, p.train_steps) == (8, 2048)  # conf/train/default.yaml
+
+
+# ---------------------------------------------------------------------- progress is samples
+
+def test_steps_left_and_the_last_steps_batch_count_samples_from_any_resume_point():
+    layout = Layout(2, micro_batch_size=1, global_batch_size=4, seq_length=32)  # 2 lanes
+    p = plan(layout, train_samples=48, eval_interval=None)
+    assert [p.steps_from(c) for c in (0, 32, 6, 46, 48)] == [12, 4, 11, 1, 0]
+    assert p.step_layout(layout, 40) is layout
+    last = p.step_layout(layout, 46)  # 2 samples left: one micro-batch on each lane
+    assert (last.global_batch_size, last.num_microbatches) == (2, 1)
+    p.check_resume(layout, 6, "ckpt", 2, again_ok=False)  # ten steps of 4, then one of 2
+    p.check_resume(layout, 48, "ckpt", 4, again_ok=True)  # a finished run's relaunch
+
+
+def test_a_resume_that_cannot_end_at_train_samples_is_refused_with_the_numbers():
+    layout = Layout(2, micro_batch_size=2, global_batch_size=8, seq_length=32)  # steps of 4
+    p = plan(layout, train_samples=48, eval_interval=None)
+    with pytest.raises(ValueError) as error:
+        p.check_resume(layout, 6, "checkpoint.load=X", 2, again_ok=False)
+    assert str(error.value) == (
+        "checkpoint.load=X has consumed 6 samples: the 42 left to train.train_samples=48 are 5 "
+        "step(s) of train.global_batch_size=8 and a last one of 2 sample(s), which is no global "
+        "batch of this layout (train.global_batch_size=2 is not a multiple of "
+        "train.micro_batch_size=2 x batch_parallel_size=2 = 4.). Fix: resume with a "
+        "train.micro_batch_size and layout where train.micro_batch_size x batch_parallel_size = "
+        "4 divides the 42 samples left (the checkpoint was saved at train.global_batch_size=2).")
+    with pytest.raises(ValueError, match="has consumed 48 samples, equal to train.train_samples"):
+        p.check_resume(layout, 48, "checkpoint.load=X", 8, again_ok=False)
+    with pytest.raises(ValueError, match="has consumed 56 samples, past train.train_samples=48"):
+        p.check_resume(layout, 56, "X", 8, again_ok=True)
+
+
+def test_interleaved_pipelines_take_a_last_step_only_in_groups_of_pp_micro_batches():
+    layout = Layout(2, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                    micro_batch_size=1, global_batch_size=8, seq_length=32)
+    p = plan(layout, train_samples=48, eval_interval=None)
+    p.check_resume(layout, 6, "X", 2, again_ok=False)  # 2 micro-batches left: one group of PP
+    with pytest.raises(ValueError) as error:
+        p.check_resume(layout, 5, "X", 1, again_ok=False)
+    assert "a last one of 3 sample(s)" in str(error.value)
+    assert "batch_parallel_size x PP (interleaved) = 2 divides the 43 samples" in str(error.value)

@@ -10,7 +10,6 @@ batch of the layout (whole micro-batches on every batch lane); otherwise the res
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, replace
 
 from parallel.layout import Layout, LayoutError, multiples_near
@@ -88,36 +87,20 @@ class RunPlan:
         try:
             self.step_layout(layout, total - left % self.global_batch_size)
         except LayoutError as error:
-            why = str(error).split(" Fix:")[0]
-            sizes = [g for g in _batch_sizes(layout, left) if total % g == 0]
-            sizes = sorted(sizes, key=lambda g: abs(g - self.global_batch_size))[:2]
-            fits = " or ".join(f"train.global_batch_size={g}" for g in sorted(sizes))
-            fixes = [fits] if fits else []
-            if saved_gbs is not None and saved_gbs not in sizes and total % saved_gbs == 0:
-                fixes.append(f"the checkpoint's own train.global_batch_size={saved_gbs}")
+            # Every global batch of this layout is a multiple of one unit (whole micro-batches on
+            # every lane, in groups of PP when interleaved) and the run's is one: so the samples
+            # left are not, and no global batch size alone can end the run exactly.
+            groups = layout.pp_size if layout.virtual_pipeline_size > 1 else 1
+            unit = (f"train.micro_batch_size x batch_parallel_size"
+                    f"{' x PP (interleaved)' if groups > 1 else ''} = "
+                    f"{layout.micro_batch_size * layout.batch_parallel_size * groups}")
+            saved = (f" (the checkpoint was saved at train.global_batch_size={saved_gbs})"
+                     if saved_gbs else "")
             raise ValueError(
                 f"{where} has consumed {consumed:,} samples: the {left:,} left to "
                 f"train.train_samples={total} are {left // self.global_batch_size} step(s) of "
                 f"train.global_batch_size={self.global_batch_size} and a last one of "
                 f"{left % self.global_batch_size} sample(s), which is no global batch of this "
-                f"layout ({why}). Fix: resume with "
-                f"{' or '.join(fixes) or 'another train.global_batch_size'}.") from None
-
-
-def _batch_sizes(layout: Layout, left: int) -> list[int]:
-    """The global batch sizes of this layout that split `left` samples into whole steps: the
-    multiples of micro x batch_parallel that divide it (found from the divisors of the steps)."""
-    step = layout.micro_batch_size * layout.batch_parallel_size
-    if left % step:
-        return []
-    units, divisors = left // step, set()
-    for d in range(1, math.isqrt(units) + 1):
-        if units % d == 0:
-            divisors |= {d, units // d}
-    found = []
-    for d in sorted(divisors):
-        try:
-            found.append(replace(layout, global_batch_size=d * step).global_batch_size)
-        except LayoutError:
-            pass  # e.g. interleaved 1F1B: micro-batches in groups of PP
-    return found
+                f"layout ({str(error).split(' Fix:')[0]}). Fix: resume with a "
+                f"train.micro_batch_size and layout where {unit} divides the {left:,} samples "
+                f"left{saved}.") from None
