@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -34,11 +35,15 @@ def main(argv: list[str] | None = None) -> None:
     exp.add_argument("--max-shard-gb", type=float, default=5.0,
                      help="safetensors files are cut at this size, with an index (5)")
     args = parser.parse_args(argv)
+    if args.command == "export" and not (math.isfinite(args.max_shard_gb)
+                                         and args.max_shard_gb > 0):
+        parser.exit(2, f"error: --max-shard-gb {args.max_shard_gb:g} must be a finite number of "
+                       f"GiB above 0. Fix: pass e.g. --max-shard-gb 5 (the default).\n")
 
     import torch  # after parsing: --help answers at once
 
-    from trainer.checkpoint import dcp
     from trainer.checkpoint.hf import export_hf, import_hf, read_model_config
+    from trainer.checkpoint.integrity import resolve
 
     try:
         if args.command == "import":
@@ -48,10 +53,10 @@ def main(argv: list[str] | None = None) -> None:
                   f"\n  fine-tune: python launch.py --config-dir {args.out_dir} model=../model "
                   f"checkpoint.load={args.out_dir} checkpoint.finetune=true")
         else:
-            ckpt = dcp.resolve(args.ckpt_dir, print)
+            ckpt = resolve(args.ckpt_dir, print, key="CKPT_DIR")
             model = read_model_config(ckpt, args.model)
             files = export_hf(ckpt, args.hf_dir, model, getattr(torch, args.dtype),
-                              int(args.max_shard_gb * 2**30))
+                              max(int(args.max_shard_gb * 2**30), 1))
             print(f"wrote {args.hf_dir}: config.json and {len(files)} safetensors file(s) from "
                   f"{ckpt}")
     except (ValueError, FileNotFoundError) as error:

@@ -10,7 +10,7 @@ import argparse
 from pathlib import Path
 
 from trainer.data.dataset import TokenDataset, prepare
-from trainer.data.megatron import write_indexed
+from trainer.data.megatron import check_new_prefix, write_indexed
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -32,8 +32,12 @@ def main(argv: list[str] | None = None) -> None:
                              "PREFIX.bin and PREFIX.idx (one sequence per document)")
     args = parser.parse_args(argv)
     if args.train_tokenizer is not None and args.tokenizer != "byte":
-        parser.exit(2, "error: pass --tokenizer or --train-tokenizer, not both\n")
+        parser.exit(2, f"error: --tokenizer {args.tokenizer} with --train-tokenizer "
+                       f"{args.train_tokenizer}: both choose the tokenizer. Fix: pass one of "
+                       f"them.\n")
     try:
+        if args.megatron:  # before OUT_DIR is written, not after
+            check_new_prefix(args.megatron)
         out = prepare(args.src, args.out_dir, args.valid_fraction, args.tokenizer,
                       args.train_tokenizer, args.eod_token, progress=True)
     except ValueError as e:

@@ -197,3 +197,130 @@ def test_an_imported_checkpoint_without_finetune_or_of_another_model_is_refused(
                              capture_output=True, text=True, cwd=ROOT, timeout=120)
         assert out.returncode != 0 and message in out.stderr, (overrides, out.stderr[-2000:])
         assert "Traceback" not in out.stderr and "step 1 " not in out.stdout
+
+
+def refused(*args: str, names: tuple[str, ...] = ()) -> str:
+    """Runs the CLI and checks the refusal: a non-zero exit, no traceback, exactly one line on
+    stderr with a Fix that names each of `names`. Returns the line."""
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=180)
+    lines = out.stderr.splitlines()
+    assert out.returncode != 0 and "Traceback" not in out.stdout + out.stderr, out.stderr
+    assert len(lines) == 1 and "Fix:" in lines[0], out.stderr
+    assert all(str(name) in lines[0] for name in names), (names, lines[0])
+    return lines[0]
+
+
+def test_a_broken_hf_folder_is_one_line_and_writes_nothing(tmp_path):
+    from safetensors.torch import save_file
+
+    good = tmp_path / "hf"
+    hf_model("gqa_padded_vocab_rope_scaling", good)  # a single model.safetensors
+    weights = load_file(good / "model.safetensors")
+    config = json.loads((good / "config.json").read_text())
+
+    def folder(name: str, tensors: dict | None = None, cfg: dict | str | None = None) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        save_file(weights if tensors is None else tensors, path / "model.safetensors",
+                  metadata={"format": "pt"})
+        text = cfg if isinstance(cfg, str) else json.dumps(cfg or config)
+        (path / "config.json").write_text(text)
+        return path
+
+    truncated = folder("truncated")
+    data = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(data[:len(data) // 2])
+    down = "model.layers.0.mlp.down_proj.weight"
+    cases = {
+        truncated: ("model.safetensors is truncated",),
+        folder("missing", {k: v for k, v in weights.items() if k != down}): (down,),
+        folder("deeper", cfg={**config, "num_hidden_layers": 3}): ("model.layers.2.",
+                                                                   "3 layers"),
+        folder("garbage", cfg="{not json"): ("config.json is not readable JSON",),
+    }
+    for hf_dir, names in cases.items():
+        refused("-m", "trainer.hf", "import", str(hf_dir), str(tmp_path / "out"),
+                names=(hf_dir, *names))
+        assert not (tmp_path / "out").exists()
+    assert not list(tmp_path.glob(".out.tmp-*"))
+
+
+def test_an_error_inside_dcp_save_is_raised_as_itself(tmp_path):
+    """DCP wraps what the lazy planner raises in a CheckpointException whose text is the whole
+    traceback; the import unwraps it to the one-line original."""
+    from trainer.checkpoint.hf import _write_import
+    from trainer.report.memory import parameter_shapes
+
+    model = ModelConfig(**yaml.safe_load((ROOT / "conf" / "model" / "tiny.yaml").read_text()))
+
+    def value(name: str) -> torch.Tensor:
+        raise ValueError(f"{name} is broken. Fix: nothing")
+
+    with pytest.raises(ValueError, match=r"^embed.weight is broken. Fix: nothing$"):
+        _write_import(tmp_path, parameter_shapes(model), value, tmp_path, model)
+
+
+@pytest.fixture(scope="module")
+def imported(tmp_path_factory) -> Path:
+    """A weights-only checkpoint of a tiny tied-embedding model (not conf/model/tiny.yaml's)."""
+    folder = tmp_path_factory.mktemp("imported")
+    hf_model("mha_tied_sharded", folder / "hf")
+    cli("-m", "trainer.hf", "import", str(folder / "hf"), str(folder / "ckpt"))
+    return folder / "ckpt"
+
+
+def test_a_bad_export_is_one_line_before_anything_is_written(imported, tmp_path):
+    out = tmp_path / "hf"
+    (tmp_path / "list.yaml").write_text("[1, 2]\n")
+    (tmp_path / "lacking.yaml").write_text("name: llama\nhidden_size: 64\n")
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    for file in imported.iterdir():
+        (garbage / file.name).write_bytes(file.read_bytes())
+    (garbage / "meta.json").write_text("{not json")
+    small, tiny = ROOT / "conf" / "model" / "small.yaml", ROOT / "conf" / "model" / "tiny.yaml"
+    cases = {
+        (str(imported), "--model", str(small)): (small, imported, "'embed.weight'",
+                                                 "(256, 64)", "(256, 768)"),
+        (str(imported), "--model", str(tiny)): (tiny, imported, "'head.weight'"),
+        (str(imported), "--model", str(tmp_path / "list.yaml")): ("list.yaml", "not a mapping"),
+        (str(imported), "--model", str(tmp_path / "lacking.yaml")): ("lacking.yaml",
+                                                                     "vocab_size"),
+        (str(garbage),): (garbage, "meta.json"),
+        (str(imported), "--max-shard-gb", "0"): ("--max-shard-gb 0 ",),
+        (str(imported), "--max-shard-gb", "-1"): ("--max-shard-gb -1 ",),
+        (str(imported), "--max-shard-gb", "nan"): ("--max-shard-gb nan ",),
+    }
+    for (ckpt, *options), names in cases.items():
+        refused("-m", "trainer.hf", "export", ckpt, str(out), *options, names=names)
+        assert not out.exists()
+
+
+def test_an_export_never_overwrites_and_two_at_once_never_mix(imported, tmp_path):
+    out = tmp_path / "hf"
+    command = [sys.executable, "-m", "trainer.hf", "export", str(imported), str(out)]
+    runs = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True) for _ in range(2)]
+    results = [(*run.communicate(timeout=180), run.returncode) for run in runs]
+    results = [(rc, stdout, stderr) for stdout, stderr, rc in results]
+    print("\n" + "".join(err for _, _, err in results))
+    assert sorted(rc for rc, _, _ in results) == [0, 2], results
+    (_, _, loser), = [r for r in results if r[0] == 2]
+    assert len(loser.splitlines()) == 1 and str(out) in loser and "Fix:" in loser, loser
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no temporary folder is left
+    refused("-m", "trainer.hf", "export", str(imported), str(out),
+            names=(out, "already exists"))
+
+    # The race itself: another writer finishes while this one writes; its files are kept.
+    from trainer.checkpoint.hf import _new_folder
+
+    late = tmp_path / "late"
+    with pytest.raises(ValueError, match=r"late appeared while this was written .* Fix:"):
+        with _new_folder(late) as tmp:
+            (tmp / "mine.json").write_text("{}")
+            late.mkdir()
+            (late / "theirs.json").write_text("{}")
+    assert [p.name for p in late.iterdir()] == ["theirs.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "late"]

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from trainer.checkpoint import dcp as checkpoint
+from trainer.checkpoint.integrity import resolve
 from trainer.train.loop import Trainer
 
 from harness import RankFailure, run_ranks
@@ -47,7 +48,7 @@ def test_a_crash_during_save_keeps_the_last_good_checkpoint(dataset, tmp_path): 
             f"the latest checkpoint is {ckpt_dir / 'step_00000002'}. Fix: free space")):
         run_ranks(2, job_crash_in_second_save, spec, tmp_path)
     assert sorted(p.name for p in ckpt_dir.iterdir()) == ["step_00000002"]  # no .tmp left
-    assert checkpoint.resolve(ckpt_dir).name == "step_00000002"
+    assert resolve(ckpt_dir).name == "step_00000002"
     resumed = settings_for(dataset, tmp_path, OVERRIDES, f"train.train_samples={4 * GBS}",
                            f"checkpoint.load={ckpt_dir}")
     state = run_ranks(2, job_load, resumed, ckpt_dir / "step_00000002")[0]
@@ -56,7 +57,7 @@ def test_a_crash_during_save_keeps_the_last_good_checkpoint(dataset, tmp_path): 
 
 def test_loading_from_a_folder_without_checkpoints_names_the_key(tmp_path):
     with pytest.raises(FileNotFoundError, match="checkpoint.load=.*no checkpoint there"):
-        checkpoint.resolve(tmp_path)
+        resolve(tmp_path)
 
 
 def job_rng_round_trip(rank, spec, run_dir):

@@ -173,3 +173,43 @@ def test_a_large_dataset_is_sampled_before_the_run_and_every_sample_checked_as_r
                                           r"model.vocab_size=256"):
         stream.get(range(12))
     assert SampleStream(dataset, "train", 32, 0, False).get(range(12)).max() == 5000
+
+
+def test_our_writer_moves_a_whole_dataset_into_place_or_nothing(tmp_path, monkeypatch):
+    """--megatron PREFIX: written under unique temporary names, moved into place at the end
+    (.idx last); a crash leaves nothing under the final names, and a second writer of the same
+    PREFIX is refused without touching the first one's files."""
+    import trainer.data.megatron as megatron
+    from trainer.data.dataset import TokenDataset, prepare
+
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text("some document")
+    dataset = TokenDataset.open(prepare(src, tmp_path / "ds", 0.0))
+    prefix = tmp_path / "meg" / "text"
+
+    placed = megatron._place
+
+    def crash_at_the_idx(tmp: Path, final: Path) -> None:
+        if final.suffix == ".idx":
+            raise OSError("disk gone")
+        placed(tmp, final)
+
+    monkeypatch.setattr(megatron, "_place", crash_at_the_idx)
+    with pytest.raises(OSError, match="disk gone"):
+        megatron.write_indexed(dataset, prefix)
+    assert list(prefix.parent.iterdir()) == []  # neither file, nor a temporary one
+    monkeypatch.undo()
+
+    megatron.write_indexed(dataset, prefix)
+    first = {p.name: p.read_bytes() for p in prefix.parent.iterdir()}
+    assert sorted(first) == ["text.bin", "text.idx"]
+    with pytest.raises(ValueError, match=r"text.bin appeared while this dataset was written .*"
+                                         r"Fix:"):
+        megatron.write_indexed(dataset, prefix)
+    Path(f"{prefix}.bin").rename(tmp_path / "kept.bin")  # a writer that placed only an .idx
+    with pytest.raises(ValueError, match=r"text.idx appeared"):
+        megatron.write_indexed(dataset, prefix)
+    assert sorted(p.name for p in prefix.parent.iterdir()) == ["text.idx"]  # its .bin removed
+    with pytest.raises(ValueError, match=r"text.idx already exists. Fix:"):
+        megatron.check_new_prefix(prefix)

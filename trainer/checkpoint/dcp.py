@@ -42,7 +42,6 @@ from trainer.checkpoint.integrity import (
     TMP_SUFFIX,
     file_checksum,
     latest,
-    resolve,  # noqa: F401  (TODO: trainer/hf.py to import it from integrity)
     verify,
 )
 from trainer.train.engine import Engine

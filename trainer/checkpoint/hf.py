@@ -10,6 +10,8 @@ is padded on the way in (zero rows, never looked up or predicted) and cut on the
 An import writes a weights-only checkpoint: DCP tensors `model.<name>` at their single-device
 shape, so checkpoint.load reads it under any layout (with checkpoint.finetune=true, since it
 holds no optimizer state, step or data position), and OUT/model.yaml, the model config.
+Both ways check what they can before writing (the safetensors headers; the checkpoint's DCP
+.metadata against the model) and write into a hidden folder of their own, renamed into place.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import contextlib
 import json
 import os
 import shutil
+import uuid
 import warnings
 from dataclasses import asdict, fields
 from pathlib import Path
@@ -25,17 +28,23 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed.checkpoint as dcp
 import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer.checkpoint.dcp import Chunked, ChunkSavePlanner
+from trainer.checkpoint.dcp import Chunked, ChunkSavePlanner, check_loadable, write_meta
+from trainer.checkpoint.integrity import CHECKSUMS, METADATA, file_checksum
 from trainer.checkpoint.safetensors_io import SafetensorsReader, write_streamed
 from trainer.config import ModelConfig
 from trainer.model.transformer import LLAMA3_ROPE_CONTEXT, LLAMA3_ROPE_HIGH, LLAMA3_ROPE_LOW
 from trainer.report.memory import parameter_shapes
+from trainer.spec.checks import check_model
 
 ARCHITECTURE = "LlamaForCausalLM"
 WEIGHTS_ONLY = "weights_only"  # meta.json key of an imported checkpoint
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "intermediate_size")
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names of what we import
 
 
 def model_config(hf: dict, source: Path) -> ModelConfig:
@@ -62,7 +71,7 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
                                          else None)
     factor = _llama3_rope_factor(scaling, source) if scaling else None
     groups = hf.get("num_key_value_heads") or heads
-    return ModelConfig(
+    model = ModelConfig(
         name="llama", vocab_size=hf["vocab_size"], hidden_size=hidden,
         num_layers=hf["num_hidden_layers"], num_heads=heads,
         ffn_hidden_size=hf["intermediate_size"],
@@ -72,6 +81,11 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
         num_query_groups=None if groups == heads else groups,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         use_rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0)
+    try:
+        check_model(model)
+    except ValueError as error:
+        raise ValueError(f"{source} gives a model we cannot build: {error}") from None
+    return model
 
 
 def _llama3_rope_factor(scaling: dict, source: Path) -> float:
@@ -139,22 +153,13 @@ def import_hf(hf_dir: Path, out_dir: Path) -> ModelConfig:
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} does not exist. Fix: point at a Hugging Face "
                                 f"model folder (config.json and *.safetensors).")
-    model = model_config(json.loads(config_path.read_text()), config_path)
+    model = model_config(_read_mapping(config_path, str(config_path), "use the config.json "
+                                       "save_pretrained wrote for the model"), config_path)
     reader, shapes, parts = SafetensorsReader(hf_dir), parameter_shapes(model), hf_parts(model)
-    unused = reader.names() - {n for p in parts.values() for n, _ in p} - {"lm_head.weight"}
-    if unused:
-        raise ValueError(f"{hf_dir}: tensors this Llama model does not have, e.g. "
-                         f"{sorted(unused)[0]!r}. Fix: import a plain {ARCHITECTURE}.")
+    _check_weights(reader, model, shapes, parts, config_path)
 
     def value(name: str) -> torch.Tensor:  # asked by DCP one tensor at a time, while writing
-        pieces = []
-        for hf_name, rows in parts[name]:
-            piece = reader.get(hf_name)
-            if piece.shape[0] != rows or piece.shape[1:] != shapes[name][1:]:
-                raise ValueError(f"{hf_dir}: {hf_name} has shape {tuple(piece.shape)}; "
-                                 f"config.json implies {(rows, *shapes[name][1:])}. Fix: use "
-                                 f"the config.json these weights were saved with.")
-            pieces.append(piece.to(torch.float32))
+        pieces = [reader.get(hf_name).to(torch.float32) for hf_name, _ in parts[name]]
         full = torch.zeros(shapes[name], dtype=torch.float32)  # padding rows stay zero
         torch.cat(pieces, out=full[:sum(rows for _, rows in parts[name])])
         return full
@@ -162,6 +167,45 @@ def import_hf(hf_dir: Path, out_dir: Path) -> ModelConfig:
     with _new_folder(out_dir) as tmp:
         _write_import(tmp, shapes, value, hf_dir, model)
     return model
+
+
+def _read_mapping(path: Path, name: str, fix: str) -> dict:
+    """The mapping a .json or YAML file holds; anything else is one line naming it (`name`)."""
+    kind = "JSON" if path.suffix == ".json" else "YAML"
+    try:
+        values = (json.loads if kind == "JSON" else yaml.safe_load)(path.read_text())
+    except (yaml.YAMLError, OSError, ValueError) as error:  # ValueError: not JSON, not UTF-8
+        why = " ".join(str(error).split())[:120]
+        raise ValueError(f"{name} is not readable {kind} ({why}). Fix: {fix}.") from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{name} holds a {type(values).__name__}, not a mapping. Fix: {fix}.")
+    return values
+
+
+def _check_weights(reader: SafetensorsReader, model: ModelConfig,
+                   shapes: dict[str, tuple[int, ...]], parts: dict[str, list[tuple[str, int]]],
+                   config_path: Path) -> None:
+    """Before anything is written: every tensor the config implies is in the safetensors
+    headers, at its shape and a float dtype, and no other is (a model we would import in part)."""
+    hf_dir, fix = config_path.parent, "use the config.json these weights were saved with"
+    for name, pieces in parts.items():
+        for hf_name, rows in pieces:
+            spec, want = reader.spec(hf_name), (rows, *shapes[name][1:])
+            if spec is None:
+                raise ValueError(f"{hf_dir}: the weights have no tensor {hf_name!r}, which "
+                                 f"{config_path.name} implies ({model.num_layers} layers). Fix: "
+                                 f"copy the whole model, or {fix}.")
+            if spec[1] != want:
+                raise ValueError(f"{hf_dir}: {hf_name} has shape {spec[1]}; "
+                                 f"{config_path.name} implies {want}. Fix: {fix}.")
+            if spec[0] not in FLOAT_DTYPES:
+                raise ValueError(f"{hf_dir}: {hf_name} is {spec[0]}, not one of "
+                                 f"{', '.join(FLOAT_DTYPES)}. Fix: import an unquantized model.")
+    unused = reader.names() - {n for p in parts.values() for n, _ in p} - {"lm_head.weight"}
+    if unused:
+        raise ValueError(f"{hf_dir}: tensors this Llama model does not have, e.g. "
+                         f"{sorted(unused)[0]!r}. Fix: import a plain {ARCHITECTURE}, or "
+                         f"{fix}.")
 
 
 def _write_import(out_dir: Path, shapes: dict[str, tuple[int, ...]],
@@ -177,36 +221,52 @@ def _write_import(out_dir: Path, shapes: dict[str, tuple[int, ...]],
     (out_dir / "model.yaml").write_text(
         f"# Imported from {hf_dir.resolve()} by python -m trainer.hf import\n"
         + yaml.safe_dump(asdict(model), sort_keys=False))
-    meta = {WEIGHTS_ONLY: True, "source": str(hf_dir.resolve()), "model": asdict(model),
-            "step": 0, "consumed_samples": 0}
-    (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+    # Every DCP file's checksum, as a training checkpoint records them (trainer.checkpoint.
+    # integrity checks them when a run loads the import).
+    checksums = {f.name: file_checksum(f) for f in sorted(out_dir.iterdir())
+                 if f.name == METADATA or f.suffix == ".distcp"}
+    write_meta(out_dir, {WEIGHTS_ONLY: True, "source": str(hf_dir.resolve()),
+                         "model": asdict(model), "step": 0, "consumed_samples": 0,
+                         CHECKSUMS: checksums})
 
 
 @contextlib.contextmanager
 def _one_process() -> Iterator[None]:
     """DCP without a process group, as intended here: its warning that it assumes one process
-    is silenced."""
+    is silenced, and a failure inside it is raised as itself (DCP wraps it in a
+    CheckpointException whose text is the whole traceback)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        yield
+        try:
+            yield
+        except CheckpointException as wrapped:
+            if not wrapped.failures:
+                raise
+            raise min(wrapped.failures.items())[1][0] from None
 
 
 @contextlib.contextmanager
 def _new_folder(path: Path) -> Iterator[Path]:
     """A hidden sibling to write into, renamed to `path` when done: `path` is either absent or
     complete. An existing non-empty `path` is refused rather than mixed with stale files."""
+    fix = "Fix: choose a new folder, or remove it first."
     if path.exists() and (not path.is_dir() or any(path.iterdir())):
-        raise ValueError(f"{path} already exists and is not empty. Fix: choose a new folder, "
-                         f"or remove it first.")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+        raise ValueError(f"{path} already exists and is not empty. {fix}")
+    # Unique: two writers of the same `path` never share a temporary folder.
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.mkdir()
+    except OSError as error:
+        raise ValueError(f"{path} cannot be written here ({error.strerror}: {error.filename})."
+                         f" Fix: choose a folder you can write.") from None
     try:
         yield tmp
-        if path.exists():
-            path.rmdir()  # empty (checked above)
-        tmp.rename(path)
+        try:
+            os.rename(tmp, path)  # atomic; replaces an empty folder only, never a full one
+        except OSError:
+            raise ValueError(f"{path} appeared while this was written (another export or "
+                             f"import into it?); it was left as it is. {fix}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -225,18 +285,29 @@ class _LazySavePlanner(ChunkSavePlanner):
 
 def read_model_config(ckpt: Path, model_yaml: Path | None) -> ModelConfig:
     """The model of a checkpoint: `model_yaml` (a model config file) if given, else what the
-    checkpoint's meta.json recorded."""
+    checkpoint's meta.json recorded; checked against the checkpoint's tensors (DCP's
+    .metadata), so a wrong one is refused before anything is written."""
+    fix = "pass --model with the model config it was trained with (e.g. conf/model/tiny.yaml)"
     if model_yaml is not None:
-        values = yaml.safe_load(model_yaml.read_text())
-        source = model_yaml
+        source, where = f"--model {model_yaml}", f"checkpoint {ckpt} with --model {model_yaml}"
+        values = _read_mapping(model_yaml, source, fix)
+        fix += ", or leave --model out (the checkpoint's meta.json records it)"
     else:
-        values = json.loads((ckpt / "meta.json").read_text()).get("model")
-        source = ckpt / "meta.json"
-        if values is None:
-            raise ValueError(f"{source} does not record the model. Fix: pass --model with the "
-                             f"model config it was trained with (e.g. conf/model/tiny.yaml).")
+        source, where = str(ckpt / "meta.json"), f"checkpoint {ckpt}"
+        values = _read_mapping(ckpt / "meta.json", source, fix).get("model")
+        if not isinstance(values, dict):
+            raise ValueError(f"{source} does not record the model. Fix: {fix}.")
+    # Typed and checked as the trainer's config is; keys ModelConfig does not know are left out.
     known = {f.name for f in fields(ModelConfig)}
-    return ModelConfig(**{k: v for k, v in values.items() if k in known})
+    try:
+        model = OmegaConf.to_object(OmegaConf.merge(
+            OmegaConf.structured(ModelConfig), {k: v for k, v in values.items() if k in known}))
+        check_model(model)
+    except (OmegaConfBaseException, ValueError) as error:
+        why = (str(error).splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"{source}: {why}. Fix: {fix}.") from None
+    check_loadable(ckpt, parameter_shapes(model), finetune=True, where=where, fix=fix)
+    return model
 
 
 def export_hf(ckpt: Path, hf_dir: Path, model: ModelConfig, dtype: torch.dtype = torch.float32,

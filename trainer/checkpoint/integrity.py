@@ -124,13 +124,14 @@ def latest(directory: Path, warn: Callable[[str], None] | None = None,
 
 
 def resolve(path: Path, warn: Callable[[str], None] | None = None,
-            check: Verifier = verify) -> Path:
-    """checkpoint.load: a checkpoint folder, or a folder of them (the latest good one)."""
+            check: Verifier = verify, key: str = "checkpoint.load") -> Path:
+    """checkpoint.load (or another `key` naming the path in messages): a checkpoint folder, or
+    a folder of them (the latest good one)."""
     if (path / METADATA).exists():
         problem = check(path)
         if problem is not None:
-            raise ValueError(f"checkpoint.load={path}: {problem}. Fix: point checkpoint.load at "
-                             f"a good checkpoint (or at its folder, for the latest good one).")
+            raise ValueError(f"{key}={path}: {problem}. Fix: point {key} at a good checkpoint "
+                             f"(or at its folder, for the latest good one).")
         return path
     skipped: list[str] = []
 
@@ -139,11 +140,11 @@ def resolve(path: Path, warn: Callable[[str], None] | None = None,
         if warn is not None:
             warn(line)
 
-    found = latest(path, skip, check)
+    found = latest(path, skip, check) if path.is_dir() else None
     if found is None:
         bad = f"; {len(skipped)} there are damaged or incomplete" if skipped else ""
         raise FileNotFoundError(
-            f"checkpoint.load={path}: no checkpoint there (a folder with {METADATA}, or a "
-            f"folder of {PREFIX}* checkpoints){bad}. Fix: point checkpoint.load at one, or set "
-            f"it to null.")
+            f"{key}={path}: no checkpoint there (a folder with {METADATA}, or a folder of "
+            f"{PREFIX}* checkpoints){bad}. Fix: point {key} at one"
+            f"{', or set it to null' if key == 'checkpoint.load' else ''}.")
     return found

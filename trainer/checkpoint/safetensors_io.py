@@ -27,39 +27,83 @@ _ALIGN = 8  # the header is padded with spaces so the data starts 8-byte aligned
 
 
 class SafetensorsReader:
-    """The tensors of a Hugging Face model folder by name, opened lazily."""
+    """The tensors of a Hugging Face model folder by name, opened lazily. Every file's header
+    (names, dtypes, shapes) is read and checked up front, so a missing shard, a truncated file
+    or an absent tensor is known before anything is written."""
 
     def __init__(self, folder: Path):
         self.folder = folder
+        weight_map = None
         if (folder / INDEX).is_file():
             try:
-                weight_map = json.loads((folder / INDEX).read_text())["weight_map"]
-            except (ValueError, KeyError) as error:
-                raise ValueError(f"{folder / INDEX} is not a safetensors index ({error}). Fix: "
-                                 f"re-save the model with save_pretrained.") from None
-            self.files = {name: folder / file for name, file in weight_map.items()}
+                index = json.loads((folder / INDEX).read_text())
+            except ValueError:  # not JSON, or not UTF-8
+                index = None
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not (isinstance(weight_map, dict)
+                    and all(isinstance(f, str) for f in weight_map.values())):
+                raise ValueError(f"{folder / INDEX} is not a safetensors index (JSON with a "
+                                 f"weight_map of tensor names to files). Fix: re-save the model "
+                                 f"with save_pretrained.")
+            files = sorted(set(weight_map.values()))
         elif (folder / SINGLE).is_file():
-            with safe_open(folder / SINGLE, framework="pt") as f:
-                self.files = {name: folder / SINGLE for name in f.keys()}
+            files = [SINGLE]
         else:
             raise FileNotFoundError(f"{folder} has neither {SINGLE} nor {INDEX}. Fix: point at "
                                     f"a folder written by save_pretrained (safetensors).")
+        self.files: dict[str, Path] = {}
+        self.specs: dict[str, tuple[str, tuple[int, ...]]] = {}  # name -> (dtype, shape)
+        for file in files:
+            if not (folder / file).is_file():
+                raise FileNotFoundError(f"{folder / file} (named by {INDEX}) is missing. Fix: "
+                                        f"copy every shard of the model.")
+            for name, spec in read_header(folder / file).items():
+                self.files[name], self.specs[name] = folder / file, spec
+        for name, file in (weight_map or {}).items():
+            if self.files.get(name) != folder / file:
+                raise ValueError(f"{folder / INDEX} places {name!r} in {file}, which does not "
+                                 f"hold it. Fix: copy every shard of the model again.")
 
     def names(self) -> set[str]:
         return set(self.files)
+
+    def spec(self, name: str) -> tuple[str, tuple[int, ...]] | None:
+        """(safetensors dtype, shape) from the header, or None if no file holds `name`."""
+        return self.specs.get(name)
 
     def get(self, name: str) -> torch.Tensor:
         path = self.files.get(name)
         if path is None:
             raise ValueError(f"{self.folder}: the weights have no tensor {name!r}. Fix: check "
                              f"that the folder holds the whole model its config.json describes.")
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} (named by {INDEX}) is missing. Fix: copy every "
-                                    f"shard of the model.")
         # Opened per tensor: a file kept open keeps every page read so far mapped (and counted
         # in the process's resident memory); reading the header again is cheap.
         with safe_open(path, framework="pt") as f:
             return f.get_tensor(name)
+
+
+def read_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """name -> (dtype, shape) of a safetensors file, from its header alone; a file that is not
+    one, or is shorter (a cut copy) or longer than its header says, is refused in one line."""
+    fix = "Fix: copy the file again, or re-save the model with save_pretrained."
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            length = struct.unpack("<Q", head)[0] if len(head) == 8 else size
+            if 8 + length > size:
+                raise ValueError(f"a header of {length} bytes")
+            header = json.loads(f.read(length))
+        specs = {name: (entry["dtype"], tuple(entry["shape"]), int(entry["data_offsets"][1]))
+                 for name, entry in header.items() if name != "__metadata__"}
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as error:
+        raise ValueError(f"{path} is not a safetensors file ({size} bytes; {error!r:.60}). "
+                         f"{fix}") from None
+    want = 8 + length + max((end for _, _, end in specs.values()), default=0)
+    if size != want:
+        what = "truncated" if size < want else "longer than its header says"
+        raise ValueError(f"{path} is {what}: {size} bytes, its header describes {want}. {fix}")
+    return {name: (dtype, shape) for name, (dtype, shape, _) in specs.items()}
 
 
 def write_streamed(folder: Path, specs: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,

@@ -107,6 +107,11 @@ def prepare(sources: list[Path] | Path, out_dir: Path, valid_fraction: float,
     if train_vocab_size is not None and not 256 < train_vocab_size <= 2**32:
         raise ValueError(f"--train-tokenizer {train_vocab_size}: a byte-level BPE needs a "
                          f"vocabulary above 256 (its bytes) and at most 2**32")
+    if eod_token is not None and train_vocab_size is None and str(tokenizer) == "byte":
+        raise ValueError(f"--eod-token {eod_token}: the byte tokenizer has no end-of-document "
+                         f"token to choose (its 256 ids are the bytes; meta.json records where "
+                         f"each document starts). Fix: leave --eod-token out, or use it with "
+                         f"--tokenizer TOKENIZER_JSON or --train-tokenizer VOCAB_SIZE.")
     files = collect_documents(sources)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -115,6 +120,11 @@ def prepare(sources: list[Path] | Path, out_dir: Path, valid_fraction: float,
         if train_vocab_size is not None:
             tok: Tokenizer = HFTokenizer.train(files, train_vocab_size, tmp / "tokenizer.json",
                                                eod_token)
+            if tok.vocab_size < train_vocab_size:  # the BPE trainer ran out of pairs to merge
+                print(f"warning: --train-tokenizer {train_vocab_size}: the corpus supports only "
+                      f"{tok.vocab_size} tokens (its 256 bytes, the end-of-document token and "
+                      f"every merge the BPE trainer found), so the tokenizer has "
+                      f"{tok.vocab_size}. For more, train on more text.", file=sys.stderr)
         elif str(tokenizer) in TOKENIZERS:
             tok = TOKENIZERS[str(tokenizer)]
         else:

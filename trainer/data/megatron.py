@@ -1,6 +1,6 @@
 """Megatron-LM's indexed dataset (PREFIX.bin + PREFIX.idx, version 1), read memory-mapped as it
 is, with its document boundaries, as a TokenDataset (no conversion, no copy); and written from
-one of our prepared datasets (python -m trainer.prepare --format megatron), one sequence per
+one of our prepared datasets (python -m trainer.prepare --megatron PREFIX), one sequence per
 document, so the same tokens feed Megatron-LM too.
 
 PREFIX.idx, little-endian: the magic b"MMIDIDX\\x00\\x00", u64 version 1, u8 dtype code, u64
@@ -15,11 +15,13 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import uuid
 from pathlib import Path
 
 import numpy as np
 
 from trainer.data.dataset import FORMAT_VERSION, TokenDataset, split_point
+from trainer.spec.checks import check_writable
 
 MAGIC = b"MMIDIDX\x00\x00"
 HEADER = len(MAGIC) + 8 + 1 + 8 + 8
@@ -81,8 +83,21 @@ def open_indexed(prefix: Path | str, valid_fraction: float) -> TokenDataset:
     return TokenDataset(Path(prefix), meta, tokens)
 
 
+def check_new_prefix(prefix: Path | str) -> None:
+    """Before anything is prepared: PREFIX.bin and PREFIX.idx do not exist (a dataset is never
+    overwritten) and their folder can be made and written."""
+    for path in (f"{prefix}.bin", f"{prefix}.idx"):
+        if os.path.lexists(path):
+            raise ValueError(f"--megatron {prefix}: {path} already exists. Fix: choose another "
+                             f"PREFIX, or remove {prefix}.bin and {prefix}.idx first.")
+    check_writable("--megatron", prefix, Path(prefix).parent, "PREFIX.bin and PREFIX.idx go")
+
+
 def write_indexed(dataset: TokenDataset, prefix: Path | str) -> tuple[Path, Path]:
-    """PREFIX.bin and PREFIX.idx holding `dataset`'s tokens, one sequence per document."""
+    """PREFIX.bin and PREFIX.idx holding `dataset`'s tokens, one sequence per document. Both
+    are written under temporary names unique to this call and moved into place at the end, the
+    .idx last: a crash never leaves part of a dataset under the final names, and two writers of
+    one PREFIX never mix (the second is refused)."""
     code = WRITE_CODES[dataset.tokens.dtype.name]
     dtype = np.dtype(TOKEN_DTYPES[code])
     if dataset.tokens.size and int(dataset.tokens.max()) > np.iinfo(dtype).max:
@@ -95,18 +110,49 @@ def write_indexed(dataset: TokenDataset, prefix: Path | str) -> tuple[Path, Path
                          f"index's int32 lengths")
     bin_path, idx_path = Path(f"{prefix}.bin"), Path(f"{prefix}.idx")
     bin_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(bin_path, "wb") as f:
-        block = 1 << 24
-        for i in range(0, dataset.num_tokens, block):
-            f.write(np.asarray(dataset.tokens[i:i + block], dtype=dtype).tobytes())
-    with open(idx_path, "wb") as f:  # last: a prefix with an .idx is complete
-        f.write(MAGIC + struct.pack("<QBQQ", 1, code, len(starts), len(starts) + 1))
-        f.write(lengths.astype("<i4").tobytes())
-        f.write((starts * dtype.itemsize).astype("<i8").tobytes())
-        f.write(np.arange(len(starts) + 1, dtype="<i8").tobytes())
-        f.flush()
-        os.fsync(f.fileno())
+    tag = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    bin_tmp, idx_tmp = (p.with_name(f".{p.name}{tag}") for p in (bin_path, idx_path))
+    try:
+        with open(bin_tmp, "wb") as f:
+            block = 1 << 24
+            for i in range(0, dataset.num_tokens, block):
+                f.write(np.asarray(dataset.tokens[i:i + block], dtype=dtype).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        with open(idx_tmp, "wb") as f:
+            f.write(MAGIC + struct.pack("<QBQQ", 1, code, len(starts), len(starts) + 1))
+            f.write(lengths.astype("<i4").tobytes())
+            f.write((starts * dtype.itemsize).astype("<i8").tobytes())
+            f.write(np.arange(len(starts) + 1, dtype="<i8").tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        _place(bin_tmp, bin_path)
+        try:
+            _place(idx_tmp, idx_path)  # last: a prefix with an .idx is complete
+        except BaseException:
+            bin_path.unlink(missing_ok=True)  # ours, placed just now; no .idx will describe it
+            raise
+    finally:
+        bin_tmp.unlink(missing_ok=True)
+        idx_tmp.unlink(missing_ok=True)
     return bin_path, idx_path
+
+
+def _place(tmp: Path, final: Path) -> None:
+    """tmp moved to final, never over an existing file: a hard link fails, in one step, where
+    final exists (a rename would replace another writer's file)."""
+    appeared = ValueError(f"{final} appeared while this dataset was written (another prepare "
+                          f"--megatron of the same PREFIX?) and was left as it is. Fix: choose "
+                          f"another --megatron PREFIX.")
+    try:
+        os.link(tmp, final)
+    except FileExistsError:
+        raise appeared from None
+    except OSError:  # a file system without hard links: look, then rename
+        if os.path.lexists(final):
+            raise appeared from None
+        os.rename(tmp, final)
+    tmp.unlink(missing_ok=True)
 
 
 SCAN_TOKENS, SCAN_BLOCK = 1 << 26, 1 << 20  # what the start-time vocabulary check reads

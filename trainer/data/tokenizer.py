@@ -48,8 +48,8 @@ class HFTokenizer:
         found = [(t, i) for t, i in found if i is not None]
         if not found:
             raise ValueError(f"tokenizer {name} has no end-of-document token "
-                             f"({eod_token or ', '.join(EOD_NAMES)}); pass --eod-token with "
-                             f"the one it uses")
+                             f"({eod_token or ', '.join(EOD_NAMES)}). Fix: pass --eod-token "
+                             f"with the one it uses")
         self.eod_token, self.eod_id = found[0]
 
     @classmethod
