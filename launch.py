@@ -10,6 +10,7 @@ Heavy imports (torch) wait until the config is known to be valid, so a bad confi
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import hydra
@@ -18,6 +19,7 @@ from omegaconf import DictConfig
 
 import trainer.config  # noqa: F401  (registers the schemas with Hydra's ConfigStore)
 from trainer.launch.folder import run_folder
+from trainer.spec.overrides import refuse_bad_command_line
 from trainer.spec.runspec import settle
 
 
@@ -37,4 +39,6 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    # Before Hydra: a wrong type, key or option would be its 4-11 line message, ours is one.
+    refuse_bad_command_line(sys.argv[1:])
     main()

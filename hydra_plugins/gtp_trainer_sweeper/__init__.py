@@ -1,7 +1,7 @@
-"""Hydra plugin: the basic sweeper, but every point is validated before any job starts
-(trainer.spec.sweeps). Selected in conf/config.yaml as hydra/sweeper=gtp_validating. No
-`from __future__ import annotations` here: Hydra loads plugin modules outside sys.modules, where
-dataclasses cannot resolve string annotations."""
+"""Hydra plugin: the basic sweeper, but every point, the launcher and the job folders are
+validated before any job starts (trainer.spec.sweeps). Selected in conf/config.yaml as
+hydra/sweeper=gtp_validating. No `from __future__ import annotations` here: Hydra loads plugin
+modules outside sys.modules, where dataclasses cannot resolve string annotations."""
 
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -24,8 +24,9 @@ ConfigStore.instance().store(group="hydra/sweeper", name="gtp_validating",
 
 class ValidatingSweeper(BasicSweeper):
     def sweep(self, arguments: List[str]) -> Any:
-        from trainer.spec.sweeps import check_sweep
+        from trainer.spec.sweeps import check_launcher, check_sweep
 
+        check_launcher(self.config)  # first: cheaper than composing every point
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)
         overrides = parser.parse_overrides([*self._parse_config(), *arguments])
         points = [point for batch in self.split_arguments(overrides, None) for point in batch]

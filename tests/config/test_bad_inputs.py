@@ -10,12 +10,13 @@ overrides ("Error executing job with overrides: [...]") and, last, the hint "Set
 variable HYDRA_FULL_ERROR=1 for a complete stack trace." Both are Hydra's, printed for any
 error, and say nothing of the problem. The test strips exactly those two lines (and blank ones)
 and then requires exactly ONE line: the message, which names the key and value and says "Fix:".
-HYDRA rows are errors Hydra reports while composing, before our code runs (wrong types, unknown
-keys without `+`, unknown group options): they are several lines (the value, `full_key: <key>`,
-the types) that we do not control; those rows assert the key and value are named, no traceback
-and a non-zero exit, and record the line count. Rows rejected at compose time run with `torch`
-made unimportable, so every check is proven torch-free (a check that leaked to a later stage
-would fail the row with an ImportError).
+Errors Hydra would report while composing (wrong types, unknown keys without `+`, unknown group
+options, sweeps without -m, unparsable overrides) are OURS rows too: launch.py checks the
+overrides before Hydra composes them (trainer/spec/overrides.py), so they are one line as well
+instead of Hydra's several. The HYDRA kind (Hydra's own several-line message, asserting only that
+the key and value are named) is kept for a case we cannot reach; no row needs it today. Rows
+rejected at compose time run with `torch` made unimportable, so every check is proven
+torch-free (a check that leaked to a later stage would fail the row with an ImportError).
 """
 from __future__ import annotations
 
@@ -134,12 +135,13 @@ TABLE = [
       ("train.recompute_num_layers=3", "model.num_layers=2")),
     R("train.recompute_granularity=full train.recompute_num_layers=0",
       ("train.recompute_num_layers=0",)),
-    R("train.recompute_granularity=partial", ("recompute_granularity", "partial"), HYDRA),
+    R("train.recompute_granularity=partial",
+      ("train.recompute_granularity=partial", "selective, full or null")),
     R("parallel.grad_reduce_in_bf16=true", ("parallel.grad_reduce_in_bf16=true",
                                             "train.precision=fp32")),
     R("dry_run_rank=0", ("dry_run_rank=0", "dry_run=true"), start=True),
     # context-parallel attention
-    R("parallel.cp_comm_type=ring", ("cp_comm_type", "ring"), HYDRA),
+    R("parallel.cp_comm_type=ring", ("parallel.cp_comm_type=ring", "p2p, all_gather, a2a")),
     R("cluster.procs_per_node=8 parallel.context_parallel_size=8 parallel.cp_comm_type=a2a",
       ("parallel.cp_comm_type=a2a", "model.num_heads=4", "runtime CP = 8")),
     R("dry_run_rank=1", ("dry_run_rank=1", "world_size=1")),
@@ -228,17 +230,25 @@ TABLE = [
     R("~layout", ("layout",)),
     R("++layout.world_size=3", ("layout",)),
     R("++train.foo=3", ("train.foo",)),
-    # Hydra's own messages (composition, before our code)
-    R("train.seq_length=abc", ("train.seq_length", "abc"), HYDRA),
-    R("train.precision=fp16", ("train.precision", "fp16"), HYDRA),
-    R("parallel.sequence_parallel=maybe", ("parallel.sequence_parallel", "maybe"), HYDRA),
-    R("train.seed=1.5", ("train.seed", "1.5"), HYDRA),
-    R("schedule.lr_decay_style=step", ("schedule.lr_decay_style", "step"), HYDRA),
-    R("dry_run=maybe", ("dry_run", "maybe"), HYDRA),
-    R("train.foo=1", ("train.foo",), HYDRA),
-    R("layout.world_size=3", ("layout.world_size",), HYDRA),
-    R("model=tinyy", ("model/tinyy",), HYDRA),
-    R("experiment=nope", ("experiment/nope",), HYDRA),
+    # What Hydra would refuse while composing, refused first by launch.py's override check
+    R("train.seq_length=abc", ("train.seq_length=abc", "whole number")),
+    R("train.precision=fp16", ("train.precision=fp16", "fp32, bf16")),
+    R("parallel.sequence_parallel=maybe", ("parallel.sequence_parallel=maybe", "true or false")),
+    R("train.seed=1.5", ("train.seed=1.5", "whole number")),
+    R("train.seq_length=null", ("train.seq_length=null", "cannot be null")),
+    R("schedule.lr_decay_style=step", ("schedule.lr_decay_style=step", "inverse_sqrt")),
+    R("dry_run=maybe", ("dry_run=maybe", "true or false")),
+    R("train.foo=1", ("train.foo=1", "train has no key foo")),
+    R("tarin.seed=1", ("tarin.seed=1", "did you mean train.seed?")),
+    R("layout.world_size=3", ("layout.world_size=3", "read-only")),
+    R("model=tinyy", ("model=tinyy", "model/tinyy", "did you mean model=tiny?")),
+    R("experiment=nope", ("experiment=nope", "experiment/nope", "seed_review")),
+    R("model=null", ("model=null", "config group", "~model")),
+    R("model.num_layers=1,abc", ("model.num_layers=1,abc", "-m")),
+    R("data.path=~/x", ("data.path=~/x", "delete prefix", "data.path=$HOME/x")),
+    R("train.seq_length=[1,2", ("train.seq_length=[1,2", "cannot parse")),
+    R("dry_run", ("dry_run", "key=value")),
+    R("hydra/launcher=slurm", ("hydra/launcher=slurm", "only to -m sweeps")),
     # accepted: the harness can pass
     R("", (), OK, torch=True),
     R("optim.clip_grad=null", (), OK, torch=True),
@@ -306,7 +316,9 @@ def message_lines(stderr: str) -> list[str]:
 
 def test_the_table_is_large_and_mixed():
     kinds = [row.kind for row in TABLE]
-    assert len(TABLE) >= 70 and kinds.count(OK) >= 4 and kinds.count(HYDRA) >= 5
+    # No row is Hydra's several-line message any more: every refusal is our one line.
+    assert len(TABLE) >= 70 and kinds.count(OK) >= 4 and kinds.count(HYDRA) == 0
+    assert kinds.count(OURS) >= len(TABLE) - 10 and any(row.start for row in TABLE)
     assert len({row.overrides for row in TABLE}) == len(TABLE), "a row is listed twice"
 
 
