@@ -51,30 +51,36 @@ class Trainer:
         self.engine = build_engine(settings.model, settings.optim, settings.train.seed,
                                    self.layout, device, EngineOptions.from_config(settings),
                                    settings.cluster.timeout_s)
-        self.state = checkpoint.TrainState(data=self.train_stream.identity)
         self.save_dir = resume.save_folder(settings.checkpoint, run_dir)
-        warn = (lambda line: print(line, flush=True)) if self.rank == 0 else None
-        # launch.py checked this choice before the ranks started; here every file's checksum is
-        # verified too, split over the ranks, so a damaged newest checkpoint gives way to the one
-        # before it.
-        try:
-            point = resume.find(settings.checkpoint, self.save_dir, warn,
-                                agreed(self.engine.groups.world.handle))
-            if point is not None:
-                resume.check(spec, point, self.train_stream.identity)
-        except (ValueError, FileNotFoundError) as error:
-            raise ConfigError(str(error)) from None
-        if point is not None and point.weights_only:  # fine-tuning: this run starts at step 0
-            checkpoint.load_weights(self.engine, point.path)
-            if self.rank == 0:
-                print(f"fine-tuning from {point.path}: weights loaded; optimizer, schedule and "
-                      f"data start fresh", flush=True)
-        elif point is not None:
-            self.state = checkpoint.load(self.engine, point.path)
+        self.state = self.start_from(spec)
         self.total_steps = self.state.step + self.plan.steps_from(self.state.consumed_samples)
         self.logger = MetricsLogger(run_dir, settings.logger, self.rank == 0, self.total_steps,
                                     (self.state.consumed_samples, self.plan.train_samples))
         self.logger.forget_after(self.state.step)  # steps logged after the checkpoint run again
+
+    def start_from(self, spec: RunSpec) -> checkpoint.TrainState:
+        """Collective: load what the run starts from (trainer.train.resume), or a fresh state.
+        launch.py checked this choice before the ranks started; here every file's checksum is
+        verified too, split over the ranks, so a damaged newest checkpoint gives way to the one
+        before it."""
+        warn = (lambda line: print(line, flush=True)) if self.rank == 0 else None
+        fresh = checkpoint.TrainState(data=self.train_stream.identity)
+        try:
+            point = resume.find(spec.config.checkpoint, self.save_dir, warn,
+                                agreed(self.engine.groups.world.handle))
+            if point is not None:
+                resume.check(spec, point, fresh.data)
+        except (ValueError, FileNotFoundError) as error:
+            raise ConfigError(str(error)) from None
+        if point is None:
+            return fresh
+        if point.weights_only:  # fine-tuning: this run starts at step 0
+            checkpoint.load_weights(self.engine, point.path)
+            if self.rank == 0:
+                print(f"fine-tuning from {point.path}: weights loaded; optimizer, schedule and "
+                      f"data start fresh", flush=True)
+            return fresh
+        return checkpoint.load(self.engine, point.path)
 
     def run(self) -> list[dict[str, Any]]:
         """Collective. Returns the records this rank computed (every rank computes the same).

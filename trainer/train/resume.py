@@ -43,14 +43,12 @@ def find(ckpt: CheckpointConfig, save_dir: Path, warn: Callable[[str], None] | N
     """The checkpoint this run starts from, or None. A relaunch (of a fine-tuning run too)
     continues from its own latest; otherwise checkpoint.load, all of it or (finetune) its
     weights only. `check` says whether a checkpoint is good (trainer.checkpoint.integrity)."""
-    load = resolve(Path(ckpt.load), warn, check) if ckpt.load is not None else None
-    own = None
-    if ckpt.resume and (ckpt.finetune or load is None):
+    if ckpt.resume and (ckpt.finetune or ckpt.load is None):
         own = latest(save_dir, warn, check)
-    if own is not None:
-        return ResumePoint(own, False, True)
-    if load is not None:
-        return ResumePoint(load, ckpt.finetune, False)
+        if own is not None:  # checkpoint.load is not read: the run is past it
+            return ResumePoint(own, False, True)
+    if ckpt.load is not None:
+        return ResumePoint(resolve(Path(ckpt.load), warn, check), ckpt.finetune, False)
     return None
 
 
