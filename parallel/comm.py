@@ -93,10 +93,14 @@ class Group:
         self.handle = handle
         if self.size > 1 and handle is None:
             raise ValueError(f"group {kind} {ranks} needs a process group")
-        # torch's fake backend (one process simulating a rank of a large world) returns at once
-        # without writing its outputs: allocate them zeroed so values stay finite.
-        self._new = torch.Tensor.new_zeros if (
-            handle is not None and dist.get_backend(handle) == "fake") else torch.Tensor.new_empty
+        # torch's fake backend (one process simulating a rank of a large world) returns at once:
+        # all-gather, reduce-scatter and all-to-all copy this rank's own input into their
+        # outputs, all-reduce leaves its tensor as it was, a receive writes nothing, and no work
+        # ever reports itself complete. So a receive's buffer is allocated zeroed (values stay
+        # finite), and a send is complete at once (start_send): as a delivered message would,
+        # it lets its buffer go, so a measured rank holds what a real one holds.
+        self._fake = handle is not None and dist.get_backend(handle) == "fake"
+        self._new = torch.Tensor.new_zeros if self._fake else torch.Tensor.new_empty
 
     def __repr__(self) -> str:
         return f"Group({self.kind}, ranks={self.ranks}, rank={self.rank})"
@@ -165,6 +169,8 @@ class Group:
         in). Pending.wait() once the tensor may be reused."""
         source = tensor.contiguous()
         self.stats.record(self.kind, P2P, _nbytes(source), True)
+        if self._fake:  # delivered at once (see __init__); nothing will receive it
+            return Pending(None, None)
         return Pending(None, dist.isend(source, group=self.handle, group_dst=peer, tag=tag),
                        source)
 

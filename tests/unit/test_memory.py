@@ -85,8 +85,18 @@ def test_tied_embeddings_put_a_copy_outside_the_optimizer_on_the_last_stage():
 
 def test_the_plan_keeps_as_many_gradient_reduces_in_flight_as_the_bundles_do():
     """With overlap_grad_reduce the step plan counts REDUCES_IN_FLIGHT earlier blocks' packed
-    gradients beside a block's backward: the depth of the queue that keeps them."""
+    gradients beside a block's backward: as many as the queue parallelize builds leaves
+    unfinished while blocks keep putting their reduces in."""
+    import torch
+
     from parallel.bundle import GradReduceQueue
+    from parallel.comm import Pending
     from trainer.report.activations import REDUCES_IN_FLIGHT
 
-    assert GradReduceQueue().depth == REDUCES_IN_FLIGHT
+    queue, finished = GradReduceQueue(), []
+    for block in range(6):
+        queue.put(Pending(torch.zeros(1), None), lambda grad, block=block: finished.append(block))
+        assert len(queue) == min(block + 1, REDUCES_IN_FLIGHT)
+    assert finished == list(range(6 - REDUCES_IN_FLIGHT))  # oldest first
+    queue.finish()
+    assert finished == list(range(6)) and len(queue) == 0
