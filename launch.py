@@ -18,9 +18,9 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 import trainer.config  # noqa: F401  (registers the schemas with Hydra's ConfigStore)
+from trainer.compose.overrides import refuse_bad_command_line
+from trainer.compose.runspec import settle
 from trainer.launch.folder import run_folder
-from trainer.spec.overrides import refuse_bad_command_line
-from trainer.spec.runspec import settle
 
 
 @hydra.main(version_base="1.3", config_path="conf", config_name="config")

@@ -37,10 +37,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 from ranks import run_ranks  # noqa: E402
 
 from parallel.layout import Layout, RankCoords  # noqa: E402
-from trainer.auto.cost import estimate  # noqa: E402
-from trainer.auto.hardware import Hardware  # noqa: E402
 from trainer.config import ModelConfig, OptimConfig  # noqa: E402
-from trainer.train.options import EngineOptions  # noqa: E402
+from trainer.plan.cost import estimate  # noqa: E402
+from trainer.plan.hardware import Hardware  # noqa: E402
+from trainer.plan.options import EngineOptions  # noqa: E402
 
 WORLD_16K = ["cluster=dgx_h100", "cluster.num_nodes=2048", "train.seq_length=8192",
              "train.micro_batch_size=1", "train.precision=bf16"]
@@ -196,7 +196,7 @@ def memory(name: str, overrides: list[str], precision: str = "fp32") -> dict:
     """The chosen layout, cut, planned against its measured dry run on the cut's worst stage.
     precision: the cut's train.precision (fp32 by default: this CPU's bf16 GEMMs run at about
     4 GFLOP/s, a tenth of fp32, and an 8B head's weight gradient alone takes minutes)."""
-    from trainer.spec.runspec import settle
+    from trainer.compose.runspec import settle
 
     from config_helpers import compose_config
 

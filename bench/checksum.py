@@ -38,8 +38,8 @@ def _rank(rank: int, folder: str, repeats: int) -> dict:
 
     from trainer.checkpoint import dcp as checkpoint
     from trainer.checkpoint.integrity import agreed, file_checksum
+    from trainer.plan.options import EngineOptions
     from trainer.train.engine import build_engine
-    from trainer.train.options import EngineOptions
 
     model = ModelConfig(**OmegaConf.to_container(OmegaConf.load(ROOT / "conf/model/small.yaml")))
     layout = Layout(WORLD, micro_batch_size=1, seq_length=128,

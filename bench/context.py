@@ -33,7 +33,7 @@ from ranks import run_ranks  # noqa: E402
 
 from parallel.layout import Layout  # noqa: E402
 from trainer.config import CPCommType, ModelConfig, OptimConfig  # noqa: E402
-from trainer.train.options import EngineOptions  # noqa: E402
+from trainer.plan.options import EngineOptions  # noqa: E402
 
 SEQ, HEADS, HEAD_DIM = 4096, 16, 64
 MODEL = ModelConfig(name="llama", vocab_size=512, hidden_size=256, num_layers=2, num_heads=8,

@@ -33,8 +33,9 @@ from ranks import run_ranks  # noqa: E402
 
 from parallel.layout import Layout  # noqa: E402
 from trainer.config import ModelConfig, OptimConfig, Precision  # noqa: E402
-from trainer.report.memory import memory_per_stage, parameter_shapes, step_per_stage  # noqa: E402
-from trainer.train.options import EngineOptions  # noqa: E402
+from trainer.model.plan import parameter_shapes  # noqa: E402
+from trainer.plan.memory import memory_per_stage, step_per_stage  # noqa: E402
+from trainer.plan.options import EngineOptions  # noqa: E402
 
 SEED = ["experiment=seed_128rank_cp2", "model.num_layers=2", "train.seq_length=8192"]
 MID = ["model.hidden_size=512", "model.num_layers=4", "model.num_heads=8",
@@ -67,8 +68,8 @@ def _spawned(fn, *args):
 
 def _seed_build() -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
+    from trainer.compose.runspec import settle
     from trainer.report.measure import measure_rank
-    from trainer.spec.runspec import settle
 
     from config_helpers import compose_config
 
@@ -133,8 +134,7 @@ def real_ranks(steps: int) -> dict:
     model, layout = small_layout()
     options = EngineOptions(overlap_param_gather=True, overlap_grad_reduce=True)
     shapes = parameter_shapes(model)
-    state = memory_per_stage(shapes, model.num_layers, layout)
-    planned = step_per_stage(shapes, model, layout, options, state)[0]["peak_bytes"]
+    planned = step_per_stage(shapes, model, layout, options)[0]["peak_bytes"]
     out = {}
     for name, fixed in (("glibc_default", False), ("fixed_mmap_threshold_1mib", True)):
         peaks = run_ranks(4, _rank_peak, model, layout, options, steps, fixed)

@@ -47,8 +47,8 @@ from parallel.pipeline import schedules  # noqa: E402
 from trainer.config import ModelConfig, OptimConfig  # noqa: E402
 from trainer.data.batch import MicroBatch  # noqa: E402
 from trainer.model.transformer import Transformer  # noqa: E402
+from trainer.plan.options import EngineOptions  # noqa: E402
 from trainer.train.engine import build_engine  # noqa: E402
-from trainer.train.options import EngineOptions  # noqa: E402
 from trainer.train.step import train_step  # noqa: E402
 
 # Blocks dominate (small vocabulary), so the stages' compute is near equal, as the ideal

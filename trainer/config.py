@@ -58,7 +58,7 @@ class LoggerName(Enum):
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING  # the architecture (trainer.spec.checks.ARCHITECTURES): llama
+    name: str = MISSING  # the architecture (trainer.checks.ARCHITECTURES): llama
     vocab_size: int = MISSING
     hidden_size: int = MISSING
     num_layers: int = MISSING
@@ -186,7 +186,7 @@ class DataConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = MISSING  # the optimizer (trainer.spec.checks.OPTIMIZERS): adamw
+    name: str = MISSING  # the optimizer (trainer.checks.OPTIMIZERS): adamw
     weight_decay: float = MISSING
     beta1: float = MISSING
     beta2: float = MISSING

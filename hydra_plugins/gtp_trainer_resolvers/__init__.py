@@ -3,8 +3,8 @@
 Hydra imports every module under the `hydra_plugins` namespace at start (command line, compose
 API, submitit and spawned workers), so the resolvers exist wherever a config is composed, not
 only in launch.py's process. Hydra may import this module more than once; register() is
-idempotent and the error classes live in trainer.spec.resolvers, so they keep one identity.
+idempotent and the error classes live in trainer.compose.resolvers, so they keep one identity.
 """
-from trainer.spec.resolvers import register
+from trainer.compose.resolvers import register
 
 register()

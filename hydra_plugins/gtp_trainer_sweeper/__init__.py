@@ -1,5 +1,5 @@
 """Hydra plugin: the basic sweeper, but every point, the launcher and the job folders are
-validated before any job starts (trainer.spec.sweeps). Selected in conf/config.yaml as
+validated before any job starts (trainer.compose.sweeps). Selected in conf/config.yaml as
 hydra/sweeper=gtp_validating. No `from __future__ import annotations` here: Hydra loads plugin
 modules outside sys.modules, where dataclasses cannot resolve string annotations."""
 
@@ -24,7 +24,7 @@ ConfigStore.instance().store(group="hydra/sweeper", name="gtp_validating",
 
 class ValidatingSweeper(BasicSweeper):
     def sweep(self, arguments: List[str]) -> Any:
-        from trainer.spec.sweeps import check_launcher, check_sweep
+        from trainer.compose.sweeps import check_launcher, check_sweep
 
         check_launcher(self.config)  # first: cheaper than composing every point
         parser = OverridesParser.create(config_loader=self.hydra_context.config_loader)

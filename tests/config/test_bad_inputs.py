@@ -12,7 +12,7 @@ error, and say nothing of the problem. The test strips exactly those two lines (
 and then requires exactly ONE line: the message, which names the key and value and says "Fix:".
 Errors Hydra would report while composing (wrong types, unknown keys without `+`, unknown group
 options, sweeps without -m, unparsable overrides) are OURS rows too: launch.py checks the
-overrides before Hydra composes them (trainer/spec/overrides.py), so they are one line as well
+overrides before Hydra composes them (trainer/compose/overrides.py), so they are one line as well
 instead of Hydra's several. The HYDRA kind (Hydra's own several-line message, asserting only that
 the key and value are named) is kept for a case we cannot reach; no row needs it today. Rows
 rejected at compose time run with `torch` made unimportable, so every check is proven

@@ -7,8 +7,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, ReadonlyConfigError, ValidationError
 
 from parallel.layout import DERIVED_KEYS, Layout
+from trainer.compose.resolvers import LayoutResolutionError
 from trainer.config import unknown_keys
-from trainer.spec.resolvers import LayoutResolutionError
 
 from config_helpers import CONF_DIR, compose_config
 

@@ -1,4 +1,4 @@
-"""launch.py's check of the command line before Hydra composes it (trainer/spec/overrides.py):
+"""launch.py's check of the command line before Hydra composes it (trainer/compose/overrides.py):
 each refusal is one line naming the override and a Fix, Hydra refuses the same overrides (so the
 check never stops a valid command), and what Hydra accepts passes untouched. In process: no
 launch.py subprocess, so these run in about a second.
@@ -12,7 +12,7 @@ import pytest
 from hydra.errors import HydraException
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.spec.overrides import command_line_refusal
+from trainer.compose.overrides import command_line_refusal
 
 from config_helpers import ROOT, compose_config
 
@@ -97,6 +97,6 @@ def test_each_choice_of_a_sweep_is_checked(argv, named):
 
 def test_the_checks_import_no_torch():
     code = ("import sys\n"
-            "import trainer.spec.overrides, trainer.spec.callbacks, trainer.spec.sweeps\n"
+            "import trainer.compose.overrides, trainer.compose.callbacks, trainer.compose.sweeps\n"
             "assert 'torch' not in sys.modules, 'torch was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

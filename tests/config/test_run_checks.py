@@ -1,5 +1,5 @@
 """The checks of a plain run that Hydra's own steps would otherwise pass by or turn into a
-traceback, made by the callback in trainer/spec/callbacks.py before Hydra creates the run
+traceback, made by the callback in trainer/compose/callbacks.py before Hydra creates the run
 folder: a run folder that cannot be written, and hydra/launcher=... without -m (which Hydra
 ignores: the run would train here). One line, exit code 1, torch never imported.
 """

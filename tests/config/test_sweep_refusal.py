@@ -66,7 +66,7 @@ def test_every_bad_point_is_listed(no_torch, tmp_path):
 
 
 def test_a_bad_value_on_the_command_line_is_one_line_before_the_sweep(no_torch, tmp_path):
-    """launch.py checks each choice of the command line before Hydra (trainer/spec/overrides)."""
+    """launch.py checks each choice of the command line before Hydra (trainer/compose/overrides)."""
     out = sweep(no_torch, tmp_path / "sweep", "train.seq_length=128,abc")
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert out.returncode == 1 and len(lines) == 1, out.stderr
@@ -131,7 +131,7 @@ def test_a_slurm_sweep_without_sbatch_is_one_line(no_torch, tmp_path, launcher):
 
 
 def test_local_submitit_needs_no_sbatch(tmp_path, monkeypatch):
-    from trainer.spec.sweeps import check_launcher
+    from trainer.compose.sweeps import check_launcher
 
     from config_helpers import compose_config
 
@@ -150,7 +150,7 @@ def test_settling_a_valid_config_imports_no_torch():
         "import sys\n"
         "from hydra import compose, initialize_config_dir\n"
         "import trainer.config\n"
-        "from trainer.spec.runspec import settle\n"
+        "from trainer.compose.runspec import settle\n"
         f"with initialize_config_dir(config_dir={str(ROOT / 'conf')!r}, version_base='1.3'):\n"
         "    cfg = compose(config_name='config', overrides=['cluster.procs_per_node=4',\n"
         "        'parallel.tensor_model_parallel_size=2', 'parallel.sequence_parallel=true'])\n"

@@ -6,9 +6,9 @@ import json
 import pytest
 import torch
 
+from trainer.compose.runspec import settle
 from trainer.model.transformer import Transformer
 from trainer.report.dry_run import dry_run
-from trainer.spec.runspec import settle
 
 from config_helpers import CONF_DIR, compose_config
 

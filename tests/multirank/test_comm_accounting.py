@@ -21,9 +21,9 @@ import torch
 from parallel.layout import Layout
 from trainer.config import Precision
 from trainer.data.batch import rank_micro_batches
-from trainer.report.memory import parameter_shapes
+from trainer.model.plan import parameter_shapes
+from trainer.plan.options import EngineOptions
 from trainer.train.engine import build_engine
-from trainer.train.options import EngineOptions
 from trainer.train.step import train_step
 
 from harness import run_ranks

@@ -22,11 +22,11 @@ import pytest
 import torch
 
 from trainer.checkpoint import dcp as checkpoint
+from trainer.compose.runspec import settle
 from trainer.data.dataset import prepare
-from trainer.spec.runspec import settle
+from trainer.plan.options import EngineOptions
 from trainer.train.engine import build_engine
 from trainer.train.loop import Trainer
-from trainer.train.options import EngineOptions
 
 from config_helpers import compose_config
 from harness import run_ranks

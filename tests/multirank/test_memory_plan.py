@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from trainer.data.batch import rank_micro_batches
-from trainer.report.memory import memory_per_stage, parameter_shapes
+from trainer.model.plan import parameter_shapes
+from trainer.plan.memory import memory_per_stage
 from trainer.train.engine import build_engine
 from trainer.train.step import train_step
 

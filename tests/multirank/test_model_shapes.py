@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from trainer.config import CPCommType
-from trainer.train.options import EngineOptions
+from trainer.plan.options import EngineOptions
 
 from harness import run_ranks
 from test_parity import LAYOUTS, TINY, assert_parity, make_layout, reference_cache, train_rank

@@ -23,8 +23,8 @@ from parallel.layout import Layout
 from trainer.config import ModelConfig, OptimConfig, Precision
 from trainer.data.batch import rank_micro_batches
 from trainer.model.transformer import Transformer
+from trainer.plan.options import EngineOptions
 from trainer.train.engine import build_engine
-from trainer.train.options import EngineOptions
 from trainer.train.step import IGNORE, train_step
 
 from harness import run_ranks

@@ -15,7 +15,7 @@ import torch
 
 from parallel.pipeline.schedules import SCHEDULES
 from trainer.config import CPCommType, Precision, RecomputeGranularity
-from trainer.train.options import EngineOptions
+from trainer.plan.options import EngineOptions
 
 from harness import run_ranks
 from test_parity import (
@@ -110,13 +110,13 @@ def kept_in_flight(rank: int, layout, options: EngineOptions, model) -> dict:
 def test_activations_in_flight_match_the_plan(name):
     """The dry run's activations per stage are the schedule's micro-batches in flight times
     what each keeps; measured on gloo ranks with autograd's saved-tensor hooks."""
-    from trainer.report.memory import memory_per_stage, parameter_shapes, step_per_stage
+    from trainer.model.plan import parameter_shapes
+    from trainer.plan.memory import step_per_stage
 
     world, kwargs, options, model = CASES[name]
     layout = make_layout(world, kwargs, MICRO_BATCHES)
     shapes = parameter_shapes(model)
-    plan = step_per_stage(shapes, model, layout, options,
-                          memory_per_stage(shapes, model.num_layers, layout))
+    plan = step_per_stage(shapes, model, layout, options)
     for got in run_ranks(world, kept_in_flight, layout, options, model, timeout=120):
         planned = plan[got["stage"]]
         print(f"\n{name} stage {got['stage']}: {got['pairs']} in flight, kept "

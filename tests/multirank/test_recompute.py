@@ -26,8 +26,8 @@ from parallel.layout import Layout
 from trainer.config import Precision, RecomputeGranularity
 from trainer.model.plan import parallel_plan
 from trainer.model.transformer import Transformer
+from trainer.plan.options import EngineOptions
 from trainer.train.engine import build_engine
-from trainer.train.options import EngineOptions
 from trainer.train.recompute import apply_recompute
 
 from harness import run_ranks

@@ -3,7 +3,7 @@
 Each case runs in a fresh spawned process that acts as one rank of a world through torch's fake
 process group (collectives return at once, allocations are real; ../shared/notes/scale.md):
 - the saved activations autograd really keeps (torch.autograd.graph.saved_tensors_hooks, every
-  storage once) against trainer.report.activations' formula, by layout and recompute setting;
+  storage once) against trainer.plan.activations' formula, by layout and recompute setting;
 - a rank's build never creates a tensor anywhere near the size of a full 2-D weight;
 - the measured dry run (the real CLI, dry_run_rank) of a 64-rank world against the plan.
 """
@@ -22,8 +22,9 @@ import torch.distributed as dist
 
 from parallel.layout import Layout
 from trainer.config import CPCommType, ModelConfig, OptimConfig, Precision, RecomputeGranularity
-from trainer.report.memory import memory_per_stage, parameter_shapes, step_per_stage
-from trainer.train.options import EngineOptions
+from trainer.model.plan import parameter_shapes
+from trainer.plan.memory import step_per_stage
+from trainer.plan.options import EngineOptions
 
 from config_helpers import ROOT
 
@@ -83,8 +84,7 @@ def saved_activation_bytes(rank: int, layout: Layout, options: EngineOptions,
 def planned(layout: Layout, options: EngineOptions, model: ModelConfig = MODEL
             ) -> dict[str, int]:
     shapes = parameter_shapes(model)
-    state = memory_per_stage(shapes, model.num_layers, layout)
-    return step_per_stage(shapes, model, layout, options, state)[0]
+    return step_per_stage(shapes, model, layout, options)[0]
 
 
 FULL, SELECTIVE = RecomputeGranularity.full, RecomputeGranularity.selective

@@ -1,6 +1,6 @@
 """RunPlan: a run is whole global batches, evaluation is whole micro-batches per batch lane, the
 intervals are positive, and every count is independent samples, so layouts that only change who
-reads a sample (sequence shards, CP) give the same steps. Also that trainer.spec.runspec.settle
+reads a sample (sequence shards, CP) give the same steps. Also that trainer.compose.runspec.settle
 turns each rule
 into one line before anything starts."""
 from __future__ import annotations
@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from parallel.layout import Layout
+from trainer.compose.runspec import settle
 from trainer.config import CheckpointConfig, ConfigError, Precision, TrainConfig
-from trainer.spec.runspec import settle
-from trainer.train.accounting import RunPlan
+from trainer.plan.accounting import RunPlan
 
 from config_helpers import compose_config
 

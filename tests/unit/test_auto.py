@@ -13,15 +13,15 @@ import pytest
 from omegaconf import OmegaConf
 
 from parallel.layout import Layout
-from trainer.auto.cost import estimate, floor_s
-from trainer.auto.fit import planned_peak
-from trainer.auto.hardware import Hardware
 from trainer.auto.search import Problem, search
+from trainer.compose.runspec import settle
 from trainer.config import CPCommType, ModelConfig, Precision, RecomputeGranularity
 from trainer.model.plan import parameter_shapes
-from trainer.report.memory import memory_per_stage, step_per_stage
-from trainer.spec.runspec import settle
-from trainer.train.options import EngineOptions
+from trainer.plan.cost import estimate, floor_s
+from trainer.plan.fit import planned_peak
+from trainer.plan.hardware import Hardware
+from trainer.plan.memory import step_per_stage
+from trainer.plan.options import EngineOptions
 
 from config_helpers import CONF_DIR, ROOT, compose_config
 
@@ -61,8 +61,7 @@ def test_the_search_sizes_a_layout_exactly_as_the_dry_runs_plan(world, kwargs, o
     m = model("llama3_1_8b", tie_word_embeddings=tied)
     layout = Layout(world, micro_batch_size=2, seq_length=1024, **kwargs)
     shapes = parameter_shapes(m)
-    state = memory_per_stage(shapes, m.num_layers, layout, tied)
-    plan = [s["peak_bytes"] for s in step_per_stage(shapes, m, layout, options, state)]
+    plan = [s["peak_bytes"] for s in step_per_stage(shapes, m, layout, options)]
     assert planned_peak(shapes, m, layout, options) == (max(plan), plan.index(max(plan)))
 
 
@@ -181,7 +180,7 @@ def test_the_seed_example_is_chosen_at_least_as_fast_as_the_seeds_layout():
                                  "parallel.tensor_parallel_num_sequence_shards=64",
                                  "parallel.context_parallel_size=2"))
     hw = auto.auto.hardware
-    from trainer.train.options import EngineOptions as Options
+    from trainer.plan.options import EngineOptions as Options
 
     hand_s = estimate(hand.config.model, hand.layout, Options.from_config(hand.config), hw)
     assert auto.auto.chosen.estimate.step_s <= hand_s.step_s

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from trainer.compose.runspec import settle
 from trainer.config import ConfigError
 from trainer.data.blend import PERIOD, blend_pattern, samples_per_part
 from trainer.data.dataset import TokenDataset, prepare
 from trainer.data.stream import open_streams
-from trainer.spec.runspec import settle
 
 from config_helpers import ROOT, compose_config
 from test_megatron_data import write_indexed

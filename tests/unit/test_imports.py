@@ -92,8 +92,8 @@ def test_no_module_imports_itself_back():
 
 # Modules that run at compose time (the resolver, the sweeper, settle, the dry run's checks):
 # nothing they import, directly or not, may import torch.
-COMPOSE_TIME = ("trainer.config", "trainer.spec.runspec", "trainer.spec.sweeps",
-                "trainer.spec.resolvers", "trainer.auto.search",
+COMPOSE_TIME = ("trainer.config", "trainer.compose.runspec", "trainer.compose.sweeps",
+                "trainer.compose.resolvers", "trainer.auto.search",
                 "hydra_plugins.gtp_trainer_resolvers")
 
 
@@ -118,4 +118,4 @@ def test_launching_sits_on_top():
              for dep in project_imports(name) if dep.startswith("trainer.launch")}
     assert users <= {"trainer.train.loop"}
     assert {d for d in project_imports("trainer.train.loop") if d.startswith("trainer.launch")} \
-        <= {"trainer.launch.signals"}
+        <= {"trainer.train.signals"}

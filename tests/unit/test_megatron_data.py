@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from trainer.compose.runspec import settle
 from trainer.config import ConfigError
 from trainer.data.megatron import open_indexed
 from trainer.data.stream import SampleStream
-from trainer.spec.runspec import settle
 
 from config_helpers import compose_config
 

@@ -5,7 +5,7 @@ import math
 from dataclasses import replace
 
 from parallel.layout import Layout
-from trainer.report.memory import (
+from trainer.plan.memory import (
     memory_per_stage,
     parameter_shapes,
     stage_of,
@@ -91,7 +91,7 @@ def test_the_plan_keeps_as_many_gradient_reduces_in_flight_as_the_bundles_do():
 
     from parallel.bundle import GradReduceQueue
     from parallel.comm import Pending
-    from trainer.report.activations import REDUCES_IN_FLIGHT
+    from trainer.plan.activations import REDUCES_IN_FLIGHT
 
     queue, finished = GradReduceQueue(), []
     for block in range(6):

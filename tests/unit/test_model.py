@@ -65,7 +65,7 @@ def test_bad_head_count_is_a_clear_error():
 
 def test_training_refuses_what_the_engine_cannot_split():
     from parallel.layout import Layout
-    from trainer.spec.checks import check_model_fits_layout
+    from trainer.checks import check_model_fits_layout
 
     with pytest.raises(ValueError, match="2 layers do not split evenly over the 4 pipeline"):
         check_model_fits_layout(TINY, Layout(4, pipeline_model_parallel_size=4))
@@ -77,7 +77,7 @@ def test_training_refuses_what_the_engine_cannot_split():
 
 
 def test_the_names_checked_at_compose_time_are_the_implementations_built():
-    from trainer.spec import checks
+    from trainer import checks
     from trainer.train import engine
 
     assert set(checks.ARCHITECTURES) == set(engine.ARCHITECTURES)

@@ -9,7 +9,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from trainer.config import LrDecayStyle, ScheduleConfig
-from trainer.train.schedule import LrSchedule
+from trainer.plan.schedule import LrSchedule
 
 from config_helpers import compose_config
 

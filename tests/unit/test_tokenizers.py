@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
+from trainer.compose.runspec import settle
 from trainer.config import ConfigError
 from trainer.data.dataset import TokenDataset, prepare
-from trainer.spec.runspec import settle
 
 from config_helpers import ROOT, compose_config
 

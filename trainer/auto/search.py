@@ -3,7 +3,7 @@ sized by the memory plan, timed by the cost model, and the fastest that fits.
 
 The search walks the degrees (TP, SP, weight shards, sequence shards, CP, PP), then for each
 layout the Layout accepts its virtual stages, cp_comm_type and recompute. Any key the user set
-stays as set: it constrains the search. A candidate whose planned peak (trainer.auto.fit, the
+stays as set: it constrains the search. A candidate whose planned peak (trainer.plan.fit, the
 dry run's plan) exceeds the device less its margin is dropped; recompute is only tried where the
 layout does not fit without it (it is never faster). Candidates rank by seconds per sample (the
 global batch may follow the layout when train.global_batch_size is null); near ties go to the
@@ -19,13 +19,13 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from parallel.layout import Layout, LayoutError
-from trainer.auto.cost import Estimate, estimate, floor_s
-from trainer.auto.fit import PeakPlanner
-from trainer.auto.hardware import GiB, Hardware
+from trainer.checks import check_context_parallel, check_model
 from trainer.config import CPCommType, ModelConfig, Precision, RecomputeGranularity
 from trainer.model.plan import parameter_shapes
-from trainer.spec.checks import check_context_parallel, check_model
-from trainer.train.options import EngineOptions
+from trainer.plan.cost import Estimate, estimate, floor_s
+from trainer.plan.fit import PeakPlanner
+from trainer.plan.hardware import GiB, Hardware
+from trainer.plan.options import EngineOptions
 
 # The keys the search sets, by config path; the rest of parallel.* are inputs.
 SEARCHED = ("parallel.tensor_model_parallel_size", "parallel.sequence_parallel",
@@ -224,7 +224,7 @@ def search(p: Problem) -> Choice:
                     dropped[over] += 1
                     if nearest is None or peak < nearest[0]:
                         nearest = (peak, Candidate(values, layout, Estimate(0.0), peak,
-                                                   stage), stages[stage][1])
+                                                   stage), stages[stage].memory.total_bytes)
                     continue
                 candidate = Candidate(values, layout,
                                       estimate(m, layout, options, p.hardware), peak, stage)

@@ -17,7 +17,7 @@ import os
 import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from parallel.groups import Groups
+from parallel.parallelize import ParallelModel
 from trainer.checkpoint.integrity import (
     CHECKSUMS,
     META,
@@ -44,7 +46,15 @@ from trainer.checkpoint.integrity import (
     latest,
     verify,
 )
-from trainer.train.engine import Engine
+
+
+class Engine(Protocol):
+    """What a checkpoint saves and fills of a rank's engine (trainer.train.engine.Engine): the
+    parallel model's parameters at their global places, and the optimizer's Adam moments."""
+
+    groups: Groups  # its world group agrees on a checkpoint's checksums
+    model: ParallelModel
+    optimizer: Any  # gather_moments, moment_views, empty_moments, load_moments
 
 
 @dataclass
@@ -270,7 +280,7 @@ def check_loadable(path: Path, shapes: dict[str, tuple[int, ...]], finetune: boo
 def load_weights(engine: Engine, path: Path) -> None:
     """Collective. Fills this rank's parameters only (checkpoint.finetune): the optimizer's
     moments and step, the train state and the random generators stay as built. `path` is a
-    checkpoint folder the ranks verified (trainer.train.resume)."""
+    checkpoint folder the ranks verified (trainer.checkpoint.resume)."""
     model, tensors = engine.model, {}
     for name, param in model.module.named_parameters():
         tensors[f"model.{name}"] = Chunked(model.global_shape(name),
@@ -281,7 +291,7 @@ def load_weights(engine: Engine, path: Path) -> None:
 
 def load(engine: Engine, path: Path) -> TrainState:
     """Collective. Fills this rank's parameters and Adam moments, whatever the saving layout.
-    `path` is a checkpoint folder the ranks verified (trainer.train.resume)."""
+    `path` is a checkpoint folder the ranks verified (trainer.checkpoint.resume)."""
     moments = engine.optimizer.empty_moments()
     tensors = _tensors(engine, engine.optimizer.moment_views(moments))
     objects: dict[str, Any] = {"train_state": "", "optim_step": 0,

@@ -35,10 +35,10 @@ from torch.distributed.checkpoint.api import CheckpointException
 from trainer.checkpoint.dcp import Chunked, ChunkSavePlanner, check_loadable, write_meta
 from trainer.checkpoint.integrity import CHECKSUMS, METADATA, file_checksum
 from trainer.checkpoint.safetensors_io import SafetensorsReader, write_streamed
+from trainer.checks import check_model
 from trainer.config import ModelConfig
+from trainer.model.plan import parameter_shapes
 from trainer.model.transformer import LLAMA3_ROPE_CONTEXT, LLAMA3_ROPE_HIGH, LLAMA3_ROPE_LOW
-from trainer.report.memory import parameter_shapes
-from trainer.spec.checks import check_model
 
 ARCHITECTURE = "LlamaForCausalLM"
 WEIGHTS_ONLY = "weights_only"  # meta.json key of an imported checkpoint

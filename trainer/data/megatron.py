@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.checks import check_writable
 from trainer.data.dataset import FORMAT_VERSION, TokenDataset, split_point
-from trainer.spec.checks import check_writable
 
 MAGIC = b"MMIDIDX\x00\x00"
 HEADER = len(MAGIC) + 8 + 1 + 8 + 8

@@ -9,11 +9,11 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainer.checks import check_writable
 from trainer.config import DataConfig, ModelConfig, TrainConfig
 from trainer.data.blend import parse_blend, samples_per_part
 from trainer.data.dataset import TOKENIZERS, TokenDataset, builtin_corpus, builtin_location
 from trainer.data.megatron import is_indexed, largest_token, open_indexed
-from trainer.spec.checks import check_writable
 
 BUILTIN_VALID_FRACTION = 0.01  # data.valid_fraction=null with the built-in corpus
 PREPARE_FIX = ("point data.path at a folder made by `python -m trainer.prepare SRC_FOLDER "

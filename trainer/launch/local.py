@@ -18,9 +18,10 @@ from typing import Any
 
 from hydra.errors import CompactHydraException
 
+from trainer.compose.runspec import RunSpec
 from trainer.config import ConfigError
 from trainer.launch.ranks import RankEnv, run_rank
-from trainer.launch.signals import (
+from trainer.train.signals import (
     INTERRUPTED_EXIT_CODES,
     INTERRUPTS,
     STOP_SIGNALS,
@@ -28,7 +29,6 @@ from trainer.launch.signals import (
     PreemptionWatch,
     hard_stop_line,
 )
-from trainer.spec.runspec import RunSpec
 
 POLL_S = 0.05
 # A rank ignores stop signals until its watch is up (it inherits SIG_IGN from the start), so the

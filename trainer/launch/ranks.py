@@ -14,9 +14,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from trainer.compose.runspec import RunSpec
 from trainer.config import ConfigError
-from trainer.launch.signals import PreemptionWatch
-from trainer.spec.runspec import RunSpec
+from trainer.train.signals import PreemptionWatch
 
 # What env:// initialisation needs; torchrun (and a Kubernetes PyTorchJob) sets them all.
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

@@ -10,17 +10,18 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from trainer.checkpoint import resume
 from trainer.checkpoint.integrity import verify
+from trainer.compose.runspec import RunSpec
 from trainer.config import ConfigError
 from trainer.data.stream import open_streams
 from trainer.launch.folder import checkpoint_lock, run_lock
 from trainer.launch.local import check_local, launch_local
 from trainer.launch.ranks import RankEnv, check_world, launched_rank, run_rank
+from trainer.model.plan import parameter_shapes
 from trainer.report.console import console_log
-from trainer.report.dry_run import layout_record, write_layout_json
 from trainer.report.plot import write_curves
-from trainer.spec.runspec import RunSpec
-from trainer.train import resume
+from trainer.report.record import layout_record, write_layout_json
 
 
 def check_inputs(spec: RunSpec, run_dir: Path) -> None:
@@ -33,56 +34,52 @@ def check_inputs(spec: RunSpec, run_dir: Path) -> None:
         if point is not None:
             train, _ = open_streams(spec.data, spec.layout.seq_length, spec.config.data.seed,
                                     with_valid=False)
-            resume.check(spec, point, train.identity)
+            resume.check(point, resume.Expected(parameter_shapes(spec.config.model),
+                                                train.identity, spec.plan, spec.layout))
     except (ValueError, FileNotFoundError) as error:
         raise ConfigError(str(error)) from None
 
 
 def write_run_artifacts(cfg: DictConfig, spec: RunSpec, run_dir: Path) -> None:
     """The resolved config and layout.json, so a run directory explains itself."""
-    record, _ = layout_record(spec)
-    write_layout_json(record, run_dir)
+    write_layout_json(layout_record(spec), run_dir)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
 
 def run(cfg: DictConfig, spec: RunSpec, run_dir: Path) -> None:
     """Lock the run folder before anything is written into it, and the checkpoint folder before
-    the run reads which checkpoint to resume (trainer.launch.folder), then start the ranks."""
+    the run reads which checkpoint to resume (trainer.launch.folder); check the inputs, write
+    the artifacts, then start the ranks. Whatever started this process, these happen once, in
+    this order; only rank 0 of a torchrun/submitit world writes."""
     env = launched_rank()
-    hold = env is None or env.rank == 0
-    with run_lock(run_dir, hold=hold), checkpoint_lock(
-            resume.save_folder(spec.config.checkpoint, run_dir), hold=hold):
+    writer = env is None or env.rank == 0
+    with run_lock(run_dir, hold=writer), checkpoint_lock(
+            resume.save_folder(spec.config.checkpoint, run_dir), hold=writer):
         if env is not None:  # torchrun or submitit started this process as one rank
             check_world(env, spec)
         else:
             check_local(spec)
         check_inputs(spec, run_dir)
-        _start(cfg, spec, run_dir, env)
+        if writer:
+            write_run_artifacts(cfg, spec, run_dir)
+        with console_log(run_dir, writer=writer):
+            try:
+                _start_ranks(spec, run_dir, env)
+            finally:
+                if writer:
+                    write_curves(run_dir)
 
 
-def _start(cfg: DictConfig, spec: RunSpec, run_dir: Path, env: RankEnv | None) -> None:
+def _start_ranks(spec: RunSpec, run_dir: Path, env: RankEnv | None) -> None:
     # The model config travels with every checkpoint (python -m trainer.hf export reads it), and
     # the global batch size, which a resume under another one names in its messages.
     meta = {"run_dir": str(run_dir), "model": asdict(spec.config.model),
             "global_batch_size": spec.plan.global_batch_size}
-    if env is not None:
-        if env.rank == 0:
-            write_run_artifacts(cfg, spec, run_dir)
-        with console_log(run_dir, writer=env.rank == 0):
-            try:
-                run_rank(env, spec, run_dir, meta)
-            finally:
-                if env.rank == 0:
-                    write_curves(run_dir)
-        return
-    write_run_artifacts(cfg, spec, run_dir)
-    with console_log(run_dir, writer=True):
-        try:
-            if spec.layout.world_size > 1:
-                launch_local(spec, run_dir, meta)
-            else:
-                with tempfile.TemporaryDirectory(prefix="gtp-rendezvous-") as meeting:
-                    run_rank(RankEnv(0, 1, 0, f"file://{meeting}/store", "launch.py"), spec,
-                             run_dir, meta)
-        finally:
-            write_curves(run_dir)
+    if env is not None:  # this process is one rank of a world started elsewhere
+        run_rank(env, spec, run_dir, meta)
+    elif spec.layout.world_size > 1:
+        launch_local(spec, run_dir, meta)
+    else:
+        with tempfile.TemporaryDirectory(prefix="gtp-rendezvous-") as meeting:
+            run_rank(RankEnv(0, 1, 0, f"file://{meeting}/store", "launch.py"), spec, run_dir,
+                     meta)

@@ -4,6 +4,8 @@ parallel/ applies the plan without knowing the model, and the memory plan reads 
 """
 from __future__ import annotations
 
+import math
+
 from parallel.plan import ParallelPlan, by_suffix
 from trainer.config import ModelConfig
 
@@ -36,19 +38,30 @@ def tp_style(name: str) -> str:
     return by_suffix(TP_STYLES, name)
 
 
+def block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """One transformer block's parameter shapes, by name within the block (every block is
+    alike)."""
+    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    return {"attn_norm.weight": (h,), "mlp_norm.weight": (h,),
+            "attn.qkv.weight": (h + 2 * cfg.kv_size, h), "attn.o.weight": (h, h),
+            "mlp.gate_up.weight": (2 * f, h), "mlp.down.weight": (h, f)}
+
+
+def block_weight_elements(cfg: ModelConfig) -> int:
+    """A block's 2-D weight elements (what its linears multiply by; the cost model's W)."""
+    return sum(math.prod(shape) for shape in block_shapes(cfg).values() if len(shape) == 2)
+
+
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The Transformer's named_parameters() shapes, in its order, from the config alone (no
     torch): the memory plan and the layout search size a rank from them at compose time
     (tests/unit/test_model.py holds them equal to the built model's). A tied head is the
     embedding's parameter, so it has no entry of its own."""
-    h, f, vocab = cfg.hidden_size, cfg.ffn_hidden_size, cfg.padded_vocab_size
+    h, vocab = cfg.hidden_size, cfg.padded_vocab_size
     shapes: dict[str, tuple[int, ...]] = {f"{EMBEDDING}.weight": (vocab, h)}
+    block = block_shapes(cfg)
     for i in range(cfg.num_layers):
-        block = f"{BLOCKS}.{i}"
-        shapes |= {f"{block}.attn_norm.weight": (h,), f"{block}.mlp_norm.weight": (h,),
-                   f"{block}.attn.qkv.weight": (h + 2 * cfg.kv_size, h),
-                   f"{block}.attn.o.weight": (h, h),
-                   f"{block}.mlp.gate_up.weight": (2 * f, h), f"{block}.mlp.down.weight": (h, f)}
+        shapes |= {f"{BLOCKS}.{i}.{name}": shape for name, shape in block.items()}
     shapes[f"{FINAL_NORM}.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes[f"{HEAD}.weight"] = (vocab, h)

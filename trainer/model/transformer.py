@@ -14,9 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainer.checks import check_model
 from trainer.config import ModelConfig
 from trainer.model.init import normal_rectangle
-from trainer.spec.checks import check_model
 
 # q [batch, heads, seq, head_dim], k and v [batch, groups, seq, head_dim] (grouped-query
 # attention: groups divides heads) -> [batch, heads, seq, head_dim]

@@ -1,25 +1,19 @@
 """The dry run: print what a layout means and write layout.json; start no process, need no GPU.
 
-Everything shown is asked of the Layout; this module only formats it.
+Everything shown is layout.json's record (trainer.report.record: the Layout's answers and the
+memory plan); this module only formats it, and with dry_run_rank adds one rank measured.
 """
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 from typing import Any
 
-from parallel.layout import AXES, GROUP_AXES, GROUP_PURPOSE, Layout
+from parallel.layout import GROUP_AXES, GROUP_PURPOSE, Layout
 from parallel.pipeline.schedules import ideal_bubble_fraction
 from trainer.auto.search import Candidate, Choice
-from trainer.report.memory import (
-    memory_per_stage,
-    parameter_shapes,
-    step_per_stage,
-    unsharded_memory,
-)
-from trainer.spec.runspec import RunSpec
-from trainer.train.options import EngineOptions
+from trainer.compose.runspec import RunSpec
+from trainer.report.record import layout_record, write_layout_json
 
 log = logging.getLogger(__name__)
 
@@ -27,32 +21,6 @@ WEIGHT_VIEW = ("tp", "gtp_remat", "weight_tile", "weight_replica", "model_parall
                "embedding")
 TOKEN_VIEW = ("context", "batch_lane", "token_distinct")
 MAX_TABLE_RANKS = 64  # larger worlds get the summary only; layout.json always has every rank
-
-
-def rank_rows(layout: Layout, procs_per_node: int) -> list[dict[str, int]]:
-    """Per rank: node, its index on each axis, and the positions the trainer uses."""
-    rows = []
-    for rank in range(layout.world_size):
-        coords = layout.coords(rank)._asdict()
-        rows.append({"rank": rank, "node": rank // procs_per_node, **coords,
-                     "weight_shard": layout.weight_shard(rank),
-                     "batch_partition": layout.batch_partition(rank),
-                     "runtime_cp_rank": layout.runtime_cp_rank(rank)})
-    return rows
-
-
-def nvlink_warnings(layout: Layout, domain: int) -> list[str]:
-    crossing = layout.weight_tiles_crossing(domain)
-    if not crossing:
-        return []
-    first, last = crossing[0]
-    size = layout.weight_tile_size
-    return [f"{len(crossing)} of {layout.world_size // size} weight tiles (TP x GTP_remat = "
-            f"{size} ranks) span more than one NVLink domain of "
-            f"cluster.gpus_per_nvlink_domain={domain} ranks (first: ranks {first}..{last}); their "
-            f"weight all-gathers and gradient reduce-scatters will leave NVLink. Fix: make "
-            f"parallel.tensor_parallel_num_weight_shards divide {domain}, or set "
-            f"cluster.gpus_per_nvlink_domain if the domain is larger."]
 
 
 STEP_COLUMNS = {"activation_bytes": "activations", "backward_bytes": "backward",
@@ -68,18 +36,20 @@ def _bytes(n: int) -> str:
     return f"{n:10d} B  "
 
 
-def format_report(spec: RunSpec, memory: dict[str, Any], rows: list[dict[str, int]]) -> str:
-    settings, layout = spec.config, spec.layout
-    p, c = settings.parallel, settings.cluster
+def format_report(spec: RunSpec, record: dict[str, Any]) -> str:
+    """The readable report of layout.json's facts."""
+    config, layout = spec.config, spec.layout
+    memory, rows = record["memory"], record["ranks"]
+    p, c = config.parallel, config.cluster
     lines = [
-        f"gtp-trainer dry run: {settings.run_name}",
+        f"gtp-trainer dry run: {config.run_name}",
         f"world {layout.world_size} = {c.num_nodes} nodes x {c.procs_per_node} procs; "
         f"NVLink domain {c.gpus_per_nvlink_domain} ranks",
         f"inputs: TP={p.tensor_model_parallel_size} SP={'on' if p.sequence_parallel else 'off'} "
         f"weight_shards={layout.tensor_parallel_num_weight_shards} "
         f"sequence_shards={layout.tensor_parallel_num_sequence_shards} "
         f"CP={p.context_parallel_size} PP={p.pipeline_model_parallel_size} "
-        f"micro_batch={settings.train.micro_batch_size} seq_length={settings.train.seq_length}",
+        f"micro_batch={config.train.micro_batch_size} seq_length={config.train.seq_length}",
         "", "derived (config node `layout`):",
     ]
     lines += [f"  {key:32s} {value}" for key, value in layout.derived().items()]
@@ -103,7 +73,7 @@ def format_report(spec: RunSpec, memory: dict[str, Any], rows: list[dict[str, in
         lines += ["", "per rank:", "  " + header]
         lines += ["  " + " ".join(f"{row[col]:>{max(4, len(col))}d}" for col in columns)
                   for row in rows]
-    m = settings.model
+    m = config.model
     shape = [f"{m.num_heads} heads" + (f" in {m.query_groups} K/V groups"
                                        if m.query_groups != m.num_heads else ""),
              f"vocabulary {m.vocab_size}" + (f" padded to {m.padded_vocab_size}"
@@ -111,7 +81,7 @@ def format_report(spec: RunSpec, memory: dict[str, Any], rows: list[dict[str, in
     shape += ["tied embeddings"] if m.tie_word_embeddings else []
     lines += ["", f"memory per rank: model={m.name}, {m.num_layers} layers x hidden "
               f"{m.hidden_size}, {', '.join(shape)} ({memory['unsharded']['parameters']:,} "
-              f"parameters), precision={settings.train.precision.value}",
+              f"parameters), precision={config.train.precision.value}",
               f"  {'':18s} {'params':>14s} {'grads':>14s} {'optimizer':>14s} {'total':>14s}"]
     for entry in memory["per_stage"]:
         label = f"stage {entry['stage']}" if layout.pp_size > 1 else "each rank"
@@ -122,17 +92,17 @@ def format_report(spec: RunSpec, memory: dict[str, Any], rows: list[dict[str, in
         "param_bytes", "grad_bytes", "optim_bytes", "total_bytes")))
     lines.append("  (2-D weights split over TP x GTP_remat; norms whole; optimizer state split "
                  "over weight_replica)")
-    t = settings.train
+    t = config.train
     recompute = t.recompute_granularity.value if t.recompute_granularity else "off"
     if t.recompute_granularity and t.recompute_num_layers is not None:
         recompute += f", first {t.recompute_num_layers} blocks"
     context = ""
     if layout.runtime_context_parallel_size > 1:
-        context = f"; cp_comm_type {settings.parallel.cp_comm_type.value}"
+        context = f"; cp_comm_type {config.parallel.cp_comm_type.value}"
     lines += ["", f"during a step (one micro-batch of {t.micro_batch_size} x {t.seq_length} "
               f"tokens, {layout.context_local_length} of each "
               f"sequence on this rank; recompute {recompute}; overlap_param_gather "
-              f"{'on' if settings.parallel.overlap_param_gather else 'off'}{context}):",
+              f"{'on' if config.parallel.overlap_param_gather else 'off'}{context}):",
               f"  {'':18s} " + " ".join(f"{title:>14s}" for title in STEP_COLUMNS.values())]
     for entry in memory["per_stage"]:
         label = f"stage {entry['stage']}" if layout.pp_size > 1 else "each rank"
@@ -140,7 +110,7 @@ def format_report(spec: RunSpec, memory: dict[str, Any], rows: list[dict[str, in
     lines += ["  (peak = state + activations + backward + recompute + autocast + logits + "
               "gathered;", "   the formula of each term: README, memory plan)"]
     if layout.pp_size > 1:
-        lines += pipeline_lines(settings.parallel.pipeline_schedule, layout, memory)
+        lines += pipeline_lines(config.parallel.pipeline_schedule, layout, memory)
     if spec.auto is not None:
         lines += auto_lines(spec.auto)
     return "\n".join(lines)
@@ -157,7 +127,7 @@ def auto_lines(choice: Choice) -> list[str]:
     lines = ["", f"parallel=auto: the fastest of {choice.fitting} layouts that fit "
              f"{choice.budget_bytes / 2**30:.1f} GiB a rank (cluster.device_memory_gib "
              f"{hw.device_memory_gib:g} less {100 * hw.memory_margin:g}%), by the cost model "
-             f"(trainer/auto/cost.py: {hw.peak_bf16_tflops:g} / {hw.peak_fp32_tflops:g} TFLOP/s "
+             f"(trainer/plan/cost.py: {hw.peak_bf16_tflops:g} / {hw.peak_fp32_tflops:g} TFLOP/s "
              f"bf16 / fp32 at {100 * hw.compute_efficiency:g}%, NVLink "
              f"{hw.nvlink_bandwidth_gbs:g} GB/s, network {hw.network_bandwidth_gbs:g} GB/s"
              + (f", {hw.ranks_per_core:g} ranks a CPU core" if hw.shares_cores else "")
@@ -201,55 +171,6 @@ def _ranges(blocks: list[int]) -> str:
     return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
 
 
-def layout_record(spec: RunSpec) -> tuple[dict[str, Any], str]:
-    """layout.json's content, and the readable report of the same facts."""
-    settings, layout = spec.config, spec.layout
-    shapes = parameter_shapes(settings.model)
-    state = memory_per_stage(shapes, settings.model.num_layers, layout,
-                             settings.model.tie_word_embeddings)
-    steps = step_per_stage(shapes, settings.model, layout, EngineOptions.from_config(settings),
-                           state)
-    memory = {
-        "per_stage": [{**m.as_dict(), **step} for m, step in zip(state, steps)],
-        "unsharded": unsharded_memory(shapes).as_dict(),
-    }
-    rows = rank_rows(layout, settings.cluster.procs_per_node)
-    warnings = nvlink_warnings(layout, settings.cluster.gpus_per_nvlink_domain)
-    record = {
-        "inputs": {
-            "world_size": layout.world_size,
-            "tensor_model_parallel_size": layout.tp_size,
-            "sequence_parallel": layout.sequence_parallel,
-            "tensor_parallel_num_weight_shards": layout.tensor_parallel_num_weight_shards,
-            "tensor_parallel_num_sequence_shards": layout.tensor_parallel_num_sequence_shards,
-            "context_parallel_size": layout.context_parallel_size,
-            "pipeline_model_parallel_size": layout.pp_size,
-            "virtual_pipeline_model_parallel_size": layout.virtual_pipeline_size,
-            "pipeline_schedule": settings.parallel.pipeline_schedule,
-            "micro_batch_size": layout.micro_batch_size,
-            "seq_length": layout.seq_length,
-        },
-        "derived": layout.derived(),
-        "axes": {"order": list(AXES), "sizes": layout.axis_sizes, "strides": layout.axis_strides},
-        "groups": layout.all_groups(),
-        "ranks": rows,
-        "memory": memory,
-        "pipeline": {"bubble_fraction": ideal_bubble_fraction(
-            layout.pp_size, layout.num_microbatches, layout.virtual_pipeline_size)},
-        "warnings": warnings,
-    }
-    if spec.auto is not None:
-        record["auto"] = spec.auto.as_dict()
-    return record, format_report(spec, memory, rows)
-
-
-def write_layout_json(record: dict[str, Any], run_dir: Path) -> Path:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    path = run_dir / "layout.json"
-    path.write_text(json.dumps(record, indent=1))
-    return path
-
-
 def format_measured(measured: dict[str, Any], planned: dict[str, int]) -> str:
     m = measured
     return "\n".join([
@@ -266,7 +187,8 @@ def format_measured(measured: dict[str, Any], planned: dict[str, int]) -> str:
 
 
 def dry_run(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
-    record, report = layout_record(spec)
+    record = layout_record(spec)
+    report = format_report(spec, record)
     rank = spec.config.dry_run_rank
     if rank is not None:
         from trainer.report.measure import measure_rank  # torch, only when asked

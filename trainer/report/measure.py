@@ -22,10 +22,10 @@ import torch._dynamo  # noqa: F401  (see measure_rank: imported before the basel
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from trainer.compose.runspec import RunSpec
 from trainer.data.batch import rank_micro_batches
-from trainer.spec.runspec import RunSpec
+from trainer.plan.options import EngineOptions
 from trainer.train.engine import Engine, build_engine
-from trainer.train.options import EngineOptions
 from trainer.train.step import train_step
 
 _STATUS = Path("/proc/self/status")

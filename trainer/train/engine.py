@@ -16,19 +16,19 @@ from parallel.comm import CommStats
 from parallel.groups import Groups, build_groups
 from parallel.layout import Layout
 from parallel.parallelize import CommOptions, ParallelModel, parallelize
-from trainer.config import ModelConfig, OptimConfig, Precision
-from trainer.model.plan import parallel_plan
-from trainer.model.transformer import Transformer
-from trainer.spec.checks import (
+from trainer.checks import (
     check_context_parallel,
     check_model_fits_layout,
     check_pipeline_schedule,
 )
+from trainer.config import ModelConfig, OptimConfig, Precision
+from trainer.model.plan import parallel_plan
+from trainer.model.transformer import Transformer
+from trainer.plan.options import EngineOptions
 from trainer.train.optim import ShardedAdamW
-from trainer.train.options import EngineOptions
 from trainer.train.recompute import apply_recompute
 
-# What model.name and optim.name select (trainer.spec.checks lists the names, without torch).
+# What model.name and optim.name select (trainer.checks lists the names, without torch).
 ARCHITECTURES = {"llama": Transformer}
 OPTIMIZERS = {"adamw": ShardedAdamW}
 

@@ -16,16 +16,16 @@ import torch.distributed as dist
 from hydra.errors import CompactHydraException
 
 from trainer.checkpoint import dcp as checkpoint
-from trainer.checkpoint.integrity import PREFIX, agreed, latest, verify
-from trainer.config import ConfigError
+from trainer.checkpoint import resume
+from trainer.checkpoint.integrity import PREFIX, latest, verify
+from trainer.compose.runspec import RunSpec
 from trainer.data.batch import rank_micro_batches
 from trainer.data.stream import open_streams
-from trainer.launch.signals import PREEMPT, Interrupted, PreemptionWatch, code_of, signal_of
-from trainer.report.metrics import MetricsLogger
-from trainer.spec.runspec import RunSpec
-from trainer.train import resume
+from trainer.model.plan import parameter_shapes
+from trainer.plan.options import EngineOptions
 from trainer.train.engine import build_engine
-from trainer.train.options import EngineOptions
+from trainer.train.metrics import MetricsLogger
+from trainer.train.signals import PREEMPT, Interrupted, PreemptionWatch, code_of, signal_of
 from trainer.train.step import NonFiniteStep, evaluate, train_step
 
 
@@ -42,45 +42,28 @@ class Trainer:
 
     def __init__(self, spec: RunSpec, run_dir: Path, device: torch.device,
                  meta: dict[str, Any] | None = None, watch: PreemptionWatch | None = None):
-        settings = spec.config
-        self.settings, self.layout, self.device = settings, spec.layout, device
+        config = spec.config
+        self.layout, self.device = spec.layout, device
         self.rank, self.meta, self.watch = dist.get_rank(), meta or {}, watch
         self.plan, self.schedule = spec.plan, spec.schedule
+        self.save_interval = config.checkpoint.save_interval
         self.train_stream, self.valid_stream = open_streams(
-            spec.data, self.layout.seq_length, settings.data.seed, bool(self.plan.eval_interval))
-        self.engine = build_engine(settings.model, settings.optim, settings.train.seed,
-                                   self.layout, device, EngineOptions.from_config(settings),
-                                   settings.cluster.timeout_s)
-        self.save_dir = resume.save_folder(settings.checkpoint, run_dir)
-        self.state = self.start_from(spec)
+            spec.data, self.layout.seq_length, config.data.seed, bool(self.plan.eval_interval))
+        self.engine = build_engine(config.model, config.optim, config.train.seed, self.layout,
+                                   device, EngineOptions.from_config(config),
+                                   config.cluster.timeout_s)
+        self.save_dir = resume.save_folder(config.checkpoint, run_dir)
+        # launch.py checked this choice before the ranks started; here every file's checksum
+        # is verified too, so a damaged newest checkpoint gives way to the one before it.
+        expected = resume.Expected(parameter_shapes(config.model), self.train_stream.identity,
+                                   self.plan, self.layout)
+        self.state = resume.start_state(self.engine, config.checkpoint, self.save_dir, expected,
+                                        (lambda line: print(line, flush=True))
+                                        if self.rank == 0 else None)
         self.total_steps = self.state.step + self.plan.steps_from(self.state.consumed_samples)
-        self.logger = MetricsLogger(run_dir, settings.logger, self.rank == 0, self.total_steps,
+        self.logger = MetricsLogger(run_dir, config.logger, self.rank == 0, self.total_steps,
                                     (self.state.consumed_samples, self.plan.train_samples))
         self.logger.forget_after(self.state.step)  # steps logged after the checkpoint run again
-
-    def start_from(self, spec: RunSpec) -> checkpoint.TrainState:
-        """Collective: load what the run starts from (trainer.train.resume), or a fresh state.
-        launch.py checked this choice before the ranks started; here every file's checksum is
-        verified too, split over the ranks, so a damaged newest checkpoint gives way to the one
-        before it."""
-        warn = (lambda line: print(line, flush=True)) if self.rank == 0 else None
-        fresh = checkpoint.TrainState(data=self.train_stream.identity)
-        try:
-            point = resume.find(spec.config.checkpoint, self.save_dir, warn,
-                                agreed(self.engine.groups.world.handle))
-            if point is not None:
-                resume.check(spec, point, fresh.data)
-        except (ValueError, FileNotFoundError) as error:
-            raise ConfigError(str(error)) from None
-        if point is None:
-            return fresh
-        if point.weights_only:  # fine-tuning: this run starts at step 0
-            checkpoint.load_weights(self.engine, point.path)
-            if self.rank == 0:
-                print(f"fine-tuning from {point.path}: weights loaded; optimizer, schedule and "
-                      f"data start fresh", flush=True)
-            return fresh
-        return checkpoint.load(self.engine, point.path)
 
     def run(self) -> list[dict[str, Any]]:
         """Collective. Returns the records this rank computed (every rank computes the same).
@@ -121,7 +104,7 @@ class Trainer:
                 records.append({"step": state.step, "eval_loss": self.evaluate()})
                 logger.log_eval(state.step, {"eval_loss": records[-1]["eval_loss"],
                                              "eval_samples": plan.eval_layout.global_batch_size})
-            interval = self.settings.checkpoint.save_interval
+            interval = self.save_interval
             saved = (interval and state.step % interval == 0) or last
             if saved:
                 path = checkpoint.save(self.engine, state, self.save_dir, self.meta)

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from parallel.plan import ParallelPlan
 from trainer.config import RecomputeGranularity
-from trainer.train.options import EngineOptions
+from trainer.plan.options import EngineOptions
 
 
 def checkpointed(fn: Callable) -> Callable:

@@ -2,8 +2,9 @@
 where it stopped), checkpoint.load, or nothing. launch.py asks before any rank starts, with a
 quick look at each checkpoint, and checks what the config can tell against the checkpoint's
 metadata (the model's shapes, the sample stream, the samples left to train), so a mismatch is
-one line before anything is built; the ranks then ask again, verifying every file's checksum
-between them, and an older checkpoint is taken when the newest turns out to be damaged.
+one line before anything is built; the ranks then ask again in start_state, verifying every
+file's checksum between them (an older checkpoint is taken when the newest turns out to be
+damaged), and load it into their built engine.
 """
 from __future__ import annotations
 
@@ -11,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from trainer.checkpoint.dcp import check_loadable
-from trainer.checkpoint.integrity import Verifier, latest, read_meta, resolve
-from trainer.config import RUN_CHECKPOINTS, CheckpointConfig
-from trainer.model.plan import parameter_shapes
-from trainer.spec.runspec import RunSpec
+from parallel.layout import Layout
+from trainer.checkpoint import dcp
+from trainer.checkpoint.integrity import Verifier, agreed, latest, read_meta, resolve
+from trainer.config import RUN_CHECKPOINTS, CheckpointConfig, ConfigError
+from trainer.plan.accounting import RunPlan
 
 OTHER_FOLDER = "give this run its own folder (hydra.run.dir) or checkpoint.dir"
 
@@ -52,27 +53,60 @@ def find(ckpt: CheckpointConfig, save_dir: Path, warn: Callable[[str], None] | N
     return None
 
 
-def check(spec: RunSpec, point: ResumePoint, stream_identity: dict) -> None:
+@dataclass(frozen=True)
+class Expected:
+    """What this run's config says a checkpoint it starts from must match."""
+
+    shapes: dict[str, tuple[int, ...]]  # every parameter of the model (model.plan)
+    stream: dict  # the sample stream's identity (trainer.data.stream)
+    plan: RunPlan
+    layout: Layout
+
+
+def check(point: ResumePoint, expected: Expected) -> None:
     """What the checkpoint's metadata can tell before its tensors are read: every weight of this
     model at its shape, the same sample stream, and an end at exactly train.train_samples.
     A ValueError names the checkpoint and the fix."""
     fix = "use the model config it was saved with (its meta.json records it)"
-    check_loadable(point.path, parameter_shapes(spec.config.model), point.weights_only,
-                   point.where, fix + (f", or {OTHER_FOLDER}" if point.own else ""))
+    dcp.check_loadable(point.path, expected.shapes, point.weights_only, point.where,
+                       fix + (f", or {OTHER_FOLDER}" if point.own else ""))
     if point.weights_only:
         return
     try:
         meta = read_meta(point.path)
     except ValueError as error:
         raise ValueError(f"{point.where}: {error}. Fix: start from another checkpoint.") from None
-    if meta.get("data") != stream_identity:
+    if meta.get("data") != expected.stream:
         raise ValueError(
             f"{point.where} was trained on the sample stream {meta.get('data')}, this run's is "
-            f"{stream_identity}. Fix: use the same dataset, train.seq_length and data.seed, or "
+            f"{expected.stream}. Fix: use the same dataset, train.seq_length and data.seed, or "
             f"{OTHER_FOLDER if point.own else 'start from another checkpoint'}.")
     consumed = meta.get("consumed_samples")
     if not isinstance(consumed, int) or consumed < 0:
         raise ValueError(f"{point.where}: its meta.json records no consumed_samples. Fix: start "
                          f"from another checkpoint.")
-    spec.plan.check_resume(spec.layout, consumed, point.where, meta.get("global_batch_size"),
-                           again_ok=point.own)
+    expected.plan.check_resume(expected.layout, consumed, point.where,
+                               meta.get("global_batch_size"), again_ok=point.own)
+
+
+def start_state(engine: dcp.Engine, ckpt: CheckpointConfig, save_dir: Path, expected: Expected,
+                say: Callable[[str], None] | None) -> dcp.TrainState:
+    """Collective: find the checkpoint the run starts from, every file's checksum verified split
+    over the ranks (trainer.checkpoint.integrity.agreed), check it, and load it into the built
+    engine; a fresh state when there is none. `say` prints (rank 0) or is None."""
+    fresh = dcp.TrainState(data=expected.stream)
+    try:
+        point = find(ckpt, save_dir, say, agreed(engine.groups.world.handle))
+        if point is not None:
+            check(point, expected)
+    except (ValueError, FileNotFoundError) as error:
+        raise ConfigError(str(error)) from None
+    if point is None:
+        return fresh
+    if point.weights_only:  # fine-tuning: this run starts at step 0
+        dcp.load_weights(engine, point.path)
+        if say:
+            say(f"fine-tuning from {point.path}: weights loaded; optimizer, schedule and data "
+                f"start fresh")
+        return fresh
+    return dcp.load(engine, point.path)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from parallel.layout import Layout
 from parallel.pipeline.schedules import FORWARD, Action
 from trainer.config import CPCommType, ModelConfig, Precision, RecomputeGranularity
-from trainer.train.options import EngineOptions
+from trainer.plan.options import EngineOptions
 
 FP32 = 4
 
@@ -144,18 +144,25 @@ class StepMemory:
                 + self.logits_bytes + self.gathered_bytes)
 
 
+def chunk_activation_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
+                           blocks: int) -> int:
+    """What one model chunk of `blocks` blocks keeps of one micro-batch (without the head)."""
+    k, e = Tokens.of(layout), compute_bytes(options.precision)
+    return sum(count * block_activation_bytes(m, k, e, recompute, options.cp_comm_type)
+               for recompute, count in options.chunk_recompute(blocks).items() if count)
+
+
 def stage_activation_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
                            chunks: list[range], last: bool, actions: list[Action]) -> int:
     """The most a pipeline stage keeps at once: its schedule (`actions`) runs micro-batches
     forward before their backwards, so the activations of every (micro-batch, chunk) in flight
     are alive together (1F1B: up to PP micro-batches on the first stage; without pipeline
-    parallelism one). `chunks`: the stage's blocks by virtual chunk; `last`: it holds the head."""
-    k, e, comm = Tokens.of(layout), compute_bytes(options.precision), options.cp_comm_type
-    # recompute_num_layers counts from each chunk's first block (trainer.train.recompute)
-    per_chunk = [sum(block_activation_bytes(m, k, e, options.recomputes(i), comm)
-                     for i in range(len(chunk))) for chunk in chunks]
+    parallelism one). `chunks`: the stage's blocks by virtual chunk; `last`: it holds the head.
+    trainer.plan.fit.kept_bytes is the same peak in closed form."""
+    per_chunk = [chunk_activation_bytes(m, layout, options, len(chunk)) for chunk in chunks]
     if last:
-        per_chunk[-1] += head_activation_bytes(m, k, e)
+        per_chunk[-1] += head_activation_bytes(m, Tokens.of(layout),
+                                               compute_bytes(options.precision))
     alive = peak = 0
     for action in actions:
         alive += per_chunk[action.chunk] * (1 if action.kind == FORWARD else -1)

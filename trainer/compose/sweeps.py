@@ -18,9 +18,9 @@ from hydra.errors import CompactHydraException, HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.spec.checks import check_writable
-from trainer.spec.overrides import overrides_refusal
-from trainer.spec.runspec import settle
+from trainer.checks import check_writable
+from trainer.compose.overrides import overrides_refusal
+from trainer.compose.runspec import settle
 
 
 class SweepRejected(CompactHydraException):

@@ -12,12 +12,12 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from parallel.layout import Layout
 from trainer.auto.search import Choice
+from trainer.checks import check_layout_inputs, check_values
+from trainer.compose.resolvers import AutoLayoutError, auto_choice, build_layout
 from trainer.config import Config, ConfigError, unknown_keys
 from trainer.data.source import DataSource
-from trainer.spec.checks import check_layout_inputs, check_values
-from trainer.spec.resolvers import AutoLayoutError, auto_choice, build_layout
-from trainer.train.accounting import RunPlan
-from trainer.train.schedule import LrSchedule
+from trainer.plan.accounting import RunPlan
+from trainer.plan.schedule import LrSchedule
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from trainer.spec.checks import check_writable
+from trainer.checks import check_writable
 
 
 class RunChecks(Callback):

@@ -16,9 +16,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from parallel.layout import Layout, LayoutError
-from trainer.auto.hardware import Hardware
 from trainer.auto.search import SEARCHED, Choice, Problem, search
 from trainer.config import ModelConfig, Precision
+from trainer.plan.hardware import Hardware
 
 RESOLVER = "gtp.layout"
 AUTO = "gtp.auto"

@@ -1,6 +1,6 @@
 """The step time of one layout, estimated before it runs: compute at the hardware's achieved
 FLOP/s, plus each communication's time on its link less what overlap hides, plus the pipeline
-bubble. Symbols as in trainer/report/activations.py (all local to a rank): b micro-batch, s this
+bubble. Symbols as in trainer/plan/activations.py (all local to a rank): b micro-batch, s this
 rank's tokens of a sequence, T = b*s, S = seq_length, h, f, V, t = TP, G = GTP_remat, C =
 runtime CP, e bytes of the compute dtype.
 
@@ -28,9 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from parallel.layout import Layout
-from trainer.auto.hardware import Hardware
 from trainer.config import CPCommType, ModelConfig, Precision, RecomputeGranularity
-from trainer.train.options import EngineOptions
+from trainer.model.plan import block_weight_elements
+from trainer.plan.hardware import Hardware
+from trainer.plan.options import EngineOptions
 
 FP32 = 4
 KINDS = ("compute", "tensor parallel", "weight gathers", "context parallel", "pipeline sends",
@@ -51,17 +52,11 @@ class Estimate:
                 "seconds": {k: round(v, 6) for k, v in self.seconds.items()}}
 
 
-def block_weights(m: ModelConfig) -> int:
-    """A block's 2-D weight elements: qkv, o, gate_up, down."""
-    h, f = m.hidden_size, m.ffn_hidden_size
-    return h * (h + 2 * m.kv_size) + h * h + 3 * f * h
-
-
 def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardware) -> Estimate:
     t, g, c = layout.tp_size, layout.gtp_remat_size, layout.runtime_context_parallel_size
     b, s, S, h = layout.micro_batch_size, layout.context_local_length, layout.seq_length, \
         m.hidden_size
-    T, V, W = b * s, m.padded_vocab_size, block_weights(m)
+    T, V, W = b * s, m.padded_vocab_size, block_weight_elements(m)
     e = 2 if options.precision is Precision.bf16 else FP32
     flops = hw.flops(options.precision)
     overlaps = not hw.shares_cores  # shared cores compute and move messages in turn
@@ -120,12 +115,10 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
     for stage in sorted({0, min(1, pp - 1), pp - 1}):  # the middle stages are stage 1's twins
         chunks = all_chunks[stage::pp]
         parts = dict.fromkeys(KINDS, 0.0)
-        counts = {None: 0, options.recompute_granularity: 0}
+        counts: dict = {}
         for chunk in chunks:  # recompute_num_layers counts within each chunk
-            n, first_n = len(chunk), options.recompute_num_layers
-            recomputed = n if first_n is None else min(n, first_n)
-            counts[options.recompute_granularity] += recomputed
-            counts[None] += n - recomputed
+            for recompute, count in options.chunk_recompute(len(chunk)).items():
+                counts[recompute] = counts.get(recompute, 0) + count
         for recompute, count in counts.items():
             compute, comm = block_time(recompute)
             parts["compute"] += count * compute
@@ -165,7 +158,7 @@ def floor_s(m: ModelConfig, layout: Layout, precision: Precision, hw: Hardware) 
     t, pp = layout.tp_size, layout.pp_size
     b, s, S, h = layout.micro_batch_size, layout.context_local_length, layout.seq_length, \
         m.hidden_size
-    T, V, W = b * s, m.padded_vocab_size, block_weights(m)
+    T, V, W = b * s, m.padded_vocab_size, block_weight_elements(m)
     e = 2 if precision is Precision.bf16 else FP32
     flops = hw.flops(precision)
     blocks = m.num_layers // pp if layout.num_layers_in_last_pipeline_stage is None else \

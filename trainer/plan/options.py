@@ -30,7 +30,17 @@ class EngineOptions:
                    parallel.pipeline_schedule)
 
     def recomputes(self, block: int) -> Optional[RecomputeGranularity]:
-        """What block `block` recomputes in backward (None: nothing)."""
+        """What block `block` (its position in its model chunk: recompute_num_layers counts
+        from each chunk's first block) recomputes in backward (None: nothing)."""
         if self.recompute_num_layers is not None and block >= self.recompute_num_layers:
             return None
         return self.recompute_granularity
+
+    def chunk_recompute(self, blocks: int) -> dict[Optional[RecomputeGranularity], int]:
+        """A model chunk of `blocks` blocks, counted by what each recomputes: the one rule the
+        memory plan, the fit and the cost model count with (recomputes, block by block)."""
+        first = blocks if self.recompute_num_layers is None else min(blocks,
+                                                                     self.recompute_num_layers)
+        counts = {None: blocks - first}
+        counts[self.recompute_granularity] = counts.get(self.recompute_granularity, 0) + first
+        return counts

@@ -1,0 +1,207 @@
+"""Bytes each rank holds under a layout: its parameters, gradients and optimizer state, the
+weights it gathers for use, and (with trainer.plan.activations) its peak during a step.
+
+The model's parameter shapes come from its config (trainer.model.plan.parameter_shapes, held
+equal to the built model's by a test); the placement follows the model's plan and the Layout:
+planned weights are split over TP and their rows over GTP_remat (padded), small tensors stay
+whole, optimizer state is sharded over weight_replica. ModelWeights is the one place these
+formulas are written: the dry run (memory_plan) and the layout search (trainer.plan.fit) both
+size a rank with it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from parallel.layout import Layout
+from parallel.pipeline.schedules import in_flight, stage_actions
+from trainer.config import ModelConfig
+from trainer.model.plan import BLOCKS, EMBEDDING, parameter_shapes, tp_style
+from trainer.plan.activations import StepMemory, stage_activation_bytes, step_memory
+from trainer.plan.options import EngineOptions
+
+# (param, grad, optimizer) bytes per element. Weights, gradients and both AdamW moments are fp32
+# under every train.precision: bf16 autocasts the compute (and halves activations); it does not
+# change what a rank keeps between steps.
+BYTES_PER_ELEMENT = (4, 4, 8)
+EMBEDDING_WEIGHT = f"{EMBEDDING}.weight"
+
+
+@dataclass(frozen=True)
+class StageMemory:
+    stage: int
+    parameters: int  # elements this rank stores (its weight shards plus whole small tensors)
+    param_bytes: int
+    grad_bytes: int
+    optim_bytes: int
+    blocks: tuple[int, ...] = ()  # the blocks this stage holds
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optim_bytes
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total_bytes": self.total_bytes}
+
+
+@dataclass(frozen=True)
+class StageWeights:
+    """One rank of a pipeline stage: what it keeps between steps, and the weights it gathers
+    over GTP_remat to use them (TP-local elements, padding included)."""
+
+    memory: StageMemory
+    chunks: tuple[range, ...]  # its blocks by model chunk
+    block_gathered: int  # one block's 2-D weights (the largest block's)
+    largest_gathered: int  # the largest single weight of a block
+    ends_gathered: int  # the embedding's or the head's, the larger (0: neither is here)
+
+
+def local_numel(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[int, bool]:
+    """(elements this rank stores of parameter `name`, whether it is sharded): the TP slice of
+    a planned weight, its rows padded to a multiple of GTP_remat as parallel.sharding pads
+    them; anything else (norms) whole."""
+    module = name.removesuffix(".weight")
+    if module == EMBEDDING:
+        style = "column"  # vocab-parallel: the rows (vocabulary) split over TP
+    elif len(shape) == 2:
+        style = tp_style(module)
+    else:
+        return math.prod(shape), False
+    rows, cols = shape
+    tp = layout.tp_size
+    rows, cols = (rows // tp, cols) if style == "column" else (rows, cols // tp)
+    return layout.shard_rows(rows) * cols, True
+
+
+def stage_of(name: str, layout: Layout, num_layers: int) -> int:
+    """The pipeline stage that holds parameter `name` (Layout.pipeline_layers: blocks by model
+    chunk; the embedding on the first stage, the final norm and head on the last)."""
+    prefix = f"{BLOCKS}."
+    if name.startswith(prefix):
+        block = int(name[len(prefix):].split(".", 1)[0])
+        chunk = next(i for i, blocks in enumerate(layout.pipeline_layers(num_layers))
+                     if block in blocks)
+        return chunk % layout.pp_size
+    return 0 if name.startswith(f"{EMBEDDING}.") else layout.pp_size - 1
+
+
+class ModelWeights:
+    """A model's parameters as a rank of any layout holds them. Blocks of the same shapes are
+    read once (a stage sums its blocks by kind), so the search can size thousands of layouts;
+    the embedding sits on the first stage, the final norm and head on the last. Tied
+    embeddings across stages: the last stage holds a copy of the embedding's shard and its
+    gradient, outside the optimizer, and its head gathers that weight."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], num_layers: int,
+                 tie_word_embeddings: bool = False):
+        prefix = f"{BLOCKS}."
+        blocks: list[dict[str, tuple[int, ...]]] = [{} for _ in range(num_layers)]
+        self.outside: list[tuple[str, tuple[int, ...]]] = []
+        for name, shape in shapes.items():
+            if name.startswith(prefix):
+                index, rest = name[len(prefix):].split(".", 1)
+                blocks[int(index)][rest] = shape
+            else:
+                self.outside.append((name, shape))
+        kinds: dict[tuple, int] = {}
+        self.kind_of = [kinds.setdefault(tuple(b.items()), len(kinds)) for b in blocks]
+        self.kinds = list(kinds)
+        self.num_layers, self.tied = num_layers, tie_word_embeddings
+        self.embedding = shapes[EMBEDDING_WEIGHT]
+
+    def stages(self, layout: Layout) -> list[StageWeights]:
+        """Each pipeline stage's rank, exactly as the trainer allocates it: shards padded by
+        rows (GTP_remat), and the optimizer's two flat buffers (sharded weights, replicated
+        tensors) padded to a multiple of the weight replicas, each replica updating one part
+        (trainer.train.optim.FlatBuffer)."""
+        g, pp = layout.gtp_remat_size, layout.pp_size
+        kinds = []  # per block kind: (sharded, whole, gathered, largest gathered) elements
+        for kind in self.kinds:
+            local = [(local_numel(f"{BLOCKS}.0.{name}", shape, layout), shape)
+                     for name, shape in kind]
+            gathered = [numel * g for (numel, _), shape in local if len(shape) == 2]
+            kinds.append((sum(n for (n, sharded), _ in local if sharded),
+                          sum(n for (n, sharded), _ in local if not sharded),
+                          sum(gathered), max(gathered, default=0)))
+        embedding = local_numel(EMBEDDING_WEIGHT, self.embedding, layout)[0]
+        p_bytes, g_bytes, o_bytes = BYTES_PER_ELEMENT
+        all_chunks, out = layout.pipeline_layers(self.num_layers), []
+        for stage in range(pp):
+            chunks = tuple(all_chunks[stage::pp])
+            blocks = tuple(i for chunk in chunks for i in chunk)
+            held = [kinds[self.kind_of[i]] for i in blocks]
+            sharded, whole = sum(k[0] for k in held), sum(k[1] for k in held)
+            ends = []
+            for name, shape in self.outside:
+                if stage == (0 if name.startswith(f"{EMBEDDING}.") else pp - 1):
+                    numel, is_sharded = local_numel(name, shape, layout)
+                    sharded, whole = sharded + numel * is_sharded, whole + numel * (not is_sharded)
+                    ends += [numel * g] if len(shape) == 2 else []
+            copy = 0
+            if self.tied and stage == pp - 1:  # the head uses the embedding's weight
+                ends.append(embedding * g)
+                copy = embedding if pp > 1 else 0
+            parts = sum(layout.optimizer_part(n) for n in (sharded, whole) if n)
+            buffers = parts * layout.num_weight_replicas
+            memory = StageMemory(stage, sharded + whole + copy, (buffers + copy) * p_bytes,
+                                 (buffers + copy) * g_bytes, parts * o_bytes, blocks)
+            out.append(StageWeights(memory, chunks, max((k[2] for k in held), default=0),
+                                    max((k[3] for k in held), default=0), max(ends, default=0)))
+        return out
+
+
+def stage_step(m: ModelConfig, layout: Layout, options: EngineOptions, stage: StageWeights,
+               kept: int) -> StepMemory:
+    """A stage's activations and transients of one micro-batch, given what its schedule keeps
+    (`kept`: trainer.plan.activations.stage_activation_bytes, or the fit's closed form)."""
+    number = stage.memory.stage
+    positions = [i for chunk in stage.chunks for i in range(len(chunk))]  # within each chunk
+    return step_memory(m, layout, options, positions, stage.block_gathered,
+                       stage.largest_gathered, stage.ends_gathered, kept,
+                       number == layout.pp_size - 1, number == 0)
+
+
+def _planned_step(m: ModelConfig, layout: Layout, options: EngineOptions,
+                  stage: StageWeights) -> dict[str, int]:
+    number = stage.memory.stage
+    actions = stage_actions(options.pipeline_schedule, number, layout.pp_size,
+                            layout.num_microbatches, layout.virtual_pipeline_size)
+    kept = stage_activation_bytes(m, layout, options, list(stage.chunks),
+                                  number == layout.pp_size - 1, actions)
+    step = stage_step(m, layout, options, stage, kept)
+    return {**asdict(step), "peak_bytes": stage.memory.total_bytes + step.transient_bytes,
+            "in_flight": in_flight(actions)}
+
+
+def memory_per_stage(shapes: dict[str, tuple[int, ...]], num_layers: int, layout: Layout,
+                     tie_word_embeddings: bool = False) -> list[StageMemory]:
+    """What one rank of each pipeline stage keeps between steps."""
+    return [s.memory for s in ModelWeights(shapes, num_layers, tie_word_embeddings).stages(layout)]
+
+
+def step_per_stage(shapes: dict[str, tuple[int, ...]], model: ModelConfig, layout: Layout,
+                   options: EngineOptions) -> list[dict[str, int]]:
+    """Each stage's activations and transients of one micro-batch, walking its schedule, and
+    its planned peak: state plus all of them."""
+    stages = ModelWeights(shapes, model.num_layers, model.tie_word_embeddings).stages(layout)
+    return [_planned_step(model, layout, options, s) for s in stages]
+
+
+def unsharded_memory(shapes: dict[str, tuple[int, ...]]) -> StageMemory:
+    """The same model in one process: the reference the per-rank figures divide."""
+    numel = sum(math.prod(shape) for shape in shapes.values())
+    p_bytes, g_bytes, o_bytes = BYTES_PER_ELEMENT
+    blocks = sorted({int(name.split(".")[1]) for name in shapes if name.startswith(f"{BLOCKS}.")})
+    return StageMemory(0, numel, numel * p_bytes, numel * g_bytes, numel * o_bytes,
+                       tuple(blocks))
+
+
+def memory_plan(model: ModelConfig, layout: Layout, options: EngineOptions) -> dict[str, Any]:
+    """layout.json's `memory`: per pipeline stage, one rank's state, step transients and peak;
+    and the unsharded model for reference."""
+    shapes = parameter_shapes(model)
+    stages = ModelWeights(shapes, model.num_layers, model.tie_word_embeddings).stages(layout)
+    return {"per_stage": [{**s.memory.as_dict(), **_planned_step(model, layout, options, s)}
+                          for s in stages],
+            "unsharded": unsharded_memory(shapes).as_dict()}

@@ -1,0 +1,80 @@
+"""What a run folder's layout.json records: the layout asked of the Layout, and the memory plan
+computed by trainer.plan.memory. A training run writes it as the dry run does; the dry run also
+formats it for a person (trainer.report.dry_run).
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from parallel.layout import AXES, Layout
+from parallel.pipeline.schedules import ideal_bubble_fraction
+from trainer.compose.runspec import RunSpec
+from trainer.plan.memory import memory_plan
+from trainer.plan.options import EngineOptions
+
+
+def rank_rows(layout: Layout, procs_per_node: int) -> list[dict[str, int]]:
+    """Per rank: node, its index on each axis, and the positions the trainer uses."""
+    rows = []
+    for rank in range(layout.world_size):
+        coords = layout.coords(rank)._asdict()
+        rows.append({"rank": rank, "node": rank // procs_per_node, **coords,
+                     "weight_shard": layout.weight_shard(rank),
+                     "batch_partition": layout.batch_partition(rank),
+                     "runtime_cp_rank": layout.runtime_cp_rank(rank)})
+    return rows
+
+
+def nvlink_warnings(layout: Layout, domain: int) -> list[str]:
+    crossing = layout.weight_tiles_crossing(domain)
+    if not crossing:
+        return []
+    first, last = crossing[0]
+    size = layout.weight_tile_size
+    return [f"{len(crossing)} of {layout.world_size // size} weight tiles (TP x GTP_remat = "
+            f"{size} ranks) span more than one NVLink domain of "
+            f"cluster.gpus_per_nvlink_domain={domain} ranks (first: ranks {first}..{last}); their "
+            f"weight all-gathers and gradient reduce-scatters will leave NVLink. Fix: make "
+            f"parallel.tensor_parallel_num_weight_shards divide {domain}, or set "
+            f"cluster.gpus_per_nvlink_domain if the domain is larger."]
+
+
+def layout_record(spec: RunSpec) -> dict[str, Any]:
+    """layout.json's content: the layout's inputs, derived values, axes, groups and ranks, the
+    memory plan (trainer.plan.memory) and the pipeline's bubble."""
+    config, layout = spec.config, spec.layout
+    record = {
+        "inputs": {
+            "world_size": layout.world_size,
+            "tensor_model_parallel_size": layout.tp_size,
+            "sequence_parallel": layout.sequence_parallel,
+            "tensor_parallel_num_weight_shards": layout.tensor_parallel_num_weight_shards,
+            "tensor_parallel_num_sequence_shards": layout.tensor_parallel_num_sequence_shards,
+            "context_parallel_size": layout.context_parallel_size,
+            "pipeline_model_parallel_size": layout.pp_size,
+            "virtual_pipeline_model_parallel_size": layout.virtual_pipeline_size,
+            "pipeline_schedule": config.parallel.pipeline_schedule,
+            "micro_batch_size": layout.micro_batch_size,
+            "seq_length": layout.seq_length,
+        },
+        "derived": layout.derived(),
+        "axes": {"order": list(AXES), "sizes": layout.axis_sizes, "strides": layout.axis_strides},
+        "groups": layout.all_groups(),
+        "ranks": rank_rows(layout, config.cluster.procs_per_node),
+        "memory": memory_plan(config.model, layout, EngineOptions.from_config(config)),
+        "pipeline": {"bubble_fraction": ideal_bubble_fraction(
+            layout.pp_size, layout.num_microbatches, layout.virtual_pipeline_size)},
+        "warnings": nvlink_warnings(layout, config.cluster.gpus_per_nvlink_domain),
+    }
+    if spec.auto is not None:
+        record["auto"] = spec.auto.as_dict()
+    return record
+
+
+def write_layout_json(record: dict[str, Any], run_dir: Path) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "layout.json"
+    path.write_text(json.dumps(record, indent=1))
+    return path
