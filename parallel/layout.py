@@ -293,9 +293,13 @@ class Layout:
         return self.gtp_remat_size // self.gtp_remat_num_sequence_shards
 
     @cached_property
+    def model_and_context_parallel_size(self) -> int:
+        """The ranks of one data-parallel replica: TP x GTP_remat x CP x PP."""
+        return self.tp_size * self.gtp_remat_size * self.context_parallel_size * self.pp_size
+
+    @cached_property
     def data_parallel_size(self) -> int:
-        model = self.tp_size * self.gtp_remat_size * self.context_parallel_size * self.pp_size
-        return self.world_size // model
+        return self.world_size // self.model_and_context_parallel_size
 
     @cached_property
     def batch_parallel_size(self) -> int:
@@ -322,8 +326,14 @@ class Layout:
         return self.context_parallel_size * self.data_parallel_size
 
     @cached_property
+    def micro_batch_times_batch_parallel_size(self) -> int:
+        """Samples of one micro-batch on every batch lane: a global batch is a multiple of it
+        (Megatron's micro_batch_times_data_parallel_size)."""
+        return self.micro_batch_size * self.batch_parallel_size
+
+    @cached_property
     def num_microbatches(self) -> int:
-        return self.global_batch_size // (self.micro_batch_size * self.batch_parallel_size)
+        return self.global_batch_size // self.micro_batch_times_batch_parallel_size
 
     @cached_property
     def weight_tile_size(self) -> int:

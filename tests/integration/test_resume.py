@@ -169,7 +169,9 @@ def test_a_full_disk_during_a_save_is_one_line_with_the_os_words_and_leaves_no_t
         out = launch(dataset, tmp_path / "run", "cluster.procs_per_node=2",
                      "train.train_samples=16", f"checkpoint.dir={disk / 'ckpts'}")
         assert out.returncode != 0
-        (line,) = error_lines(out.stderr)
+        lines = error_lines(out.stderr)
+        assert len(lines) == 1, out.stderr
+        (line,) = lines
         # Both ranks fail alike; the launcher names the first whose report reached it.
         saved = re.escape(str(disk / "ckpts" / "step_00000001"))
         assert re.match(rf"rank [01] of 2 failed: CheckpointSaveFailed: saving checkpoint "

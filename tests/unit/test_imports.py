@@ -112,10 +112,73 @@ def test_the_model_does_not_know_it_is_parallel():
 
 
 def test_launching_sits_on_top():
-    """Nothing below trainer.launch imports it, except the loop's stop-at-a-step-boundary signal
-    watch; launch.py is the composition root."""
-    users = {name for name in MODULES if not name.startswith("trainer.launch")
+    """Nothing imports trainer.launch but launch.py (the composition root, outside MODULES)."""
+    users = {f"{name} -> {dep}" for name in MODULES if not name.startswith("trainer.launch")
              for dep in project_imports(name) if dep.startswith("trainer.launch")}
-    assert users <= {"trainer.train.loop"}
-    assert {d for d in project_imports("trainer.train.loop") if d.startswith("trainer.launch")} \
-        <= {"trainer.train.signals"}
+    assert not users, users
+
+
+# The rooms of trainer/, lowest first (ARCHITECTURE.md): each imports only rooms below it, so
+# no two rooms import each other. The entry points people type sit on top.
+ROOMS = ("config", "checks", "model", "plan", "data", "auto", "compose", "checkpoint", "train",
+         "report", "launch", "hf", "prepare", "plot")
+
+
+def room_of(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "trainer" and len(parts) > 1 else None
+
+
+def test_every_room_of_trainer_is_placed():
+    assert {room_of(name) for name in MODULES} - {None} == set(ROOMS)
+
+
+def test_the_rooms_of_trainer_import_one_way():
+    upward = [f"{name} -> {dep}" for name in MODULES if room_of(name)
+              for dep in project_imports(name) if room_of(dep) and room_of(dep) != room_of(name)
+              and ROOMS.index(room_of(dep)) > ROOMS.index(room_of(name))]
+    assert not upward, f"imports that run back up: {upward}"
+
+
+def layout_sizes() -> set[str]:
+    """The Layout's fields and properties (its sizes), read from parallel/layout.py."""
+    tree = ast.parse((ROOT / "parallel" / "layout.py").read_text())
+    (layout,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Layout"]
+    names = {item.target.id for item in layout.body
+             if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}
+    return names | {item.name for item in layout.body if isinstance(item, ast.FunctionDef)
+                    and any(ast.unparse(d).endswith("property") for d in item.decorator_list)}
+
+
+def derived_sizes(source: str, sizes: set[str]) -> list[str]:
+    """Products and quotients of two sizes of one layout (`layout.a * layout.b`)."""
+    def size(node: ast.AST) -> bool:
+        return (isinstance(node, ast.Attribute) and node.attr in sizes
+                and isinstance(node.value, ast.Name) and "layout" in node.value.id)
+    return [f"{node.lineno}: {ast.unparse(node)}" for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.BinOp) and isinstance(node.op, (
+                ast.Mult, ast.Div, ast.FloorDiv, ast.Mod)) and size(node.left) and size(node.right)]
+
+
+# Products of layout sizes that are not a size of the layout, each with why.
+NOT_SIZES = {"layout.model_and_context_parallel_size * layout.virtual_pipeline_size":
+             "parallel=auto's tie-break between equally fast layouts: how finely one is cut"}
+
+
+def test_sizes_are_asked_of_the_layout():
+    """A size that follows from other layout sizes is a Layout property, never re-derived."""
+    sizes = layout_sizes()
+    assert {"weight_tile_size", "micro_batch_times_batch_parallel_size", "tp_size"} <= sizes
+    found = [f"{name}:{hit}" for name, path in MODULES.items()
+             if path != ROOT / "parallel" / "layout.py"
+             for hit in derived_sizes(path.read_text(), sizes)
+             if hit.split(": ", 1)[1] not in NOT_SIZES]
+    assert not found, found
+
+
+def test_the_size_check_finds_a_re_derived_size():
+    """The check above can fail: it finds the product the Layout names weight_tile_size, and
+    leaves a size times a number alone."""
+    sizes = layout_sizes()
+    assert derived_sizes("tile = step_layout.tp_size * step_layout.gtp_remat_size\n", sizes)
+    assert not derived_sizes("rows = layout.tp_size * 2\n", sizes)

@@ -249,7 +249,7 @@ def search(p: Problem) -> Choice:
 
 def _split(layout: Layout) -> int:
     """Ranks that split one model replica or one sequence (all but data parallel)."""
-    return layout.world_size // layout.data_parallel_size * layout.virtual_pipeline_size
+    return layout.model_and_context_parallel_size * layout.virtual_pipeline_size
 
 
 def _virtual(p: Problem, fixed: dict[str, Any], pp: int, dropped: Counter

@@ -40,7 +40,7 @@ class RunPlan:
                 raise ValueError(f"train.eval_interval={train.eval_interval} must be >= 1 "
                                  f"(steps). Fix: set it to a number of steps, or null for no "
                                  f"evaluation.")
-            lanes = layout.micro_batch_size * layout.batch_parallel_size
+            lanes = layout.micro_batch_times_batch_parallel_size
             if train.eval_samples < 1 or train.eval_samples % lanes:
                 raise ValueError(
                     f"train.eval_samples={train.eval_samples} is not a positive multiple of "
@@ -93,7 +93,7 @@ class RunPlan:
             groups = layout.pp_size if layout.virtual_pipeline_size > 1 else 1
             unit = (f"train.micro_batch_size x batch_parallel_size"
                     f"{' x PP (interleaved)' if groups > 1 else ''} = "
-                    f"{layout.micro_batch_size * layout.batch_parallel_size * groups}")
+                    f"{layout.micro_batch_times_batch_parallel_size * groups}")
             saved = (f" (the checkpoint was saved at train.global_batch_size={saved_gbs})"
                      if saved_gbs else "")
             raise ValueError(

@@ -142,7 +142,8 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
         if sum(parts.values()) > micro_s:
             micro_s, micro_parts = sum(parts.values()), parts
         # The optimizer's fp32 flat buffers: gradients reduce-scattered, weights gathered.
-        optimizer_s = max(optimizer_s, 2 * replica_link.ring(r, elements / (t * g) * FP32))
+        optimizer_s = max(optimizer_s, 2 * replica_link.ring(
+            r, elements / layout.weight_tile_size * FP32))
     seconds = {kind: value * layout.num_microbatches for kind, value in micro_parts.items()}
     seconds["pipeline bubble"] = micro_s * (layout.pp_size - 1) / layout.virtual_pipeline_size \
         * hw.bubble_share(layout.pp_size)

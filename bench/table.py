@@ -1,0 +1,218 @@
+"""The benchmark table: bench/results.json's figures as rows (figure, value, goal, met, notes),
+printed by bench/run.py, stored in results.json beside the figures, and written into README.md
+between its bench-table markers (tests/unit/test_bench_table.py holds README equal to it).
+No torch: it only reads the figures.
+
+    python bench/table.py          # rewrite README's table from bench/results.json
+"""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+README = HERE.parent / "README.md"
+BEGIN = "<!-- bench table: written by bench/run.py from bench/results.json; do not edit -->"
+END = "<!-- end of bench table -->"
+
+
+def met(value: Any, goal: str) -> bool | None:
+    """Whether a figure meets its goal: '<= x', '>= x', '< x', '> x', 'a-b' (inclusive) or 'x'
+    (equal at the shown precision); None where there is no goal ('-')."""
+    if goal == "-":
+        return None
+    if m := re.fullmatch(r"(<=|>=|<|>) ?([\d.]+)( s)?", goal):
+        op, bound = m.group(1), float(m.group(2))
+        return {"<=": value <= bound, ">=": value >= bound, "<": value < bound,
+                ">": value > bound}[op]
+    if m := re.fullmatch(r"([\d.]+)-([\d.]+)", goal):
+        return float(m.group(1)) <= value <= float(m.group(2))
+    decimals = len(goal.partition(".")[2])
+    return round(value, decimals) == float(goal)
+
+
+def _worst(ratios: dict[str, dict[str, float]]) -> float:
+    """The ratio furthest from 1.00 over every layout and collective kind."""
+    return max((r for by_op in ratios.values() for r in by_op.values()), key=lambda r: abs(r - 1))
+
+
+def _row(figure: str, value: Any, goal: str, notes: str) -> dict[str, Any]:
+    if isinstance(value, float):
+        value = round(value, 3)
+    return {"figure": figure, "value": value, "goal": goal, "met": met(value, goal),
+            "notes": notes}
+
+
+def rows(figures: dict[str, Any]) -> list[dict[str, Any]]:
+    f = figures
+    over, w2, w4 = f["overhead_vs_plain_loop"], f["step_time_vs_fsdp2_w2"], \
+        f["step_time_vs_fsdp2_w4"]
+    out = [
+        _row("overhead_vs_plain_loop", over["overhead_vs_plain_loop"], "<= 1.05",
+             f"launch.py's step time over a hand-written loop, same model, data and batch, one "
+             f"process ({over['batch']}); spread {over['ratio_spread']}"),
+        _row("step_time_vs_fsdp2_w2", w2["ratio"], "<= 1.0",
+             f"weight sharding (WS 2) vs FSDP2 fully_shard, {w2['parameters']:,} parameters, "
+             f"gloo: ours {w2['ours']['step_s_median']:.3f} s, fsdp2 "
+             f"{w2['fsdp2']['step_s_median']:.3f} s"),
+        _row("step_time_vs_fsdp2_w4", w4["ratio"], "<= 1.0",
+             f"WS 4: ours {w4['ours']['step_s_median']:.3f} s, fsdp2 "
+             f"{w4['fsdp2']['step_s_median']:.3f} s"),
+        _row("comm_bytes_vs_analytic", _worst(f["comm_bytes_vs_analytic"]), "1.00",
+             "bytes of every collective kind over the count from shapes and layout "
+             "(bench/comm_memory.py), worst over " + ", ".join(f["comm_bytes_vs_analytic"])),
+        _row("memory_vs_analytic", max(f["memory_vs_analytic"].values()), "<= 1.05",
+             "parameters + gradients + AdamW state per rank over the analytic count, worst "
+             "over the same layouts"),
+        _row("compose_vs_bare_hydra", f["compose_vs_bare_hydra"]["compose_vs_bare_hydra"],
+             "<= 1.3", f"launch.py --cfg job --resolve vs the same tree in a bare Hydra app "
+             f"({f['compose_vs_bare_hydra']['compose_s_ours']} s vs "
+             f"{f['compose_vs_bare_hydra']['compose_s_bare']} s, spread "
+             f"{f['compose_vs_bare_hydra']['ratio_spread']}); all groups of 16,384 ranks: "
+             f"{f['compose_vs_bare_hydra']['groups_16384_ranks_s']} s"),
+        _row("loader_headroom", f["loader_headroom"]["loader_headroom"], ">= 50",
+             f"{f['loader_headroom']['loader_samples_per_s']:,} samples/s delivered to a rank "
+             f"over the samples/s training consumes"),
+        _row("blend_loader_headroom", f["loader_headroom"]["blend_loader_headroom"], ">= 50",
+             f"the same through data.blend: {f['loader_headroom']['blend_samples_per_s']:,} "
+             f"samples/s, {f['loader_headroom']['blend_setup']}"),
+    ]
+    mem = f["memory_follows_layout"]
+    seed, peaks = mem["seed_build"], mem["step_peak_vs_plan"]
+    worst = max(peaks.values(), key=lambda r: abs(r["step_peak_over_planned"] - 1))
+    real = mem["real_ranks"]
+    out += [
+        _row("seed_build_peak_over_state", seed["build_peak_over_state"], "<= 2",
+             "rank 0 of seed_128rank_cp2, 2 layers, seq 8192, built alone against a simulated "
+             "128-rank world: build peak over planned state"),
+        _row("seed_build_s", seed["build_s"], "< 5 s", "the same build"),
+        _row("step_peak_over_planned", worst["step_peak_over_planned"], "0.8-1.2",
+             "measured dry run's RSS peak over the planned peak, the worst of " + ", ".join(
+                 f"{n} {r['step_peak_over_planned']}" for n, r in peaks.items())),
+        _row("real_rank_rss_over_planned",
+             real["fixed_mmap_threshold_1mib"]["peak_rss_over_planned"], "<= 1.2",
+             f"{real['setup']}, glibc's mmap threshold fixed at 1 MiB; with glibc's default "
+             f"{real['glibc_default']['peak_rss_over_planned']}"),
+        _row("bf16_gather_bytes_over_fp32", mem["bf16_gathers"]["bf16_gather_bytes_over_fp32"],
+             "0.50", mem["bf16_gathers"]["setup"]),
+        _row("overlap_step_time_ratio", f["overlap"]["step_time_overlap_over_sequential"],
+             "< 1.0", f"overlap on over off: {f['overlap']['setup']}"),
+    ]
+    cp = f["context_parallel"]
+    peak, steps = cp["attention_peak"], cp["steps"]
+    out += [
+        _row("p2p_attention_peak_over_ag", peak["cp8"]["p2p_over_all_gather"], "<= 0.25",
+             f"one layer's context attention, forward and backward, simulated rank of runtime "
+             f"CP 8; CP 4: {peak['cp4']['p2p_over_all_gather']}"),
+        _row("a2a_attention_peak_over_ag", peak["cp8"]["a2a_over_all_gather"], "-",
+             f"the same for a2a; CP 4: {peak['cp4']['a2a_over_all_gather']}"),
+        _row("cp_step_time_over_ag", max(steps["step_time_over_all_gather"].values()), "-",
+             ", ".join(f"{k} {v}" for k, v in steps["step_time_over_all_gather"].items())
+             + f"; {steps['setup']}"),
+        _row("cp_bytes_over_analytic", max(steps["bytes_over_analytic"].values(),
+                                           key=lambda r: abs(r - 1)), "1.00",
+             ", ".join(f"{k} {v}" for k, v in steps["bytes_over_analytic"].items())),
+    ]
+    pp = f["pipeline"]
+    bubble, versus = pp["bubble_over_ideal"], pp["step_time_vs_torch_pipelining"]
+    out += [_row(f"bubble_{name}_over_ideal", bubble[name]["ratio"], "<= 1.1",
+                 f"measured {bubble[name]['measured']}, ideal {bubble[name]['ideal']}; with "
+                 f"gloo's late-receive hops {bubble[name]['late_receive_model']}; gpipe "
+                 f"{bubble['gpipe']['ratio']}; {pp['setup']}")
+            for name in ("1f1b", "interleaved_1f1b")]
+    out.append(_row("pp2_step_vs_torch_pipelining", versus["ratio"], "<= 1.0",
+                    f"ours {versus['ours_s_median']} s, torch Schedule1F1B "
+                    f"{versus['torch_s_median']} s; first loss off by "
+                    f"{versus['first_loss']['relative_error']} (relative)"))
+    out += _auto_rows(f["auto"])
+    prep = f["prepare"]
+    out.append(_row("prepare_throughput_vs_lib", prep["prepare_throughput_vs_library"],
+                    ">= 0.8", f"{prep['ours_tokens_per_s']:,} vs "
+                    f"{prep['library_tokens_per_s']:,} tokens/s, {prep['setup']}"))
+    hf = f["hf_interop"]
+    out += [
+        _row("hf_import_s", hf["hf_import_s"], "-",
+             f"export {hf['hf_export_s']} s; transformers' load + save "
+             f"{hf['transformers_load_and_save_s']} s; {hf['setup']}"),
+        _row("hf_peak_rss_over_weights", max(hf["import_peak_rss_over_weights"],
+                                             hf["export_peak_rss_over_weights"]), "< 1",
+             f"import {hf['import_peak_rss_over_weights']}, export "
+             f"{hf['export_peak_rss_over_weights']} of {hf['weights_gb']} GB beyond the "
+             f"imports' peak"),
+    ]
+    ck = f["checkpoint_checksums"]
+    out += [
+        _row("checksum_gb_per_s", min(ck["checksum_gb_per_s_on_save"],
+                                      ck["checksum_gb_per_s_on_load"]), ">= 1",
+             f"save {ck['checksum_gb_per_s_on_save']}, load {ck['checksum_gb_per_s_on_load']} "
+             f"GB/s; {ck['setup']}"),
+        _row("save_over_dcp_alone", ck["save_over_dcp_alone"], "-",
+             f"checksums and meta.json; verify over load {ck['verify_over_load']}"),
+    ]
+    return out
+
+
+def _auto_rows(a: dict) -> list[dict[str, Any]]:
+    """parallel=auto: compose time, its ranking against measured step times, its memory."""
+    compose = a["compose"]
+    out = [_row("auto_compose_over_plain", max(c["auto_over_plain"] for c in compose.values()),
+                "<= 3", ", ".join(f"{n} {c['auto_s']} s / {c['plain_s']} s"
+                                  for n, c in compose.items()))]
+    out += [_row(f"auto_rank_correlation_w{world}", r["rank_correlation"], ">= 0.8",
+                 f"{len(r['layouts'])} layouts, calibrated {r['calibrated']}")
+            for world, r in a["ranking"].items()]
+    if a.get("memory"):
+        worst = max(a["memory"].values(), key=lambda r: abs(r["measured_over_planned"] - 1))
+        out.append(_row("auto_memory_measured_over_plan", worst["measured_over_planned"],
+                        "0.8-1.2", ", ".join(f"{n} {r['measured_over_planned']}"
+                                             for n, r in a["memory"].items())))
+    return out
+
+
+def text(table: list[dict[str, Any]]) -> str:
+    """The table as run.py prints it."""
+    lines = [f"{'figure':34s} {'value':>8s}  {'goal':8s} {'met':4s} notes"]
+    lines += [f"{r['figure']:34s} {r['value']!s:>8}  {r['goal']:8s} {_met(r['met']):4s} "
+              f"{r['notes']}" for r in table]
+    return "\n".join(lines)
+
+
+def _met(value: bool | None) -> str:
+    return {True: "yes", False: "no", None: "-"}[value]
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """README's section between the markers: where and when, then the table."""
+    table = result["table"]
+    missed = [r["figure"] for r in table if r["met"] is False]
+    lines = [BEGIN, "",
+             f"Measured {result['measured']} at commit {result['commit']} on {result['machine']}"
+             f" ({result['mode']} mode, {result['wall_s']:.0f} s): {len(table)} figures, "
+             f"{sum(r['met'] is True for r in table)} goals met, {len(missed)} not met"
+             + (f" ({', '.join(missed)})" if missed else "") + ".", "",
+             "| figure | value | goal | met | notes |", "|---|---|---|---|---|"]
+    lines += [f"| {r['figure']} | {r['value']} | {r['goal']} | {_met(r['met'])} | "
+              f"{r['notes'].replace('|', '/')} |" for r in table]
+    return "\n".join([*lines, "", END])
+
+
+def readme_section(readme: str) -> str:
+    """The generated section of README.md, markers included."""
+    start, end = readme.index(BEGIN), readme.index(END) + len(END)
+    return readme[start:end]
+
+
+def write_readme(result: dict[str, Any], path: Path = README) -> None:
+    readme = path.read_text()
+    path.write_text(readme.replace(readme_section(readme), markdown(result)))
+
+
+if __name__ == "__main__":
+    results = json.loads((HERE / "results.json").read_text())
+    if "table" not in results:
+        sys.exit("bench/results.json has no table: run python bench/run.py")
+    write_readme(results)
+    print(f"wrote {README}'s bench table from {HERE / 'results.json'}")
