@@ -120,7 +120,8 @@ WORLD = Key("world_size", section="", fix="world_size = cluster.num_nodes x "
 BATCH = (Key("micro_batch_size", section="train"),
          Key("global_batch_size", section="train", null="train.micro_batch_size x "
              "batch_parallel_size"),
-         Key("seq_length", section="train", fix="set it to the tokens of one sample"))
+         Key("seq_length", section="train", null="a layout of degrees alone (no sequence checks)",
+             fix="set it to the tokens of one sample"))
 
 RANK_AXES = {a: size for axis in REGISTRY for a, size in axis.rank_axes.items()}
 AXES = tuple(RANK_AXES)

@@ -1,6 +1,7 @@
 """The parallel layout: every derived size and every rank group (contract: shared/design/layout.md).
 
-Pure integer arithmetic over six rank axes, no torch and no config library. The resolver plugin,
+Pure integer arithmetic over the rank axes of parallel.axes (tp, seq, batch, cp, dp, pp), no
+torch and no config library. The resolver plugin,
 the dry run and the trainer all ask a Layout; nothing else re-derives a size or a group.
 """
 from __future__ import annotations
@@ -10,57 +11,19 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, NamedTuple
 
-# Rank axes, fastest-varying first: TP is innermost, PP outermost.
-AXES = ("tp", "seq", "batch", "cp", "dp", "pp")
+from parallel.axes import AXES, GROUPS, LAYOUT_KEYS, RANK_AXES, LayoutError
 
-# A group over some axes holds all ranks that agree on every other axis.
-GROUP_AXES: dict[str, tuple[str, ...]] = {
-    # Weight view: who holds which weight shard.
-    "tp": ("tp",),
-    "gtp_remat": ("seq", "batch"),
-    "weight_tile": ("tp", "seq", "batch"),
-    "weight_replica": ("cp", "dp"),
-    "model_parallel": ("tp", "seq", "batch", "pp"),
-    "pp": ("pp",),
-    # Batch and sequence view: who sees which tokens.
-    "context": ("seq", "cp"),
-    "batch_lane": ("batch", "dp"),
-    "token_distinct": ("seq", "batch", "cp", "dp"),
-}
+__all__ = ["AXES", "GROUP_AXES", "GROUP_NAMES", "GROUP_PURPOSE", "CONFIG_KEY", "Layout",
+           "LayoutError", "RankCoords", "multiples_near"]
+
+# Rank axes (fastest first), groups and inputs: parallel.axes, one entry per parallel axis.
+GROUP_AXES: dict[str, tuple[str, ...]] = {g.name: g.axes for g in GROUPS if g.axes is not None}
 # "embedding" is not an axis product: it is the first and last stage of each pp group.
-GROUP_NAMES = (*GROUP_AXES, "embedding")
-
-GROUP_PURPOSE = {
-    "tp": "tensor parallel: splits each weight column/row-wise; SP splits activations over it",
-    "gtp_remat": "weight sharding beyond TP: all-gathers weights before use, "
-    "reduce-scatters their gradients",
-    "weight_tile": "TP x GTP_remat ranks that together hold one full copy of the weights",
-    "weight_replica": "ranks holding the same weight shard: gradients summed, "
-    "optimizer state sharded",
-    "model_parallel": "TP x GTP_remat x PP: one model replica",
-    "pp": "pipeline stages, first to last",
-    "embedding": "first and last pipeline stage (tied embedding gradients)",
-    "context": "runtime CP (configured CP x sequence shards): split one sequence, exchange K/V",
-    "batch_lane": "one rank per independent micro-batch stream; index = batch partition",
-    "token_distinct": "every rank that sees different tokens: the loss is summed here",
-}
+GROUP_NAMES = tuple(g.name for g in GROUPS)
+GROUP_PURPOSE = {g.name: g.purpose for g in GROUPS}
 
 # The config key a user sets for each input, used in every error message.
-CONFIG_KEY = {
-    "world_size": "world_size",
-    "tensor_model_parallel_size": "parallel.tensor_model_parallel_size",
-    "sequence_parallel": "parallel.sequence_parallel",
-    "tensor_parallel_num_weight_shards": "parallel.tensor_parallel_num_weight_shards",
-    "tensor_parallel_num_sequence_shards": "parallel.tensor_parallel_num_sequence_shards",
-    "context_parallel_size": "parallel.context_parallel_size",
-    "pipeline_model_parallel_size": "parallel.pipeline_model_parallel_size",
-    "virtual_pipeline_model_parallel_size": "parallel.virtual_pipeline_model_parallel_size",
-    "num_layers_in_first_pipeline_stage": "parallel.num_layers_in_first_pipeline_stage",
-    "num_layers_in_last_pipeline_stage": "parallel.num_layers_in_last_pipeline_stage",
-    "micro_batch_size": "train.micro_batch_size",
-    "global_batch_size": "train.global_batch_size",
-    "seq_length": "train.seq_length",
-}
+CONFIG_KEY = {key.name: key.config_key for key in LAYOUT_KEYS}
 
 DERIVED_KEYS = (
     "world_size", "sp_degree", "gtp_remat_size", "gtp_remat_num_sequence_shards",
@@ -70,19 +33,8 @@ DERIVED_KEYS = (
 )
 
 
-class LayoutError(ValueError):
-    """A parallel layout that breaks a rule of the contract; the message names keys and fix."""
-
-
-class RankCoords(NamedTuple):
-    """A rank's index on each axis."""
-
-    tp: int
-    seq: int
-    batch: int
-    cp: int
-    dp: int
-    pp: int
+# A rank's index on each rank axis.
+RankCoords = NamedTuple("RankCoords", [(axis, int) for axis in AXES])
 
 
 def multiples_near(value: int, base: int) -> str:
@@ -114,26 +66,16 @@ class Layout:
 
     @classmethod
     def from_config(cls, parallel: Any, cluster: Any, train: Any) -> Layout:
-        """From the parallel, cluster and train config nodes (DictConfig or dataclass)."""
+        """From the parallel, cluster and train config nodes (DictConfig or dataclass): each
+        input of parallel.axes read from its section."""
         for key in ("num_nodes", "procs_per_node"):
             value = getattr(cluster, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise LayoutError(f"cluster.{key}={value!r} must be an integer >= 1.")
-        return cls(
-            world_size=cluster.num_nodes * cluster.procs_per_node,
-            tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-            sequence_parallel=parallel.sequence_parallel,
-            tensor_parallel_num_weight_shards=parallel.tensor_parallel_num_weight_shards,
-            tensor_parallel_num_sequence_shards=parallel.tensor_parallel_num_sequence_shards,
-            context_parallel_size=parallel.context_parallel_size,
-            pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
-            num_layers_in_first_pipeline_stage=parallel.num_layers_in_first_pipeline_stage,
-            num_layers_in_last_pipeline_stage=parallel.num_layers_in_last_pipeline_stage,
-            micro_batch_size=train.micro_batch_size,
-            global_batch_size=train.global_batch_size,
-            seq_length=train.seq_length,
-        )
+        sections = {"parallel": parallel, "train": train}
+        return cls(cluster.num_nodes * cluster.procs_per_node,
+                   **{key.name: getattr(sections[key.section], key.name)
+                      for key in LAYOUT_KEYS if key.section})
 
     def __post_init__(self) -> None:
         self._check_positive_integers()
@@ -150,21 +92,8 @@ class Layout:
     # ----------------------------------------------------------------------------- validation
 
     def _check_positive_integers(self) -> None:
-        if not isinstance(self.sequence_parallel, bool):
-            raise LayoutError(
-                f"parallel.sequence_parallel={self.sequence_parallel!r} must be true or false.")
-        optional = ("tensor_parallel_num_weight_shards", "tensor_parallel_num_sequence_shards",
-                    "global_batch_size", "seq_length", "virtual_pipeline_model_parallel_size",
-                    "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage")
-        for name, key in CONFIG_KEY.items():
-            value = getattr(self, name)
-            if name == "sequence_parallel" or (value is None and name in optional):
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                hint = " (or null for its default)" if name in optional else ""
-                if name == "world_size":
-                    hint = " (world_size = cluster.num_nodes x cluster.procs_per_node)"
-                raise LayoutError(f"{key}={value!r} must be an integer >= 1{hint}.")
+        for key in LAYOUT_KEYS:  # each input's type and range (parallel.axes.Key.check)
+            key.check(getattr(self, key.name))
 
     def _check_weight_and_sequence_shards(self) -> None:
         tp, ws, ss, sp = (self.tp_size, self.tensor_parallel_num_weight_shards,
@@ -198,7 +127,7 @@ class Layout:
         return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - value), d))
 
     def _check_world_size(self) -> None:
-        tile = self.tp_size * self.gtp_remat_size * self.context_parallel_size * self.pp_size
+        tile = self.model_and_context_parallel_size
         if self.world_size % tile:
             raise LayoutError(
                 f"world_size={self.world_size} (cluster.num_nodes x cluster.procs_per_node) is "
@@ -209,7 +138,7 @@ class Layout:
                 f"lower those degrees.")
 
     def _check_batch(self) -> None:
-        step = self.micro_batch_size * self.batch_parallel_size
+        step = self.micro_batch_times_batch_parallel_size
         gbs = self.global_batch_size
         if gbs is None:
             object.__setattr__(self, "global_batch_size", step)
@@ -242,7 +171,7 @@ class Layout:
 
     def _check_pipeline(self) -> None:
         pp, v, m = self.pp_size, self.virtual_pipeline_size, self.num_microbatches
-        step = self.micro_batch_size * self.batch_parallel_size
+        step = self.micro_batch_times_batch_parallel_size
         v_key = CONFIG_KEY["virtual_pipeline_model_parallel_size"]
         if v > 1 and pp == 1:
             raise LayoutError(
@@ -413,9 +342,7 @@ class Layout:
 
     @cached_property
     def axis_sizes(self) -> dict[str, int]:
-        return dict(zip(AXES, (self.tp_size, self.gtp_remat_num_sequence_shards,
-                               self.gtp_remat_num_batch_shards, self.context_parallel_size,
-                               self.data_parallel_size, self.pp_size)))
+        return {axis: getattr(self, size) for axis, size in RANK_AXES.items()}
 
     @cached_property
     def axis_strides(self) -> dict[str, int]:
@@ -541,6 +468,6 @@ class Layout:
         domain of `domain_size` consecutive ranks: their gathers would leave NVLink."""
         if domain_size < 1:
             raise LayoutError(f"cluster.gpus_per_nvlink_domain={domain_size} must be >= 1.")
-        size = self.tp_size * self.gtp_remat_size
+        size = self.weight_tile_size
         return [[start, start + size - 1] for start in range(0, self.world_size, size)
                 if start // domain_size != (start + size - 1) // domain_size]

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from parallel.axes import BATCH, PARALLEL_KEYS
 from parallel.layout import Layout
 from parallel.pipeline.schedules import SCHEDULES
 from trainer.config import (
@@ -168,23 +169,12 @@ def check_cluster(cluster: ClusterConfig) -> None:
 
 
 def check_layout_inputs(parallel: Any, cluster: Any, train: Any) -> None:
-    """The counts a Layout is built from, each >= 1, before the Layout relates them (its own
-    bound checks name the key but no fix). DictConfig nodes or dataclasses."""
+    """The counts a Layout is built from (parallel.axes: every axis's keys and the batch's),
+    each checked before the Layout relates them. DictConfig nodes or dataclasses."""
     check_cluster(cluster)
-    for key in ("tensor_model_parallel_size", "context_parallel_size",
-                "pipeline_model_parallel_size"):
-        _positive_int(f"parallel.{key}", getattr(parallel, key), f"set parallel.{key}=1 (off)")
-    for key in ("tensor_parallel_num_weight_shards", "tensor_parallel_num_sequence_shards",
-                "virtual_pipeline_model_parallel_size", "num_layers_in_first_pipeline_stage",
-                "num_layers_in_last_pipeline_stage"):
-        if getattr(parallel, key) is not None:
-            _positive_int(f"parallel.{key}", getattr(parallel, key),
-                          f"set it to 1 or more, or parallel.{key}=null for its default")
-    _positive_int("train.micro_batch_size", train.micro_batch_size)
-    if train.global_batch_size is not None:
-        _positive_int("train.global_batch_size", train.global_batch_size, "set it to 1 or more, "
-                      "or null for train.micro_batch_size x batch_parallel_size")
-    _positive_int("train.seq_length", train.seq_length, "set it to the tokens of one sample")
+    sections = {"parallel": parallel, "train": train}
+    for key in (*PARALLEL_KEYS, *BATCH):
+        key.check(getattr(sections[key.section], key.name))
 
 
 def check_writable(key: str, value: Any, folder: Path, what: str) -> None:

@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from parallel.axes import group_names
 from parallel.layout import GROUP_AXES, GROUP_PURPOSE, Layout
 from parallel.pipeline.schedules import ideal_bubble_fraction
 from trainer.auto.search import Candidate, Choice
@@ -17,9 +18,7 @@ from trainer.report.record import layout_record, write_layout_json
 
 log = logging.getLogger(__name__)
 
-WEIGHT_VIEW = ("tp", "gtp_remat", "weight_tile", "weight_replica", "model_parallel", "pp",
-               "embedding")
-TOKEN_VIEW = ("context", "batch_lane", "token_distinct")
+WEIGHT_VIEW, TOKEN_VIEW = group_names("weight"), group_names("token")
 MAX_TABLE_RANKS = 64  # larger worlds get the summary only; layout.json always has every rank
 
 

@@ -1,0 +1,57 @@
+"""The registry of parallel axes is the one list of the layout's inputs, rank axes and groups:
+the Layout, the config schema and the defaults agree with it, and its checks name the key."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from parallel.axes import AXES, GROUPS, LAYOUT_KEYS, PARALLEL_KEYS, REGISTRY, LayoutError
+from parallel.layout import GROUP_AXES, Layout, RankCoords
+from trainer.config import ParallelConfig
+
+from config_helpers import CONF_DIR
+
+
+def test_the_layout_takes_exactly_the_registrys_inputs_in_order():
+    assert [f.name for f in dataclasses.fields(Layout)] == [k.name for k in LAYOUT_KEYS]
+    assert RankCoords._fields == AXES == ("tp", "seq", "batch", "cp", "dp", "pp")
+
+
+def test_every_parallel_key_has_a_schema_field_and_a_default():
+    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+    defaults = yaml.safe_load((CONF_DIR / "parallel" / "default.yaml").read_text())
+    for key in PARALLEL_KEYS:
+        assert key.name in fields and key.name in defaults, key.name
+
+
+def test_each_group_belongs_to_the_axis_of_its_slowest_rank_axis():
+    for axis in REGISTRY:
+        for group in axis.groups:
+            if group.axes is not None:
+                assert set(group.axes) <= set(AXES)
+                assert max(group.axes, key=AXES.index) in axis.rank_axes, group.name
+    assert len({g.name for g in GROUPS}) == len(GROUPS)
+    assert list(GROUP_AXES) == [g.name for g in GROUPS if g.axes is not None]
+
+
+def test_every_rank_axis_size_is_a_layout_size():
+    layout = Layout(16, tensor_model_parallel_size=2, tensor_parallel_num_weight_shards=8,
+                    sequence_parallel=True, tensor_parallel_num_sequence_shards=4)
+    assert layout.axis_sizes == {"tp": 2, "seq": 2, "batch": 2, "cp": 1, "dp": 2, "pp": 1}
+
+
+@pytest.mark.parametrize("name,value,said", [
+    ("context_parallel_size", 0, "parallel.context_parallel_size=0 must be >= 1. Fix: set "
+                                 "parallel.context_parallel_size=1 (off)."),
+    ("tensor_parallel_num_weight_shards", 2.5, "parallel.tensor_parallel_num_weight_shards=2.5 "
+                                               "must be an integer >= 1. Fix: set it to 1 or "
+                                               "more, or parallel.tensor_parallel_num_weight_"
+                                               "shards=null for its default."),
+    ("sequence_parallel", 1, "parallel.sequence_parallel=1 must be true or false."),
+])
+def test_a_bad_input_names_its_key_and_the_fix(name, value, said):
+    with pytest.raises(LayoutError) as error:
+        Layout(4, **{name: value})
+    assert str(error.value) == said
