@@ -1,1 +1,2 @@
-"""Checkpoints: DCP save/load at global offsets (any layout), and which one to resume."""
+"""Checkpoints: DCP save/load at global offsets (any layout), checksums, and the checkpoint a
+run starts from."""

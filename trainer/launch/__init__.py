@@ -1,1 +1,2 @@
-"""Starting and stopping ranks: local processes, torchrun/submitit, signals, run-folder locks."""
+"""Starting and stopping ranks: local processes, torchrun/submitit, run-folder and checkpoint
+locks."""

@@ -1,1 +1,1 @@
-"""What a person sees: the dry run, the memory plan, metrics, logs and plots."""
+"""What a person sees: layout.json's record, the dry run, a measured rank, launch.log, plots."""

@@ -1,1 +1,2 @@
-"""One rank training: the engine it builds, the step, the optimizer, the schedule, the loop."""
+"""One rank training: the engine it builds, the step, the optimizer, recompute, the loop, its
+metrics and its signal watch."""
