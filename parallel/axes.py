@@ -26,7 +26,6 @@ class Key:
     section: str = "parallel"
     flag: bool = False  # true/false; otherwise an integer >= 1
     null: Optional[str] = None  # what null means (None: null is not allowed)
-    label: str = ""  # how the dry run and the search name it (TP, WS, ...)
     fix: str = ""  # the fix of a value below 1
 
     @property
@@ -77,8 +76,8 @@ TENSOR = Axis(
 
 GTP_REMAT = Axis(
     "GTP_remat weight and sequence shards",
-    (Key("tensor_parallel_num_weight_shards", null="its default", label="WS"),
-     Key("tensor_parallel_num_sequence_shards", null="its default", label="SS")),
+    (Key("tensor_parallel_num_weight_shards", null="its default"),
+     Key("tensor_parallel_num_sequence_shards", null="its default")),
     {"seq": "gtp_remat_num_sequence_shards", "batch": "gtp_remat_num_batch_shards"},
     (Group("gtp_remat", ("seq", "batch"), "weight sharding beyond TP: all-gathers weights before "
            "use, reduce-scatters their gradients", "weight"),
@@ -102,7 +101,7 @@ DATA = Axis(
 PIPELINE = Axis(
     "pipeline parallel",
     (_off("pipeline_model_parallel_size"),
-     Key("virtual_pipeline_model_parallel_size", null="its default", label="v"),
+     Key("virtual_pipeline_model_parallel_size", null="its default"),
      Key("num_layers_in_first_pipeline_stage", null="its default"),
      Key("num_layers_in_last_pipeline_stage", null="its default")),
     {"pp": "pp_size"},

@@ -15,14 +15,6 @@ import pytest
 from config_helpers import ROOT
 
 
-@pytest.fixture(scope="module")
-def no_torch(tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("no_torch")
-    (folder / "torch").mkdir()
-    (folder / "torch" / "__init__.py").write_text("raise ImportError('torch imported')\n")
-    return folder
-
-
 def launch(no_torch: Path, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
     env["PYTHONPATH"] = os.pathsep.join([str(no_torch), str(ROOT)])

@@ -16,15 +16,6 @@ import pytest
 from config_helpers import ROOT
 
 
-@pytest.fixture(scope="module")
-def no_torch(tmp_path_factory) -> Path:
-    """A folder to put first on PYTHONPATH: `import torch` there fails loudly."""
-    folder = tmp_path_factory.mktemp("no_torch")
-    (folder / "torch").mkdir()
-    (folder / "torch" / "__init__.py").write_text("raise ImportError('torch imported')\n")
-    return folder
-
-
 def sweep(no_torch: Path, sweep_dir: Path, *overrides: str,
           env_extra: dict | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from parallel.layout import Layout
 from trainer.config import CPCommType, ModelConfig, Precision, RecomputeGranularity
 from trainer.model.plan import block_weight_elements
+from trainer.plan.activations import FP32, compute_bytes
 from trainer.plan.hardware import Hardware
 from trainer.plan.options import EngineOptions
 
-FP32 = 4
 KINDS = ("compute", "tensor parallel", "weight gathers", "context parallel", "pipeline sends",
          "optimizer reduce", "pipeline bubble")
 
@@ -57,7 +57,7 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
     b, s, S, h = layout.micro_batch_size, layout.context_local_length, layout.seq_length, \
         m.hidden_size
     T, V, W = b * s, m.padded_vocab_size, block_weight_elements(m)
-    e = 2 if options.precision is Precision.bf16 else FP32
+    e = compute_bytes(options.precision)
     flops = hw.flops(options.precision)
     overlaps = not hw.shares_cores  # shared cores compute and move messages in turn
     overlap_gather = options.overlap_param_gather and overlaps
@@ -160,7 +160,7 @@ def floor_s(m: ModelConfig, layout: Layout, precision: Precision, hw: Hardware) 
     b, s, S, h = layout.micro_batch_size, layout.context_local_length, layout.seq_length, \
         m.hidden_size
     T, V, W = b * s, m.padded_vocab_size, block_weight_elements(m)
-    e = 2 if precision is Precision.bf16 else FP32
+    e = compute_bytes(precision)
     flops = hw.flops(precision)
     blocks = m.num_layers // pp if layout.num_layers_in_last_pipeline_stage is None else \
         layout.num_layers_in_last_pipeline_stage
@@ -170,6 +170,6 @@ def floor_s(m: ModelConfig, layout: Layout, precision: Precision, hw: Hardware) 
         + 3 * 2 * T * h * V / t / flops + 2 * ring
     fewest = min(blocks, (m.num_layers - blocks) // max(1, pp - 1)) if pp > 1 else blocks
     optimizer = 2 * hw.link(layout, "weight_replica").ring(
-        layout.num_weight_replicas, fewest * W / (t * layout.gtp_remat_size) * FP32)
+        layout.num_weight_replicas, fewest * W / layout.weight_tile_size * FP32)
     bubble = (pp - 1) / layout.virtual_pipeline_size * hw.bubble_share(pp)
     return micro * (layout.num_microbatches + bubble) + optimizer
