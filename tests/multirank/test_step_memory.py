@@ -5,6 +5,8 @@ process group (collectives return at once, allocations are real; ../shared/notes
 - the saved activations autograd really keeps (torch.autograd.graph.saved_tensors_hooks, every
   storage once) against trainer.plan.activations' formula, by layout and recompute setting;
 - a rank's build never creates a tensor anywhere near the size of a full 2-D weight;
+- what the allocator really holds (torch's profiler memory events, trainer.report.allocations)
+  during the micro-batches and during the optimizer update, against the plan's terms;
 - the measured dry run (the real CLI, dry_run_rank) of a 64-rank world against the plan.
 """
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch.distributed as dist
 from parallel.layout import Layout
 from trainer.config import CPCommType, ModelConfig, OptimConfig, Precision, RecomputeGranularity
 from trainer.model.plan import parameter_shapes
-from trainer.plan.memory import step_per_stage
+from trainer.plan.memory import memory_per_stage, step_per_stage
 from trainer.plan.options import EngineOptions
 
 from config_helpers import ROOT
@@ -137,6 +139,51 @@ def test_planned_activations_are_what_autograd_keeps(name):
     assert abs(measured / expected - 1) < 0.01
 
 
+def allocated_transients(rank: int, layout: Layout, options: EngineOptions,
+                         model: ModelConfig = MODEL) -> tuple[int, int]:
+    """(the micro-batches' transient, the update's) of a second step, counted by the
+    allocator above what the rank held before each part (its state made by the first)."""
+    from trainer.data.batch import rank_micro_batches
+    from trainer.report.allocations import Allocations
+    from trainer.train.engine import build_engine
+    from trainer.train.step import train_step
+
+    engine = build_engine(model, OPTIM, 0, layout, torch.device("cpu"), options)
+    fetch = lambda idx: torch.randint(0, model.vocab_size, (len(idx), layout.seq_length + 1))  # noqa: E731
+    micro_batches = rank_micro_batches(fetch, layout, rank)
+    train_step(engine.model, engine.optimizer, micro_batches, 1e-4)
+    with Allocations() as counted:
+        train_step(engine.model, engine.optimizer, micro_batches, 1e-4, counted.mark)
+    return (counted.phase("micro_batches").transient_bytes,
+            counted.phase("update").transient_bytes)
+
+
+TRANSIENTS = ("activation_bytes", "backward_bytes", "recompute_bytes", "autocast_weight_bytes",
+              "logits_bytes", "gathered_bytes")
+
+
+@pytest.mark.parametrize("name", ["one_process", "tp2_sp", "cp2", "cp4_a2a", "ws4_ss4",
+                                  "full", "bf16_ws2", "gqa_cp4_all_gather"])
+def test_allocator_counted_transients_against_the_plan(name):
+    """The update's transient is the plan's within 2%. The micro-batches' is at most the
+    plan's: the plan adds up terms that are alive at different times (the head's logits, a
+    block's backward, its gathered weights), so it stands above what is alive at once."""
+    world, layout_kwargs, option_kwargs = CASES.get(name) or GQA_CASES[name]
+    model = GQA if name in GQA_CASES else MODEL
+    layout = Layout(world, micro_batch_size=2, seq_length=512, **layout_kwargs)
+    options = EngineOptions(**option_kwargs)
+    step, update = simulated(world, 0, allocated_transients, layout, options, model)
+    plan = planned(layout, options, model)
+    (state,) = memory_per_stage(parameter_shapes(model), model.num_layers, layout,
+                                model.tie_word_embeddings)
+    transients = sum(plan[k] for k in TRANSIENTS)
+    print(f"\n{name}: update {update:,} B, planned {state.update_bytes:,} B "
+          f"({update / state.update_bytes - 1:+.2%}); micro-batches {step:,} B, planned "
+          f"{transients:,} B ({step / transients:.2f} of it)")
+    assert abs(update / state.update_bytes - 1) < 0.02
+    assert 0 < step <= transients
+
+
 def largest_tensor_of_build(rank: int, layout: Layout) -> int:
     """Elements of the largest tensor any operation creates while the rank builds its engine."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -196,6 +243,10 @@ def test_measured_dry_run_of_a_64_rank_world_matches_the_plan(tmp_path):
     assert measured["rank"] == 9 and measured["world_size"] == 64
     assert measured["state_bytes"] == plan["total_bytes"]
     assert 0.8 <= measured["step_peak_bytes"] / plan["peak_bytes"] <= 1.2
+    # Counted by the allocator: the update's transient is the plan's term, and the
+    # micro-batches' stays under the plan's sum of transients.
+    assert abs(measured["update_transient_bytes"] / plan["update_bytes"] - 1) < 0.02
+    assert 0 < measured["step_transient_bytes"] <= sum(plan[k] for k in TRANSIENTS)
     # (Build peak over state is a bench figure at the seed's scale: here the state is 7 MiB
     # and fixed costs such as the CP mask dominate it.)
     assert 0 < measured["build_peak_bytes"] < measured["step_peak_bytes"]

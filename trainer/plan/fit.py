@@ -15,7 +15,7 @@ from trainer.plan.activations import (
     compute_bytes,
     head_activation_bytes,
 )
-from trainer.plan.memory import ModelWeights, StageWeights, stage_step
+from trainer.plan.memory import ModelWeights, StageWeights, stage_peak, stage_step
 from trainer.plan.options import EngineOptions
 
 
@@ -76,7 +76,7 @@ class PeakPlanner:
                                                        compute_bytes(options.precision))
             kept = kept_bytes(per_chunk, options.pipeline_schedule, stage, layout)
             step = stage_step(self.m, layout, options, weights, kept)
-            worst = max(worst, (weights.memory.total_bytes + step.transient_bytes, stage))
+            worst = max(worst, (stage_peak(weights, step), stage))
         return worst
 
     def state_floor(self, stages: list[StageWeights]) -> int:

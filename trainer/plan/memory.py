@@ -26,6 +26,7 @@ from trainer.plan.options import EngineOptions
 # change what a rank keeps between steps.
 BYTES_PER_ELEMENT = (4, 4, 8)
 EMBEDDING_WEIGHT = f"{EMBEDDING}.weight"
+UPDATE_TEMPORARIES = 2  # fp32 tensors of a part's size alive at once in AdamW's update
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,10 @@ class StageMemory:
     grad_bytes: int
     optim_bytes: int
     blocks: tuple[int, ...] = ()  # the blocks this stage holds
+    # The optimizer update's transient: torch's AdamW forms sqrt(exp_avg_sq) and its quotient
+    # by the bias correction beside each other, fp32 of the largest part this rank updates
+    # (trainer.train.optim; the fp64 gradient norm is taken in chunks no larger).
+    update_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -142,10 +147,12 @@ class ModelWeights:
             if self.tied and stage == pp - 1:  # the head uses the embedding's weight
                 ends.append(embedding * g)
                 copy = embedding if pp > 1 else 0
-            parts = sum(layout.optimizer_part(n) for n in (sharded, whole) if n)
+            own = [layout.optimizer_part(n) for n in (sharded, whole) if n]
+            parts = sum(own)
             buffers = parts * layout.num_weight_replicas
             memory = StageMemory(stage, sharded + whole + copy, (buffers + copy) * p_bytes,
-                                 (buffers + copy) * g_bytes, parts * o_bytes, blocks)
+                                 (buffers + copy) * g_bytes, parts * o_bytes, blocks,
+                                 UPDATE_TEMPORARIES * g_bytes * max(own, default=0))
             out.append(StageWeights(memory, chunks, max((k[2] for k in held), default=0),
                                     max((k[3] for k in held), default=0), max(ends, default=0)))
         return out
@@ -162,6 +169,12 @@ def stage_step(m: ModelConfig, layout: Layout, options: EngineOptions, stage: St
                        number == layout.pp_size - 1, number == 0)
 
 
+def stage_peak(stage: StageWeights, step: StepMemory) -> int:
+    """A stage's rank at its most: its state, plus the step's transients or, once the
+    micro-batches are done and those are gone, the optimizer update's."""
+    return stage.memory.total_bytes + max(step.transient_bytes, stage.memory.update_bytes)
+
+
 def _planned_step(m: ModelConfig, layout: Layout, options: EngineOptions,
                   stage: StageWeights) -> dict[str, int]:
     number = stage.memory.stage
@@ -170,7 +183,7 @@ def _planned_step(m: ModelConfig, layout: Layout, options: EngineOptions,
     kept = stage_activation_bytes(m, layout, options, list(stage.chunks),
                                   number == layout.pp_size - 1, actions)
     step = stage_step(m, layout, options, stage, kept)
-    return {**asdict(step), "peak_bytes": stage.memory.total_bytes + step.transient_bytes,
+    return {**asdict(step), "peak_bytes": stage_peak(stage, step),
             "in_flight": in_flight(actions)}
 
 

@@ -25,7 +25,8 @@ MAX_TABLE_RANKS = 64  # larger worlds get the summary only; layout.json always h
 STEP_COLUMNS = {"activation_bytes": "activations", "backward_bytes": "backward",
                 "recompute_bytes": "recompute",
                 "autocast_weight_bytes": "autocast", "logits_bytes": "logits",
-                "gathered_bytes": "gathered", "peak_bytes": "peak"}
+                "gathered_bytes": "gathered", "update_bytes": "update", "peak_bytes": "peak"}
+TRANSIENTS = tuple(k for k in STEP_COLUMNS if k not in ("update_bytes", "peak_bytes"))
 
 
 def _bytes(n: int) -> str:
@@ -106,8 +107,9 @@ def format_report(spec: RunSpec, record: dict[str, Any]) -> str:
     for entry in memory["per_stage"]:
         label = f"stage {entry['stage']}" if layout.pp_size > 1 else "each rank"
         lines.append(f"  {label:18s} " + " ".join(_bytes(entry[k]) for k in STEP_COLUMNS))
-    lines += ["  (peak = state + activations + backward + recompute + autocast + logits + "
-              "gathered;", "   the formula of each term: README, memory plan)"]
+    lines += ["  (peak = state + the larger of: activations + backward + recompute + autocast + "
+              "logits + gathered,", "   or the optimizer update; the formula of each term: "
+              "README, memory plan)"]
     if layout.pp_size > 1:
         lines += pipeline_lines(config.parallel.pipeline_schedule, layout, memory)
     if spec.auto is not None:
@@ -172,6 +174,7 @@ def _ranges(blocks: list[int]) -> str:
 
 def format_measured(measured: dict[str, Any], planned: dict[str, int]) -> str:
     m = measured
+    transients = _bytes(sum(planned[k] for k in TRANSIENTS)).strip()
     return "\n".join([
         "", f"measured (rank {m['rank']} of a simulated world of {m['world_size']}, "
         f"{m['device']}): build {m['build_s']:.2f} s, one step {m['step_s']:.2f} s",
@@ -181,7 +184,11 @@ def format_measured(measured: dict[str, Any], planned: dict[str, int]) -> str:
         f"{_bytes(planned['activation_bytes']).strip()}; {m['in_flight']} (micro-batch, chunk) "
         f"pair(s) in flight, planned {planned['in_flight']})",
         f"  {'build peak':18s} {_bytes(m['build_peak_bytes'])}",
-        f"  {'step peak':18s} {_bytes(m['step_peak_bytes'])}",
+        f"  {'step peak':18s} {_bytes(m['step_peak_bytes'])}   (resident memory)",
+        *([f"  {'step transients':18s} {_bytes(m['step_transient_bytes'])}   (allocator-"
+           f"counted above the state; planned {transients})",
+           f"  {'update transient':18s} {_bytes(m['update_transient_bytes'])}   (planned "
+           f"{_bytes(planned['update_bytes']).strip()})"] if "step_transient_bytes" in m else []),
     ])
 
 

@@ -16,6 +16,10 @@ from parallel.layout import Layout
 from parallel.parallelize import ParallelModel
 from trainer.config import OptimConfig
 
+# Gradient elements squared in fp64 at a time for the norm: its transient is one fp64 chunk
+# (8 MiB), where widening a whole part would cost 8 bytes per element the rank updates.
+NORM_CHUNK = 1 << 20
+
 
 @dataclass
 class FlatBuffer:
@@ -95,8 +99,10 @@ class ShardedAdamW:
             buffer.part.grad = part_grad
         square = torch.zeros((), dtype=torch.float64, device=self.buffers[0].part.device)
         for buffer in self.buffers:
-            if buffer.counted:
-                square += buffer.part.grad.double().pow(2).sum()
+            if buffer.counted:  # widened to fp64 a chunk at a time, not the whole part
+                for chunk in buffer.part.grad.split(NORM_CHUNK):
+                    wide = chunk.double()
+                    square += torch.dot(wide, wide)
         return self.world.all_reduce(square).sqrt().item()
 
     @torch.no_grad()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -38,7 +39,10 @@ class StepResult:
 
 
 def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: list[MicroBatch],
-               lr: float) -> StepResult:
+               lr: float, mark: Callable[[str], None] | None = None) -> StepResult:
+    """mark: told "micro_batches" and then "update" as each part of the step begins (the
+    measured dry run counts what each allocates)."""
+    mark = mark or (lambda phase: None)
     groups, device = model.groups, next(model.parameters()).device
     # Counted over token_distinct: TP ranks (and pipeline stages) share their tokens.
     local = sum(int((mb.labels != IGNORE).sum()) for mb in micro_batches)
@@ -48,6 +52,7 @@ def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: lis
         raise ValueError("the global batch has no loss tokens (every label is ignored)")
     optimizer.zero_grad()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    mark("micro_batches")
 
     def last_stage(i: int, logits: torch.Tensor) -> torch.Tensor:
         summed = _masked_sum(model.token_losses(logits, micro_batches[i].labels),
@@ -61,6 +66,7 @@ def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: lis
     model.reduce_embedding_grads()  # tied embeddings on the first and last stage
     # Both are global values, so every rank refuses a non-finite step together.
     loss = _from_last_stage(model, loss_sum).item() / total_tokens
+    mark("update")
     grad_norm = optimizer.reduce_gradients()
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         raise NonFiniteStep(loss, grad_norm)
