@@ -1,7 +1,8 @@
 """The registry of parallel axes: each axis names, in one place, the config keys it adds to the
-layout (Megatron's names), the rank axes it owns and the groups over them. parallel.layout
-builds its rank order, groups and input checks from it; the compose-time checks, layout.json,
-the dry run and the layout search read the keys from it instead of listing them.
+layout (Megatron's names), the rank axes it owns, the groups over them and the steps that apply
+it to a model. parallel.layout builds its rank order, groups and input checks from it; the
+compose-time checks, layout.json, the dry run and the layout search read the keys from it, and
+parallel.parallelize runs its steps, instead of listing them.
 
 Rank axes run fastest first in the registry's order, the seed's tp-cp-dp-pp with GTP_remat's
 sequence and batch shards inside the weight tile: tp, seq, batch, cp, dp, pp. A group over some
@@ -10,7 +11,7 @@ rank axis. Pure Python (no torch, no config library): compose time imports it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
@@ -62,6 +63,9 @@ class Axis:
     keys: tuple[Key, ...]
     rank_axes: dict[str, str]  # fastest first: each rank axis and the Layout size of it
     groups: tuple[Group, ...]
+    # How parallelize applies it: phase (parallel.build.PHASES) -> "module:function" of its
+    # step, named here and imported only when a rank is built (this module imports no torch).
+    steps: dict[str, str] = field(default_factory=dict)
 
 
 def _off(name: str) -> Key:
@@ -72,7 +76,8 @@ TENSOR = Axis(
     "tensor parallel", (_off("tensor_model_parallel_size"), Key("sequence_parallel", flag=True)),
     {"tp": "tp_size"},
     (Group("tp", ("tp",), "tensor parallel: splits each weight column/row-wise; SP splits "
-           "activations over it", "weight"),))
+           "activations over it", "weight"),),
+    {"shard": "parallel.tensor:shard_layers"})
 
 GTP_REMAT = Axis(
     "GTP_remat weight and sequence shards",
@@ -82,12 +87,14 @@ GTP_REMAT = Axis(
     (Group("gtp_remat", ("seq", "batch"), "weight sharding beyond TP: all-gathers weights before "
            "use, reduce-scatters their gradients", "weight"),
      Group("weight_tile", ("tp", "seq", "batch"), "TP x GTP_remat ranks that together hold one "
-           "full copy of the weights", "weight")))
+           "full copy of the weights", "weight")),
+    {"wire": "parallel.bundle:bundle_blocks"})
 
 CONTEXT = Axis(
     "context parallel", (_off("context_parallel_size"),), {"cp": "context_parallel_size"},
     (Group("context", ("seq", "cp"), "runtime CP (configured CP x sequence shards): split one "
-           "sequence, exchange K/V", "token"),))
+           "sequence, exchange K/V", "token"),),
+    {"wire": "parallel.context:inject_attention"})
 
 DATA = Axis(
     "data parallel", (), {"dp": "data_parallel_size"},
@@ -109,7 +116,8 @@ PIPELINE = Axis(
            "replica", "weight"),
      Group("pp", ("pp",), "pipeline stages, first to last", "weight"),
      Group("embedding", None, "first and last pipeline stage (tied embedding gradients)",
-           "weight")))
+           "weight")),
+    {"cut": "parallel.pipeline.steps:cut_to_stage", "wire": "parallel.pipeline.steps:chunk_views"})
 
 REGISTRY = (TENSOR, GTP_REMAT, CONTEXT, DATA, PIPELINE)
 

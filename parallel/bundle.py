@@ -12,6 +12,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from parallel.build import Build
 from parallel.comm import Group, Pending
 from parallel.sharding import IN_MASTER_DTYPE, CommDtypes, autocast_input
 
@@ -248,3 +249,29 @@ def bundled_linear(x: torch.Tensor, shard: torch.Tensor, bundle: ShardBundle,
     # that needs a gradient; inside Function.forward grad mode is always off, so decide here.
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or shard.requires_grad)
     return _BundledLinear.apply(x, shard, bundle, index, needs_grad)
+
+
+def bundle_blocks(build: Build) -> None:
+    """GTP_remat's step of parallelize (wire): the sharded linears of each block join one
+    bundle (one gather and one reduce-scatter per block, not per weight); a block's gathered
+    weights live for its forward; with overlap_param_gather each bundle starts the next one's
+    gather, within a chunk (its blocks run one after another)."""
+    gtp, plan, options = build.groups.gtp_remat, build.plan, build.options
+    if gtp.size == 1:
+        return
+    queue = GradReduceQueue() if options.overlap_grad_reduce else None
+    bundles: dict[str, ShardBundle] = {}
+    for name, child in build.model.named_modules():  # blocks in forward order
+        if hasattr(child, "join_bundle") and name.startswith(f"{plan.blocks}."):
+            block = ".".join(name.split(".")[:2])
+            if block not in bundles:
+                bundles[block] = ShardBundle(gtp, build.dtypes, queue)
+            child.join_bundle(bundles[block])
+    for block, bundle in bundles.items():
+        build.model.get_submodule(block).register_forward_hook(
+            lambda module, args, output, bundle=bundle: bundle.release_forward())
+    if options.overlap_param_gather:
+        chunk_of = {f"{plan.blocks}.{i}": c for c, blocks in enumerate(build.part.chunks)
+                    for i in blocks}
+        for chunk in range(len(build.part.chunks)):
+            link([b for name, b in bundles.items() if chunk_of[name] == chunk])

@@ -1,28 +1,31 @@
 """parallelize: apply the layout to a single-device model from outside, by module name.
 
-In a fixed order: the model is cut to this rank's pipeline stage (parallel.pipeline.stages),
-tensor parallel (+ sequence parallel) layers with GTP-sharded weights replace the model's
-linears and embedding (each block's in one ShardBundle), then context-parallel attention is
-injected. The model keeps its own code; what it holds afterwards is this rank's shards, and
-its runner (parallel.pipeline.runner) runs the micro-batches in the schedule's order.
+Each axis applies itself by the steps it registers (parallel.axes), run by phase
+(parallel.build): the pipeline cuts the model to this rank's stage (parallel.pipeline.steps),
+the tensor axis replaces the linears and embedding by TP (+SP) layers with GTP_remat-sharded
+weights (parallel.tensor), this rank's shards are allocated, then GTP_remat bundles each
+block's gathers (parallel.bundle), context parallel injects its attention (parallel.context)
+and the pipeline makes its chunk views. The model keeps its own code; what it holds afterwards
+is this rank's shards, and its runner (parallel.pipeline.runner) runs the micro-batches in the
+schedule's order.
 """
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from torch import nn
 
-from parallel.bundle import GradReduceQueue, ShardBundle, link
-from parallel.comm import Group
-from parallel.context import context_attention
+from parallel.axes import REGISTRY
+from parallel.build import Build, CommOptions
+from parallel.bundle import GradReduceQueue, ShardBundle
 from parallel.groups import Groups
 from parallel.layout import Layout
 from parallel.pipeline.runner import PipelineRunner
-from parallel.pipeline.stages import Pruned, StagePart, chunk_view, prune
+from parallel.pipeline.stages import Pruned, StagePart, shared_weights
 from parallel.plan import ParallelPlan
-from parallel.sharding import CommDtypes
 from parallel.tensor import (
     ParallelLinear,
     VocabParallelEmbedding,
@@ -33,25 +36,6 @@ from parallel.tensor import (
 ParallelLayer = (ParallelLinear, VocabParallelEmbedding)
 # (parameter name, its single-device shape, offsets, shape) -> that rectangle of its value
 InitialValues = Callable[[str, tuple[int, ...], tuple[int, ...], tuple[int, ...]], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class CommOptions:
-    """How the parallel layers communicate; none of these changes what is computed. Weights
-    are always gathered in the compute dtype (bf16 under autocast: half the bytes, the same
-    values)."""
-
-    grad_reduce_in_compute_dtype: bool = False  # else gradients are summed in fp32
-    overlap_param_gather: bool = False  # the next block's gather runs while this one computes
-    overlap_grad_reduce: bool = False  # a block's reduce-scatter runs during earlier blocks'
-    cp_comm_type: str = "p2p"  # context parallel attention: p2p (ring), all_gather or a2a
-    pipeline_schedule: str = "1f1b"  # parallel.pipeline.schedules.SCHEDULES
-
-    def dtypes(self, compute_dtype: torch.dtype) -> CommDtypes:
-        if compute_dtype == torch.float32:  # no autocast: messages in the masters' dtype
-            return CommDtypes()
-        return CommDtypes(compute_dtype,
-                          compute_dtype if self.grad_reduce_in_compute_dtype else None)
 
 
 class ParallelModel(nn.Module):
@@ -199,23 +183,14 @@ def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Gr
                 ) -> ParallelModel:
     """A model on the meta device comes back with this rank's parameters allocated on
     `device` but not initialised (ParallelModel.initialize); a real one keeps its values.
+    The axes' steps run by phase (parallel.build), each phase in the registry's order.
     vocab_size: the head's logits from this id on are padding (excluded from the loss).
     A weight the model shares between layers (tied embeddings) stays one parameter: both
     replacements store the same shard, and autograd sums the two uses' gradients into it."""
-    tp, gtp, sp = groups.tp, groups.gtp_remat, layout.sequence_parallel and layout.tp_size > 1
-    dtypes = options.dtypes(compute_dtype)
-    stage = layout.coords(rank).pp
-    part = StagePart(layout.stage_chunks(stage, len(getattr(model, plan.blocks))),
-                     stage == 0, stage == layout.pp_size - 1)
-    pruned = Pruned([], [])
-    if layout.pp_size > 1:  # before anything is allocated: a rank holds its stage only
-        pruned = prune(model, plan, part, _shared_weights(model))
-    ties = _shared_weights(model)
-    for name, child in list(model.named_modules()):
-        replacement = _parallel_layer(name, child, plan, tp, gtp, sp, dtypes)
-        if replacement is not None:
-            parent, _, attr = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, attr, replacement)
+    build = Build(model, plan, layout, groups, rank, options, options.dtypes(compute_dtype))
+    _run(build, "cut")
+    ties = shared_weights(model)  # before the layers are replaced: which weights are one
+    _run(build, "shard")
     # Before anything keeps a reference to a parameter: moving off meta makes new ones.
     if any(p.device.type == "meta" for p in model.parameters()):
         model.to_empty(device=device)
@@ -223,47 +198,24 @@ def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Gr
         model.to(device)
     for name, owner in ties.items():  # after to_empty, which makes a new parameter per module
         _tie(model.get_submodule(name), model.get_submodule(owner), name, owner)
-    queue = GradReduceQueue() if options.overlap_grad_reduce and gtp.size > 1 else None
-    bundles: dict[str, ShardBundle] = {}
-    chunk_of = {f"{plan.blocks}.{i}": c for c, blocks in enumerate(part.chunks) for i in blocks}
-    if gtp.size > 1:  # one collective per transformer block, not one per weight
-        for name, child in model.named_modules():  # blocks in forward order
-            if isinstance(child, ParallelLinear) and name.startswith(f"{plan.blocks}."):
-                block = ".".join(name.split(".")[:2])
-                if block not in bundles:
-                    bundles[block] = ShardBundle(gtp, dtypes, queue)
-                child.join_bundle(bundles[block])
-        for block, bundle in bundles.items():  # the gathered weights live for one block forward
-            model.get_submodule(block).register_forward_hook(
-                lambda module, args, output, bundle=bundle: bundle.release_forward())
-        if options.overlap_param_gather:  # within a chunk: its blocks run one after another
-            for chunk in range(len(part.chunks)):
-                link([b for name, b in bundles.items() if chunk_of[name] == chunk])
-    if layout.runtime_context_parallel_size > 1:
-        attention = context_attention(options.cp_comm_type, groups.context, layout, rank)
-        for module in model.modules():
-            if hasattr(module, "attention_fn"):
-                module.attention_fn = attention
-    chunks = ([chunk_view(model, plan, part, c) for c in range(len(part.chunks))]
-              if layout.pp_size > 1 else [model])
-    parallel = ParallelModel(model, groups, sp, plan.head, compute_dtype,
-                             list(bundles.values()), queue, vocab_size, Stage(part, chunks, pruned))
+    _run(build, "wire")
+    # What the steps made, as the model holds it: each block's bundle, in forward order.
+    bundles = list(dict.fromkeys(m.bundle for m in model.modules()
+                                 if isinstance(m, ParallelLinear) and m.bundle is not None))
+    queue = bundles[0].reduce_queue if bundles else None
+    stage = Stage(build.part, build.chunks or [model], build.pruned)
+    parallel = ParallelModel(model, groups, build.sequence_parallel, plan.head, compute_dtype,
+                             bundles, queue, vocab_size, stage)
     parallel.runner = PipelineRunner(parallel, layout, options.pipeline_schedule, plan.hidden_size)
     return parallel
 
 
-def _shared_weights(model: nn.Module) -> dict[str, str]:
-    """Module name -> the earlier module whose weight parameter it shares."""
-    owners: dict[int, str] = {}
-    ties = {}
-    for name, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if isinstance(weight, nn.Parameter):
-            if id(weight) in owners:
-                ties[name] = owners[id(weight)]
-            else:
-                owners[id(weight)] = name
-    return ties
+def _run(build: Build, phase: str) -> None:
+    """Every registered axis's step of `phase`, in the registry's order."""
+    for axis in REGISTRY:
+        if phase in axis.steps:
+            module, _, function = axis.steps[phase].partition(":")
+            getattr(importlib.import_module(module), function)(build)
 
 
 def _tie(module: nn.Module, owner: nn.Module, name: str, owner_name: str) -> None:
@@ -271,13 +223,3 @@ def _tie(module: nn.Module, owner: nn.Module, name: str, owner_name: str) -> Non
         raise ValueError(f"{name} shares {owner_name}'s weight, but their parallel shards differ "
                          f"({tuple(module.weight.shape)} vs {tuple(owner.weight.shape)})")
     module.weight = owner.weight
-
-
-def _parallel_layer(name: str, module: nn.Module, plan: ParallelPlan, tp: Group, gtp: Group,
-                    sp: bool, dtypes: CommDtypes) -> nn.Module | None:
-    if isinstance(module, nn.Embedding):
-        return VocabParallelEmbedding(module, tp, gtp, sp, name, dtypes)
-    if not isinstance(module, nn.Linear):
-        return None
-    style, parts = plan.linear_style(name)
-    return ParallelLinear(module, style, tp, gtp, sp, name, parts, dtypes)

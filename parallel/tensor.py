@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from parallel.build import Build
 from parallel.bundle import ShardBundle, bundled_linear
 from parallel.comm import Group
 from parallel.regions import (
@@ -220,3 +221,21 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp:
         return nn.functional.cross_entropy(logits.flatten(0, -2), labels.flatten(),
                                            reduction="none").view(labels.shape)
     return _VocabParallelCrossEntropy.apply(logits, labels, tp, vocab_start)
+
+
+def shard_layers(build: Build) -> None:
+    """The tensor axis's step of parallelize (shard, on the meta device): every linear and
+    embedding the model's plan names is replaced by its TP (+SP) layer, which stores this
+    rank's GTP_remat shard of the TP-local weight."""
+    model, plan, sp = build.model, build.plan, build.sequence_parallel
+    tp, gtp = build.groups.tp, build.groups.gtp_remat
+    for name, child in list(model.named_modules()):
+        if isinstance(child, nn.Embedding):
+            replacement = VocabParallelEmbedding(child, tp, gtp, sp, name, build.dtypes)
+        elif isinstance(child, nn.Linear):
+            style, parts = plan.linear_style(name)
+            replacement = ParallelLinear(child, style, tp, gtp, sp, name, parts, build.dtypes)
+        else:
+            continue
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, attr, replacement)

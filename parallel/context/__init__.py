@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from parallel.build import Build
 from parallel.comm import Group
 from parallel.context.alltoall import AllToAllAttention
 from parallel.context.chunks import keep_local, local_positions
@@ -24,7 +25,8 @@ from parallel.layout import Layout
 ATTENTION = {"p2p": RingAttention, "all_gather": AllGatherAttention, "a2a": AllToAllAttention}
 CP_COMM_TYPES = tuple(ATTENTION)
 
-__all__ = ["CP_COMM_TYPES", "context_attention", "keep_local", "local_positions"]
+__all__ = ["CP_COMM_TYPES", "context_attention", "inject_attention", "keep_local",
+           "local_positions"]
 
 
 def context_attention(cp_comm_type: str, context: Group, layout: Layout, rank: int
@@ -33,3 +35,15 @@ def context_attention(cp_comm_type: str, context: Group, layout: Layout, rank: i
     if cp_comm_type not in ATTENTION:
         raise ValueError(f"cp_comm_type={cp_comm_type!r}: expected one of {CP_COMM_TYPES}")
     return ATTENTION[cp_comm_type](context, layout, rank)
+
+
+def inject_attention(build: Build) -> None:
+    """The context axis's step of parallelize (wire): with runtime CP > 1, every module that
+    calls an attention_fn calls the configured exchange instead."""
+    if build.layout.runtime_context_parallel_size == 1:
+        return
+    attention = context_attention(build.options.cp_comm_type, build.groups.context,
+                                  build.layout, build.rank)
+    for module in build.model.modules():
+        if hasattr(module, "attention_fn"):
+            module.attention_fn = attention

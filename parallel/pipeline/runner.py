@@ -22,15 +22,18 @@ import torch
 
 from parallel.comm import Pending
 from parallel.layout import Layout
-from parallel.pipeline.schedules import FORWARD, Action, model_chunk, stage_actions
+from parallel.pipeline.schedules import (
+    FORWARD,
+    RECEIVE_AHEAD,
+    Action,
+    model_chunk,
+    stage_actions,
+)
 
 # The last chunk's logits of micro-batch i -> the tensor its backward starts from (training),
 # or anything (evaluation). The caller keeps what it needs of the loss.
 LastStage = Callable[[int, torch.Tensor], torch.Tensor]
 ACTIVATION, POSITIONS, GRADIENT = range(3)  # message kinds, part of each tag
-# Receives are posted this many actions before the one that needs them (each holds one
-# micro-batch's hidden states until then).
-RECEIVE_AHEAD = 1
 
 
 class PipelineRunner:
@@ -49,8 +52,10 @@ class PipelineRunner:
         # Set to measure what the schedule keeps: the bytes autograd saves in each forward
         # (weights excluded), summed over the (micro-batch, chunk) pairs in flight; the most
         # of the last run, and the most pairs in flight, beside the dry run's plan of them.
+        # Also the most bytes of received messages held at once (posted receives, and the
+        # action's own: a backward's gradient, a forward's positions).
         self.measure = False
-        self.peak_saved_bytes = self.peak_in_flight = 0
+        self.peak_saved_bytes = self.peak_in_flight = self.peak_message_bytes = 0
         # Seconds of the last run: all of it, and computing (forwards, loss, backwards; not
         # waiting for messages). 1 - busy / total is the bubble this stage saw.
         self.run_s = self.busy_s = 0.0
@@ -65,11 +70,14 @@ class PipelineRunner:
             actions = [a for a in actions if a.kind == FORWARD]
         self._device = inputs[0][0].device
         flight = _InFlight()
-        self.peak_saved_bytes = self.peak_in_flight = 0
+        self.peak_saved_bytes = self.peak_in_flight = self.peak_message_bytes = 0
         started, self.busy_s = time.perf_counter(), 0.0
         for i, action in enumerate(actions):
             for upcoming in actions[i:i + 1 + RECEIVE_AHEAD]:
                 self._post_receives(upcoming, flight)
+            if self.measure:
+                self.peak_message_bytes = max(self.peak_message_bytes,
+                                              _message_bytes(flight, action))
             if action.kind == FORWARD:
                 self._forward(action, inputs, last, train, flight)
             else:
@@ -165,6 +173,18 @@ class PipelineRunner:
               microbatch: int, kind: int) -> Pending:
         return self.pp.start_recv(shape, dtype, self._device, (self.stage + step) % self.size,
                                   self._tag(chunk, microbatch, kind))
+
+
+def _message_bytes(flight: _InFlight, action: Action) -> int:
+    """Bytes of the receive buffers held as `action` runs: every posted one but the hidden
+    states a forward takes as its chunk's input (its activations count those)."""
+    total = 0
+    for key, pending in flight.receives.items():
+        buffers = [p.output for p in pending]
+        if key == (action.kind, action.microbatch, action.chunk) and action.kind == FORWARD:
+            buffers = buffers[:1]  # its positions
+        total += sum(b.nbytes for b in buffers)
+    return total
 
 
 @dataclass

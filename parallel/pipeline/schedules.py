@@ -122,6 +122,41 @@ def in_flight(actions: list[Action]) -> int:
     return most
 
 
+# The runner posts an action's receives this many actions before it (each then holds its
+# message until it is used), so a message arrives while the rank computes.
+RECEIVE_AHEAD = 1
+
+
+def message_counts(actions: list[Action], stage: int, pp: int, virtual: int = 1
+                   ) -> set[tuple[int, int]]:
+    """The received messages a stage holds during each of its actions, as (hidden-state
+    messages, position messages) pairs, the dominated ones dropped: the receives posted for the
+    next RECEIVE_AHEAD actions (a forward of a chunk after the model's first: its hidden states
+    and their positions; a backward of a chunk before the last: the gradient), and the action's
+    own: a backward holds its gradient throughout, a forward its positions (its hidden states
+    become the chunk's input, which its activations count)."""
+    last = pp * virtual - 1
+
+    def received(action: Action, own: bool) -> tuple[int, int]:
+        chunk = model_chunk(stage, action.chunk, pp)
+        if action.kind == FORWARD:
+            return (0, 0) if chunk == 0 else (0 if own else 1, 1)
+        return (0, 0) if chunk == last else (1, 0)
+
+    counts = set()
+    for i, action in enumerate(actions):
+        ahead = [received(a, False) for a in actions[i + 1:i + 1 + RECEIVE_AHEAD]]
+        own = received(action, True)
+        counts.add((own[0] + sum(a for a, _ in ahead), own[1] + sum(p for _, p in ahead)))
+    return {c for c in counts if not any(d != c and d[0] >= c[0] and d[1] >= c[1]
+                                         for d in counts)}
+
+
+def message_bytes(counts: set[tuple[int, int]], hidden_bytes: int, positions_bytes: int) -> int:
+    """The most bytes of message_counts' messages alive at once."""
+    return max((a * hidden_bytes + p * positions_bytes for a, p in counts), default=0)
+
+
 def ideal_bubble_fraction(pp: int, microbatches: int, virtual: int = 1) -> float:
     """Idle share of a step when forward and backward times do not vary: (pp - 1) fill and
     drain slots over v * m work slots (interleaving shortens each slot to 1/v of a stage)."""

@@ -59,6 +59,21 @@ def prune(model: nn.Module, plan: ParallelPlan, part: StagePart,
     return Pruned(holders, shared)
 
 
+def shared_weights(model: nn.Module) -> dict[str, str]:
+    """Module name -> the earlier module whose weight parameter it shares (tied embeddings:
+    head -> embedding)."""
+    owners: dict[int, str] = {}
+    ties = {}
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, nn.Parameter):
+            if id(weight) in owners:
+                ties[name] = owners[id(weight)]
+            else:
+                owners[id(weight)] = name
+    return ties
+
+
 def chunk_view(model: nn.Module, plan: ParallelPlan, part: StagePart, chunk: int) -> nn.Module:
     """The pruned model as chunk `chunk` runs it: the same modules (nothing copied but the
     module table), with only that chunk's blocks and ends. Its forward is the model's."""

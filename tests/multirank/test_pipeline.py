@@ -103,13 +103,14 @@ def kept_in_flight(rank: int, layout, options: EngineOptions, model) -> dict:
     runner.measure = True
     train_step(engine.model, engine.optimizer, rank_micro_batches(fetch, layout, rank), 1e-3)
     return {"stage": layout.coords(rank).pp, "bytes": runner.peak_saved_bytes,
-            "pairs": runner.peak_in_flight}
+            "pairs": runner.peak_in_flight, "messages": runner.peak_message_bytes}
 
 
 @pytest.mark.parametrize("name", ["pp2", "pp2_virtual2"])
 def test_activations_in_flight_match_the_plan(name):
     """The dry run's activations per stage are the schedule's micro-batches in flight times
-    what each keeps; measured on gloo ranks with autograd's saved-tensor hooks."""
+    what each keeps; measured on gloo ranks with autograd's saved-tensor hooks. Its message
+    term is the receive buffers the runner really held at once (real gloo messages)."""
     from trainer.model.plan import parameter_shapes
     from trainer.plan.memory import step_per_stage
 
@@ -120,7 +121,9 @@ def test_activations_in_flight_match_the_plan(name):
     for got in run_ranks(world, kept_in_flight, layout, options, model, timeout=120):
         planned = plan[got["stage"]]
         print(f"\n{name} stage {got['stage']}: {got['pairs']} in flight, kept "
-              f"{got['bytes']:,} B, planned {planned['activation_bytes']:,} B")
+              f"{got['bytes']:,} B, planned {planned['activation_bytes']:,} B; messages "
+              f"{got['messages']:,} B, planned {planned['message_bytes']:,} B")
+        assert got["messages"] == planned["message_bytes"] > 0
         assert got["pairs"] == planned["in_flight"]
         assert got["pairs"] > 1 or got["stage"] == layout.pp_size - 1
         assert abs(got["bytes"] / planned["activation_bytes"] - 1) < 5e-3

@@ -55,3 +55,18 @@ def test_a_bad_input_names_its_key_and_the_fix(name, value, said):
     with pytest.raises(LayoutError) as error:
         Layout(4, **{name: value})
     assert str(error.value) == said
+
+
+def test_every_registered_step_is_a_function_of_a_phase():
+    """parallelize runs what the registry names: a wrong path or phase fails here, not when
+    the first rank is built."""
+    import importlib
+
+    from parallel.build import PHASES
+
+    steps = [(axis.name, phase, path) for axis in REGISTRY for phase, path in axis.steps.items()]
+    assert {phase for _, phase, _ in steps} == set(PHASES)
+    for name, phase, path in steps:
+        module, _, function = path.partition(":")
+        assert phase in PHASES, (name, phase)
+        assert callable(getattr(importlib.import_module(module), function, None)), (name, path)

@@ -14,6 +14,8 @@ from parallel.pipeline.schedules import (
     Action,
     ideal_bubble_fraction,
     in_flight,
+    message_bytes,
+    message_counts,
     model_chunk,
     simulate,
     simulate_orders,
@@ -220,3 +222,17 @@ def test_simulate_validates_like_stage_actions(args, message):
 def test_ideal_bubble_fraction_rejects_non_positive_sizes():
     with pytest.raises(ValueError, match="must all be >= 1"):
         ideal_bubble_fraction(2, 0)
+
+
+def test_messages_a_stage_holds_at_once():
+    """1F1B over two stages, four micro-batches (F0 F1 B0 F2 B1 F3 B2 B3 on the first stage).
+    The first stage receives gradients only: in its cool-down a backward holds its own and the
+    next backward's, posted one action ahead. The last receives hidden states only: a backward
+    holds the next forward's message (hidden states and positions), a forward its positions.
+    One stage receives nothing."""
+    first = message_counts(stage_actions("1f1b", 0, 2, 4), 0, 2)
+    last = message_counts(stage_actions("1f1b", 1, 2, 4), 1, 2)
+    assert first == {(2, 0)} and last == {(1, 1)}
+    assert message_counts(stage_actions("1f1b", 0, 1, 4), 0, 1) == {(0, 0)}
+    assert message_bytes({(1, 1)}, 1000, 10) == 1010
+    assert message_bytes({(2, 0), (1, 3)}, 1000, 10) == 2000

@@ -136,12 +136,13 @@ class StepMemory:
     autocast_weight_bytes: int  # bf16 copies of unsharded weights autocast keeps
     logits_bytes: int  # the local logits and the loss's backward buffers
     gathered_bytes: int  # gathered weights alive at once (one or two blocks) and their grads
+    message_bytes: int = 0  # received pipeline messages held at once (parallel.pipeline)
 
     @property
     def transient_bytes(self) -> int:
         return (self.activation_bytes + self.backward_bytes + self.recompute_bytes
                 + self.autocast_weight_bytes
-                + self.logits_bytes + self.gathered_bytes)
+                + self.logits_bytes + self.gathered_bytes + self.message_bytes)
 
 
 def chunk_activation_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
@@ -170,14 +171,26 @@ def stage_activation_bytes(m: ModelConfig, layout: Layout, options: EngineOption
     return peak
 
 
+def message_sizes(m: ModelConfig, layout: Layout) -> tuple[int, int]:
+    """(bytes of one hidden-state message, of one positions message) between pipeline stages:
+    the residual stream of a micro-batch in the masters' fp32 (split over TP with SP), its
+    token positions in int64."""
+    k = Tokens.of(layout)
+    return k.Tr * m.hidden_size * FP32, k.T * POSITION_BYTES
+
+
+POSITION_BYTES = 8  # int64
+
+
 def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, blocks: list[int],
                 block_weights: int, largest_weight: int, head_weights: int, kept: int,
-                last: bool = True, first: bool = True) -> StepMemory:
+                last: bool = True, first: bool = True, messages: int = 0) -> StepMemory:
     """For the blocks in `blocks` (a pipeline stage's: each block's position in its chunk).
     block_weights: TP-local elements of one block's 2-D weights as gathered over GTP_remat
     (padding included); largest_weight: the largest of them; head_weights: the stage's head's
     or embedding's, the larger (0 for neither); kept: its activations in flight
-    (stage_activation_bytes); last: it computes the loss; first: it holds the embedding."""
+    (stage_activation_bytes); last: it computes the loss; first: it holds the embedding;
+    messages: its received pipeline messages held at once (parallel.pipeline.message_bytes)."""
     k, e = Tokens.of(layout), compute_bytes(options.precision)
     comm = options.cp_comm_type
     one_block = block_activation_bytes(m, k, e, None, comm)
@@ -218,4 +231,4 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, blocks: 
                 head += max(0, min(REDUCES_IN_FLIGHT, done) * queued - done * freed)
     else:  # weights are used in place; one weight's gradient is formed before it is added
         block, head = largest_weight * FP32, head_weights * FP32
-    return StepMemory(kept, one_block, rebuilt, autocast, logits, max(block, head))
+    return StepMemory(kept, one_block, rebuilt, autocast, logits, max(block, head), messages)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from parallel.layout import Layout
-from parallel.pipeline.schedules import FORWARD, stage_actions
+from parallel.pipeline.schedules import FORWARD, message_counts, stage_actions
 from trainer.config import ModelConfig
 from trainer.plan.activations import (
     Tokens,
@@ -36,6 +36,14 @@ def _alive(stage: int, pp: int, m: int, v: int) -> tuple[tuple[int, int], ...]:
             seen.add((total, last))
     return tuple(a for a in seen if not any(b != a and b[0] >= a[0] and b[1] >= a[1]
                                             for b in seen))
+
+
+@lru_cache(maxsize=4096)
+def _messages(schedule: str, stage: int, pp: int, m: int, v: int) -> frozenset[tuple[int, int]]:
+    """message_counts of a stage's schedule; as in _alive, 4 x pp micro-batches show every
+    count a larger m has (the pattern repeats after the warm-up)."""
+    actions = stage_actions(schedule, stage, pp, min(m, 4 * pp), v)
+    return frozenset(message_counts(actions, stage, pp, v))
 
 
 def kept_bytes(per_chunk: list[int], schedule: str, stage: int, layout: Layout) -> int:
@@ -75,7 +83,9 @@ class PeakPlanner:
                 per_chunk[-1] += head_activation_bytes(self.m, Tokens.of(layout),
                                                        compute_bytes(options.precision))
             kept = kept_bytes(per_chunk, options.pipeline_schedule, stage, layout)
-            step = stage_step(self.m, layout, options, weights, kept)
+            messages = _messages(options.pipeline_schedule, stage, layout.pp_size,
+                                 layout.num_microbatches, layout.virtual_pipeline_size)
+            step = stage_step(self.m, layout, options, weights, kept, set(messages))
             worst = max(worst, (stage_peak(weights, step), stage))
         return worst
 

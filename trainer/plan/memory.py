@@ -15,10 +15,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from parallel.layout import Layout
-from parallel.pipeline.schedules import in_flight, stage_actions
+from parallel.pipeline.schedules import in_flight, message_bytes, message_counts, stage_actions
 from trainer.config import ModelConfig
 from trainer.model.plan import BLOCKS, EMBEDDING, parameter_shapes, tp_style
-from trainer.plan.activations import StepMemory, stage_activation_bytes, step_memory
+from trainer.plan.activations import (
+    StepMemory,
+    message_sizes,
+    stage_activation_bytes,
+    step_memory,
+)
 from trainer.plan.options import EngineOptions
 
 # (param, grad, optimizer) bytes per element. Weights, gradients and both AdamW moments are fp32
@@ -159,14 +164,16 @@ class ModelWeights:
 
 
 def stage_step(m: ModelConfig, layout: Layout, options: EngineOptions, stage: StageWeights,
-               kept: int) -> StepMemory:
+               kept: int, messages: set[tuple[int, int]]) -> StepMemory:
     """A stage's activations and transients of one micro-batch, given what its schedule keeps
-    (`kept`: trainer.plan.activations.stage_activation_bytes, or the fit's closed form)."""
+    (`kept`: trainer.plan.activations.stage_activation_bytes, or the fit's closed form) and the
+    messages it holds at once (parallel.pipeline.schedules.message_counts)."""
     number = stage.memory.stage
     positions = [i for chunk in stage.chunks for i in range(len(chunk))]  # within each chunk
     return step_memory(m, layout, options, positions, stage.block_gathered,
                        stage.largest_gathered, stage.ends_gathered, kept,
-                       number == layout.pp_size - 1, number == 0)
+                       number == layout.pp_size - 1, number == 0,
+                       message_bytes(messages, *message_sizes(m, layout)))
 
 
 def stage_peak(stage: StageWeights, step: StepMemory) -> int:
@@ -182,7 +189,8 @@ def _planned_step(m: ModelConfig, layout: Layout, options: EngineOptions,
                             layout.num_microbatches, layout.virtual_pipeline_size)
     kept = stage_activation_bytes(m, layout, options, list(stage.chunks),
                                   number == layout.pp_size - 1, actions)
-    step = stage_step(m, layout, options, stage, kept)
+    messages = message_counts(actions, number, layout.pp_size, layout.virtual_pipeline_size)
+    step = stage_step(m, layout, options, stage, kept, messages)
     return {**asdict(step), "peak_bytes": stage_peak(stage, step),
             "in_flight": in_flight(actions)}
 

@@ -25,7 +25,8 @@ MAX_TABLE_RANKS = 64  # larger worlds get the summary only; layout.json always h
 STEP_COLUMNS = {"activation_bytes": "activations", "backward_bytes": "backward",
                 "recompute_bytes": "recompute",
                 "autocast_weight_bytes": "autocast", "logits_bytes": "logits",
-                "gathered_bytes": "gathered", "update_bytes": "update", "peak_bytes": "peak"}
+                "gathered_bytes": "gathered", "message_bytes": "messages",
+                "update_bytes": "update", "peak_bytes": "peak"}
 TRANSIENTS = tuple(k for k in STEP_COLUMNS if k not in ("update_bytes", "peak_bytes"))
 
 
@@ -108,8 +109,8 @@ def format_report(spec: RunSpec, record: dict[str, Any]) -> str:
         label = f"stage {entry['stage']}" if layout.pp_size > 1 else "each rank"
         lines.append(f"  {label:18s} " + " ".join(_bytes(entry[k]) for k in STEP_COLUMNS))
     lines += ["  (peak = state + the larger of: activations + backward + recompute + autocast + "
-              "logits + gathered,", "   or the optimizer update; the formula of each term: "
-              "README, memory plan)"]
+              "logits + gathered", "   + messages, or the optimizer update; the formula of each "
+              "term: README, memory plan)"]
     if layout.pp_size > 1:
         lines += pipeline_lines(config.parallel.pipeline_schedule, layout, memory)
     if spec.auto is not None:
@@ -183,6 +184,8 @@ def format_measured(measured: dict[str, Any], planned: dict[str, int]) -> str:
         f"  {'activations':18s} {_bytes(m['activation_bytes'])}   (planned "
         f"{_bytes(planned['activation_bytes']).strip()}; {m['in_flight']} (micro-batch, chunk) "
         f"pair(s) in flight, planned {planned['in_flight']})",
+        f"  {'messages':18s} {_bytes(m['message_bytes'])}   (planned "
+        f"{_bytes(planned['message_bytes']).strip()}: pipeline receives held at once)",
         f"  {'build peak':18s} {_bytes(m['build_peak_bytes'])}",
         f"  {'step peak':18s} {_bytes(m['step_peak_bytes'])}   (resident memory)",
         *([f"  {'step transients':18s} {_bytes(m['step_transient_bytes'])}   (allocator-"

@@ -107,7 +107,8 @@ def measure_rank(spec: RunSpec, rank: int, step: bool = True) -> dict[str, Any]:
         figures.update(step_s=round(time.perf_counter() - start, 3),
                        step_peak_bytes=peak.above_baseline(), state_bytes=state_bytes(engine),
                        activation_bytes=engine.model.runner.peak_saved_bytes,
-                       in_flight=engine.model.runner.peak_in_flight)
+                       in_flight=engine.model.runner.peak_in_flight,
+                       message_bytes=engine.model.runner.peak_message_bytes)
         if device.type == "cpu":
             # A second step counted by the allocator, above the state the first one made (the
             # profiler's own buffers would show in the first step's resident memory).

@@ -12,10 +12,11 @@ from datetime import timedelta
 
 import torch
 
+from parallel.build import CommOptions
 from parallel.comm import CommStats
 from parallel.groups import Groups, build_groups
 from parallel.layout import Layout
-from parallel.parallelize import CommOptions, ParallelModel, parallelize
+from parallel.parallelize import ParallelModel, parallelize
 from trainer.checks import (
     check_context_parallel,
     check_model_fits_layout,

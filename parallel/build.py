@@ -1,0 +1,72 @@
+"""What parallelize's steps share while they apply a layout to one rank's model.
+
+Each parallel axis applies itself as steps (parallel.axes: Axis.steps), in three phases:
+
+    cut     on the single-device model, before anything else: what this rank runs of it
+            (a pipeline stage keeps its blocks only)
+    shard   still on the meta device: the parallel layers replace the model's own, each holding
+            this rank's shard (TP/SP layers with GTP_remat-sharded weights)
+    wire    after this rank's parameters are allocated: what joins them at run time (the
+            weight-gather bundles, context-parallel attention, the pipeline's chunk views)
+
+A step reads the layout, the groups and the options from the Build and changes the model;
+parallel.parallelize runs the phases (each in the registry's order) and wraps the result in a
+ParallelModel, which finds what the steps made on the model itself (its parallel layers, their
+bundles). The Build knows no axis but the pipeline's cut, which every layout has.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from parallel.groups import Groups
+from parallel.layout import Layout
+from parallel.pipeline.stages import Pruned, StagePart
+from parallel.plan import ParallelPlan
+from parallel.sharding import CommDtypes
+
+PHASES = ("cut", "shard", "wire")
+
+
+@dataclass(frozen=True)
+class CommOptions:
+    """How the parallel layers communicate; none of these changes what is computed. Weights
+    are always gathered in the compute dtype (bf16 under autocast: half the bytes, the same
+    values)."""
+
+    grad_reduce_in_compute_dtype: bool = False  # else gradients are summed in fp32
+    overlap_param_gather: bool = False  # the next block's gather runs while this one computes
+    overlap_grad_reduce: bool = False  # a block's reduce-scatter runs during earlier blocks'
+    cp_comm_type: str = "p2p"  # context parallel attention: p2p (ring), all_gather or a2a
+    pipeline_schedule: str = "1f1b"  # parallel.pipeline.schedules.SCHEDULES
+
+    def dtypes(self, compute_dtype: torch.dtype) -> CommDtypes:
+        if compute_dtype == torch.float32:  # no autocast: messages in the masters' dtype
+            return CommDtypes()
+        return CommDtypes(compute_dtype,
+                          compute_dtype if self.grad_reduce_in_compute_dtype else None)
+
+
+@dataclass
+class Build:
+    """One rank's model as the steps leave it, and what they made for the ParallelModel."""
+
+    model: nn.Module
+    plan: ParallelPlan
+    layout: Layout
+    groups: Groups
+    rank: int
+    options: CommOptions
+    dtypes: CommDtypes
+    # What every layout has, set by the pipeline's steps: this rank's part of the model (its
+    # chunks; without PP the whole model as one), what the cut kept only as a copy (tied
+    # embeddings), and one view of the model per chunk (none without PP: the model itself).
+    part: StagePart | None = None
+    pruned: Pruned = field(default_factory=lambda: Pruned([], []))
+    chunks: list[nn.Module] = field(default_factory=list)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        return self.layout.sequence_parallel and self.layout.tp_size > 1

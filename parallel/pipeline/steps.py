@@ -1,0 +1,27 @@
+"""The pipeline axis's steps of parallelize (parallel.axes: PIPELINE.steps).
+
+cut (first, on the single-device model): this rank's part of the model, its stage's chunks
+(without PP the whole model as one chunk); with PP the model is pruned to them before anything
+is allocated, so a rank never holds another stage's weights.
+wire: one view of the model per chunk, which the runner calls in the schedule's order.
+"""
+from __future__ import annotations
+
+from parallel.build import Build
+from parallel.pipeline.stages import StagePart, chunk_view, prune, shared_weights
+
+
+def cut_to_stage(build: Build) -> None:
+    layout, plan = build.layout, build.plan
+    stage = layout.coords(build.rank).pp
+    blocks = len(getattr(build.model, plan.blocks))
+    build.part = StagePart(layout.stage_chunks(stage, blocks), stage == 0,
+                           stage == layout.pp_size - 1)
+    if layout.pp_size > 1:
+        build.pruned = prune(build.model, plan, build.part, shared_weights(build.model))
+
+
+def chunk_views(build: Build) -> None:
+    if build.layout.pp_size > 1:
+        build.chunks = [chunk_view(build.model, build.plan, build.part, chunk)
+                        for chunk in range(len(build.part.chunks))]
