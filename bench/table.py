@@ -83,14 +83,21 @@ def rows(figures: dict[str, Any]) -> list[dict[str, Any]]:
     mem = f["memory_follows_layout"]
     seed, peaks = mem["seed_build"], mem["step_peak_vs_plan"]
     worst = max(peaks.values(), key=lambda r: abs(r["step_peak_over_planned"] - 1))
+    counted = max(peaks.values(), key=lambda r: abs(r["allocated_peak_over_planned"] - 1))
     real = mem["real_ranks"]
     out += [
         _row("seed_build_peak_over_state", seed["build_peak_over_state"], "<= 2",
              "rank 0 of seed_128rank_cp2, 2 layers, seq 8192, built alone against a simulated "
              "128-rank world: build peak over planned state"),
         _row("seed_build_s", seed["build_s"], "< 5 s", "the same build"),
-        _row("step_peak_over_planned", worst["step_peak_over_planned"], "0.8-1.2",
-             "measured dry run's RSS peak over the planned peak, the worst of " + ", ".join(
+        _row("allocated_peak_over_planned", counted["allocated_peak_over_planned"],
+             "0.98-1.02", "measured dry run: the step's peak as the allocator counts it "
+             "(state plus the larger of the micro-batches' and the update's transients) over "
+             "the planned peak, the worst of " + ", ".join(
+                 f"{n} {r['allocated_peak_over_planned']}" for n, r in peaks.items())),
+        _row("step_peak_over_planned", worst["step_peak_over_planned"], "-",
+             "the same runs' resident-memory peak over the planned peak (end to end: glibc "
+             "keeps freed blocks resident), the worst of " + ", ".join(
                  f"{n} {r['step_peak_over_planned']}" for n, r in peaks.items())),
         _row("real_rank_rss_over_planned",
              real["fixed_mmap_threshold_1mib"]["peak_rss_over_planned"], "<= 1.2",

@@ -29,8 +29,13 @@ local q, k and v and the output: 3Q + 3K); full recompute keeps only the block i
 fp32) and rebuilds one block's activations at a time in backward. After the blocks: the final
 norm (2*Tr*h fp32), the head input (T*h*e) and the loss's softmax (T*V/t fp32). No type builds
 a mask. Under bf16 without weight sharding,
-autocast also keeps a bf16 copy of every local weight. In backward, the gradients of a block's
-activations are formed beside them: about one block's worth more (measured, bench/).
+autocast also keeps a bf16 copy of every local weight.
+
+A step's transients peak at one of two moments of a backward, never both: the loss's (all that
+is kept, and the logits' gradients) or a block's (the head's activations freed; the gradient
+entering the block, Tr*h fp32, its MLP's two products 2*T*f/t*e, a rebuilt block under full
+recompute, its gathered weights). tests/multirank/test_step_memory.py counts both with the
+allocator itself.
 """
 from __future__ import annotations
 
@@ -131,18 +136,24 @@ class StepMemory:
     """Per-micro-batch figures of one rank (bytes)."""
 
     activation_bytes: int  # kept by every block and the head at the end of forward
-    backward_bytes: int  # gradients of one block's activations, formed beside them in backward
+    backward_bytes: int  # a block's backward: the gradient entering it and its MLP's products
     recompute_bytes: int  # one block's activations rebuilt in backward (full recompute)
     autocast_weight_bytes: int  # bf16 copies of unsharded weights autocast keeps
     logits_bytes: int  # the local logits and the loss's backward buffers
     gathered_bytes: int  # gathered weights alive at once (one or two blocks) and their grads
     message_bytes: int = 0  # received pipeline messages held at once (parallel.pipeline)
+    # The two moments of a backward, which are never alive together: the loss's (everything
+    # kept, the logits' gradients, the head's or embedding's gathered weight) and a block's
+    # (the head's activations already freed; its gradients, rebuilt activations and gathered
+    # weights). Counted by the allocator, the first is the step's peak within 0.1% where it is
+    # the larger; the second stands above what a block's backward holds.
+    head_phase_bytes: int = 0
+    block_phase_bytes: int = 0
 
     @property
     def transient_bytes(self) -> int:
-        return (self.activation_bytes + self.backward_bytes + self.recompute_bytes
-                + self.autocast_weight_bytes
-                + self.logits_bytes + self.gathered_bytes + self.message_bytes)
+        return (self.activation_bytes + self.autocast_weight_bytes + self.message_bytes
+                + max(self.head_phase_bytes, self.block_phase_bytes))
 
 
 def chunk_activation_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
@@ -231,4 +242,18 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, blocks: 
                 head += max(0, min(REDUCES_IN_FLIGHT, done) * queued - done * freed)
     else:  # weights are used in place; one weight's gradient is formed before it is added
         block, head = largest_weight * FP32, head_weights * FP32
-    return StepMemory(kept, one_block, rebuilt, autocast, logits, max(block, head), messages)
+    head_kept = head_activation_bytes(m, k, e) if last else 0  # freed when blocks' backward starts
+    # A block's backward, counted by the allocator: the gradient entering it (the residual
+    # stream's, fp32) and its MLP's two products (the gradients of gate and up) beside what it
+    # keeps. A fully recomputed block (the first recompute_num_layers of a chunk) is rebuilt
+    # after the chunk's later blocks have run their backward and freed their activations.
+    backward = k.Tr * m.hidden_size * FP32 + 2 * k.T * m.ffn_hidden_size // k.t * e
+    counts = options.chunk_recompute(max(_chunk_blocks(blocks)))
+    kept_by_others = sum(n * block_activation_bytes(m, k, e, g, comm)
+                         for g, n in counts.items() if g is not RecomputeGranularity.full)
+    phases = [backward + block] if any(g is not RecomputeGranularity.full and n
+                                       for g, n in counts.items()) else []
+    if rebuilt:
+        phases.append(backward + rebuilt + block - kept_by_others)
+    return StepMemory(kept, backward, rebuilt, autocast, logits, max(block, head), messages,
+                      max(logits, head), max(phases) - head_kept)

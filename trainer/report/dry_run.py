@@ -108,9 +108,10 @@ def format_report(spec: RunSpec, record: dict[str, Any]) -> str:
     for entry in memory["per_stage"]:
         label = f"stage {entry['stage']}" if layout.pp_size > 1 else "each rank"
         lines.append(f"  {label:18s} " + " ".join(_bytes(entry[k]) for k in STEP_COLUMNS))
-    lines += ["  (peak = state + the larger of: activations + backward + recompute + autocast + "
-              "logits + gathered", "   + messages, or the optimizer update; the formula of each "
-              "term: README, memory plan)"]
+    lines += ["  (peak = state + the larger of the update and: activations + autocast + messages"
+              " + the larger", "   of the loss's backward (logits, the head's gathered weight) "
+              "and a block's (backward", "   + recompute + gathered - the head's activations);"
+              " the formula of each term: README, memory plan)"]
     if layout.pp_size > 1:
         lines += pipeline_lines(config.parallel.pipeline_schedule, layout, memory)
     if spec.auto is not None:
