@@ -162,13 +162,13 @@ def floor_s(m: ModelConfig, layout: Layout, precision: Precision, hw: Hardware) 
     T, V, W = b * s, m.padded_vocab_size, block_weight_elements(m)
     e = compute_bytes(precision)
     flops = hw.flops(precision)
-    blocks = m.num_layers // pp if layout.num_layers_in_last_pipeline_stage is None else \
-        layout.num_layers_in_last_pipeline_stage
+    per_stage = [sum(map(len, layout.stage_chunks(stage, m.num_layers))) for stage in range(pp)]
+    blocks = per_stage[-1]  # the last stage's, which also runs the head
     tp_link = hw.link(layout, "tp")
     ring = tp_link.ring(t, T * h * e) if t > 1 else 0.0
     micro = blocks * (3 * 2 * T * (W / t + S * h / t) / flops + 8 * ring) \
         + 3 * 2 * T * h * V / t / flops + 2 * ring
-    fewest = min(blocks, (m.num_layers - blocks) // max(1, pp - 1)) if pp > 1 else blocks
+    fewest = min(per_stage)
     optimizer = 2 * hw.link(layout, "weight_replica").ring(
         layout.num_weight_replicas, fewest * W / layout.weight_tile_size * FP32)
     bubble = (pp - 1) / layout.virtual_pipeline_size * hw.bubble_share(pp)
