@@ -12,7 +12,8 @@ Each parallel axis applies itself as steps (parallel.axes: Axis.steps), in three
 A step reads the layout, the groups and the options from the Build and changes the model;
 parallel.parallelize runs the phases (each in the registry's order) and wraps the result in a
 ParallelModel, which finds what the steps made on the model itself (its parallel layers, their
-bundles). The Build knows no axis but the pipeline's cut, which every layout has.
+bundles). The Build knows no axis but the pipeline's cut: every layout runs a part of the
+model (the whole of it, as one chunk, without PP), so that part's types live here.
 """
 from __future__ import annotations
 
@@ -23,11 +24,29 @@ from torch import nn
 
 from parallel.groups import Groups
 from parallel.layout import Layout
-from parallel.pipeline.stages import Pruned, StagePart
 from parallel.plan import ParallelPlan
 from parallel.sharding import CommDtypes
 
 PHASES = ("cut", "shard", "wire")
+
+
+@dataclass(frozen=True)
+class StagePart:
+    """What one rank runs: its stage's chunks (block ranges, in virtual chunk order)."""
+
+    chunks: list[range]
+    first: bool  # holds the model's first chunk (the embedding)
+    last: bool  # holds the model's last chunk (final norm, head, loss)
+
+    def runs(self, chunk: int) -> tuple[bool, bool]:
+        """(embedding, head) for this stage's virtual chunk `chunk`."""
+        return self.first and chunk == 0, self.last and chunk == len(self.chunks) - 1
+
+
+@dataclass(frozen=True)
+class Pruned:
+    holders: list[str]  # modules kept only to hold a weight a kept module shares (a copy)
+    shared: list[str]  # weights this rank shares with the other end of the pipeline
 
 
 @dataclass(frozen=True)

@@ -19,12 +19,12 @@ import torch
 from torch import nn
 
 from parallel.axes import REGISTRY
-from parallel.build import Build, CommOptions
+from parallel.build import Build, CommOptions, Pruned, StagePart
 from parallel.bundle import GradReduceQueue, ShardBundle
 from parallel.groups import Groups
 from parallel.layout import Layout
 from parallel.pipeline.runner import PipelineRunner
-from parallel.pipeline.stages import Pruned, StagePart, shared_weights
+from parallel.pipeline.stages import shared_weights
 from parallel.plan import ParallelPlan
 from parallel.tensor import (
     ParallelLinear,

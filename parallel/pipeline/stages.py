@@ -14,30 +14,11 @@ gradient the embedding group sums, and which the first stage's update refreshes.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
 
 from torch import nn
 
+from parallel.build import Pruned, StagePart
 from parallel.plan import ParallelPlan
-
-
-@dataclass(frozen=True)
-class StagePart:
-    """What one rank runs: its stage's chunks (block ranges, in virtual chunk order)."""
-
-    chunks: list[range]
-    first: bool  # holds the model's first chunk (the embedding)
-    last: bool  # holds the model's last chunk (final norm, head, loss)
-
-    def runs(self, chunk: int) -> tuple[bool, bool]:
-        """(embedding, head) for this stage's virtual chunk `chunk`."""
-        return self.first and chunk == 0, self.last and chunk == len(self.chunks) - 1
-
-
-@dataclass(frozen=True)
-class Pruned:
-    holders: list[str]  # modules kept only to hold a weight a kept module shares (a copy)
-    shared: list[str]  # weights this rank shares with the other end of the pipeline
 
 
 def prune(model: nn.Module, plan: ParallelPlan, part: StagePart,

@@ -7,8 +7,8 @@ wire: one view of the model per chunk, which the runner calls in the schedule's 
 """
 from __future__ import annotations
 
-from parallel.build import Build
-from parallel.pipeline.stages import StagePart, chunk_view, prune, shared_weights
+from parallel.build import Build, StagePart
+from parallel.pipeline.stages import chunk_view, prune, shared_weights
 
 
 def cut_to_stage(build: Build) -> None:
