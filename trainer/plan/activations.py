@@ -42,55 +42,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallel.layout import Layout
-from parallel.pipeline.schedules import FORWARD, Action
-from trainer.config import CPCommType, ModelConfig, Precision, RecomputeGranularity
+from trainer.config import CPCommType, ModelConfig, RecomputeGranularity
+from trainer.plan.axes.context import attention_bytes
+from trainer.plan.axes.gtp_remat import gathered_bytes
 from trainer.plan.options import EngineOptions
-
-FP32 = 4
-
-
-@dataclass(frozen=True)
-class Tokens:
-    """The local sizes of one micro-batch on a rank."""
-
-    b: int
-    s: int  # this rank's tokens of one sequence
-    S: int  # the whole sequence (cp_comm_type=all_gather holds its K/V)
-    t: int  # TP
-    sp: bool
-    cp: bool
-
-    @classmethod
-    def of(cls, layout: Layout) -> Tokens:
-        return cls(layout.micro_batch_size, layout.context_local_length, layout.seq_length,
-                   layout.tp_size, layout.sp_degree > 1,
-                   layout.runtime_context_parallel_size > 1)
-
-    @property
-    def T(self) -> int:
-        return self.b * self.s
-
-    @property
-    def Tr(self) -> int:
-        return self.T // self.t if self.sp else self.T
-
-
-def compute_bytes(precision: Precision) -> int:
-    return 2 if precision is Precision.bf16 else FP32
-
-
-def attention_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
-                    cp_comm_type: CPCommType) -> int:
-    """What a block's attention keeps for its backward, by context-parallel exchange."""
-    q = k.T * m.hidden_size // k.t * e  # q or the output, this rank's tokens
-    kv = k.T * m.kv_size // k.t * e  # k or v
-    if not k.cp or recompute is RecomputeGranularity.selective:
-        return 3 * q + 3 * kv
-    if cp_comm_type is CPCommType.p2p:
-        return 2 * q + 2 * kv
-    if cp_comm_type is CPCommType.all_gather:
-        return 2 * q + 2 * k.b * k.S * m.kv_size // k.t * e
-    return 3 * q + 2 * kv
+from trainer.plan.tokens import FP32, Tokens, chunk_sizes, compute_bytes
 
 
 def block_activation_bytes(m: ModelConfig, k: Tokens, e: int,
@@ -118,17 +74,6 @@ def head_activation_bytes(m: ModelConfig, k: Tokens, e: int) -> int:
 def loss_bytes(m: ModelConfig, k: Tokens) -> int:
     """One [T, V/t] fp32 buffer: the softmax (or log-softmax) of the local logits."""
     return k.T * (m.padded_vocab_size // k.t) * FP32
-
-
-# parallel.bundle.GradReduceQueue's depth: block gradient reduce-scatters in flight at once
-# with parallel.overlap_grad_reduce (tests/unit/test_memory.py holds them equal).
-REDUCES_IN_FLIGHT = 2
-
-
-def _chunk_blocks(positions: list[int]) -> list[int]:
-    """Blocks of each of a stage's model chunks, from each block's position in its chunk."""
-    starts = [i for i, p in enumerate(positions) if p == 0]
-    return [end - start for start, end in zip(starts, [*starts[1:], len(positions)])] or [0]
 
 
 @dataclass(frozen=True)
@@ -164,35 +109,6 @@ def chunk_activation_bytes(m: ModelConfig, layout: Layout, options: EngineOption
                for recompute, count in options.chunk_recompute(blocks).items() if count)
 
 
-def stage_activation_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
-                           chunks: list[range], last: bool, actions: list[Action]) -> int:
-    """The most a pipeline stage keeps at once: its schedule (`actions`) runs micro-batches
-    forward before their backwards, so the activations of every (micro-batch, chunk) in flight
-    are alive together (1F1B: up to PP micro-batches on the first stage; without pipeline
-    parallelism one). `chunks`: the stage's blocks by virtual chunk; `last`: it holds the head.
-    trainer.plan.fit.kept_bytes is the same peak in closed form."""
-    per_chunk = [chunk_activation_bytes(m, layout, options, len(chunk)) for chunk in chunks]
-    if last:
-        per_chunk[-1] += head_activation_bytes(m, Tokens.of(layout),
-                                               compute_bytes(options.precision))
-    alive = peak = 0
-    for action in actions:
-        alive += per_chunk[action.chunk] * (1 if action.kind == FORWARD else -1)
-        peak = max(peak, alive)
-    return peak
-
-
-def message_sizes(m: ModelConfig, layout: Layout) -> tuple[int, int]:
-    """(bytes of one hidden-state message, of one positions message) between pipeline stages:
-    the residual stream of a micro-batch in the masters' fp32 (split over TP with SP), its
-    token positions in int64."""
-    k = Tokens.of(layout)
-    return k.Tr * m.hidden_size * FP32, k.T * POSITION_BYTES
-
-
-POSITION_BYTES = 8  # int64
-
-
 def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, blocks: list[int],
                 block_weights: int, largest_weight: int, head_weights: int, kept: int,
                 last: bool = True, first: bool = True, messages: int = 0) -> StepMemory:
@@ -200,8 +116,9 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, blocks: 
     block_weights: TP-local elements of one block's 2-D weights as gathered over GTP_remat
     (padding included); largest_weight: the largest of them; head_weights: the stage's head's
     or embedding's, the larger (0 for neither); kept: its activations in flight
-    (stage_activation_bytes); last: it computes the loss; first: it holds the embedding;
-    messages: its received pipeline messages held at once (parallel.pipeline.message_bytes)."""
+    (trainer.plan.axes.pipeline.stage_activation_bytes); last: it computes the loss; first: it
+    holds the embedding; messages: its received pipeline messages held at once
+    (trainer.plan.axes.pipeline)."""
     k, e = Tokens.of(layout), compute_bytes(options.precision)
     comm = options.cp_comm_type
     one_block = block_activation_bytes(m, k, e, None, comm)
@@ -216,30 +133,9 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, blocks: 
     # saved softmax.
     logits = 2 * loss_bytes(m, k) if last else 0
     if sharded:
-        # A gathered weight is the TP-local full weight, and its gradient is formed whole
-        # (and packed once more for the reduce-scatter) before the shard comes back. A block
-        # (two with overlap: the next one is already gathering) or the head, the larger.
-        # Under bf16 a weight's gradient is first formed in bf16, then widened to fp32.
-        narrow = e if e != FP32 else 0
-        alive = 2 if options.overlap_param_gather else 1
-        block = alive * block_weights * e + 2 * block_weights * FP32 + largest_weight * narrow
-        head = head_weights * (e + narrow + FP32)
-        if options.overlap_grad_reduce:
-            # parallel.bundle.GradReduceQueue: in a chunk's backward the packed gradients of
-            # up to REDUCES_IN_FLIGHT blocks already done, and their reduce-scatters' outputs
-            # (1/G of each), stay alive beside the next block's backward; those blocks' kept
-            # activations are gone by then. The runner ends the queue with each pass, so the
-            # head (first in its chunk's backward) sees none; a first stage's embedding (last)
-            # sees up to the depth (with the head on the stage too, the head's larger
-            # transient is the one the plan takes for both).
-            reduce_bytes = 2 if options.grad_reduce_in_bf16 else FP32
-            queued = (block_weights + block_weights // layout.gtp_remat_size) * reduce_bytes
-            freed = block_activation_bytes(m, k, e, options.recompute_granularity, comm)
-            before = min(REDUCES_IN_FLIGHT, max(_chunk_blocks(blocks)) - 1)
-            block += max(0, before * (queued - freed))
-            if first and not last and head_weights:
-                done = _chunk_blocks(blocks)[0]
-                head += max(0, min(REDUCES_IN_FLIGHT, done) * queued - done * freed)
+        freed = block_activation_bytes(m, k, e, options.recompute_granularity, comm)
+        block, head = gathered_bytes(layout, options, e, chunk_sizes(blocks), block_weights,
+                                     largest_weight, head_weights, freed, first, last)
     else:  # weights are used in place; one weight's gradient is formed before it is added
         block, head = largest_weight * FP32, head_weights * FP32
     head_kept = head_activation_bytes(m, k, e) if last else 0  # freed when blocks' backward starts
@@ -248,7 +144,7 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, blocks: 
     # keeps. A fully recomputed block (the first recompute_num_layers of a chunk) is rebuilt
     # after the chunk's later blocks have run their backward and freed their activations.
     backward = k.Tr * m.hidden_size * FP32 + 2 * k.T * m.ffn_hidden_size // k.t * e
-    counts = options.chunk_recompute(max(_chunk_blocks(blocks)))
+    counts = options.chunk_recompute(max(chunk_sizes(blocks)))
     kept_by_others = sum(n * block_activation_bytes(m, k, e, g, comm)
                          for g, n in counts.items() if g is not RecomputeGranularity.full)
     phases = [backward + block] if any(g is not RecomputeGranularity.full and n

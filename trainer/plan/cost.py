@@ -21,18 +21,24 @@ Per micro-batch and block (forward; backward is twice the FLOPs and mirrors the 
 Per step: the optimizer's flat buffers reduce-scattered and gathered over weight_replica. The
 step runs m micro-batches on the slowest stage plus the bubble: (PP-1)/v of them more.
 Ranks sharing CPU cores (Hardware.shares_cores): nothing is hidden, and the bubble costs only
-Hardware.bubble_share(PP) of its time.
+Hardware.bubble_share(PP) of its time. Each axis's messages are its own module's
+(trainer.plan.axes); this one composes them with the compute.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from parallel.layout import Layout
-from trainer.config import CPCommType, ModelConfig, Precision, RecomputeGranularity
+from trainer.config import ModelConfig, Precision, RecomputeGranularity
 from trainer.model.plan import block_weight_elements
-from trainer.plan.activations import FP32, compute_bytes
+from trainer.plan.axes.context import context_seconds
+from trainer.plan.axes.data import optimizer_seconds
+from trainer.plan.axes.gtp_remat import gather_seconds
+from trainer.plan.axes.pipeline import bubble_seconds, send_seconds
+from trainer.plan.axes.tensor import tp_seconds
 from trainer.plan.hardware import Hardware
 from trainer.plan.options import EngineOptions
+from trainer.plan.tokens import compute_bytes
 
 KINDS = ("compute", "tensor parallel", "weight gathers", "context parallel", "pipeline sends",
          "optimizer reduce", "pipeline bubble")
@@ -53,7 +59,7 @@ class Estimate:
 
 
 def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardware) -> Estimate:
-    t, g, c = layout.tp_size, layout.gtp_remat_size, layout.runtime_context_parallel_size
+    t = layout.tp_size
     b, s, S, h = layout.micro_batch_size, layout.context_local_length, layout.seq_length, \
         m.hidden_size
     T, V, W = b * s, m.padded_vocab_size, block_weight_elements(m)
@@ -69,30 +75,12 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
              RecomputeGranularity.selective: attn_fwd, None: 0.0}
     head_fwd = 2 * T * h * V / t / flops
 
-    tp_link, gtp_link = hw.link(layout, "tp"), hw.link(layout, "gtp_remat")
-    cp_link, pp_link = hw.link(layout, "context"), hw.link(layout, "pp")
-    # Tensor parallel: 4 collectives of T*h*e forward per block, 4 backward; 2 around the head.
-    tp_block = 8 * tp_link.ring(t, T * h * e) if t > 1 else 0.0
-    tp_head = 2 * tp_link.ring(t, T * h * e) if t > 1 else 0.0
-    # Weight gathers of one block (a full weight is W/t elements; each rank holds 1/G of it).
-    gather = gtp_link.ring(g, W / t * e) if g > 1 else 0.0
-    grad_bytes = 2 if options.grad_reduce_in_bf16 else FP32
-    scatter = gtp_link.ring(g, W / t * grad_bytes) if g > 1 else 0.0
-    # Context parallel per block, forward and backward.
-    kv = 2 * T * m.kv_size / t * e
-    cp_fwd = cp_bwd = 0.0
-    if c > 1:
-        comm = options.cp_comm_type
-        if comm is CPCommType.p2p:
-            ring_fwd = (c - 1) * cp_link.send(kv)
-            ring_bwd = (c - 1) * cp_link.send(kv) + c * cp_link.send(kv / e * FP32)
-            hides = attn_fwd if overlaps else 0.0
-            cp_fwd, cp_bwd = max(0.0, ring_fwd - hides), max(0.0, ring_bwd - 2 * hides)
-        elif comm is CPCommType.all_gather:
-            cp_fwd, cp_bwd = cp_link.ring(c, c * kv), cp_link.ring(c, c * kv / e * FP32)
-        else:  # a2a: q, k, v in, the output back; their gradients the other way
-            moved = (2 * T * h / t * e + kv) * c
-            cp_fwd = cp_bwd = cp_link.all_to_all(c, moved)
+    # Each axis's messages (trainer.plan.axes): TP's per block and around the head, a block's
+    # weight gathers and gradient reduce-scatters (a full weight is W/t elements), CP's K/V.
+    tp_block, tp_head = tp_seconds(layout, hw, T * h * e)
+    gather, scatter = gather_seconds(layout, options, hw, W / t, e)
+    cp_fwd, cp_bwd = context_seconds(m, layout, options.cp_comm_type, hw, T, e, attn_fwd,
+                                     overlaps)
 
     def block_time(recompute: RecomputeGranularity | None) -> tuple[float, dict[str, float]]:
         fwd = linear_fwd + attn_fwd
@@ -110,7 +98,6 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
 
     # The slowest stage's micro-batch, and its optimizer step.
     micro_s, micro_parts, optimizer_s = 0.0, dict.fromkeys(KINDS, 0.0), 0.0
-    r, replica_link = layout.num_weight_replicas, hw.link(layout, "weight_replica")
     all_chunks, pp = layout.pipeline_layers(m.num_layers), layout.pp_size
     for stage in sorted({0, min(1, pp - 1), pp - 1}):  # the middle stages are stage 1's twins
         chunks = all_chunks[stage::pp]
@@ -136,17 +123,12 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
         if first:  # the embedding: gathered once, its gradient reduce-scattered
             parts["weight gathers"] += (gather + scatter) * V * h / W
             elements += V * h
-        if pp > 1:  # the residual stream out and its gradient back, per chunk
-            stream = b * layout.residual_local_length * h * FP32
-            parts["pipeline sends"] += 2 * len(chunks) * pp_link.send(stream)
+        parts["pipeline sends"] += send_seconds(m, layout, hw, len(chunks))
         if sum(parts.values()) > micro_s:
             micro_s, micro_parts = sum(parts.values()), parts
-        # The optimizer's fp32 flat buffers: gradients reduce-scattered, weights gathered.
-        optimizer_s = max(optimizer_s, 2 * replica_link.ring(
-            r, elements / layout.weight_tile_size * FP32))
+        optimizer_s = max(optimizer_s, optimizer_seconds(layout, hw, elements))
     seconds = {kind: value * layout.num_microbatches for kind, value in micro_parts.items()}
-    seconds["pipeline bubble"] = micro_s * (layout.pp_size - 1) / layout.virtual_pipeline_size \
-        * hw.bubble_share(layout.pp_size)
+    seconds["pipeline bubble"] = bubble_seconds(micro_s, layout, hw)
     seconds["optimizer reduce"] = optimizer_s
     return Estimate(sum(seconds.values()), seconds)
 
@@ -164,12 +146,9 @@ def floor_s(m: ModelConfig, layout: Layout, precision: Precision, hw: Hardware) 
     flops = hw.flops(precision)
     per_stage = [sum(map(len, layout.stage_chunks(stage, m.num_layers))) for stage in range(pp)]
     blocks = per_stage[-1]  # the last stage's, which also runs the head
-    tp_link = hw.link(layout, "tp")
-    ring = tp_link.ring(t, T * h * e) if t > 1 else 0.0
+    ring = tp_seconds(layout, hw, T * h * e)[1] / 2  # one TP collective of T*h*e
     micro = blocks * (3 * 2 * T * (W / t + S * h / t) / flops + 8 * ring) \
         + 3 * 2 * T * h * V / t / flops + 2 * ring
-    fewest = min(per_stage)
-    optimizer = 2 * hw.link(layout, "weight_replica").ring(
-        layout.num_weight_replicas, fewest * W / layout.weight_tile_size * FP32)
+    optimizer = optimizer_seconds(layout, hw, min(per_stage) * W)
     bubble = (pp - 1) / layout.virtual_pipeline_size * hw.bubble_share(pp)
     return micro * (layout.num_microbatches + bubble) + optimizer

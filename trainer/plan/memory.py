@@ -18,12 +18,8 @@ from parallel.layout import Layout
 from parallel.pipeline.schedules import in_flight, message_bytes, message_counts, stage_actions
 from trainer.config import ModelConfig
 from trainer.model.plan import BLOCKS, EMBEDDING, parameter_shapes, tp_style
-from trainer.plan.activations import (
-    StepMemory,
-    message_sizes,
-    stage_activation_bytes,
-    step_memory,
-)
+from trainer.plan.activations import StepMemory, step_memory
+from trainer.plan.axes.pipeline import message_sizes, stage_activation_bytes
 from trainer.plan.options import EngineOptions
 
 # (param, grad, optimizer) bytes per element. Weights, gradients and both AdamW moments are fp32
@@ -166,7 +162,7 @@ class ModelWeights:
 def stage_step(m: ModelConfig, layout: Layout, options: EngineOptions, stage: StageWeights,
                kept: int, messages: set[tuple[int, int]]) -> StepMemory:
     """A stage's activations and transients of one micro-batch, given what its schedule keeps
-    (`kept`: trainer.plan.activations.stage_activation_bytes, or the fit's closed form) and the
+    (`kept`: trainer.plan.axes.pipeline.stage_activation_bytes, or its closed form) and the
     messages it holds at once (parallel.pipeline.schedules.message_counts)."""
     number = stage.memory.stage
     positions = [i for chunk in stage.chunks for i in range(len(chunk))]  # within each chunk

@@ -1,0 +1,45 @@
+"""Context parallel's terms: what a block's attention keeps by cp_comm_type (memory), and the
+K/V exchange of a block's attention (time)."""
+from __future__ import annotations
+
+from parallel.layout import Layout
+from trainer.config import CPCommType, ModelConfig, RecomputeGranularity
+from trainer.plan.hardware import Hardware
+from trainer.plan.tokens import FP32, Tokens
+
+
+def attention_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
+                    cp_comm_type: CPCommType) -> int:
+    """What a block's attention keeps for its backward, by context-parallel exchange."""
+    q = k.T * m.hidden_size // k.t * e  # q or the output, this rank's tokens
+    kv = k.T * m.kv_size // k.t * e  # k or v
+    if not k.cp or recompute is RecomputeGranularity.selective:
+        return 3 * q + 3 * kv
+    if cp_comm_type is CPCommType.p2p:
+        return 2 * q + 2 * kv
+    if cp_comm_type is CPCommType.all_gather:
+        return 2 * q + 2 * k.b * k.S * m.kv_size // k.t * e
+    return 3 * q + 2 * kv
+
+
+def context_seconds(m: ModelConfig, layout: Layout, cp_comm_type: CPCommType, hw: Hardware,
+                    T: int, e: int, attention_s: float, overlaps: bool) -> tuple[float, float]:
+    """(forward, backward) exposed time of one block's K/V exchange over runtime CP C:
+    p2p sends K/V (2*T*c/t*e) C-1 hops forward, C-1 and their fp32 gradients C hops in
+    backward, hidden behind the attention (attention_s forward, twice that backward) where
+    ranks overlap; all_gather gathers K/V and reduce-scatters their gradients; a2a moves q, k,
+    v and the output between sequence and heads, both ways; neither is hidden."""
+    c, t = layout.runtime_context_parallel_size, layout.tp_size
+    if c == 1:
+        return 0.0, 0.0
+    link = hw.link(layout, "context")
+    kv = 2 * T * m.kv_size / t * e
+    if cp_comm_type is CPCommType.p2p:
+        ring_fwd = (c - 1) * link.send(kv)
+        ring_bwd = (c - 1) * link.send(kv) + c * link.send(kv / e * FP32)
+        hides = attention_s if overlaps else 0.0
+        return max(0.0, ring_fwd - hides), max(0.0, ring_bwd - 2 * hides)
+    if cp_comm_type is CPCommType.all_gather:
+        return link.ring(c, c * kv), link.ring(c, c * kv / e * FP32)
+    moved = (2 * T * m.hidden_size / t * e + kv) * c
+    return link.all_to_all(c, moved), link.all_to_all(c, moved)

@@ -1,0 +1,103 @@
+"""The pipeline's terms: the activations of every (micro-batch, chunk) pair a stage's schedule
+keeps at once and the messages it holds (memory), the residual stream sent between stages and
+the bubble (time). The schedules themselves are parallel.pipeline.schedules'.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from parallel.layout import Layout
+from parallel.pipeline.schedules import FORWARD, Action, message_counts, stage_actions
+from trainer.config import ModelConfig
+from trainer.plan.activations import chunk_activation_bytes, head_activation_bytes
+from trainer.plan.hardware import Hardware
+from trainer.plan.options import EngineOptions
+from trainer.plan.tokens import FP32, Tokens, compute_bytes
+
+POSITION_BYTES = 8  # int64
+
+
+def stage_activation_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
+                           chunks: list[range], last: bool, actions: list[Action]) -> int:
+    """The most a pipeline stage keeps at once: its schedule (`actions`) runs micro-batches
+    forward before their backwards, so the activations of every (micro-batch, chunk) in flight
+    are alive together (1F1B: up to PP micro-batches on the first stage; without pipeline
+    parallelism one). `chunks`: the stage's blocks by virtual chunk; `last`: it holds the head.
+    kept_bytes is the same peak in closed form."""
+    per_chunk = [chunk_activation_bytes(m, layout, options, len(chunk)) for chunk in chunks]
+    if last:
+        per_chunk[-1] += head_activation_bytes(m, Tokens.of(layout),
+                                               compute_bytes(options.precision))
+    alive = peak = 0
+    for action in actions:
+        alive += per_chunk[action.chunk] * (1 if action.kind == FORWARD else -1)
+        peak = max(peak, alive)
+    return peak
+
+
+def message_sizes(m: ModelConfig, layout: Layout) -> tuple[int, int]:
+    """(bytes of one hidden-state message, of one positions message) between pipeline stages:
+    the residual stream of a micro-batch in the masters' fp32 (split over TP with SP), its
+    token positions in int64."""
+    k = Tokens.of(layout)
+    return k.Tr * m.hidden_size * FP32, k.T * POSITION_BYTES
+
+
+
+@lru_cache(maxsize=4096)
+def _alive(stage: int, pp: int, m: int, v: int) -> tuple[tuple[int, int], ...]:
+    """The interleaved schedule's (micro-batch, chunk) pairs alive after each forward, as
+    (all of them, those of the last chunk), keeping only pairs no other exceeds in both. The
+    order of forwards does not depend on m and repeats every pp x v of them, so after the
+    warm-up ((v + 1) x pp forwards at most) two periods show every count there is: 4 x pp
+    micro-batches stand for any larger m."""
+    total = last = 0
+    seen: set[tuple[int, int]] = set()
+    for action in stage_actions("interleaved_1f1b", stage, pp, min(m, 4 * pp), v):
+        step = 1 if action.kind == FORWARD else -1
+        total += step
+        last += step if action.chunk == v - 1 else 0
+        if step == 1:
+            seen.add((total, last))
+    return tuple(a for a in seen if not any(b != a and b[0] >= a[0] and b[1] >= a[1]
+                                            for b in seen))
+
+
+@lru_cache(maxsize=4096)
+def schedule_messages(schedule: str, stage: int, pp: int, m: int, v: int
+                      ) -> frozenset[tuple[int, int]]:
+    """message_counts of a stage's schedule; as in _alive, 4 x pp micro-batches show every
+    count a larger m has (the pattern repeats after the warm-up)."""
+    actions = stage_actions(schedule, stage, pp, min(m, 4 * pp), v)
+    return frozenset(message_counts(actions, stage, pp, v))
+
+
+def kept_bytes(per_chunk: list[int], schedule: str, stage: int, layout: Layout) -> int:
+    """stage_activation_bytes' peak over the schedule without walking every action, for a
+    stage's chunks (equal but for the head on the last): 1f1b keeps min(PP - stage, m)
+    micro-batches at most, gpipe all m."""
+    pp, m, v = layout.pp_size, layout.num_microbatches, layout.virtual_pipeline_size
+    if schedule == "gpipe":
+        return m * per_chunk[0]
+    if schedule == "1f1b":
+        return min(pp - stage, m) * per_chunk[0]
+    chunk, extra = per_chunk[0], per_chunk[-1] - per_chunk[0]
+    assert all(b == chunk for b in per_chunk[:-1]), "a stage's chunks are equal"
+    return max(total * chunk + last * extra for total, last in _alive(stage, pp, m, v))
+
+
+
+
+def send_seconds(m: ModelConfig, layout: Layout, hw: Hardware, chunks: int) -> float:
+    """A stage's micro-batch: the residual stream (fp32, split over TP with SP) out of each of
+    its chunks and its gradient back."""
+    if layout.pp_size == 1:
+        return 0.0
+    return 2 * chunks * hw.link(layout, "pp").send(message_sizes(m, layout)[0])
+
+
+def bubble_seconds(micro_s: float, layout: Layout, hw: Hardware) -> float:
+    """The bubble: (PP-1)/v micro-batches more of the slowest stage, of which ranks sharing CPU
+    cores lose only Hardware.bubble_share(PP)."""
+    return micro_s * (layout.pp_size - 1) / layout.virtual_pipeline_size \
+        * hw.bubble_share(layout.pp_size)
