@@ -109,6 +109,17 @@ def chunk_activation_bytes(m: ModelConfig, layout: Layout, options: EngineOption
                for recompute, count in options.chunk_recompute(blocks).items() if count)
 
 
+def stage_chunk_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
+                      chunks: list[range], last: bool) -> list[int]:
+    """What one micro-batch keeps in each of a stage's chunks (`chunks`: its blocks by virtual
+    chunk; `last`: it holds the head, in its last chunk)."""
+    per_chunk = [chunk_activation_bytes(m, layout, options, len(chunk)) for chunk in chunks]
+    if last:
+        per_chunk[-1] += head_activation_bytes(m, Tokens.of(layout),
+                                               compute_bytes(options.precision))
+    return per_chunk
+
+
 def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, blocks: list[int],
                 block_weights: int, largest_weight: int, head_weights: int, kept: int,
                 last: bool = True, first: bool = True, messages: int = 0) -> StepMemory:

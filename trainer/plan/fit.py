@@ -6,11 +6,10 @@ from __future__ import annotations
 
 from parallel.layout import Layout
 from trainer.config import ModelConfig
-from trainer.plan.activations import chunk_activation_bytes, head_activation_bytes
+from trainer.plan.activations import stage_chunk_bytes
 from trainer.plan.axes.pipeline import kept_bytes, schedule_messages
 from trainer.plan.memory import ModelWeights, StageWeights, stage_peak, stage_step
 from trainer.plan.options import EngineOptions
-from trainer.plan.tokens import Tokens, compute_bytes
 
 
 class PeakPlanner:
@@ -30,11 +29,8 @@ class PeakPlanner:
         worst, last_stage = (-1, 0), layout.pp_size - 1
         for stage in sorted({0, min(1, last_stage), last_stage}):  # the middle stages hold
             weights = stages[stage]  # what stage 1 does, less
-            per_chunk = [chunk_activation_bytes(self.m, layout, options, len(chunk))
-                         for chunk in weights.chunks]
-            if stage == last_stage:
-                per_chunk[-1] += head_activation_bytes(self.m, Tokens.of(layout),
-                                                       compute_bytes(options.precision))
+            per_chunk = stage_chunk_bytes(self.m, layout, options, list(weights.chunks),
+                                          stage == last_stage)
             kept = kept_bytes(per_chunk, options.pipeline_schedule, stage, layout)
             messages = schedule_messages(options.pipeline_schedule, stage, layout.pp_size,
                                          layout.num_microbatches, layout.virtual_pipeline_size)

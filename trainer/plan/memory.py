@@ -18,7 +18,7 @@ from parallel.layout import Layout
 from parallel.pipeline.schedules import in_flight, message_bytes, message_counts, stage_actions
 from trainer.config import ModelConfig
 from trainer.model.plan import BLOCKS, EMBEDDING, parameter_shapes, tp_style
-from trainer.plan.activations import StepMemory, step_memory
+from trainer.plan.activations import StepMemory, stage_chunk_bytes, step_memory
 from trainer.plan.axes.pipeline import message_sizes, stage_activation_bytes
 from trainer.plan.options import EngineOptions
 
@@ -183,8 +183,9 @@ def _planned_step(m: ModelConfig, layout: Layout, options: EngineOptions,
     number = stage.memory.stage
     actions = stage_actions(options.pipeline_schedule, number, layout.pp_size,
                             layout.num_microbatches, layout.virtual_pipeline_size)
-    kept = stage_activation_bytes(m, layout, options, list(stage.chunks),
-                                  number == layout.pp_size - 1, actions)
+    per_chunk = stage_chunk_bytes(m, layout, options, list(stage.chunks),
+                                  number == layout.pp_size - 1)
+    kept = stage_activation_bytes(per_chunk, actions)
     messages = message_counts(actions, number, layout.pp_size, layout.virtual_pipeline_size)
     step = stage_step(m, layout, options, stage, kept, messages)
     return {**asdict(step), "peak_bytes": stage_peak(stage, step),

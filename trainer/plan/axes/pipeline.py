@@ -9,25 +9,19 @@ from functools import lru_cache
 from parallel.layout import Layout
 from parallel.pipeline.schedules import FORWARD, Action, message_counts, stage_actions
 from trainer.config import ModelConfig
-from trainer.plan.activations import chunk_activation_bytes, head_activation_bytes
 from trainer.plan.hardware import Hardware
-from trainer.plan.options import EngineOptions
-from trainer.plan.tokens import FP32, Tokens, compute_bytes
+from trainer.plan.tokens import FP32, Tokens
 
 POSITION_BYTES = 8  # int64
 
 
-def stage_activation_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
-                           chunks: list[range], last: bool, actions: list[Action]) -> int:
+def stage_activation_bytes(per_chunk: list[int], actions: list[Action]) -> int:
     """The most a pipeline stage keeps at once: its schedule (`actions`) runs micro-batches
     forward before their backwards, so the activations of every (micro-batch, chunk) in flight
     are alive together (1F1B: up to PP micro-batches on the first stage; without pipeline
-    parallelism one). `chunks`: the stage's blocks by virtual chunk; `last`: it holds the head.
-    kept_bytes is the same peak in closed form."""
-    per_chunk = [chunk_activation_bytes(m, layout, options, len(chunk)) for chunk in chunks]
-    if last:
-        per_chunk[-1] += head_activation_bytes(m, Tokens.of(layout),
-                                               compute_bytes(options.precision))
+    parallelism one). per_chunk: what one micro-batch keeps in each of the stage's chunks
+    (trainer.plan.activations.stage_chunk_bytes). kept_bytes is the same peak in closed
+    form."""
     alive = peak = 0
     for action in actions:
         alive += per_chunk[action.chunk] * (1 if action.kind == FORWARD else -1)
