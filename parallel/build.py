@@ -88,4 +88,4 @@ class Build:
 
     @property
     def sequence_parallel(self) -> bool:
-        return self.layout.sequence_parallel and self.layout.tp_size > 1
+        return self.layout.sp_degree > 1

@@ -188,7 +188,8 @@ def _planned_step(m: ModelConfig, layout: Layout, options: EngineOptions,
     kept = stage_activation_bytes(per_chunk, actions)
     messages = message_counts(actions, number, layout.pp_size, layout.virtual_pipeline_size)
     step = stage_step(m, layout, options, stage, kept, messages)
-    return {**asdict(step), "peak_bytes": stage_peak(stage, step),
+    return {**asdict(step), "transient_bytes": step.transient_bytes,
+            "peak_bytes": stage_peak(stage, step),
             "in_flight": in_flight(actions)}
 
 

@@ -66,10 +66,6 @@ class Allocations:
                            f"{sorted({p.label for p in self.phases})})")
         return max(matching, key=lambda p: p.peak_bytes)
 
-    @property
-    def peak_bytes(self) -> int:
-        return max((p.peak_bytes for p in self.phases), default=0)
-
     def _replay(self) -> list[Phase]:
         events = sorted(self._profile.profiler.kineto_results.events(), key=lambda e: e.start_ns())
         phases, label, start = [], "start", 0

@@ -27,7 +27,6 @@ STEP_COLUMNS = {"activation_bytes": "activations", "backward_bytes": "backward",
                 "autocast_weight_bytes": "autocast", "logits_bytes": "logits",
                 "gathered_bytes": "gathered", "message_bytes": "messages",
                 "update_bytes": "update", "peak_bytes": "peak"}
-TRANSIENTS = tuple(k for k in STEP_COLUMNS if k not in ("update_bytes", "peak_bytes"))
 
 
 def _bytes(n: int) -> str:
@@ -176,7 +175,7 @@ def _ranges(blocks: list[int]) -> str:
 
 def format_measured(measured: dict[str, Any], planned: dict[str, int]) -> str:
     m = measured
-    transients = _bytes(sum(planned[k] for k in TRANSIENTS)).strip()
+    transients = _bytes(planned["transient_bytes"]).strip()
     return "\n".join([
         "", f"measured (rank {m['rank']} of a simulated world of {m['world_size']}, "
         f"{m['device']}): build {m['build_s']:.2f} s, one step {m['step_s']:.2f} s",

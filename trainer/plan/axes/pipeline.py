@@ -37,7 +37,6 @@ def message_sizes(m: ModelConfig, layout: Layout) -> tuple[int, int]:
     return k.Tr * m.hidden_size * FP32, k.T * POSITION_BYTES
 
 
-
 @lru_cache(maxsize=4096)
 def _alive(stage: int, pp: int, m: int, v: int) -> tuple[tuple[int, int], ...]:
     """The interleaved schedule's (micro-batch, chunk) pairs alive after each forward, as
@@ -78,8 +77,6 @@ def kept_bytes(per_chunk: list[int], schedule: str, stage: int, layout: Layout) 
     chunk, extra = per_chunk[0], per_chunk[-1] - per_chunk[0]
     assert all(b == chunk for b in per_chunk[:-1]), "a stage's chunks are equal"
     return max(total * chunk + last * extra for total, last in _alive(stage, pp, m, v))
-
-
 
 
 def send_seconds(m: ModelConfig, layout: Layout, hw: Hardware, chunks: int) -> float:
