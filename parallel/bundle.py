@@ -52,13 +52,16 @@ class GradReduceQueue:
 
 class _Pass:
     """One forward pass through a bundle's block: its recorded uses whose backward has not run
-    yet, and the gradients their backwards formed so far. A pipeline runs several passes
+    yet, and the gradient message their backwards fill. A pipeline runs several passes
     (micro-batches) forward before their backwards, so each pass's gradients are reduced, and
     the weights its backward gathered freed, when that pass's own backward is done."""
 
     def __init__(self) -> None:
         self.pending = 0
-        self.grads: dict[int, torch.Tensor] = {}
+        # The reduce-scatter's message, row i rank i's rows of every member (padding zero):
+        # each use's gradient is added into its member's place as it is formed, so a block's
+        # gradients are held once, not as well in pieces and padded copies.
+        self.message: torch.Tensor | None = None
 
 
 class _Gathered:
@@ -177,25 +180,27 @@ class ShardBundle:
         return self._backward.weights()
 
     def add_grad(self, index: int, grad_full: torch.Tensor, forward_pass: _Pass) -> None:
-        grads = forward_pass.grads
-        previous = grads.get(index)
-        grads[index] = grad_full if previous is None else previous + grad_full
+        size = self.group.size
+        if forward_pass.message is None:
+            total = sum(shard.numel() for shard, _ in self.members)
+            forward_pass.message = grad_full.new_zeros((size, total))
+        offset = sum(shard.numel() for shard, _ in self.members[:index])
+        shard, rows = self.members[index]
+        # rank r holds rows [r*per, (r+1)*per) of the full weight (the last ones padding)
+        per, rest = shard.shape[0], shard.shape[1:]
+        place = forward_pass.message[:, offset:offset + shard.numel()].view(size, per, *rest)
+        whole, left = divmod(rows, per)
+        place[:whole].add_(grad_full[:whole * per].view(whole, per, *rest))
+        if left:
+            place[whole, :left].add_(grad_full[whole * per:])
         self._pending -= 1
         forward_pass.pending -= 1
         if forward_pass.pending > 0:
             return
-        size = self.group.size
-        parts = []
-        for i, (shard, rows) in enumerate(self.members):
-            grad = grads.get(i)
-            if grad is None:  # a member this forward did not use
-                grad = shard.new_zeros((rows, *shard.shape[1:]))
-            parts.append(F.pad(grad, (0, 0, 0, shard.shape[0] * size - rows)).view(size, -1))
-        flat = torch.cat(parts, dim=1).reshape(-1)
+        self._backward = None  # the pass's backward is done: its weights go
+        flat, forward_pass.message = forward_pass.message.view(-1), None
         if self.dtypes.reduce is not None:
             flat = flat.to(self.dtypes.reduce)
-        grads.clear()
-        self._backward = None  # the pass's backward is done: its weights go
         if self.reduce_queue is None:
             self._accumulate(self.group.reduce_scatter(flat))
         else:

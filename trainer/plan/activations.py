@@ -120,22 +120,43 @@ def stage_chunk_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
     return per_chunk
 
 
+def backward_bytes(m: ModelConfig, k: Tokens, e: int, selective: bool) -> int:
+    """The most a block's backward forms beside what the block keeps, counted by the
+    allocator: the gradient entering it (the residual stream's, fp32) and the largest of its
+    MLP's three moments. The down projection's: the gradient of its input and of its weight (and,
+    with SP, the output gradient gathered over TP); the product's: the gradients of silu(gate) and
+    of up beside the first's, its own input freed (under selective recompute silu(gate) is
+    rebuilt for it); the gate/up projection's: its weight's gradient and its input's, the MLP's
+    activations and gradients freed but its own output gradient. A weight's gradient under bf16
+    is formed narrow, then widened."""
+    h, f, t = m.hidden_size, m.ffn_hidden_size, k.t
+    narrow = e if e != FP32 else 0
+    product = k.T * f // t * e  # one [T, f/t] in the compute dtype
+    down = h * f // t * (FP32 + narrow)  # the down projection's weight gradient
+    gathered_grad = k.T * h * e if k.sp else 0
+    rebuilt = product if selective else 0
+    moments = (product + down + gathered_grad,
+               2 * product + rebuilt,
+               2 * down + k.T * h * e - 2 * product)  # the gate/up weight is twice down's
+    return k.Tr * h * FP32 + max(moments)
+
+
 def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, blocks: list[int],
-                block_weights: int, largest_weight: int, head_weights: int, kept: int,
-                last: bool = True, first: bool = True, messages: int = 0) -> StepMemory:
+                block_weights: int, head_weights: int, kept: int, last: bool = True,
+                first: bool = True, messages: int = 0) -> StepMemory:
     """For the blocks in `blocks` (a pipeline stage's: each block's position in its chunk).
     block_weights: TP-local elements of one block's 2-D weights as gathered over GTP_remat
-    (padding included); largest_weight: the largest of them; head_weights: the stage's head's
-    or embedding's, the larger (0 for neither); kept: its activations in flight
-    (trainer.plan.axes.pipeline.stage_activation_bytes); last: it computes the loss; first: it
-    holds the embedding; messages: its received pipeline messages held at once
-    (trainer.plan.axes.pipeline)."""
+    (padding included); head_weights: the stage's head's or embedding's, the larger (0 for
+    neither); kept: its activations in flight (trainer.plan.axes.pipeline.
+    stage_activation_bytes); last: it computes the loss; first: it holds the embedding;
+    messages: its received pipeline messages held at once (trainer.plan.axes.pipeline)."""
     k, e = Tokens.of(layout), compute_bytes(options.precision)
     comm = options.cp_comm_type
-    one_block = block_activation_bytes(m, k, e, None, comm)
     full = options.recompute_granularity is RecomputeGranularity.full and any(
         options.recomputes(i) for i in blocks)
-    rebuilt = one_block if full else 0
+    # A fully recomputed block is rebuilt from its input, which the chunk keeps already.
+    rebuilt = block_activation_bytes(m, k, e, None, comm) - k.Tr * m.hidden_size * FP32 \
+        if full else 0
     sharded = layout.gtp_remat_size > 1
     autocast = 0
     if e != FP32 and not sharded:
@@ -146,21 +167,21 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, blocks: 
     if sharded:
         freed = block_activation_bytes(m, k, e, options.recompute_granularity, comm)
         block, head = gathered_bytes(layout, options, e, chunk_sizes(blocks), block_weights,
-                                     largest_weight, head_weights, freed, first, last)
-    else:  # weights are used in place; one weight's gradient is formed before it is added
-        block, head = largest_weight * FP32, head_weights * FP32
+                                     head_weights, freed, first, last)
+    else:  # weights are used in place; the head's gradient is formed before it is added
+        block, head = 0, head_weights * FP32
     head_kept = head_activation_bytes(m, k, e) if last else 0  # freed when blocks' backward starts
-    # A block's backward, counted by the allocator: the gradient entering it (the residual
-    # stream's, fp32) and its MLP's two products (the gradients of gate and up) beside what it
-    # keeps. A fully recomputed block (the first recompute_num_layers of a chunk) is rebuilt
-    # after the chunk's later blocks have run their backward and freed their activations.
-    backward = k.Tr * m.hidden_size * FP32 + 2 * k.T * m.ffn_hidden_size // k.t * e
+    # A block's backward beside what it keeps; a fully recomputed block (the first
+    # recompute_num_layers of a chunk) is rebuilt after the chunk's later blocks have run their
+    # backward and freed their activations.
     counts = options.chunk_recompute(max(chunk_sizes(blocks)))
-    kept_by_others = sum(n * block_activation_bytes(m, k, e, g, comm)
-                         for g, n in counts.items() if g is not RecomputeGranularity.full)
+    backward = backward_bytes(m, k, e, options.recompute_granularity is
+                              RecomputeGranularity.selective)
     phases = [backward + block] if any(g is not RecomputeGranularity.full and n
                                        for g, n in counts.items()) else []
     if rebuilt:
-        phases.append(backward + rebuilt + block - kept_by_others)
+        kept_by_others = sum(n * block_activation_bytes(m, k, e, g, comm)
+                             for g, n in counts.items() if g is not RecomputeGranularity.full)
+        phases.append(backward_bytes(m, k, e, False) + rebuilt + block - kept_by_others)
     return StepMemory(kept, backward, rebuilt, autocast, logits, max(block, head), messages,
                       max(logits, head), max(phases) - head_kept)

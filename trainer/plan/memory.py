@@ -59,7 +59,6 @@ class StageWeights:
     memory: StageMemory
     chunks: tuple[range, ...]  # its blocks by model chunk
     block_gathered: int  # one block's 2-D weights (the largest block's)
-    largest_gathered: int  # the largest single weight of a block
     ends_gathered: int  # the embedding's or the head's, the larger (0: neither is here)
 
 
@@ -122,14 +121,13 @@ class ModelWeights:
         tensors) padded to a multiple of the weight replicas, each replica updating one part
         (trainer.train.optim.FlatBuffer)."""
         g, pp = layout.gtp_remat_size, layout.pp_size
-        kinds = []  # per block kind: (sharded, whole, gathered, largest gathered) elements
+        kinds = []  # per block kind: (sharded, whole, gathered) elements
         for kind in self.kinds:
             local = [(local_numel(f"{BLOCKS}.0.{name}", shape, layout), shape)
                      for name, shape in kind]
-            gathered = [numel * g for (numel, _), shape in local if len(shape) == 2]
             kinds.append((sum(n for (n, sharded), _ in local if sharded),
                           sum(n for (n, sharded), _ in local if not sharded),
-                          sum(gathered), max(gathered, default=0)))
+                          sum(numel * g for (numel, _), shape in local if len(shape) == 2)))
         embedding = local_numel(EMBEDDING_WEIGHT, self.embedding, layout)[0]
         p_bytes, g_bytes, o_bytes = BYTES_PER_ELEMENT
         all_chunks, out = layout.pipeline_layers(self.num_layers), []
@@ -155,7 +153,7 @@ class ModelWeights:
                                  (buffers + copy) * g_bytes, parts * o_bytes, blocks,
                                  UPDATE_TEMPORARIES * g_bytes * max(own, default=0))
             out.append(StageWeights(memory, chunks, max((k[2] for k in held), default=0),
-                                    max((k[3] for k in held), default=0), max(ends, default=0)))
+                                    max(ends, default=0)))
         return out
 
 
@@ -167,7 +165,7 @@ def stage_step(m: ModelConfig, layout: Layout, options: EngineOptions, stage: St
     number = stage.memory.stage
     positions = [i for chunk in stage.chunks for i in range(len(chunk))]  # within each chunk
     return step_memory(m, layout, options, positions, stage.block_gathered,
-                       stage.largest_gathered, stage.ends_gathered, kept,
+                       stage.ends_gathered, kept,
                        number == layout.pp_size - 1, number == 0,
                        message_bytes(messages, *message_sizes(m, layout)))
 

@@ -13,17 +13,20 @@ REDUCES_IN_FLIGHT = 2
 
 
 def gathered_bytes(layout: Layout, options: EngineOptions, e: int, chunks: list[int],
-                   block_weights: int, largest_weight: int, head_weights: int, freed: int,
+                   block_weights: int, head_weights: int, freed: int,
                    first: bool, last: bool) -> tuple[int, int]:
     """(a block's, the head's or embedding's) gathered weights and gradients alive at once.
-    A gathered weight is the TP-local full weight, and its gradient is formed whole (and packed
-    once more for the reduce-scatter) before the shard comes back: a block (two with overlap:
-    the next one is already gathering) or the head. Under bf16 a weight's gradient is first
-    formed in bf16, then widened to fp32. chunks: the stage's blocks per model chunk; freed:
-    what one block keeps for its backward (gone once its backward is done)."""
+    A gathered weight is the TP-local full weight; a block's weights (two blocks' with overlap:
+    the next one is already gathering) live through its backward beside the message its
+    gradients are added into (parallel.bundle: master dtype, one block's weights) before one
+    reduce-scatter returns the shards'; the weight gradient being formed is a term of the
+    block's backward (trainer.plan.activations.backward_bytes). The head's (or embedding's)
+    weight is gathered with its gradient formed whole, under bf16 first narrow, then widened.
+    chunks: the stage's blocks per model chunk; freed: what one block keeps for its backward
+    (gone once its backward is done)."""
     narrow = e if e != FP32 else 0
     alive = 2 if options.overlap_param_gather else 1
-    block = alive * block_weights * e + 2 * block_weights * FP32 + largest_weight * narrow
+    block = alive * block_weights * e + block_weights * FP32
     head = head_weights * (e + narrow + FP32)
     if options.overlap_grad_reduce:
         # parallel.bundle.GradReduceQueue: in a chunk's backward the packed gradients of up to
