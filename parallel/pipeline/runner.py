@@ -99,6 +99,7 @@ class PipelineRunner:
             self.busy_s += time.perf_counter() - busy
             if chunk != self.last_chunk:
                 flight.sends += self._send_forward(chunk, action.microbatch, out, positions)
+                _release_data(out)
         if train:  # kept until its backward: the pair's graph, and its input for the gradient
             key = (action.microbatch, action.chunk)
             flight.saved[key], flight.kept[key] = (x, out), size.bytes
@@ -173,6 +174,14 @@ class PipelineRunner:
               microbatch: int, kind: int) -> Pending:
         return self.pp.start_recv(shape, dtype, self._device, (self.stage + step) % self.size,
                                   self._tag(chunk, microbatch, kind))
+
+
+def _release_data(out: torch.Tensor) -> None:
+    """Free a sent output's data (Megatron's deallocate_output_tensor): its backward needs only
+    its graph (a chunk ends in the residual add, which saves nothing), and the send holds its
+    own reference until delivered. One element expanded to the output's shape keeps the shape
+    torch.autograd.backward checks its gradient against."""
+    out.data = torch.empty(1, dtype=out.dtype, device=out.device).expand(out.shape)
 
 
 def _message_bytes(flight: _InFlight, action: Action) -> int:
