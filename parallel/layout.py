@@ -1,17 +1,26 @@
 """The parallel layout: every derived size and every rank group (contract: shared/design/layout.md).
 
 Pure integer arithmetic over the rank axes of parallel.axes (tp, seq, batch, cp, dp, pp), no
-torch and no config library. The resolver plugin,
-the dry run and the trainer all ask a Layout; nothing else re-derives a size or a group.
+torch and no config library. Its inputs, and the rules that relate them, are the axes' (each
+axis's module of parallel.axes); the sizes they derive are here. The resolver plugin, the dry
+run and the trainer all ask a Layout; nothing else re-derives a size or a group.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, NamedTuple
 
-from parallel.axes import AXES, GROUPS, LAYOUT_KEYS, RANK_AXES, LayoutError
+from parallel.axes import (
+    AXES,
+    GROUPS,
+    LAYOUT_KEYS,
+    RANK_AXES,
+    REGISTRY,
+    LayoutError,
+    multiples_near,
+)
+from parallel.axes.pipeline import split_layers
 
 __all__ = ["AXES", "GROUP_AXES", "GROUP_NAMES", "GROUP_PURPOSE", "CONFIG_KEY", "Layout",
            "LayoutError", "RankCoords", "multiples_near"]
@@ -37,18 +46,11 @@ DERIVED_KEYS = (
 RankCoords = NamedTuple("RankCoords", [(axis, int) for axis in AXES])
 
 
-def multiples_near(value: int, base: int) -> str:
-    """'4 or 8': the multiples of base on either side of value (the usual fix)."""
-    below, above = (value // base) * base, -(-value // base) * base
-    if below < base:
-        return str(above if above >= base else base)
-    return str(below) if below == above else f"{below} or {above}"
-
-
 @dataclass(frozen=True)
 class Layout:
     """A validated layout. None inputs are replaced by their effective values at construction:
-    weight shards -> TP, sequence shards -> SP degree, global batch -> micro x batch_parallel."""
+    weight shards -> TP, sequence shards -> SP degree, global batch -> micro x batch_parallel
+    (parallel.axes.data.check_batch). Construction runs every axis's rules."""
 
     world_size: int
     tensor_model_parallel_size: int = 1
@@ -78,118 +80,15 @@ class Layout:
                       for key in LAYOUT_KEYS if key.section})
 
     def __post_init__(self) -> None:
-        self._check_positive_integers()
+        for key in LAYOUT_KEYS:  # each input's type and range (parallel.axes.Key.check)
+            key.check(getattr(self, key.name))
         if self.tensor_parallel_num_weight_shards is None:
             object.__setattr__(self, "tensor_parallel_num_weight_shards", self.tp_size)
         if self.tensor_parallel_num_sequence_shards is None:
             object.__setattr__(self, "tensor_parallel_num_sequence_shards", self.sp_degree)
-        self._check_weight_and_sequence_shards()
-        self._check_world_size()
-        self._check_batch()
-        self._check_seq_length()
-        self._check_pipeline()
-
-    # ----------------------------------------------------------------------------- validation
-
-    def _check_positive_integers(self) -> None:
-        for key in LAYOUT_KEYS:  # each input's type and range (parallel.axes.Key.check)
-            key.check(getattr(self, key.name))
-
-    def _check_weight_and_sequence_shards(self) -> None:
-        tp, ws, ss, sp = (self.tp_size, self.tensor_parallel_num_weight_shards,
-                          self.tensor_parallel_num_sequence_shards, self.sp_degree)
-        ws_key, ss_key = CONFIG_KEY["tensor_parallel_num_weight_shards"], CONFIG_KEY[
-            "tensor_parallel_num_sequence_shards"]
-        if ws < tp or ws % tp:
-            raise LayoutError(
-                f"{ws_key}={ws} is not a multiple of parallel.tensor_model_parallel_size={tp}: "
-                f"weight shards count TP ranks too, so they must be a multiple of TP. Fix: set "
-                f"{ws_key} to {multiples_near(ws, tp)}, or null for no sharding beyond TP.")
-        if ss < sp or ss % sp:
-            raise LayoutError(
-                f"{ss_key}={ss} is not a multiple of the SP degree {sp} (TP="
-                f"{tp}, sequence_parallel={self.sequence_parallel}): sequence shards count the "
-                f"SP ranks too. Fix: set {ss_key} to {multiples_near(ss, sp)}, or null for {sp}.")
-        ns, g = ss // sp, ws // tp
-        if ns > 1 and tp > 1 and not self.sequence_parallel:
-            raise LayoutError(
-                f"{ss_key}={ss} shards sequences within GTP_remat, which requires "
-                f"sequence_parallel when parallel.tensor_model_parallel_size={tp} > 1. Fix: set "
-                f"parallel.sequence_parallel=true, or {ss_key}=null.")
-        if g % ns:
-            raise LayoutError(
-                f"{ss_key}={ss} gives {ns} sequence shards per GTP_remat group, which does not "
-                f"divide GTP_remat size {g} ({ws_key}={ws} / TP={tp}). Fix: make {ss_key} / "
-                f"SP degree {sp} a divisor of {g}, e.g. {ss_key}={sp * self._divisor_near(g, ns)}.")
-
-    @staticmethod
-    def _divisor_near(n: int, value: int) -> int:
-        return min((d for d in range(1, n + 1) if n % d == 0), key=lambda d: (abs(d - value), d))
-
-    def _check_world_size(self) -> None:
-        tile = self.model_and_context_parallel_size
-        if self.world_size % tile:
-            raise LayoutError(
-                f"world_size={self.world_size} (cluster.num_nodes x cluster.procs_per_node) is "
-                f"not divisible by TP x "
-                f"GTP_remat x CP x PP = {self.tp_size} x {self.gtp_remat_size} x "
-                f"{self.context_parallel_size} x {self.pp_size} = {tile}. Fix: use a world size "
-                f"that is a multiple of {tile} ({multiples_near(self.world_size, tile)}), or "
-                f"lower those degrees.")
-
-    def _check_batch(self) -> None:
-        step = self.micro_batch_times_batch_parallel_size
-        gbs = self.global_batch_size
-        if gbs is None:
-            object.__setattr__(self, "global_batch_size", step)
-        elif gbs % step:
-            raise LayoutError(
-                f"train.global_batch_size={gbs} is not a multiple of train.micro_batch_size="
-                f"{self.micro_batch_size} x batch_parallel_size={self.batch_parallel_size} = "
-                f"{step}. Fix: set train.global_batch_size to {multiples_near(gbs, step)}, or "
-                f"null for {step}.")
-
-    def _check_seq_length(self) -> None:
-        cp, sp, seq = self.runtime_context_parallel_size, self.sp_degree, self.seq_length
-        if seq is None:
-            return
-        # Zigzag CP cuts a sequence into 2 x CP chunks; SP then splits each CP-local part over TP.
-        multiple = math.lcm(2 * cp if cp > 1 else 1, cp * sp)
-        if seq % multiple == 0:
-            return
-        why = []
-        if cp > 1:
-            why.append(f"2 x runtime CP = {2 * cp} (runtime CP = parallel.context_parallel_size "
-                       f"{self.context_parallel_size} x sequence shards per GTP_remat group "
-                       f"{self.gtp_remat_num_sequence_shards})")
-        if sp > 1:
-            why.append(f"runtime CP x SP degree = {cp} x {sp} (sequence parallel splits the "
-                       f"CP-local part over TP)")
-        raise LayoutError(
-            f"train.seq_length={seq} must be divisible by {' and by '.join(why)}. Fix: set "
-            f"train.seq_length to a multiple of {multiple} ({multiples_near(seq, multiple)}).")
-
-    def _check_pipeline(self) -> None:
-        pp, v, m = self.pp_size, self.virtual_pipeline_size, self.num_microbatches
-        step = self.micro_batch_times_batch_parallel_size
-        v_key = CONFIG_KEY["virtual_pipeline_model_parallel_size"]
-        if v > 1 and pp == 1:
-            raise LayoutError(
-                f"{v_key}={v} interleaves pipeline stages, but "
-                f"parallel.pipeline_model_parallel_size=1. Fix: set {v_key}=null, or PP > 1.")
-        if v > 1 and m % pp:
-            raise LayoutError(
-                f"{v_key}={v}: the interleaved schedule runs micro-batches in groups of PP, so "
-                f"their number ({m} = train.global_batch_size {self.global_batch_size} / "
-                f"(train.micro_batch_size {self.micro_batch_size} x batch_parallel_size "
-                f"{self.batch_parallel_size})) must be divisible by "
-                f"parallel.pipeline_model_parallel_size={pp}. Fix: set train.global_batch_size "
-                f"to {multiples_near(self.global_batch_size, pp * step)}.")
-        for name in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
-            if getattr(self, name) is not None and pp == 1:
-                raise LayoutError(f"{CONFIG_KEY[name]}={getattr(self, name)} needs "
-                                  f"parallel.pipeline_model_parallel_size > 1. Fix: set it to "
-                                  f"null.")
+        for axis in REGISTRY:  # each axis's rules, in the registry's order (parallel.axes)
+            for rule in axis.rules:
+                rule(self)
 
     # -------------------------------------------------------------------------- derived sizes
 
@@ -280,54 +179,12 @@ class Layout:
         return -(-numel // self.num_weight_replicas)
 
     def pipeline_layers(self, num_layers: int) -> list[range]:
-        """The blocks of each model chunk, in model order (see _pipeline_layers)."""
+        """The blocks of each model chunk, in model order (parallel.axes.pipeline.split_layers;
+        raises naming the keys where they do not split)."""
         cache = self.__dict__.setdefault("_layers_cache", {})  # frozen: not through setattr
         if num_layers not in cache:
-            cache[num_layers] = self._pipeline_layers(num_layers)
+            cache[num_layers] = split_layers(self, num_layers)
         return list(cache[num_layers])
-
-    def _pipeline_layers(self, num_layers: int) -> list[range]:
-        """The blocks of each model chunk, in model order (chunk c = virtual index x PP +
-        stage): contiguous ranges. The ends take num_layers_in_first/last_pipeline_stage when
-        set, the other stages split the rest evenly, and each stage's blocks split evenly over
-        its virtual chunks. A split that does not divide raises, naming the keys."""
-        pp, v = self.pp_size, self.virtual_pipeline_size
-        first, last = (self.num_layers_in_first_pipeline_stage,
-                       self.num_layers_in_last_pipeline_stage)
-        fixed = {s: n for s, n in ((0, first), (pp - 1, last)) if n is not None}
-        if pp == 1:
-            fixed = {}
-        keys = [CONFIG_KEY[k] for k, n in (("num_layers_in_first_pipeline_stage", first),
-                                            ("num_layers_in_last_pipeline_stage", last))
-                if n is not None]
-        rest, free = num_layers - sum(fixed.values()), pp - len(fixed)
-        given = f" (model.num_layers={num_layers}" + "".join(
-            f", {k}={n}" for k, n in zip(keys, fixed.values())) + ")"
-        ends = " and ".join(keys) or "parallel.num_layers_in_first/last_pipeline_stage"
-        if rest < 0 or (free == 0 and rest):
-            raise LayoutError(
-                f"the fixed stage layer counts add up to {sum(fixed.values())}, "
-                f"{'more than' if rest < 0 else 'not'} the model's{given}. Fix: change {ends} "
-                f"so that they do.")
-        if free and rest % free:
-            raise LayoutError(
-                f"{rest} layers do not split evenly over the {free} pipeline stage(s) without a "
-                f"fixed count{given}. Fix: set parallel.pipeline_model_parallel_size so that "
-                f"they do, or {ends} to move layers to the first or last stage.")
-        per_stage = [fixed.get(s, rest // free if free else 0) for s in range(pp)]
-        for stage, n in enumerate(per_stage):
-            if n < v or n % v:
-                v_key = CONFIG_KEY["virtual_pipeline_model_parallel_size"]
-                raise LayoutError(
-                    f"pipeline stage {stage} gets {n} layer(s){given}, which do not split into "
-                    f"{v} model chunk(s) of at least one layer ({v_key}={v}). Fix: change "
-                    f"{v_key}, parallel.pipeline_model_parallel_size or the stage layer counts.")
-        out, start = [], 0
-        for chunk in range(pp * v):
-            size = per_stage[chunk % pp] // v
-            out.append(range(start, start + size))
-            start += size
-        return out
 
     def stage_chunks(self, stage: int, num_layers: int) -> list[range]:
         """The blocks of each of `stage`'s virtual chunks, in chunk order."""

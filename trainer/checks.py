@@ -1,8 +1,9 @@
 """Every check of a config value that needs no process, no torch and reads no data (a folder
 the run must write is tried): one place, so a new key gets its check here. Each failure is one
 ValueError line naming the key, the value and the fix; settle() turns it into the run's one-line
-error. The layout's rules relating degrees live in parallel.layout, the sample accounting
-train.accounting's, the schedule train.schedule's, the data's data.source's.
+error. The layout's rules relating degrees live with their axes (parallel.axes), and so do an
+axis's rules for the model's shapes (trainer.plan.axes); the sample accounting is
+plan.accounting's, the schedule plan.schedule's, the data's data.source's.
 """
 from __future__ import annotations
 
@@ -13,12 +14,10 @@ from typing import Any
 
 from parallel.axes import BATCH, PARALLEL_KEYS
 from parallel.layout import Layout
-from parallel.pipeline.schedules import SCHEDULES
 from trainer.config import (
     CheckpointConfig,
     ClusterConfig,
     Config,
-    CPCommType,
     LoggerConfig,
     LoggerName,
     ModelConfig,
@@ -84,55 +83,6 @@ def check_model(model: ModelConfig) -> None:
                 fix="use Llama 3.1's 8.0 or Llama 3.2's 32.0")
     _finite("model.norm_eps", model.norm_eps, 0, False, fix="use e.g. 1e-5")
     _finite("model.init_std", model.init_std, 0, False, fix="use e.g. 0.02")
-
-
-def check_model_fits_layout(model: ModelConfig, layout: Layout) -> None:
-    """Shapes tensor parallel must split evenly (GTP_remat pads rows, so it needs nothing)."""
-    tp = layout.tp_size
-    shapes = {"num_heads": model.num_heads, "num_query_groups": model.query_groups,
-              "ffn_hidden_size": model.ffn_hidden_size}
-    for key, value in shapes.items():
-        if value % tp:
-            raise ValueError(
-                f"model.{key}={value} is not divisible by parallel.tensor_model_parallel_size="
-                f"{tp}. Fix: choose a TP degree that divides it, or change the model.")
-    if model.padded_vocab_size % tp:
-        raise ValueError(
-            f"model.vocab_size={model.vocab_size} padded to a multiple of "
-            f"model.make_vocab_size_divisible_by={model.make_vocab_size_divisible_by} is "
-            f"{model.padded_vocab_size}, which parallel.tensor_model_parallel_size={tp} does "
-            f"not divide. Fix: set model.make_vocab_size_divisible_by to a multiple of {tp}.")
-    layout.pipeline_layers(model.num_layers)  # the blocks split over stages and chunks
-
-
-def check_pipeline_schedule(schedule: str, layout: Layout) -> None:
-    """Interleaving and virtual chunks go together (Megatron: a virtual size selects it)."""
-    _one_of("parallel.pipeline_schedule", schedule, SCHEDULES, "pipeline schedule")
-    v, key = layout.virtual_pipeline_size, "parallel.virtual_pipeline_model_parallel_size"
-    if schedule == "interleaved_1f1b" and v < 2:
-        raise ValueError(
-            f"parallel.pipeline_schedule=interleaved_1f1b needs {key} >= 2 model chunks per "
-            f"stage (it is {layout.virtual_pipeline_model_parallel_size}). Fix: set {key}=2, "
-            f"or parallel.pipeline_schedule=1f1b.")
-    if schedule != "interleaved_1f1b" and v > 1:
-        raise ValueError(
-            f"{key}={v} needs parallel.pipeline_schedule=interleaved_1f1b (it is "
-            f"{schedule}). Fix: set that, or {key}=null.")
-
-
-def check_context_parallel(model: ModelConfig, layout: Layout, cp_comm_type: CPCommType) -> None:
-    """a2a gives each context rank whole heads: the TP-local heads must split over runtime CP."""
-    cp, tp = layout.runtime_context_parallel_size, layout.tp_size
-    if cp_comm_type is not CPCommType.a2a or cp == 1:
-        return
-    for key, heads in (("num_heads", model.num_heads), ("num_query_groups", model.query_groups)):
-        local = heads // tp
-        if local % cp:
-            raise ValueError(
-                f"parallel.cp_comm_type=a2a needs the {key} per TP rank (model.{key}={heads} / "
-                f"parallel.tensor_model_parallel_size={tp} = {local}) divisible by runtime CP = "
-                f"{cp} (parallel.context_parallel_size x sequence shards). Fix: use "
-                f"parallel.cp_comm_type=p2p, or a runtime CP that divides {local}.")
 
 
 def check_optim(optim: OptimConfig) -> None:
@@ -262,9 +212,6 @@ def check_values(cfg: Config, layout: Layout) -> None:
     """Everything above, in the order a reader meets the config."""
     check_layout_inputs(cfg.parallel, cfg.cluster, cfg.train)
     check_model(cfg.model)
-    check_model_fits_layout(cfg.model, layout)
-    check_context_parallel(cfg.model, layout, cfg.parallel.cp_comm_type)
-    check_pipeline_schedule(cfg.parallel.pipeline_schedule, layout)
     check_memory_options(cfg, layout)
     check_seeds(cfg)
     check_optim(cfg.optim)

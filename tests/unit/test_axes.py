@@ -11,7 +11,7 @@ from parallel.axes import AXES, GROUPS, LAYOUT_KEYS, PARALLEL_KEYS, REGISTRY, La
 from parallel.layout import GROUP_AXES, Layout, RankCoords
 from trainer.config import ParallelConfig
 
-from config_helpers import CONF_DIR
+from config_helpers import CONF_DIR, ROOT
 
 
 def test_the_layout_takes_exactly_the_registrys_inputs_in_order():
@@ -70,3 +70,25 @@ def test_every_registered_step_is_a_function_of_a_phase():
         module, _, function = path.partition(":")
         assert phase in PHASES, (name, phase)
         assert callable(getattr(importlib.import_module(module), function, None)), (name, path)
+
+
+def test_each_axis_is_a_module_with_its_terms_of_the_plan_beside_it():
+    """An axis is one module of parallel/axes (its entry: keys, rank axes, groups, rules, steps)
+    and one of trainer/plan/axes of the same name (its rules for the model, its terms of the
+    plan): what a new axis adds besides its parallel layers and its registration."""
+    import importlib
+    import pkgutil
+
+    import parallel.axes
+    from parallel.axes.axis import Axis
+
+    homes = {}
+    for info in pkgutil.iter_modules(parallel.axes.__path__):
+        module = importlib.import_module(f"parallel.axes.{info.name}")
+        for value in vars(module).values():
+            if isinstance(value, Axis):
+                homes.setdefault(value.name, []).append(info.name)
+    assert {axis.name for axis in REGISTRY} == set(homes)
+    for axis in REGISTRY:
+        (home,) = homes[axis.name]
+        assert (ROOT / "trainer" / "plan" / "axes" / f"{home}.py").is_file(), home

@@ -29,9 +29,12 @@ def test_parallel_never_imports_trainer():
 
 
 def test_layout_is_pure_python():
+    """The Layout and the axes it reads import the standard library and each other only."""
     stdlib = {"__future__", "dataclasses", "functools", "math", "typing"}
-    assert imported_modules(ROOT / "parallel" / "layout.py") <= stdlib | {"parallel.axes"}
-    assert imported_modules(ROOT / "parallel" / "axes.py") <= stdlib
+    axes = {f"parallel.axes.{p.stem}" for p in (ROOT / "parallel" / "axes").glob("*.py")}
+    axes = (axes - {"parallel.axes.__init__"}) | {"parallel.axes", "parallel.layout"}
+    for path in [ROOT / "parallel" / "layout.py", *(ROOT / "parallel" / "axes").glob("*.py")]:
+        assert imported_modules(path) <= stdlib | axes, path
 
 
 def test_hydra_finds_the_plugin_on_its_own_and_compose_imports_no_torch():

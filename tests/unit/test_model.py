@@ -65,15 +65,17 @@ def test_bad_head_count_is_a_clear_error():
 
 def test_training_refuses_what_the_engine_cannot_split():
     from parallel.layout import Layout
-    from trainer.checks import check_model_fits_layout
+    from trainer.plan.axes import check_model_fits_layout
+    from trainer.plan.options import EngineOptions
 
+    options = EngineOptions()
     with pytest.raises(ValueError, match="2 layers do not split evenly over the 4 pipeline"):
-        check_model_fits_layout(TINY, Layout(4, pipeline_model_parallel_size=4))
-    check_model_fits_layout(TINY, Layout(2, pipeline_model_parallel_size=2))
+        check_model_fits_layout(TINY, Layout(4, pipeline_model_parallel_size=4), options)
+    check_model_fits_layout(TINY, Layout(2, pipeline_model_parallel_size=2), options)
     with pytest.raises(ValueError, match="model.num_heads=4 is not divisible by "
                                          "parallel.tensor_model_parallel_size=8"):
-        check_model_fits_layout(TINY, Layout(8, tensor_model_parallel_size=8))
-    check_model_fits_layout(TINY, Layout(4, tensor_model_parallel_size=4))
+        check_model_fits_layout(TINY, Layout(8, tensor_model_parallel_size=8), options)
+    check_model_fits_layout(TINY, Layout(4, tensor_model_parallel_size=4), options)
 
 
 def test_the_names_checked_at_compose_time_are_the_implementations_built():

@@ -18,22 +18,25 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from parallel.axes import PARALLEL_KEYS
 from parallel.layout import Layout, LayoutError
-from trainer.checks import check_context_parallel, check_model
+from trainer.checks import check_model
 from trainer.config import CPCommType, ModelConfig, Precision, RecomputeGranularity
 from trainer.model.plan import parameter_shapes
+from trainer.plan.axes.context import check_comm_type
 from trainer.plan.cost import Estimate, estimate, floor_s
 from trainer.plan.fit import PeakPlanner
 from trainer.plan.hardware import GiB, Hardware
 from trainer.plan.options import EngineOptions
 
-# The keys the search sets, by config path; the rest of parallel.* are inputs.
-SEARCHED = ("parallel.tensor_model_parallel_size", "parallel.sequence_parallel",
-            "parallel.tensor_parallel_num_weight_shards",
-            "parallel.tensor_parallel_num_sequence_shards", "parallel.context_parallel_size",
-            "parallel.pipeline_model_parallel_size",
-            "parallel.virtual_pipeline_model_parallel_size", "parallel.pipeline_schedule",
-            "parallel.cp_comm_type", "train.recompute_granularity")
+# The keys the search sets, by config path: the axes' degrees it chooses (parallel.axes), then
+# the options it tries for each layout; the rest of parallel.* are inputs.
+OPTIONS = ("parallel.pipeline_schedule", "parallel.cp_comm_type", "train.recompute_granularity")
+SEARCHED = (*(key.config_key for key in PARALLEL_KEYS if key.searched), *OPTIONS)
+# Inputs of the search that it does not choose: the axes' other keys and the communication's.
+GIVEN = (*(key.config_key for key in PARALLEL_KEYS if not key.searched),
+         "parallel.grad_reduce_in_bf16", "parallel.overlap_param_gather",
+         "parallel.overlap_grad_reduce")
 ALTERNATIVES = 5
 RECOMPUTES = (None, RecomputeGranularity.selective, RecomputeGranularity.full)
 
@@ -174,10 +177,11 @@ def search(p: Problem) -> Choice:
     for tp, sp, ws, ss, cp, pp in degrees(p, fixed, dropped):
         for v in _virtual(p, fixed, pp, dropped):
             try:
-                layout = Layout(p.world_size, tp, sp, ws, ss, cp, pp, v,
-                                given.get("parallel.num_layers_in_first_pipeline_stage"),
-                                given.get("parallel.num_layers_in_last_pipeline_stage"),
-                                p.micro_batch_size, p.global_batch_size, p.seq_length)
+                stage_layers = {key.name: given.get(key.config_key) for key in PARALLEL_KEYS
+                                if not key.searched}
+                layout = Layout(p.world_size, tp, sp, ws, ss, cp, pp, v, **stage_layers,
+                                micro_batch_size=p.micro_batch_size,
+                                global_batch_size=p.global_batch_size, seq_length=p.seq_length)
                 layout.pipeline_layers(m.num_layers)
             except LayoutError as error:
                 dropped[_rule(str(error))] += 1
@@ -208,15 +212,8 @@ def search(p: Problem) -> Choice:
                     given.get("parallel.overlap_param_gather", True),
                     given.get("parallel.overlap_grad_reduce", True), comm, schedule)
                 peak, stage = planner.peak(layout, stages, options)
-                values = {"parallel.tensor_model_parallel_size": layout.tp_size,
-                          "parallel.sequence_parallel": layout.sequence_parallel,
-                          "parallel.tensor_parallel_num_weight_shards":
-                              layout.tensor_parallel_num_weight_shards,
-                          "parallel.tensor_parallel_num_sequence_shards":
-                              layout.tensor_parallel_num_sequence_shards,
-                          "parallel.context_parallel_size": layout.context_parallel_size,
-                          "parallel.pipeline_model_parallel_size": layout.pp_size,
-                          "parallel.virtual_pipeline_model_parallel_size": v,
+                values = {**{key.config_key: getattr(layout, key.name)
+                             for key in PARALLEL_KEYS if key.searched},
                           "parallel.pipeline_schedule": schedule,
                           "parallel.cp_comm_type": comm.value,
                           "train.recompute_granularity": recompute and recompute.value}
@@ -290,7 +287,7 @@ def _comm_types(p: Problem, fixed: dict[str, Any], layout: Layout, dropped: Coun
         return
     for comm in CPCommType:
         try:
-            check_context_parallel(p.model, layout, comm)
+            check_comm_type(p.model, layout, comm)
         except ValueError:
             dropped["cp_comm_type=a2a needs the TP-local heads divisible by runtime CP"] += 1
             continue

@@ -16,7 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from parallel.layout import Layout, LayoutError
-from trainer.auto.search import SEARCHED, Choice, Problem, search
+from trainer.auto.search import GIVEN, SEARCHED, Choice, Problem, search
 from trainer.config import ModelConfig, Precision
 from trainer.plan.hardware import Hardware
 
@@ -64,9 +64,7 @@ def auto_problem(root: DictConfig) -> Problem | None:
         return None
     model: ModelConfig = OmegaConf.to_object(root.model)
     train, cluster, parallel = root.train, root.cluster, root.parallel
-    given = tuple((f"parallel.{k}", parallel[k]) for k in (
-        "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
-        "grad_reduce_in_bf16", "overlap_param_gather", "overlap_grad_reduce"))
+    given = tuple((path, parallel[path.split(".")[1]]) for path in GIVEN)
     world = cluster.num_nodes * cluster.procs_per_node
     return Problem(model, Hardware.from_cluster(cluster), world, train.micro_batch_size,
                    train.global_batch_size, train.seq_length,

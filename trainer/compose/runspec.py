@@ -17,6 +17,8 @@ from trainer.compose.resolvers import AutoLayoutError, auto_choice, build_layout
 from trainer.config import Config, ConfigError, unknown_keys
 from trainer.data.source import DataSource
 from trainer.plan.accounting import RunPlan
+from trainer.plan.axes import check_model_fits_layout
+from trainer.plan.options import EngineOptions
 from trainer.plan.schedule import LrSchedule
 
 
@@ -70,6 +72,7 @@ def settle(cfg: DictConfig) -> RunSpec:
     config: Config = OmegaConf.to_object(cfg)
     try:
         check_values(config, layout)
+        check_model_fits_layout(config.model, layout, EngineOptions.from_config(config))
         plan = RunPlan.from_config(config.train, config.checkpoint, layout)
         schedule = LrSchedule.from_config(config.schedule, config.train.train_samples)
         data = DataSource.from_config(config.data, config.model, config.train)

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from parallel.axes import PARALLEL_KEYS
 from parallel.layout import AXES, Layout
 from parallel.pipeline.schedules import ideal_bubble_fraction
 from trainer.compose.runspec import RunSpec
@@ -46,15 +47,9 @@ def layout_record(spec: RunSpec) -> dict[str, Any]:
     memory plan (trainer.plan.memory) and the pipeline's bubble."""
     config, layout = spec.config, spec.layout
     record = {
-        "inputs": {
+        "inputs": {  # every axis's keys (parallel.axes), their nulls resolved
             "world_size": layout.world_size,
-            "tensor_model_parallel_size": layout.tp_size,
-            "sequence_parallel": layout.sequence_parallel,
-            "tensor_parallel_num_weight_shards": layout.tensor_parallel_num_weight_shards,
-            "tensor_parallel_num_sequence_shards": layout.tensor_parallel_num_sequence_shards,
-            "context_parallel_size": layout.context_parallel_size,
-            "pipeline_model_parallel_size": layout.pp_size,
-            "virtual_pipeline_model_parallel_size": layout.virtual_pipeline_size,
+            **{key.name: getattr(layout, key.effective or key.name) for key in PARALLEL_KEYS},
             "pipeline_schedule": config.parallel.pipeline_schedule,
             "micro_batch_size": layout.micro_batch_size,
             "seq_length": layout.seq_length,

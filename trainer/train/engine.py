@@ -17,14 +17,10 @@ from parallel.comm import CommStats
 from parallel.groups import Groups, build_groups
 from parallel.layout import Layout
 from parallel.parallelize import ParallelModel, parallelize
-from trainer.checks import (
-    check_context_parallel,
-    check_model_fits_layout,
-    check_pipeline_schedule,
-)
 from trainer.config import ModelConfig, OptimConfig, Precision
 from trainer.model.plan import parallel_plan
 from trainer.model.transformer import Transformer
+from trainer.plan.axes import check_model_fits_layout
 from trainer.plan.options import EngineOptions
 from trainer.train.optim import ShardedAdamW
 from trainer.train.recompute import apply_recompute
@@ -50,9 +46,7 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layo
                  timeout_s: int | None = None) -> Engine:
     """Collective over the default process group. timeout_s: how long a collective of the
     engine's groups waits for a peer (cluster.timeout_s); None: torch's default."""
-    check_model_fits_layout(model_cfg, layout)
-    check_context_parallel(model_cfg, layout, options.cp_comm_type)
-    check_pipeline_schedule(options.pipeline_schedule, layout)
+    check_model_fits_layout(model_cfg, layout, options)
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     groups = build_groups(layout, CommStats(), timeout)
     with torch.device("meta"):

@@ -1,11 +1,31 @@
-"""Context parallel's terms: what a block's attention keeps by cp_comm_type (memory), and the
-K/V exchange of a block's attention (time)."""
+"""Context parallel's rule for the model and its terms: the heads a2a splits, what a block's
+attention keeps by cp_comm_type (memory), and the K/V exchange of a block's attention (time)."""
 from __future__ import annotations
 
 from parallel.layout import Layout
 from trainer.config import CPCommType, ModelConfig, RecomputeGranularity
 from trainer.plan.hardware import Hardware
+from trainer.plan.options import EngineOptions
 from trainer.plan.tokens import FP32, Tokens
+
+
+def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> None:
+    check_comm_type(model, layout, options.cp_comm_type)
+
+
+def check_comm_type(model: ModelConfig, layout: Layout, cp_comm_type: CPCommType) -> None:
+    """a2a gives each context rank whole heads: the TP-local heads must split over runtime CP."""
+    cp, tp = layout.runtime_context_parallel_size, layout.tp_size
+    if cp_comm_type is not CPCommType.a2a or cp == 1:
+        return
+    for key, heads in (("num_heads", model.num_heads), ("num_query_groups", model.query_groups)):
+        local = heads // tp
+        if local % cp:
+            raise ValueError(
+                f"parallel.cp_comm_type=a2a needs the {key} per TP rank (model.{key}={heads} / "
+                f"parallel.tensor_model_parallel_size={tp} = {local}) divisible by runtime CP = "
+                f"{cp} (parallel.context_parallel_size x sequence shards). Fix: use "
+                f"parallel.cp_comm_type=p2p, or a runtime CP that divides {local}.")
 
 
 def attention_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,

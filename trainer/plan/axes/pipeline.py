@@ -1,18 +1,46 @@
-"""The pipeline's terms: the activations of every (micro-batch, chunk) pair a stage's schedule
-keeps at once and the messages it holds (memory), the residual stream sent between stages and
-the bubble (time). The schedules themselves are parallel.pipeline.schedules'.
+"""The pipeline's rules for the model and its terms: the blocks split over stages and the
+schedule that goes with virtual chunks; the activations of every (micro-batch, chunk) pair a
+stage's schedule keeps at once and the messages it holds (memory), the residual stream sent
+between stages and the bubble (time). The schedules themselves are parallel.pipeline.schedules'.
 """
 from __future__ import annotations
 
 from functools import lru_cache
 
 from parallel.layout import Layout
-from parallel.pipeline.schedules import FORWARD, Action, message_counts, stage_actions
+from parallel.pipeline.schedules import (
+    FORWARD,
+    SCHEDULES,
+    Action,
+    message_counts,
+    stage_actions,
+)
 from trainer.config import ModelConfig
 from trainer.plan.hardware import Hardware
+from trainer.plan.options import EngineOptions
 from trainer.plan.tokens import FP32, Tokens
 
 POSITION_BYTES = 8  # int64
+
+
+def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> None:
+    """The blocks split over stages and chunks (Layout.pipeline_layers raises naming the keys);
+    interleaving and virtual chunks go together (Megatron: a virtual size selects it)."""
+    layout.pipeline_layers(model.num_layers)
+    schedule, key = options.pipeline_schedule, "parallel.virtual_pipeline_model_parallel_size"
+    if schedule not in SCHEDULES:
+        raise ValueError(f"parallel.pipeline_schedule={schedule!r} selects no pipeline schedule. "
+                         f"Fix: choose one of {', '.join(SCHEDULES)}.")
+    v = layout.virtual_pipeline_size
+    if schedule == "interleaved_1f1b" and v < 2:
+        raise ValueError(
+            f"parallel.pipeline_schedule=interleaved_1f1b needs {key} >= 2 model chunks per "
+            f"stage (it is {layout.virtual_pipeline_model_parallel_size}). Fix: set {key}=2, "
+            f"or parallel.pipeline_schedule=1f1b.")
+    if schedule != "interleaved_1f1b" and v > 1:
+        raise ValueError(
+            f"{key}={v} needs parallel.pipeline_schedule=interleaved_1f1b (it is "
+            f"{schedule}). Fix: set that, or {key}=null.")
 
 
 def stage_activation_bytes(per_chunk: list[int], actions: list[Action]) -> int:
