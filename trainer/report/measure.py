@@ -80,12 +80,12 @@ def state_bytes(engine: Engine) -> int:
 def measure_rank(spec: RunSpec, rank: int, step: bool = True) -> dict[str, Any]:
     """Build rank `rank`'s engine against a simulated world and run one training step (with
     step=False: the build only)."""
-    settings, layout = spec.config, spec.layout
+    config, layout = spec.config, spec.layout
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
     try:
-        gen = torch.Generator().manual_seed(settings.data.seed)
-        vocab = settings.model.vocab_size
+        gen = torch.Generator().manual_seed(config.data.seed)
+        vocab = config.model.vocab_size
 
         def fetch(samples: list[int]) -> torch.Tensor:
             return torch.randint(0, vocab, (len(samples), layout.seq_length + 1), generator=gen)
@@ -94,8 +94,8 @@ def measure_rank(spec: RunSpec, rank: int, step: bool = True) -> dict[str, Any]:
         peak = PeakMemory(device)
         peak.reset()
         start = time.perf_counter()
-        engine = build_engine(settings.model, settings.optim, settings.train.seed, layout,
-                              device, EngineOptions.from_config(settings))
+        engine = build_engine(config.model, config.optim, config.train.seed, layout,
+                              device, EngineOptions.from_config(config))
         build_s = time.perf_counter() - start
         figures = {"rank": rank, "world_size": layout.world_size, "device": device.type,
                    "build_s": round(build_s, 3), "build_peak_bytes": peak.above_baseline()}
