@@ -49,7 +49,7 @@ def commit() -> str:
 
 
 def run(quick: bool) -> dict:
-    started = time.perf_counter()
+    started, at_start = time.perf_counter(), commit()  # the code the run starts with
     figures: dict = {}
     over = overhead.measure(quick)
     figures["overhead_vs_plain_loop"] = over
@@ -72,7 +72,8 @@ def run(quick: bool) -> dict:
     figures["checkpoint_checksums"] = checksum.measure(quick)
     return {
         "measured": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": commit(),
+        "commit": at_start + ("" if commit() == at_start else
+                              f" (the tree changed during the run: {commit()} at its end)"),
         "mode": "quick" if quick else "full",
         "machine": f"{platform.machine()}, {platform.python_version()}, "
                    f"{__import__('os').cpu_count()} CPUs",
