@@ -45,7 +45,7 @@ class ParallelModel(nn.Module):
                  compute_dtype: torch.dtype = torch.float32,
                  bundles: list[ShardBundle] | None = None,
                  reduce_queue: GradReduceQueue | None = None, vocab_size: int | None = None,
-                 stage: Stage | None = None):
+                 stage: Stage | None = None, head_norms: tuple[str, ...] = ()):
         super().__init__()
         # The pipeline stage this rank runs (all of the model without pipeline parallelism);
         # its chunk views are not submodules, so each parameter is registered once.
@@ -59,8 +59,14 @@ class ParallelModel(nn.Module):
         self.layers = {n: m for n, m in module.named_modules() if isinstance(m, ParallelLayer)}
         sharded = {f"{n}.weight" for n in self.layers}
         # Whole on every rank of a weight tile (norms): gradients need a sum over gtp_remat, and
-        # over TP too with SP (each TP rank saw different tokens).
-        self.replicated = [(n, p) for n, p in module.named_parameters() if n not in sharded]
+        # over TP too with SP (each TP rank saw different tokens); per-head norms (the plan's
+        # head_norms) first, as their gradients are summed over TP always (each TP rank saw
+        # other heads).
+        whole = [(n, p) for n, p in module.named_parameters() if n not in sharded]
+        per_head = {n for n, _ in whole
+                    if any(n.removesuffix(".weight").endswith(s) for s in head_norms)}
+        self.replicated = sorted(whole, key=lambda item: item[0] not in per_head)  # stable
+        self.head_norm_count = len(per_head)
         self.vocab_start = (self.layers[head].tp.rank * self.layers[head].rows
                             if head in self.layers else 0)
         self.vocab_size = vocab_size  # logits of ids at or past it are padding
@@ -145,13 +151,17 @@ class ParallelModel(nn.Module):
 
     def reduce_replicated_grads(self) -> None:
         """Coalesced: one all-reduce per group for all small tensors."""
-        grads = [p.grad for _, p in self.replicated if p.grad is not None]
-        if not grads:
+        held = [(i, p.grad) for i, (_, p) in enumerate(self.replicated) if p.grad is not None]
+        if not held:
             return
+        grads = [grad for _, grad in held]
         flat = torch.cat([g.reshape(-1) for g in grads])
         self.groups.gtp_remat.all_reduce(flat)
         if self.sequence_parallel:
             self.groups.tp.all_reduce(flat)
+        elif self.head_norm_count:  # the per-head norms lead the flat tensor
+            per_head = sum(g.numel() for i, g in held if i < self.head_norm_count)
+            self.groups.tp.all_reduce(flat[:per_head])
         offset = 0
         for grad in grads:
             grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
@@ -205,7 +215,7 @@ def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Gr
     queue = bundles[0].reduce_queue if bundles else None
     stage = Stage(build.part, build.chunks or [model], build.pruned)
     parallel = ParallelModel(model, groups, build.sequence_parallel, plan.head, compute_dtype,
-                             bundles, queue, vocab_size, stage)
+                             bundles, queue, vocab_size, stage, plan.head_norms)
     parallel.runner = PipelineRunner(parallel, layout, options.pipeline_schedule, plan.hidden_size)
     return parallel
 

@@ -25,6 +25,10 @@ class ParallelPlan:
     # Function attributes of a block's modules that selective recompute wraps (Megatron's
     # selective: the attention core and the MLP activation), by attribute name.
     recompute_hooks: tuple[str, ...] = ()
+    # Whole weights applied to each attention head (qk_layernorm's norms), by module-name
+    # suffix: a TP rank forms their gradient from its own heads only, so it is summed over TP
+    # with sequence parallel or without (other whole weights only with it).
+    head_norms: tuple[str, ...] = ()
 
     def linear_style(self, name: str) -> tuple[str, tuple[int, ...]]:
         return by_suffix(self.linears, name)

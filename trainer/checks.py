@@ -59,10 +59,15 @@ def check_model(model: ModelConfig) -> None:
     _one_of("model.name", model.name, ARCHITECTURES, "model architecture")
     for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size"):
         _positive_int(f"model.{key}", getattr(model, key))
-    if model.hidden_size % model.num_heads:
+    if model.kv_channels is not None:
+        _positive_int("model.kv_channels", model.kv_channels,
+                      "set it to the width of one attention head, or null for hidden_size / "
+                      "num_heads")
+    elif model.hidden_size % model.num_heads:
         raise ValueError(
             f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads="
-            f"{model.num_heads}. Fix: choose num_heads that divides hidden_size.")
+            f"{model.num_heads}. Fix: choose num_heads that divides hidden_size, or set "
+            f"model.kv_channels (the head width).")
     groups = model.num_query_groups
     if groups is not None and (groups < 1 or model.num_heads % groups):
         raise ValueError(
@@ -73,10 +78,12 @@ def check_model(model: ModelConfig) -> None:
                   "use 128 (Megatron's default), or 1 for no padding")
     head_dim = model.head_dim
     if head_dim % 2:
+        width = (f"model.kv_channels={head_dim}" if model.kv_channels else
+                 f"model.hidden_size={model.hidden_size} / model.num_heads={model.num_heads} is "
+                 f"a head dim of {head_dim}, which")
         raise ValueError(
-            f"model.hidden_size={model.hidden_size} / model.num_heads={model.num_heads} is a head "
-            f"dim of {head_dim}, which is odd; rotary embeddings need an even head dim. Fix: "
-            f"change model.num_heads or model.hidden_size.")
+            f"{width} is odd; rotary embeddings need an even head dim. Fix: change "
+            f"model.kv_channels, model.num_heads or model.hidden_size.")
     _finite("model.rope_theta", model.rope_theta, 0, False, fix="use e.g. 10000.0")
     if model.use_rope_scaling:
         _finite("model.rope_scaling_factor", model.rope_scaling_factor, 1, True,

@@ -81,6 +81,12 @@ class ModelConfig:
     # 2,048 and 8,192 (Meta's low/high frequency factors 1 and 4, as Megatron fixes them).
     use_rope_scaling: bool = False
     rope_scaling_factor: float = 8.0
+    # Megatron's names. kv_channels: the width of one attention head (null: hidden_size /
+    # num_heads; Qwen3-30B-A3B's heads are 128 wide at hidden 2048 and 32 heads).
+    # qk_layernorm: an RMSNorm over each head of q and of k before the rotary embedding (Qwen3's
+    # q_norm and k_norm).
+    kv_channels: Optional[int] = None
+    qk_layernorm: bool = False
 
     @property
     def query_groups(self) -> int:
@@ -88,7 +94,12 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
+        return self.kv_channels or self.hidden_size // self.num_heads
+
+    @property
+    def q_size(self) -> int:
+        """Width of q (and of the attention's output): num_heads heads of head_dim."""
+        return self.num_heads * self.head_dim
 
     @property
     def qkv_heads(self) -> tuple[int, int, int]:

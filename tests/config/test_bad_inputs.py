@@ -87,6 +87,9 @@ TABLE = [
     R("model.use_rope_scaling=true model.rope_scaling_factor=0.5",
       ("model.rope_scaling_factor=0.5",)),
     R("model.num_query_groups=3", ("model.num_query_groups=3", "model.num_heads=4")),
+    R("model.kv_channels=0", ("model.kv_channels=0",)),
+    R("model.kv_channels=15", ("model.kv_channels=15", "odd")),
+    R("model.num_heads=3 model.kv_channels=16", (), OK, torch=True),  # heads need not divide h
     R(f"model.num_heads=8 model.num_query_groups=2 {TP4}",
       ("model.num_query_groups=2", "tensor_model_parallel_size=4")),
     R("model.num_heads=8 model.num_query_groups=2 cluster.procs_per_node=4 "

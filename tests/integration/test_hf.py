@@ -45,12 +45,18 @@ LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 8192}
 DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
-MODELS = {  # name -> (LlamaConfig arguments, save_pretrained max_shard_size)
+MODELS = {  # name -> (config arguments, save_pretrained max_shard_size, architecture)
     "gqa_padded_vocab_rope_scaling": (dict(
         vocab_size=250, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
-        rope_parameters=LLAMA3_ROPE, max_position_embeddings=65536), None),
+        rope_parameters=LLAMA3_ROPE, max_position_embeddings=65536), None, "Llama"),
     "mha_tied_sharded": (dict(vocab_size=256, num_attention_heads=4, num_key_value_heads=4,
-                              tie_word_embeddings=True, rope_parameters=DEFAULT_ROPE), "60KB"),
+                              tie_word_embeddings=True, rope_parameters=DEFAULT_ROPE), "60KB",
+                         "Llama"),
+    # Qwen3: q_norm and k_norm over each head, and heads twice as wide as hidden / heads.
+    "qwen3_wide_heads": (dict(vocab_size=256, num_attention_heads=4, num_key_value_heads=2,
+                              head_dim=32, tie_word_embeddings=True,
+                              rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+                         None, "Qwen3"),
 }
 TOLERANCE = 1e-6  # logits, relative 2-norm
 LOSS_TOLERANCE = 1e-5  # a trained model's loss, relative (measured equal to 6 digits)
@@ -68,14 +74,21 @@ def cli(*args: str, timeout: int = 180) -> subprocess.CompletedProcess:
     return out
 
 
+def hf_class(name: str) -> type:
+    return getattr(transformers, f"{MODELS[name][2]}ForCausalLM")
+
+
 def hf_model(name: str, folder: Path):
-    kwargs, shard = MODELS[name]
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=176, num_hidden_layers=2, head_dim=64 // kwargs[
-            "num_attention_heads"], rms_norm_eps=1e-5, attention_bias=False, mlp_bias=False,
-        **kwargs)
+    kwargs, shard, family = MODELS[name]
+    config = getattr(transformers, f"{family}Config")(
+        hidden_size=64, intermediate_size=176, num_hidden_layers=2, rms_norm_eps=1e-5,
+        attention_bias=False, **{"head_dim": 64 // kwargs["num_attention_heads"], **kwargs})
     torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = hf_class(name)(config).eval()
+    if family == "Qwen3":  # their norms start at one; ours must be read, not assumed
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
     model.save_pretrained(folder, **({"max_shard_size": shard} if shard else {}))
     return model
 
@@ -119,6 +132,14 @@ def test_import_matches_transformers_and_export_is_bit_exact(name, tmp_path):
             off = relative(wrong(tokens)[..., :model.vocab_size], want)
         print(f"{name}: with rope factor 4 instead of 8: {off:.2e}")
         assert off > 100 * TOLERANCE
+    if model.qk_layernorm:  # and a qk norm's weights read from the wrong head's place
+        assert model.kv_channels == 32
+        wrong = our_model(tmp_path / "ours", model)
+        with torch.no_grad():
+            wrong.layers["0"].attn.q_norm.weight.copy_(wrong.layers["0"].attn.q_norm.weight.flip(0))
+            off = relative(wrong(tokens)[..., :model.vocab_size], want)
+        print(f"{name}: with layer 0's q_norm weights reversed: {off:.2e}")
+        assert off > 100 * TOLERANCE
 
     cli("-m", "trainer.hf", "export", str(tmp_path / "ours"), str(tmp_path / "back"),
         "--model", str(tmp_path / "ours" / "model.yaml"))
@@ -127,7 +148,7 @@ def test_import_matches_transformers_and_export_is_bit_exact(name, tmp_path):
     after = load_file(tmp_path / "back" / "model.safetensors")
     assert set(after) == set(before)
     assert all(torch.equal(after[k], before[k]) for k in before)
-    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "back").eval()
+    back = hf_class(name).from_pretrained(tmp_path / "back").eval()
     with torch.no_grad():
         assert torch.equal(back(tokens).logits, want)
 

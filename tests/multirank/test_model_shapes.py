@@ -73,3 +73,26 @@ def test_a_padded_vocabulary_trains_the_unpadded_model(name, references):
                 assert result["params"][key].shape == (256, 64)
                 result["params"][key] = result["params"][key][:250]
     assert_parity(results, ref, torch.float64, f"padded vocabulary {name}")
+
+
+# Qwen3's attention: heads wider than hidden / heads (model.kv_channels: q is 128 wide at
+# hidden 64) and an RMSNorm over each head of q and of k (model.qk_layernorm), whose gradient
+# each TP rank forms from its own heads, with or without SP.
+QWEN3 = replace(TINY, num_heads=8, num_query_groups=4, kv_channels=16, qk_layernorm=True)
+QK_CASES = [("tp2", P2P, torch.float64), ("tp2_sp", P2P, torch.float32),
+            ("tp2_cp2", A2A, torch.float32), ("ws4_ss2", P2P, torch.float32),
+            ("every_axis", P2P, torch.float64)]
+
+
+@pytest.mark.parametrize("name,comm,dtype", [
+    pytest.param(n, c, d, id=f"{n}_{c.value}-{str(d).removeprefix('torch.')}")
+    for n, c, d in QK_CASES])
+def test_wide_heads_with_qk_layernorm_match_one_process(name, comm, dtype, references):
+    world, kwargs = LAYOUTS[name]
+    layout = make_layout(world, kwargs)
+    batches, ref = references(layout.global_batch_size, dtype, QWEN3)
+    results = run_ranks(world, train_rank, layout, batches, dtype,
+                        EngineOptions(cp_comm_type=comm), QWEN3, timeout=120)
+    assert results[0]["params"]["layers.0.attn.o.weight"].shape == (64, 128)
+    assert results[0]["params"]["layers.0.attn.q_norm.weight"].shape == (16,)
+    assert_parity(results, ref, dtype, f"kv_channels + qk_layernorm {name} {comm.value}")

@@ -124,10 +124,29 @@ GQA_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES) + list(GQA_CASES))
+# Qwen3's attention: heads wider than hidden / heads (model.kv_channels: q is 512 wide at
+# hidden 256) and an RMSNorm over each head of q and k (model.qk_layernorm), with GQA.
+QK = dataclasses.replace(GQA, kv_channels=64, qk_layernorm=True)
+QK_CASES = {
+    "qk_one_process": (1, {}, {}),
+    "qk_tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), {}),
+    "qk_cp2_p2p": (2, dict(context_parallel_size=2), {}),
+    "qk_cp2_a2a": (2, dict(context_parallel_size=2), dict(cp_comm_type=CPCommType.a2a)),
+    "qk_selective_cp2": (2, dict(context_parallel_size=2), dict(recompute_granularity=SELECTIVE)),
+    "qk_bf16_ws2": (2, dict(tensor_parallel_num_weight_shards=2), dict(precision=Precision.bf16)),
+}
+ALL_CASES = {**CASES, **GQA_CASES, **QK_CASES}
+
+
+def case(name: str) -> tuple[int, dict, dict, ModelConfig]:
+    """(world, Layout kwargs, EngineOptions kwargs, model) of a named case."""
+    model = QK if name in QK_CASES else GQA if name in GQA_CASES else MODEL
+    return (*ALL_CASES[name], model)
+
+
+@pytest.mark.parametrize("name", ALL_CASES)
 def test_planned_activations_are_what_autograd_keeps(name):
-    world, layout_kwargs, option_kwargs = CASES.get(name) or GQA_CASES[name]
-    model = GQA if name in GQA_CASES else MODEL
+    world, layout_kwargs, option_kwargs, model = case(name)
     layout = Layout(world, micro_batch_size=2, seq_length=512, **layout_kwargs)
     options = EngineOptions(**option_kwargs)
     measured = simulated(world, 0, saved_activation_bytes, layout, options, model)
@@ -159,12 +178,11 @@ def allocated_transients(rank: int, layout: Layout, options: EngineOptions,
             counted.phase("update").transient_bytes)
 
 
-@pytest.mark.parametrize("name", list(CASES) + list(GQA_CASES))
+@pytest.mark.parametrize("name", ALL_CASES)
 def test_allocator_counted_transients_against_the_plan(name):
     """What the allocator holds at most during the micro-batches (above the state) is the
     plan's step transients within 2%, and during the update its update term within 2%."""
-    world, layout_kwargs, option_kwargs = CASES.get(name) or GQA_CASES[name]
-    model = GQA if name in GQA_CASES else MODEL
+    world, layout_kwargs, option_kwargs, model = case(name)
     layout = Layout(world, micro_batch_size=2, seq_length=512, **layout_kwargs)
     options = EngineOptions(**option_kwargs)
     step, update = simulated(world, 0, allocated_transients, layout, options, model)

@@ -1,5 +1,7 @@
-"""Hugging Face Llama models in and out: config.json <-> ModelConfig, safetensors <-> our DCP
-checkpoints, one tensor at a time (`python -m trainer.hf`).
+"""Hugging Face Llama and Qwen3 models in and out: config.json <-> ModelConfig, safetensors <->
+our DCP checkpoints, one tensor at a time (`python -m trainer.hf`). Qwen3 is Llama's block with
+an RMSNorm over each head of q and k (model.qk_layernorm) and heads that may be wider than
+hidden / heads (model.kv_channels).
 
 The two models agree without any permutation (../shared/notes/scale.md): the rotary
 embedding's convention is the same (two halves, frequencies theta^(-2i/d), and Llama 3's rope
@@ -41,6 +43,8 @@ from trainer.model.plan import parameter_shapes
 from trainer.model.transformer import LLAMA3_ROPE_CONTEXT, LLAMA3_ROPE_HIGH, LLAMA3_ROPE_LOW
 
 ARCHITECTURE = "LlamaForCausalLM"
+QWEN3 = "Qwen3ForCausalLM"  # Llama's with qk_layernorm
+ARCHITECTURES = (ARCHITECTURE, QWEN3)
 WEIGHTS_ONLY = "weights_only"  # meta.json key of an imported checkpoint
 REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
             "intermediate_size")
@@ -54,8 +58,11 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
         if not ok:
             raise ValueError(f"{source}: {key}={hf.get(key)!r} is not supported. Fix: {fix}.")
 
-    need("architectures", ARCHITECTURE in (hf.get("architectures") or [ARCHITECTURE]),
-         f"import a {ARCHITECTURE} (Llama architecture) model")
+    architecture = (hf.get("architectures") or [ARCHITECTURE])[0]
+    need("architectures", architecture in ARCHITECTURES,
+         f"import a model of one of {', '.join(ARCHITECTURES)}")
+    need("use_sliding_window", not hf.get("use_sliding_window", False),
+         "use a model with full attention in every layer")
     missing = [key for key in REQUIRED if not isinstance(hf.get(key), int)]
     if missing:
         raise ValueError(f"{source} has no integer {missing[0]}. Fix: use the config.json "
@@ -64,8 +71,7 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
     for key in ("attention_bias", "mlp_bias"):
         need(key, not hf.get(key, False), "use a model without biases")
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
-    need("head_dim", hf.get("head_dim") in (None, hidden // heads),
-         "use a model whose head_dim is hidden_size / num_attention_heads")
+    head_dim = hf.get("head_dim") or hidden // heads
     rope = hf.get("rope_parameters") or {}  # transformers 5; 4 spells it rope_theta/rope_scaling
     scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
                                          else None)
@@ -80,7 +86,9 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
         init_std=float(hf.get("initializer_range", 0.02)),
         num_query_groups=None if groups == heads else groups,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        use_rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0)
+        use_rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0,
+        kv_channels=None if head_dim * heads == hidden else head_dim,
+        qk_layernorm=architecture == QWEN3)
     try:
         check_model(model)
     except ValueError as error:
@@ -110,8 +118,11 @@ def hf_config(model: ModelConfig, dtype: torch.dtype) -> dict:
                    "low_freq_factor": LLAMA3_ROPE_LOW, "high_freq_factor": LLAMA3_ROPE_HIGH,
                    "original_max_position_embeddings": LLAMA3_ROPE_CONTEXT}
         rope = {**scaling, "rope_theta": model.rope_theta}
+    family = {"architectures": [QWEN3], "model_type": "qwen3", "use_sliding_window": False,
+              "max_window_layers": model.num_layers} if model.qk_layernorm else \
+        {"architectures": [ARCHITECTURE], "model_type": "llama"}
     return {
-        "architectures": [ARCHITECTURE], "model_type": "llama", "vocab_size": model.vocab_size,
+        **family, "vocab_size": model.vocab_size,
         "hidden_size": model.hidden_size, "intermediate_size": model.ffn_hidden_size,
         "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_heads,
         "num_key_value_heads": model.query_groups, "head_dim": model.head_dim,
@@ -127,14 +138,17 @@ def hf_parts(model: ModelConfig) -> dict[str, list[tuple[str, int]]]:
     """Our parameter name -> the Hugging Face tensors it is the row-wise concatenation of,
     with their rows. The vocabulary rows are the unpadded ones."""
     h, kv, f, vocab = model.hidden_size, model.kv_size, model.ffn_hidden_size, model.vocab_size
+    q, d = model.q_size, model.head_dim
     out = {"embed.weight": [("model.embed_tokens.weight", vocab)]}
     for i in range(model.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
         out |= {
             f"{ours}attn_norm.weight": [(f"{theirs}input_layernorm.weight", h)],
             f"{ours}attn.qkv.weight": [(f"{theirs}self_attn.{p}_proj.weight", rows)
-                                       for p, rows in (("q", h), ("k", kv), ("v", kv))],
+                                       for p, rows in (("q", q), ("k", kv), ("v", kv))],
             f"{ours}attn.o.weight": [(f"{theirs}self_attn.o_proj.weight", h)],
+            **({f"{ours}attn.{p}_norm.weight": [(f"{theirs}self_attn.{p}_norm.weight", d)]
+                for p in ("q", "k")} if model.qk_layernorm else {}),
             f"{ours}mlp_norm.weight": [(f"{theirs}post_attention_layernorm.weight", h)],
             f"{ours}mlp.gate_up.weight": [(f"{theirs}mlp.{p}_proj.weight", f)
                                           for p in ("gate", "up")],
@@ -203,9 +217,9 @@ def _check_weights(reader: SafetensorsReader, model: ModelConfig,
                                  f"{', '.join(FLOAT_DTYPES)}. Fix: import an unquantized model.")
     unused = reader.names() - {n for p in parts.values() for n, _ in p} - {"lm_head.weight"}
     if unused:
-        raise ValueError(f"{hf_dir}: tensors this Llama model does not have, e.g. "
-                         f"{sorted(unused)[0]!r}. Fix: import a plain {ARCHITECTURE}, or "
-                         f"{fix}.")
+        raise ValueError(f"{hf_dir}: tensors this model does not have, e.g. "
+                         f"{sorted(unused)[0]!r}. Fix: import a plain {' or '.join(ARCHITECTURES)}"
+                         f", or {fix}.")
 
 
 def _write_import(out_dir: Path, shapes: dict[str, tuple[int, ...]],

@@ -30,6 +30,7 @@ def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
         hidden_size=cfg.hidden_size,
         # Cheap to recompute, costly to keep: the softmax(QK^T)V core and silu(gate) * up.
         recompute_hooks=("attention_fn", "activation_fn"),
+        head_norms=("attn.q_norm", "attn.k_norm"),
     )
 
 
@@ -41,9 +42,11 @@ def tp_style(name: str) -> str:
 def block_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """One transformer block's parameter shapes, by name within the block (every block is
     alike)."""
-    h, f = cfg.hidden_size, cfg.ffn_hidden_size
+    h, f, q = cfg.hidden_size, cfg.ffn_hidden_size, cfg.q_size
+    norms = {"attn.q_norm.weight": (cfg.head_dim,), "attn.k_norm.weight": (cfg.head_dim,)} \
+        if cfg.qk_layernorm else {}
     return {"attn_norm.weight": (h,), "mlp_norm.weight": (h,),
-            "attn.qkv.weight": (h + 2 * cfg.kv_size, h), "attn.o.weight": (h, h),
+            "attn.qkv.weight": (q + 2 * cfg.kv_size, h), "attn.o.weight": (h, q), **norms,
             "mlp.gate_up.weight": (2 * f, h), "mlp.down.weight": (h, f)}
 
 

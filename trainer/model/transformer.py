@@ -84,8 +84,11 @@ class Attention(nn.Module):
         self.rope_scaling = cfg.rope_scaling_factor if cfg.use_rope_scaling else None
         self.parts = cfg.qkv_heads  # q | k | v
         # q, k and v in one projection: one GEMM, and under TP one collective for all three.
-        self.qkv = nn.Linear(h, h + 2 * cfg.kv_size, bias=False)
-        self.o = nn.Linear(h, h, bias=False)
+        self.qkv = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=False)
+        self.o = nn.Linear(cfg.q_size, h, bias=False)
+        # qk_layernorm: one norm of head_dim shared by every head of q (and one of k).
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_layernorm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_layernorm else None
         self.attention_fn: AttentionFn = causal_attention
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -97,6 +100,8 @@ class Attention(nn.Module):
         q, k, v = qkv.split(widths, dim=-1)
         b, s = q.shape[:2]
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         freqs = rotary_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, x.device)
         q, k = apply_rotary(q, positions, freqs), apply_rotary(k, positions, freqs)
         out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))

@@ -8,6 +8,7 @@ with torch.autograd.graph.saved_tensors_hooks; symbols, all local to the rank:
     b micro_batch_size   s = seq_length / runtime CP (this rank's tokens of a sequence)
     T = b*s              Tr = T / TP with sequence parallel, else T (the residual stream)
     S = seq_length       h hidden, f ffn, V padded vocab, n heads, d = h/n, t = TP
+                         (d = model.kv_channels when set; q = n*d stands for h in Q)
     c = g*d              the width of k and of v (g query groups; c = h without GQA)
     e bytes of the compute dtype (fp32 4, bf16 2); norms and the residual stream stay fp32
 
@@ -24,6 +25,9 @@ A block keeps (no recompute):
                      order: 3Q + 2K (b*S*h/(t*C) = T*h/t: the same bytes as local tokens)
     MLP              gate_up output, silu(gate), silu(gate)*up: 4*T*f/t*e
     small            rotary cos/sin 8*T*d, logsumexp 4*b*(n/t)*s, rsqrt 8*Tr bytes
+    qk_layernorm     normalised q and k and their rsqrt: T*(q + c + n + g)/t*e; with CP (not
+                     selective) also the qkv output they take as input: T*(q + 2c)/t*e
+                     (q = n*d, the width of q, is h unless model.kv_channels sets d)
 selective recompute drops silu(gate) and the logsumexp (with CP of any type it keeps the
 local q, k and v and the output: 3Q + 3K); full recompute keeps only the block input (Tr*h
 fp32) and rebuilds one block's activations at a time in backward. After the blocks: the final
@@ -61,7 +65,7 @@ def block_activation_bytes(m: ModelConfig, k: Tokens, e: int,
     linear_inputs = 2 * T * h * e
     attention = attention_bytes(m, k, e, recompute, cp_comm_type)
     mlp = (3 if recompute is RecomputeGranularity.selective else 4) * T * f // t * e
-    rotary = 8 * T * (h // m.num_heads)
+    rotary = 8 * T * m.head_dim
     lse = 0 if recompute is RecomputeGranularity.selective else FP32 * k.b * m.num_heads // t * k.s
     return norms + linear_inputs + attention + mlp + rotary + lse
 

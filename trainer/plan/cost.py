@@ -1,11 +1,11 @@
 """The step time of one layout, estimated before it runs: compute at the hardware's achieved
 FLOP/s, plus each communication's time on its link less what overlap hides, plus the pipeline
 bubble. Symbols as in trainer/plan/activations.py (all local to a rank): b micro-batch, s this
-rank's tokens of a sequence, T = b*s, S = seq_length, h, f, V, t = TP, G = GTP_remat, C =
-runtime CP, e bytes of the compute dtype.
+rank's tokens of a sequence, T = b*s, S = seq_length, h, q (the width of q: heads x head
+width), f, V, t = TP, G = GTP_remat, C = runtime CP, e bytes of the compute dtype.
 
 Per micro-batch and block (forward; backward is twice the FLOPs and mirrors the messages):
-    FLOPs        2*T*W/t for the linears (W: a block's weight elements), 2*T*S*h/t for causal
+    FLOPs        2*T*W/t for the linears (W: a block's weight elements), 2*T*S*q/t for causal
                  attention (each query sees S/2 keys: zigzag balances them); full recompute runs
                  the forward again, selective the attention core
     TP (t > 1)   two all-gathers and two reduce-scatters of T*h*e (SP; without SP two
@@ -70,7 +70,7 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
     overlap_reduce = options.overlap_grad_reduce and overlaps
     # Compute of one micro-batch through one block, forward and backward.
     linear_fwd = 2 * T * W / t / flops
-    attn_fwd = 2 * T * S * h / t / flops
+    attn_fwd = 2 * T * S * m.q_size / t / flops
     extra = {RecomputeGranularity.full: linear_fwd + attn_fwd,
              RecomputeGranularity.selective: attn_fwd, None: 0.0}
     head_fwd = 2 * T * h * V / t / flops
@@ -147,7 +147,7 @@ def floor_s(m: ModelConfig, layout: Layout, precision: Precision, hw: Hardware) 
     per_stage = [sum(map(len, layout.stage_chunks(stage, m.num_layers))) for stage in range(pp)]
     blocks = per_stage[-1]  # the last stage's, which also runs the head
     ring = tp_seconds(layout, hw, T * h * e)[1] / 2  # one TP collective of T*h*e
-    micro = blocks * (3 * 2 * T * (W / t + S * h / t) / flops + 8 * ring) \
+    micro = blocks * (3 * 2 * T * (W / t + S * m.q_size / t) / flops + 8 * ring) \
         + 3 * 2 * T * h * V / t / flops + 2 * ring
     optimizer = optimizer_seconds(layout, hw, min(per_stage) * W)
     bubble = (pp - 1) / layout.virtual_pipeline_size * hw.bubble_share(pp)

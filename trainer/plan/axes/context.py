@@ -31,15 +31,28 @@ def check_comm_type(model: ModelConfig, layout: Layout, cp_comm_type: CPCommType
 def attention_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
                     cp_comm_type: CPCommType) -> int:
     """What a block's attention keeps for its backward, by context-parallel exchange."""
-    q = k.T * m.hidden_size // k.t * e  # q or the output, this rank's tokens
+    q = k.T * m.q_size // k.t * e  # q or the output, this rank's tokens
     kv = k.T * m.kv_size // k.t * e  # k or v
     if not k.cp or recompute is RecomputeGranularity.selective:
-        return 3 * q + 3 * kv
+        return 3 * q + 3 * kv + qk_norm_bytes(m, k, e, False)
     if cp_comm_type is CPCommType.p2p:
-        return 2 * q + 2 * kv
-    if cp_comm_type is CPCommType.all_gather:
-        return 2 * q + 2 * k.b * k.S * m.kv_size // k.t * e
-    return 3 * q + 2 * kv
+        kept = 2 * q + 2 * kv
+    elif cp_comm_type is CPCommType.all_gather:
+        kept = 2 * q + 2 * k.b * k.S * m.kv_size // k.t * e
+    else:
+        kept = 3 * q + 2 * kv
+    return kept + qk_norm_bytes(m, k, e, True)
+
+
+def qk_norm_bytes(m: ModelConfig, k: Tokens, e: int, keeps_qkv: bool) -> int:
+    """qk_layernorm: the normalised q and k and their rsqrt per head (in the compute dtype);
+    the norms keep their input, a view of the qkv output, which context parallel's exchange
+    otherwise lets go (keeps_qkv)."""
+    if not m.qk_layernorm:
+        return 0
+    heads = m.num_heads + m.query_groups
+    normalised = k.T * (m.q_size + m.kv_size + heads) // k.t * e
+    return normalised + (k.T * (m.q_size + 2 * m.kv_size) // k.t * e if keeps_qkv else 0)
 
 
 def context_seconds(m: ModelConfig, layout: Layout, cp_comm_type: CPCommType, hw: Hardware,
@@ -61,5 +74,5 @@ def context_seconds(m: ModelConfig, layout: Layout, cp_comm_type: CPCommType, hw
         return max(0.0, ring_fwd - hides), max(0.0, ring_bwd - 2 * hides)
     if cp_comm_type is CPCommType.all_gather:
         return link.ring(c, c * kv), link.ring(c, c * kv / e * FP32)
-    moved = (2 * T * m.hidden_size / t * e + kv) * c
+    moved = (2 * T * m.q_size / t * e + kv) * c
     return link.all_to_all(c, moved), link.all_to_all(c, moved)
