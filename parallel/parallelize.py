@@ -130,11 +130,15 @@ class ParallelModel(nn.Module):
     @torch.no_grad()
     def initialize(self, values: InitialValues) -> None:
         """Fill every parameter this rank stores from the single-device model's initial values,
-        asking only for the rectangles it holds (padding rows are zero)."""
+        asking only for the rectangles it holds (padding rows are zero), and every buffer
+        (whole on each rank: a router's expert bias)."""
         for name, param in self.module.named_parameters():
             param.zero_()
             for offsets, view in self.global_chunks(name, param):
                 view.copy_(values(name, self.global_shape(name), offsets, tuple(view.shape)))
+        for name, buffer in self.module.named_buffers():
+            shape = tuple(buffer.shape)
+            buffer.copy_(values(name, shape, (0,) * buffer.ndim, shape))
 
     def wait_grad_reduces(self) -> None:
         """Wait for the gradient reduce-scatters still in flight (overlap_grad_reduce): the

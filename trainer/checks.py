@@ -90,6 +90,79 @@ def check_model(model: ModelConfig) -> None:
                 fix="use Llama 3.1's 8.0 or Llama 3.2's 32.0")
     _finite("model.norm_eps", model.norm_eps, 0, False, fix="use e.g. 1e-5")
     _finite("model.init_std", model.init_std, 0, False, fix="use e.g. 0.02")
+    check_moe(model)
+
+
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+
+
+def check_moe(model: ModelConfig) -> None:
+    """A mixture of experts' keys (trainer.model.moe); set on a dense model they would be
+    ignored, so they are refused."""
+    experts = model.num_moe_experts
+    if experts is None:
+        ignored = [f"{k}={v}" for k, v in (
+            ("moe_ffn_hidden_size", model.moe_ffn_hidden_size),
+            ("moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size),
+            ("moe_aux_loss_coeff", model.moe_aux_loss_coeff or None),
+            ("moe_z_loss_coeff", model.moe_z_loss_coeff),
+            ("moe_router_enable_expert_bias", model.moe_router_enable_expert_bias or None))
+            if v is not None]
+        if ignored:
+            raise ValueError(f"model.{ignored[0]} is ignored by a dense model "
+                             f"(model.num_moe_experts=null). Fix: set model.num_moe_experts, or "
+                             f"remove the override.")
+        return
+    _positive_int("model.num_moe_experts", experts, "set it to the experts of each MoE block, "
+                  "or null for a dense model")
+    if not 1 <= model.moe_router_topk <= experts:
+        raise ValueError(f"model.moe_router_topk={model.moe_router_topk} must be in [1, "
+                         f"model.num_moe_experts={experts}]. Fix: route each token to that many "
+                         f"experts at most.")
+    for key in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+        if getattr(model, key) is not None:
+            _positive_int(f"model.{key}", getattr(model, key), "or null")
+    freq, layers = model.moe_layer_freq, model.num_layers
+    if isinstance(freq, (list, tuple)):
+        if len(freq) != layers or any(v not in (0, 1) or isinstance(v, bool) for v in freq):
+            raise ValueError(f"model.moe_layer_freq={list(freq)} must be a list of 0 (dense) and "
+                             f"1 (MoE), one per block of model.num_layers={layers}. Fix: give "
+                             f"{layers} entries, or an integer k (every k-th block).")
+    elif not isinstance(freq, int) or isinstance(freq, bool) or freq < 1:
+        raise ValueError(f"model.moe_layer_freq={freq!r} must be an integer >= 1 (every k-th "
+                         f"block is MoE) or a list of 0/1 per block. Fix: use 1 for every block.")
+    if not any(model.is_moe_block(i) for i in range(layers)):
+        raise ValueError(f"model.moe_layer_freq={freq!r} makes no block MoE. Fix: set at least "
+                         f"one 1, or model.num_moe_experts=null for a dense model.")
+    _one_of("model.moe_router_score_function", model.moe_router_score_function,
+            MOE_SCORE_FUNCTIONS, "router score function")
+    if model.moe_router_pre_softmax and model.moe_router_score_function != "softmax":
+        raise ValueError("model.moe_router_pre_softmax=true is ignored by "
+                         f"model.moe_router_score_function={model.moe_router_score_function}. "
+                         "Fix: set model.moe_router_pre_softmax=false.")
+    if model.moe_router_enable_expert_bias and not (
+            model.moe_router_score_function == "sigmoid" or model.moe_router_pre_softmax):
+        raise ValueError("model.moe_router_enable_expert_bias=true adds the bias to scores in "
+                         "[0, 1], which the top-k logits' softmax has not. Fix: set "
+                         "model.moe_router_score_function=sigmoid (DeepSeek-V3's), or "
+                         "model.moe_router_pre_softmax=true.")
+    if model.moe_router_topk_scaling_factor is not None:
+        _finite("model.moe_router_topk_scaling_factor", model.moe_router_topk_scaling_factor, 0,
+                False, fix="use e.g. 2.5, or null for 1")
+    balancing = model.moe_router_load_balancing_type
+    _one_of("model.moe_router_load_balancing_type", balancing, MOE_BALANCING,
+            "load-balancing loss")
+    _finite("model.moe_aux_loss_coeff", model.moe_aux_loss_coeff, 0, True, fix="use e.g. 1e-2")
+    if balancing == "none" and model.moe_aux_loss_coeff:
+        raise ValueError(f"model.moe_aux_loss_coeff={model.moe_aux_loss_coeff} is ignored with "
+                         f"model.moe_router_load_balancing_type=none. Fix: choose aux_loss or "
+                         f"seq_aux_loss, or set the coefficient to 0.")
+    if model.moe_z_loss_coeff is not None:
+        _finite("model.moe_z_loss_coeff", model.moe_z_loss_coeff, 0, True,
+                fix="use e.g. 1e-3, or null for no z-loss")
+    _finite("model.moe_router_bias_update_rate", model.moe_router_bias_update_rate, 0, False,
+            fix="use e.g. 1e-3")
 
 
 def check_optim(optim: OptimConfig) -> None:

@@ -87,6 +87,32 @@ class ModelConfig:
     # q_norm and k_norm).
     kv_channels: Optional[int] = None
     qk_layernorm: bool = False
+    # Mixture of experts (Megatron's names; trainer/model/moe.py). num_moe_experts: null for a
+    # dense model. Each MoE block routes every token to moe_router_topk experts (SwiGLU, of
+    # moe_ffn_hidden_size, null: ffn_hidden_size), and adds a shared expert where
+    # moe_shared_expert_intermediate_size is set. moe_layer_freq: an int k makes blocks 0, k,
+    # 2k, ... MoE (1: every block), or a list of 0/1, one per block.
+    num_moe_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_shared_expert_intermediate_size: Optional[int] = None
+    moe_layer_freq: Any = 1
+    # The router's scores: softmax or sigmoid of its logits. softmax with pre_softmax=false is
+    # the top-k logits' softmax (normalised, as Mixtral's and Qwen3-MoE's norm_topk_prob);
+    # pre_softmax=true takes the top-k of the softmax over all experts (not normalised).
+    # sigmoid's top-k are normalised. Then multiplied by topk_scaling_factor (null: 1).
+    moe_router_score_function: str = "softmax"
+    moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: Optional[float] = None
+    # Balance: aux_loss (the switch loss over a global micro-batch's tokens), seq_aux_loss
+    # (DeepSeek's, per sequence) or none, weighted by moe_aux_loss_coeff; the router z-loss
+    # (null: off); DeepSeek-V3's auxiliary-loss-free bias, added to the scores that choose the
+    # experts and moved each step by bias_update_rate towards equal token counts.
+    moe_router_load_balancing_type: str = "aux_loss"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
 
     @property
     def query_groups(self) -> int:
@@ -110,6 +136,17 @@ class ModelConfig:
     def kv_size(self) -> int:
         """Width of k (and of v): query_groups heads of head_dim."""
         return self.query_groups * self.head_dim
+
+    @property
+    def expert_ffn_size(self) -> int:
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def is_moe_block(self, block: int) -> bool:
+        """Whether block `block` is a mixture of experts (moe_layer_freq)."""
+        if self.num_moe_experts is None:
+            return False
+        freq = self.moe_layer_freq
+        return bool(freq[block]) if isinstance(freq, (list, tuple)) else block % freq == 0
 
     @property
     def padded_vocab_size(self) -> int:

@@ -88,6 +88,29 @@ TABLE = [
       ("model.rope_scaling_factor=0.5",)),
     R("model.num_query_groups=3", ("model.num_query_groups=3", "model.num_heads=4")),
     R("model.kv_channels=0", ("model.kv_channels=0",)),
+    # a mixture of experts (trainer/checks.py check_moe; its layouts: trainer/plan/axes)
+    R("model.num_moe_experts=0", ("model.num_moe_experts=0",)),
+    R("model.num_moe_experts=4 model.moe_router_topk=5", ("model.moe_router_topk=5", "=4")),
+    R("model.num_moe_experts=4 model.moe_layer_freq=[1,0,1]",
+      ("model.moe_layer_freq=[1, 0, 1]", "model.num_layers=2")),
+    R("model.num_moe_experts=4 model.moe_layer_freq=0", ("model.moe_layer_freq=0",)),
+    R("model.num_moe_experts=4 model.moe_layer_freq=[0,0]", ("model.moe_layer_freq=[0, 0]",)),
+    R("model.num_moe_experts=4 model.moe_router_score_function=relu",
+      ("model.moe_router_score_function='relu'",)),
+    R("model.num_moe_experts=4 model.moe_router_score_function=sigmoid "
+      "model.moe_router_pre_softmax=true", ("model.moe_router_pre_softmax=true",)),
+    R("model.num_moe_experts=4 model.moe_router_enable_expert_bias=true",
+      ("model.moe_router_enable_expert_bias=true", "sigmoid")),
+    R("model.num_moe_experts=4 model.moe_router_load_balancing_type=none "
+      "model.moe_aux_loss_coeff=0.1", ("model.moe_aux_loss_coeff=0.1", "=none")),
+    R("model.num_moe_experts=4 model.moe_aux_loss_coeff=-1", ("model.moe_aux_loss_coeff=-1",)),
+    R("model.moe_aux_loss_coeff=0.1", ("model.moe_aux_loss_coeff=0.1", "num_moe_experts=null")),
+    R(f"model.num_moe_experts=4 {TP2}", ("model.num_moe_experts=4",
+                                         "tensor_model_parallel_size=2")),
+    R("model.num_moe_experts=4 parallel.pipeline_model_parallel_size=2 "
+      "cluster.procs_per_node=2", ("model.num_moe_experts=4", "pipeline_model_parallel_size=2")),
+    R("model.num_moe_experts=4 model.moe_layer_freq=[0,1] model.moe_router_score_function="
+      "sigmoid model.moe_router_enable_expert_bias=true", (), OK, torch=True),
     R("model.kv_channels=15", ("model.kv_channels=15", "odd")),
     R("model.num_heads=3 model.kv_channels=16", (), OK, torch=True),  # heads need not divide h
     R(f"model.num_heads=8 model.num_query_groups=2 {TP4}",

@@ -128,18 +128,44 @@ GQA_CASES = {
 # hidden 256) and an RMSNorm over each head of q and k (model.qk_layernorm), with GQA.
 QK = dataclasses.replace(GQA, kv_channels=64, qk_layernorm=True)
 QK_CASES = {
-    "qk_one_process": (1, {}, {}),
     "qk_tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), {}),
-    "qk_cp2_p2p": (2, dict(context_parallel_size=2), {}),
     "qk_cp2_a2a": (2, dict(context_parallel_size=2), dict(cp_comm_type=CPCommType.a2a)),
     "qk_selective_cp2": (2, dict(context_parallel_size=2), dict(recompute_granularity=SELECTIVE)),
     "qk_bf16_ws2": (2, dict(tensor_parallel_num_weight_shards=2), dict(precision=Precision.bf16)),
 }
-ALL_CASES = {**CASES, **GQA_CASES, **QK_CASES}
+# A mixture of experts in every block (8 experts of 256, top 2), with the router's variants:
+# the switch loss and the z-loss, the sigmoid with an expert bias and a shared expert, and the
+# per-sequence loss under CP.
+MOE = dataclasses.replace(MODEL, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=256)
+MOE_MODELS = {
+    "moe": MOE,
+    "moe_losses": dataclasses.replace(MOE, moe_aux_loss_coeff=0.01, moe_z_loss_coeff=1e-3),
+    "moe_sigmoid_shared": dataclasses.replace(
+        MOE, moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+        moe_shared_expert_intermediate_size=384),
+    "moe_seq": dataclasses.replace(MOE, moe_aux_loss_coeff=0.01,
+                                   moe_router_load_balancing_type="seq_aux_loss"),
+    "moe_wide": dataclasses.replace(MOE, moe_ffn_hidden_size=512),  # experts wider than h
+}
+MOE_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
+    "moe_one_process": (1, {}, {}, "moe"),
+    "moe_sigmoid_shared_ws2": (2, dict(tensor_parallel_num_weight_shards=2), {},
+                               "moe_sigmoid_shared"),
+    "moe_seq_cp2_a2a": (2, dict(context_parallel_size=2), dict(cp_comm_type=CPCommType.a2a),
+                        "moe_seq"),
+    "moe_selective": (1, {}, dict(recompute_granularity=SELECTIVE), "moe_losses"),
+    "moe_full": (1, {}, dict(recompute_granularity=FULL), "moe"),
+    "moe_full_bf16": (1, {}, dict(recompute_granularity=FULL, precision=Precision.bf16),
+                      "moe_wide"),
+    "moe_bf16": (1, {}, dict(precision=Precision.bf16), "moe_sigmoid_shared"),
+}
+ALL_CASES = {**CASES, **GQA_CASES, **QK_CASES, **{n: c[:3] for n, c in MOE_CASES.items()}}
 
 
 def case(name: str) -> tuple[int, dict, dict, ModelConfig]:
     """(world, Layout kwargs, EngineOptions kwargs, model) of a named case."""
+    if name in MOE_CASES:
+        return (*ALL_CASES[name], MOE_MODELS[MOE_CASES[name][3]])
     model = QK if name in QK_CASES else GQA if name in GQA_CASES else MODEL
     return (*ALL_CASES[name], model)
 
@@ -189,7 +215,7 @@ def test_allocator_counted_transients_against_the_plan(name):
     plan = planned(layout, options, model)
     (state,) = memory_per_stage(parameter_shapes(model), model.num_layers, layout,
                                 model.tie_word_embeddings)
-    transients = plan["peak_bytes"] - state.total_bytes
+    transients = plan["transient_bytes"]  # the micro-batches' (the update's is below)
     phase = "head" if plan["head_phase_bytes"] >= plan["block_phase_bytes"] else "block"
     print(f"\n{name}: micro-batches {step:,} B, planned {transients:,} B ({phase}'s backward, "
           f"{transients / step - 1:+.2%}); update {update:,} B, planned "

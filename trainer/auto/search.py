@@ -130,7 +130,9 @@ def degrees(p: Problem, fixed: dict[str, Any], dropped: Counter):
         tp_fault = ("TP does not divide the model's heads, K/V groups, FFN or padded "
                     "vocabulary" if any(n % tp for n in sizes) else
                     "TP spans more than one NVLink domain"
-                    if tp > p.hardware.gpus_per_nvlink_domain else None)
+                    if tp > p.hardware.gpus_per_nvlink_domain else
+                    "TP with a mixture of experts (not yet)"
+                    if tp > 1 and m.num_moe_experts is not None else None)
         if tp > 1 and "parallel.sequence_parallel" not in fixed:
             # SP off moves the same bytes (an all-reduce is a reduce-scatter and an
             # all-gather) and keeps TP x more activations: never better, not enumerated.
@@ -141,7 +143,9 @@ def degrees(p: Problem, fixed: dict[str, Any], dropped: Counter):
             for g in divisors(rest):
                 for ns in divisors(g):
                     for cp in divisors(rest // g):
-                        for pp in [d for d in divisors(rest // (g * cp)) if d <= m.num_layers]:
+                        stages = [d for d in divisors(rest // (g * cp)) if d <= m.num_layers
+                                  and (d == 1 or m.num_moe_experts is None)]
+                        for pp in stages:
                             degree = {"parallel.tensor_model_parallel_size": tp,
                                       "parallel.tensor_parallel_num_weight_shards": tp * g,
                                       "parallel.tensor_parallel_num_sequence_shards":

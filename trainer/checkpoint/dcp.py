@@ -133,7 +133,7 @@ class _ChunkLoadPlanner(DefaultLoadPlanner):
 
 
 def _tensors(engine: Engine, moments_views: dict) -> dict[str, Chunked]:
-    model, out = engine.model, {}
+    model, out = engine.model, _buffers(engine)
     for name, param in model.module.named_parameters():
         shape = model.global_shape(name)
         out[f"model.{name}"] = Chunked(shape, model.global_chunks(name, param.data))
@@ -142,6 +142,17 @@ def _tensors(engine: Engine, moments_views: dict) -> dict[str, Chunked]:
         avg, avg_sq = moments_views[name]
         out[f"optim.exp_avg.{name}"] = Chunked(shape, model.global_chunks(name, avg))
         out[f"optim.exp_avg_sq.{name}"] = Chunked(shape, model.global_chunks(name, avg_sq))
+    return out
+
+
+def _buffers(engine: Engine, saved: set[str] | None = None) -> dict[str, Chunked]:
+    """The model's buffers (a router's expert bias), whole on every rank; `saved`: only those a
+    checkpoint holds (an import from Hugging Face has none, and keeps them at their start)."""
+    out = {}
+    for name, buffer in engine.model.module.named_buffers():
+        if saved is None or f"model.{name}" in saved:
+            out[f"model.{name}"] = Chunked(tuple(buffer.shape),
+                                           [((0,) * buffer.ndim, buffer)])
     return out
 
 
@@ -281,7 +292,8 @@ def load_weights(engine: Engine, path: Path) -> None:
     """Collective. Fills this rank's parameters only (checkpoint.finetune): the optimizer's
     moments and step, the train state and the random generators stay as built. `path` is a
     checkpoint folder the ranks verified (trainer.checkpoint.resume)."""
-    model, tensors = engine.model, {}
+    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+    model, tensors = engine.model, _buffers(engine, saved)
     for name, param in model.module.named_parameters():
         tensors[f"model.{name}"] = Chunked(model.global_shape(name),
                                           model.global_chunks(name, param.data))

@@ -3,7 +3,8 @@
 It knows nothing of ranks or groups. Parallel code wraps or replaces its layers from outside, by
 module name. Two hooks are plain function attributes, so wrapping them changes no parameter
 name: `attention_fn` (context parallel replaces it) and `activation_fn` (selective recompute
-wraps both).
+wraps both). A block's MLP is a SwiGLU or a mixture of experts (trainer/model/moe.py, whose
+router has hooks of its own).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch import nn
 from trainer.checks import check_model
 from trainer.config import ModelConfig
 from trainer.model.init import normal_rectangle
+from trainer.model.moe import MoE
 
 # q [batch, heads, seq, head_dim], k and v [batch, groups, seq, head_dim] (grouped-query
 # attention: groups divides heads) -> [batch, heads, seq, head_dim]
@@ -109,9 +111,8 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, h: int, f: int):
         super().__init__()
-        h, f = cfg.hidden_size, cfg.ffn_hidden_size
         self.gate_up = nn.Linear(h, 2 * f, bias=False)  # fused like qkv
         self.down = nn.Linear(f, h, bias=False)
         self.activation_fn: ActivationFn = swiglu
@@ -121,11 +122,21 @@ class SwiGLU(nn.Module):
         return self.down(self.activation_fn(gate, up))
 
 
+def mlp(cfg: ModelConfig, block: int) -> nn.Module:
+    """Block `block`'s MLP: a SwiGLU, or a mixture of experts (model.moe_layer_freq) with its
+    shared expert, a SwiGLU too."""
+    h = cfg.hidden_size
+    if not cfg.is_moe_block(block):
+        return SwiGLU(h, cfg.ffn_hidden_size)
+    shared = cfg.moe_shared_expert_intermediate_size
+    return MoE(cfg, swiglu, SwiGLU(h, shared) if shared else None)
+
+
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.attn_norm, self.mlp_norm = (RMSNorm(cfg.hidden_size, cfg.norm_eps) for _ in range(2))
-        self.attn, self.mlp = Attention(cfg), SwiGLU(cfg)
+        self.attn, self.mlp = Attention(cfg), mlp(cfg, index)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), positions)
@@ -148,7 +159,7 @@ class Transformer(nn.Module):
         self.vocab_size = cfg.vocab_size
         self.embed = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
         # By index, so a pipeline stage that keeps some blocks keeps their names (layers.i).
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.num_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.head = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False)
         if cfg.tie_word_embeddings:  # one parameter, named embed.weight; both uses add grads
@@ -167,18 +178,26 @@ class Transformer(nn.Module):
                        shape: tuple[int, ...], seed: int) -> torch.Tensor:
         """The rectangle `shape` at `offsets` of parameter `name`'s initial value (`full`: its
         single-device shape). The same seed gives the same full weights whatever the layout,
-        and a rank asks only for its shards (trainer.model.init). Norms start at one."""
+        and a rank asks only for its shards (trainer.model.init). Norms start at one, the
+        router's expert bias (a buffer) at zero."""
+        if name.endswith("expert_bias"):
+            return torch.zeros(shape)
         if len(full) == 1:
             return torch.ones(shape)
         std = self.cfg.init_std
-        if name.endswith(("attn.o.weight", "mlp.down.weight")):
+        if name.endswith(("attn.o.weight", "mlp.down.weight", "experts.down",
+                          "shared.down.weight")):
             # Residual-branch outputs shrink with depth so the residual stream keeps its scale.
             std /= math.sqrt(2 * self.cfg.num_layers)
+        if len(full) == 3:  # experts [E, rows, cols]: each expert's matrix drawn on its own
+            return torch.stack([
+                normal_rectangle(seed, f"{name}.{e}", full[2], offsets[1:], shape[1:])
+                for e in range(offsets[0], offsets[0] + shape[0])]).mul_(std)
         return normal_rectangle(seed, name, full[1], offsets, shape).mul_(std)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Initialise the whole single-device model (one process)."""
-        for name, param in self.named_parameters():
-            shape = tuple(param.shape)
-            param.copy_(self.initial_values(name, shape, (0,) * param.ndim, shape, seed))
+        for name, tensor in [*self.named_parameters(), *self.named_buffers()]:
+            shape = tuple(tensor.shape)
+            tensor.copy_(self.initial_values(name, shape, (0,) * tensor.ndim, shape, seed))

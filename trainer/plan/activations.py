@@ -43,28 +43,34 @@ allocator itself.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 from parallel.layout import Layout
 from trainer.config import CPCommType, ModelConfig, RecomputeGranularity
 from trainer.plan.axes.context import attention_bytes
 from trainer.plan.axes.gtp_remat import gathered_bytes
+from trainer.plan.moe import moe_backward_bytes, moe_mlp_bytes
 from trainer.plan.options import EngineOptions
-from trainer.plan.tokens import FP32, Tokens, chunk_sizes, compute_bytes
+from trainer.plan.tokens import FP32, Tokens, compute_bytes
 
 
 def block_activation_bytes(m: ModelConfig, k: Tokens, e: int,
                            recompute: RecomputeGranularity | None,
-                           cp_comm_type: CPCommType = CPCommType.p2p) -> int:
-    """What one block keeps for its backward."""
+                           cp_comm_type: CPCommType = CPCommType.p2p, moe: bool = False) -> int:
+    """What one block keeps for its backward (moe: a mixture of experts' block,
+    trainer.plan.moe)."""
     h, f, t = m.hidden_size, m.ffn_hidden_size, k.t
     T, Tr = k.T, k.Tr
     if recompute is RecomputeGranularity.full:
         return Tr * h * FP32
     norms = 4 * Tr * h * FP32 + 2 * Tr * FP32
-    linear_inputs = 2 * T * h * e
     attention = attention_bytes(m, k, e, recompute, cp_comm_type)
-    mlp = (3 if recompute is RecomputeGranularity.selective else 4) * T * f // t * e
+    if moe:  # the router, experts and shared expert keep their own inputs
+        linear_inputs, mlp = T * h * e, moe_mlp_bytes(m, k, e, recompute)
+    else:
+        linear_inputs = 2 * T * h * e
+        mlp = (3 if recompute is RecomputeGranularity.selective else 4) * T * f // t * e
     rotary = 8 * T * m.head_dim
     lse = 0 if recompute is RecomputeGranularity.selective else FP32 * k.b * m.num_heads // t * k.s
     return norms + linear_inputs + attention + mlp + rotary + lse
@@ -106,22 +112,35 @@ class StepMemory:
 
 
 def chunk_activation_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
-                           blocks: int) -> int:
-    """What one model chunk of `blocks` blocks keeps of one micro-batch (without the head)."""
+                           chunk: range) -> int:
+    """What one model chunk (its blocks, `chunk`) keeps of one micro-batch (without the
+    head): its blocks counted by what each recomputes and, with a mixture of experts, by kind."""
     k, e = Tokens.of(layout), compute_bytes(options.precision)
-    return sum(count * block_activation_bytes(m, k, e, recompute, options.cp_comm_type)
-               for recompute, count in options.chunk_recompute(blocks).items() if count)
+    if m.num_moe_experts is None:  # every block alike
+        return sum(count * block_activation_bytes(m, k, e, recompute, options.cp_comm_type)
+                   for recompute, count in options.chunk_recompute(len(chunk)).items() if count)
+    kinds = Counter((options.recomputes(p), m.is_moe_block(i)) for p, i in enumerate(chunk))
+    return sum(count * block_activation_bytes(m, k, e, recompute, options.cp_comm_type, moe)
+               for (recompute, moe), count in kinds.items())
 
 
 def stage_chunk_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
                       chunks: list[range], last: bool) -> list[int]:
     """What one micro-batch keeps in each of a stage's chunks (`chunks`: its blocks by virtual
     chunk; `last`: it holds the head, in its last chunk)."""
-    per_chunk = [chunk_activation_bytes(m, layout, options, len(chunk)) for chunk in chunks]
+    per_chunk = [chunk_activation_bytes(m, layout, options, chunk) for chunk in chunks]
     if last:
         per_chunk[-1] += head_activation_bytes(m, Tokens.of(layout),
                                                compute_bytes(options.precision))
     return per_chunk
+
+
+def block_backward_bytes(m: ModelConfig, k: Tokens, e: int, selective: bool, moe: bool) -> int:
+    """A block's backward beside what it keeps: a dense MLP's (backward_bytes) or a mixture of
+    experts' (trainer.plan.moe.moe_backward_bytes)."""
+    if moe:
+        return moe_backward_bytes(m, k, e, selective)
+    return backward_bytes(m, k, e, selective)
 
 
 def backward_bytes(m: ModelConfig, k: Tokens, e: int, selective: bool) -> int:
@@ -145,47 +164,56 @@ def backward_bytes(m: ModelConfig, k: Tokens, e: int, selective: bool) -> int:
     return k.Tr * h * FP32 + max(moments)
 
 
-def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, blocks: list[int],
+def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: list[range],
                 block_weights: int, head_weights: int, kept: int, last: bool = True,
                 first: bool = True, messages: int = 0) -> StepMemory:
-    """For the blocks in `blocks` (a pipeline stage's: each block's position in its chunk).
-    block_weights: TP-local elements of one block's 2-D weights as gathered over GTP_remat
-    (padding included); head_weights: the stage's head's or embedding's, the larger (0 for
-    neither); kept: its activations in flight (trainer.plan.axes.pipeline.
-    stage_activation_bytes); last: it computes the loss; first: it holds the embedding;
-    messages: its received pipeline messages held at once (trainer.plan.axes.pipeline)."""
+    """For a pipeline stage's blocks (`chunks`: its blocks by model chunk). block_weights:
+    TP-local elements of one block's 2-D weights as gathered over GTP_remat (padding
+    included); head_weights: the stage's head's or embedding's, the larger (0 for neither);
+    kept: its activations in flight (trainer.plan.axes.pipeline.stage_activation_bytes); last:
+    it computes the loss; first: it holds the embedding; messages: its received pipeline
+    messages held at once (trainer.plan.axes.pipeline). A block's terms are its kind's, the
+    larger where dense blocks and a mixture of experts' share the stage."""
     k, e = Tokens.of(layout), compute_bytes(options.precision)
-    comm = options.cp_comm_type
+    comm, h = options.cp_comm_type, m.hidden_size
+    kinds = {m.is_moe_block(i) for chunk in chunks for i in chunk} or {False}
+    positions = [p for chunk in chunks for p in range(len(chunk))]
     full = options.recompute_granularity is RecomputeGranularity.full and any(
-        options.recomputes(i) for i in blocks)
+        options.recomputes(p) for p in positions)
     # A fully recomputed block is rebuilt from its input, which the chunk keeps already.
-    rebuilt = block_activation_bytes(m, k, e, None, comm) - k.Tr * m.hidden_size * FP32 \
-        if full else 0
+    rebuilt = max(block_activation_bytes(m, k, e, None, comm, moe) for moe in kinds) \
+        - k.Tr * h * FP32 if full else 0
     sharded = layout.gtp_remat_size > 1
     autocast = 0
-    if e != FP32 and not sharded:
-        autocast = (len(blocks) * block_weights + head_weights) * e
+    if e != FP32 and not sharded:  # a fully recomputed block keeps no copy of its weights
+        kept_copies = sum(options.recomputes(p) is not RecomputeGranularity.full
+                          for p in positions)
+        autocast = (kept_copies * block_weights + head_weights) * e
     # Backward of the head: the gradient of the logits (fp32, and its scaled copy) beside the
     # saved softmax.
     logits = 2 * loss_bytes(m, k) if last else 0
+    sizes = [len(chunk) for chunk in chunks] or [0]
     if sharded:
-        freed = block_activation_bytes(m, k, e, options.recompute_granularity, comm)
-        block, head = gathered_bytes(layout, options, e, chunk_sizes(blocks), block_weights,
-                                     head_weights, freed, first, last)
+        freed = max(block_activation_bytes(m, k, e, options.recompute_granularity, comm, moe)
+                    for moe in kinds)
+        block, head = gathered_bytes(layout, options, e, sizes, block_weights, head_weights,
+                                     freed, first, last)
     else:  # weights are used in place; the head's gradient is formed before it is added
         block, head = 0, head_weights * FP32
     head_kept = head_activation_bytes(m, k, e) if last else 0  # freed when blocks' backward starts
     # A block's backward beside what it keeps; a fully recomputed block (the first
     # recompute_num_layers of a chunk) is rebuilt after the chunk's later blocks have run their
     # backward and freed their activations.
-    counts = options.chunk_recompute(max(chunk_sizes(blocks)))
-    backward = backward_bytes(m, k, e, options.recompute_granularity is
-                              RecomputeGranularity.selective)
+    counts = options.chunk_recompute(max(sizes))
+    selective = options.recompute_granularity is RecomputeGranularity.selective
+    backward = max(block_backward_bytes(m, k, e, selective, moe) for moe in kinds)
     phases = [backward + block] if any(g is not RecomputeGranularity.full and n
                                        for g, n in counts.items()) else []
     if rebuilt:
-        kept_by_others = sum(n * block_activation_bytes(m, k, e, g, comm)
-                             for g, n in counts.items() if g is not RecomputeGranularity.full)
-        phases.append(backward_bytes(m, k, e, False) + rebuilt + block - kept_by_others)
+        largest = max(chunks, key=len)
+        kept_by_others = chunk_activation_bytes(m, layout, options, largest) - k.Tr * h * FP32 \
+            * sum(options.recomputes(p) is RecomputeGranularity.full for p in range(len(largest)))
+        phases.append(max(block_backward_bytes(m, k, e, False, moe) for moe in kinds) + rebuilt
+                      + block - kept_by_others)
     return StepMemory(kept, backward, rebuilt, autocast, logits, max(block, head), messages,
                       max(logits, head), max(phases) - head_kept)

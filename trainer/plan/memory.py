@@ -62,21 +62,28 @@ class StageWeights:
     ends_gathered: int  # the embedding's or the head's, the larger (0: neither is here)
 
 
-def local_numel(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[int, bool]:
-    """(elements this rank stores of parameter `name`, whether it is sharded): the TP slice of
-    a planned weight, its rows padded to a multiple of GTP_remat as parallel.sharding pads
-    them; anything else (norms) whole."""
+# The optimizer's flat buffers (trainer.train.optim.ShardedAdamW), each padded on its own:
+# sharded weights, weights every rank holds whole (a router, experts), norms (no decay).
+SHARDED, WHOLE, NORMS = range(3)
+
+
+def local_numel(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[int, int]:
+    """(elements this rank stores of parameter `name`, the optimizer buffer it is in): the TP
+    slice of a planned weight, its rows padded to a multiple of GTP_remat as parallel.sharding
+    pads them; a weight the plan keeps whole, and norms, whole."""
     module = name.removesuffix(".weight")
     if module == EMBEDDING:
         style = "column"  # vocab-parallel: the rows (vocabulary) split over TP
     elif len(shape) == 2:
         style = tp_style(module)
     else:
-        return math.prod(shape), False
+        style = "whole"
+    if style == "whole":
+        return math.prod(shape), WHOLE if len(shape) >= 2 else NORMS
     rows, cols = shape
     tp = layout.tp_size
     rows, cols = (rows // tp, cols) if style == "column" else (rows, cols // tp)
-    return layout.shard_rows(rows) * cols, True
+    return layout.shard_rows(rows) * cols, SHARDED
 
 
 def stage_of(name: str, layout: Layout, num_layers: int) -> int:
@@ -117,17 +124,15 @@ class ModelWeights:
 
     def stages(self, layout: Layout) -> list[StageWeights]:
         """Each pipeline stage's rank, exactly as the trainer allocates it: shards padded by
-        rows (GTP_remat), and the optimizer's two flat buffers (sharded weights, replicated
-        tensors) padded to a multiple of the weight replicas, each replica updating one part
+        rows (GTP_remat), and the optimizer's flat buffers (SHARDED, WHOLE, NORMS) each padded
+        to a multiple of the weight replicas, each replica updating one part
         (trainer.train.optim.FlatBuffer)."""
         g, pp = layout.gtp_remat_size, layout.pp_size
-        kinds = []  # per block kind: (sharded, whole, gathered) elements
+        kinds = []  # per block kind: (elements per buffer, gathered elements)
         for kind in self.kinds:
-            local = [(local_numel(f"{BLOCKS}.0.{name}", shape, layout), shape)
-                     for name, shape in kind]
-            kinds.append((sum(n for (n, sharded), _ in local if sharded),
-                          sum(n for (n, sharded), _ in local if not sharded),
-                          sum(numel * g for (numel, _), shape in local if len(shape) == 2)))
+            local = [local_numel(f"{BLOCKS}.0.{name}", shape, layout) for name, shape in kind]
+            kinds.append(([sum(n for n, b in local if b == buffer) for buffer in range(3)],
+                          sum(n * g for n, b in local if b == SHARDED)))
         embedding = local_numel(EMBEDDING_WEIGHT, self.embedding, layout)[0]
         p_bytes, g_bytes, o_bytes = BYTES_PER_ELEMENT
         all_chunks, out = layout.pipeline_layers(self.num_layers), []
@@ -135,24 +140,24 @@ class ModelWeights:
             chunks = tuple(all_chunks[stage::pp])
             blocks = tuple(i for chunk in chunks for i in chunk)
             held = [kinds[self.kind_of[i]] for i in blocks]
-            sharded, whole = sum(k[0] for k in held), sum(k[1] for k in held)
+            buffers = [sum(k[0][buffer] for k in held) for buffer in range(3)]
             ends = []
             for name, shape in self.outside:
                 if stage == (0 if name.startswith(f"{EMBEDDING}.") else pp - 1):
-                    numel, is_sharded = local_numel(name, shape, layout)
-                    sharded, whole = sharded + numel * is_sharded, whole + numel * (not is_sharded)
-                    ends += [numel * g] if len(shape) == 2 else []
+                    numel, buffer = local_numel(name, shape, layout)
+                    buffers[buffer] += numel
+                    ends += [numel * g] if buffer == SHARDED else []
             copy = 0
             if self.tied and stage == pp - 1:  # the head uses the embedding's weight
                 ends.append(embedding * g)
                 copy = embedding if pp > 1 else 0
-            own = [layout.optimizer_part(n) for n in (sharded, whole) if n]
+            own = [layout.optimizer_part(n) for n in buffers if n]
             parts = sum(own)
-            buffers = parts * layout.num_weight_replicas
-            memory = StageMemory(stage, sharded + whole + copy, (buffers + copy) * p_bytes,
-                                 (buffers + copy) * g_bytes, parts * o_bytes, blocks,
+            flat = parts * layout.num_weight_replicas
+            memory = StageMemory(stage, sum(buffers) + copy, (flat + copy) * p_bytes,
+                                 (flat + copy) * g_bytes, parts * o_bytes, blocks,
                                  UPDATE_TEMPORARIES * g_bytes * max(own, default=0))
-            out.append(StageWeights(memory, chunks, max((k[2] for k in held), default=0),
+            out.append(StageWeights(memory, chunks, max((k[1] for k in held), default=0),
                                     max(ends, default=0)))
         return out
 
@@ -163,8 +168,7 @@ def stage_step(m: ModelConfig, layout: Layout, options: EngineOptions, stage: St
     (`kept`: trainer.plan.axes.pipeline.stage_activation_bytes, or its closed form) and the
     messages it holds at once (parallel.pipeline.schedules.message_counts)."""
     number = stage.memory.stage
-    positions = [i for chunk in stage.chunks for i in range(len(chunk))]  # within each chunk
-    return step_memory(m, layout, options, positions, stage.block_gathered,
+    return step_memory(m, layout, options, list(stage.chunks), stage.block_gathered,
                        stage.ends_gathered, kept,
                        number == layout.pp_size - 1, number == 0,
                        message_bytes(messages, *message_sizes(m, layout)))

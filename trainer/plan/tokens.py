@@ -40,9 +40,3 @@ class Tokens:
     @property
     def Tr(self) -> int:
         return self.T // self.t if self.sp else self.T
-
-
-def chunk_sizes(positions: list[int]) -> list[int]:
-    """Blocks of each of a stage's model chunks, from each block's position in its chunk."""
-    starts = [i for i, p in enumerate(positions) if p == 0]
-    return [end - start for start, end in zip(starts, [*starts[1:], len(positions)])] or [0]

@@ -22,6 +22,7 @@ from trainer.model.plan import parallel_plan
 from trainer.model.transformer import Transformer
 from trainer.plan.axes import check_model_fits_layout
 from trainer.plan.options import EngineOptions
+from trainer.train import routing
 from trainer.train.optim import ShardedAdamW
 from trainer.train.recompute import apply_recompute
 
@@ -59,6 +60,7 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layo
                            COMPUTE_DTYPE[options.precision], comm, model_cfg.vocab_size)
     # Around the parallel layers it replays in backward; counted within each model chunk.
     apply_recompute(model, plan, options, parallel.stage.part.chunks)
+    routing.wire(model, groups)  # a mixture of experts counts its tokens over the ranks
     # The optimizer moves the (still untouched) parameters into its flat buffers first, so the
     # values are written once, in place, and no second copy of them is ever resident.
     optimizer = OPTIMIZERS[optim_cfg.name](parallel, optim_cfg, layout)

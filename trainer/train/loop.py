@@ -97,7 +97,8 @@ class Trainer:
             record = {"consumed_samples": state.consumed_samples, "loss": result.loss, "lr": lr,
                       "grad_norm": result.grad_norm,
                       "tokens_per_s": samples * layout.seq_length / (time.perf_counter() - started),
-                      "comm_bytes": self.engine.groups.stats.by_op()}  # this rank, this step
+                      "comm_bytes": self.engine.groups.stats.by_op(),  # this rank, this step
+                      **result.moe}
             records.append({"step": state.step, **record})
             logger.log(state.step, record)
             if plan.eval_interval and (state.step % plan.eval_interval == 0 or last):

@@ -68,10 +68,12 @@ class MetricsLogger:
         consumed = record["consumed_samples"]
         elapsed = time.perf_counter() - self.started
         left = elapsed / max(consumed - self.first_samples, 1) * (self.total_samples - consumed)
+        moe = (f"aux {record['moe_aux_loss']:.2e} | imbalance {record['moe_imbalance']:.2f} | "
+               if "moe_aux_loss" in record else "")
         print(f"step {step:>6d}/{self.total_steps} | samples {record['consumed_samples']:>9,d} | "
               f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-              f"grad norm {record['grad_norm']:.3f} | {record['tokens_per_s']:>9,.0f} tok/s | "
-              f"left {_duration(left)}", flush=True)
+              f"grad norm {record['grad_norm']:.3f} | {moe}{record['tokens_per_s']:>9,.0f} tok/s "
+              f"| left {_duration(left)}", flush=True)
         self._write({"step": step, **record})
 
     def log_eval(self, step: int, record: dict[str, Any]) -> None:

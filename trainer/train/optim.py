@@ -61,19 +61,24 @@ class ShardedAdamW:
         groups = model.groups
         assert groups.weight_replica.size == layout.num_weight_replicas
         self.replica, self.world, self.clip = groups.weight_replica, groups.world, cfg.clip_grad
-        sharded, replicated = [], []
+        # Three flat buffers (trainer.plan.memory: SHARDED, WHOLE, NORMS): sharded weights;
+        # weights every rank of a weight tile holds whole (a router, experts), decayed too;
+        # norms, whole and not decayed.
+        sharded, whole, norms = [], [], []
         for name, param in model.module.named_parameters():
             if name in model.stage_copies:  # another stage owns it (tied embeddings)
                 continue
-            (sharded if model.is_sharded(name) else replicated).append((name, param))
-            if model.is_sharded(name) != (param.ndim >= 2):
-                raise ValueError(f"{name}: weight decay follows sharding here, and this "
-                                 f"{param.ndim}-D parameter breaks that rule")
-        # Replicated tensors are whole on every rank of a weight tile: count them once.
+            if model.is_sharded(name):
+                assert param.ndim == 2, f"{name}: a sharded weight is 2-D"
+                sharded.append((name, param))
+            else:
+                (whole if param.ndim >= 2 else norms).append((name, param))
+        # Whole tensors are on every rank of a weight tile: count them once.
         tile_root = groups.tp.rank == 0 and groups.gtp_remat.rank == 0
         self.buffers, param_groups = [], []
         for params, decay, counted in ((sharded, cfg.weight_decay, True),
-                                       (replicated, 0.0, tile_root)):
+                                       (whole, cfg.weight_decay, tile_root),
+                                       (norms, 0.0, tile_root)):
             if params:
                 buffer = FlatBuffer.build(params, self.replica, layout, counted)
                 self.buffers.append(buffer)
@@ -103,6 +108,7 @@ class ShardedAdamW:
                 for chunk in buffer.part.grad.split(NORM_CHUNK):
                     wide = chunk.double()
                     square += torch.dot(wide, wide)
+                    del wide  # else held while the next buffer's first chunk is widened
         return self.world.all_reduce(square).sqrt().item()
 
     @torch.no_grad()

@@ -10,13 +10,14 @@ there, so every rank reports, and refuses, the same step.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
 from parallel.parallelize import ParallelModel
 from trainer.data.batch import MicroBatch
+from trainer.train import routing
 from trainer.train.optim import ShardedAdamW
 
 IGNORE = -100  # label of a position that carries no loss
@@ -33,9 +34,11 @@ class NonFiniteStep(Exception):
 
 @dataclass
 class StepResult:
-    loss: float  # mean per-token loss of the global batch
+    loss: float  # mean per-token loss of the global batch (a mixture of experts' balance
+    # losses, which the gradient includes, are moe["moe_aux_loss"])
     grad_norm: float  # before clipping
     loss_tokens: int
+    moe: dict = field(default_factory=dict)  # trainer.train.routing.finish (dense: empty)
 
 
 def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: list[MicroBatch],
@@ -52,6 +55,7 @@ def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: lis
         raise ValueError("the global batch has no loss tokens (every label is ignored)")
     optimizer.zero_grad()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    routing.begin(model.module, len(micro_batches))
     mark("micro_batches")
 
     def last_stage(i: int, logits: torch.Tensor) -> torch.Tensor:
@@ -72,7 +76,8 @@ def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: lis
         raise NonFiniteStep(loss, grad_norm)
     optimizer.update(lr, grad_norm)
     model.sync_stage_copies()
-    return StepResult(loss=loss, grad_norm=grad_norm, loss_tokens=total_tokens)
+    return StepResult(loss=loss, grad_norm=grad_norm, loss_tokens=total_tokens,
+                      moe=routing.finish(model.module, groups))
 
 
 @torch.no_grad()

@@ -12,6 +12,12 @@ from trainer.plan.options import EngineOptions
 def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> None:
     """Shapes tensor parallel must split evenly (GTP_remat pads rows, so it needs nothing)."""
     tp = layout.tp_size
+    if model.num_moe_experts is not None and tp > 1:
+        raise ValueError(
+            f"model.num_moe_experts={model.num_moe_experts} with parallel."
+            f"tensor_model_parallel_size={tp}: experts are not split over TP yet (it comes "
+            f"with expert parallelism). Fix: set parallel.tensor_model_parallel_size=1 (data and "
+            f"context parallel and weight shards train a mixture of experts), or a dense model.")
     shapes = {"num_heads": model.num_heads, "num_query_groups": model.query_groups,
               "ffn_hidden_size": model.ffn_hidden_size}
     for key, value in shapes.items():

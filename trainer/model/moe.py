@@ -1,0 +1,201 @@
+"""A mixture of experts as plain single-device PyTorch (Megatron's routing and balance losses).
+
+Router: each token's scores over E experts, its top-k experts and their weights, and the losses
+that balance them. Experts: E SwiGLU experts held as two 3-D weights ([E, 2F, h] and [E, h, F],
+the layout transformers and torchtitan use), run dropless: every token reaches its top-k
+experts; the (token, expert) pairs are sorted by expert and each projection is one grouped GEMM
+over them. MoE: the router, the experts and an optional shared expert.
+
+Like the attention, it knows nothing of ranks. Three attributes are the hooks the trainer sets
+from outside:
+    Router.token_sum     sums a tensor over every rank that holds other tokens of this
+                         micro-batch (identity on one process): the balance losses and the
+                         token counts are those of the whole micro-batch, whatever the layout
+    Router.sequence_sum  sums a per-sequence tensor over the ranks that hold other tokens of the
+                         same sequences (context parallel)
+    Router.loss_scale    what the balance losses are weighted by in the step (1 / micro-batches)
+What each micro-batch routed is recorded once, when its backward passes the router (a recomputed
+forward records nothing): Router.records, read and cleared by the step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.config import ModelConfig
+
+Sum = Callable[[torch.Tensor], torch.Tensor]
+Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> hidden
+GROUPED_DTYPES = (torch.float32, torch.bfloat16)  # what torch's grouped GEMM takes (else a loop)
+
+
+def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+@dataclass
+class Routed:
+    """What one micro-batch's forward through a router decided, as its backward records it."""
+
+    counts: torch.Tensor  # [E] tokens routed to each expert, over the whole micro-batch
+    loss: float  # this rank's part of the balance losses (summed over ranks: the loss)
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.experts, self.topk = cfg.num_moe_experts, cfg.moe_router_topk
+        self.score_function, self.pre_softmax = (cfg.moe_router_score_function,
+                                                 cfg.moe_router_pre_softmax)
+        self.scaling = cfg.moe_router_topk_scaling_factor or 1.0
+        self.balancing = cfg.moe_router_load_balancing_type
+        self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff or 0.0
+        self.weight = nn.Parameter(torch.empty(cfg.num_moe_experts, cfg.hidden_size))
+        # DeepSeek-V3's auxiliary-loss-free bias: chooses experts, never weighs them; moved by
+        # the step (trainer.train.step), saved with the weights.
+        self.bias_update_rate = cfg.moe_router_bias_update_rate
+        self.register_buffer("expert_bias", torch.zeros(cfg.num_moe_experts)
+                             if cfg.moe_router_enable_expert_bias else None)
+        self.token_sum: Sum = _unchanged
+        self.sequence_sum: Sum = _unchanged
+        self.loss_scale = 1.0
+        self.records: list[Routed] = []
+
+    def forward(self, x: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [b, s, h] -> (weights [b*s, k], experts [b*s, k], this rank's part of the balance
+        losses, the micro-batch's tokens per expert). The router runs in fp32 at least,
+        whatever the compute dtype (Megatron's moe_router_dtype=fp32): a bf16 logit would turn
+        near ties into other experts."""
+        b, s, _ = x.shape
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.reshape(b * s, -1).to(dtype), self.weight.to(dtype))
+        weights, experts = self._route(logits)
+        counts = torch.bincount(experts.reshape(-1), minlength=self.experts)
+        # One collective for the micro-batch's counts and its tokens, summed over the ranks.
+        totals = self.token_sum(torch.cat([counts, counts.new_tensor([b * s])]).double())
+        counts, tokens = totals[:-1], totals[-1]
+        return weights, experts, self._balance_loss(logits, experts, counts, tokens, b, s), counts
+
+    def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k = self.topk
+        if self.score_function == "sigmoid":
+            scores = torch.sigmoid(logits)
+        elif self.pre_softmax:
+            scores = torch.softmax(logits, dim=-1)
+        else:  # the top-k logits' softmax; the bias (pre_softmax only) is refused at compose
+            top, experts = torch.topk(logits, k, dim=-1)
+            return torch.softmax(top, dim=-1) * self.scaling, experts
+        chooser = scores if self.expert_bias is None else scores + self.expert_bias
+        experts = torch.topk(chooser, k, dim=-1).indices
+        weights = scores.gather(-1, experts)
+        if self.score_function == "sigmoid" and k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return weights * self.scaling, experts
+
+    def _balance_loss(self, logits: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor,
+                      tokens: torch.Tensor, b: int, s: int) -> torch.Tensor:
+        """This rank's part of the micro-batch's balance losses (Megatron's formulas, over the
+        whole micro-batch): summed over the ranks that hold its tokens, they are the loss."""
+        loss = logits.new_zeros(())
+        E, k = self.experts, self.topk
+        if self.balancing != "none" and self.aux_coeff:
+            # The scores every expert gets, as the loss sees them: softmax, or the sigmoid's
+            # normalised over the experts.
+            if self.score_function == "softmax":
+                probs = torch.softmax(logits, dim=-1)
+            else:
+                sig = torch.sigmoid(logits)
+                probs = sig / (sig.sum(dim=-1, keepdim=True) + 1e-20)
+            if self.balancing == "aux_loss":  # the switch loss: E * sum_i f_i * P_i
+                loss = loss + (probs.sum(0) * counts.to(probs.dtype)).sum() * (
+                    E * self.aux_coeff / (k * tokens * tokens)).to(probs.dtype)
+            else:  # per sequence, averaged over the micro-batch's sequences
+                chosen = F.one_hot(experts, E).sum(1).view(b, s, E).sum(1)  # [b, E]
+                whole = self.sequence_sum(torch.cat(
+                    [chosen, chosen.new_full((b, 1), s)], dim=1).double())
+                seq_len = whole[0, -1]
+                f = whole[:, :-1] * (E / (k * seq_len))  # [b, E]
+                p = probs.view(b, s, E).sum(1) / seq_len  # this rank's part of each mean
+                loss = loss + ((f.to(p.dtype) * p).sum() * (self.aux_coeff * seq_len / tokens)
+                               .to(p.dtype))
+        if self.z_coeff:
+            z = torch.logsumexp(logits, dim=-1).square().sum()
+            loss = loss + z * (self.z_coeff / tokens).to(z.dtype)
+        return loss
+
+
+class _RecordRouting(torch.autograd.Function):
+    """The MoE's output, unchanged; in backward the balance losses get their gradient (their
+    weight in the step, Router.loss_scale) at the router's place (Megatron's
+    MoEAuxLossAutoScaler), and the micro-batch's routing is recorded, once (a recomputed
+    forward's graph is never run backward)."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, loss: torch.Tensor, router: Router,
+                counts: torch.Tensor) -> torch.Tensor:
+        ctx.router, ctx.routed = router, Routed(counts, float(loss))
+        ctx.scale, ctx.loss_meta = router.loss_scale, (loss.dtype, loss.device)
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        ctx.router.records.append(ctx.routed)
+        dtype, device = ctx.loss_meta
+        return grad, torch.full((), ctx.scale, dtype=dtype, device=device), None, None
+
+
+class Experts(nn.Module):
+    def __init__(self, cfg: ModelConfig, activation_fn: Activation):
+        super().__init__()
+        E, f, h = cfg.num_moe_experts, cfg.expert_ffn_size, cfg.hidden_size
+        self.gate_up = nn.Parameter(torch.empty(E, 2 * f, h))  # each expert's gate | up
+        self.down = nn.Parameter(torch.empty(E, h, f))
+        self.activation_fn = activation_fn  # selective recompute wraps it, as the dense MLP's
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
+                ) -> torch.Tensor:
+        """x [N, h]; each token's top-k experts and their weights [N, k] -> [N, h]."""
+        k = experts.shape[1]
+        order = experts.reshape(-1).argsort(stable=True)  # (token, slot) pairs by expert
+        counts = torch.bincount(experts.reshape(-1), minlength=self.gate_up.shape[0])
+        tokens = order // k
+        dtype = (torch.get_autocast_dtype(x.device.type)
+                 if torch.is_autocast_enabled(x.device.type) else x.dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            gate, up = grouped(x[tokens].to(dtype), self.gate_up, counts).chunk(2, dim=-1)
+            out = grouped(self.activation_fn(gate, up), self.down, counts)
+            out = out * weights.reshape(-1)[order, None].to(out.dtype)
+            return out.new_zeros(x.shape).index_add_(0, tokens, out)
+
+
+def grouped(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of x sorted by expert (counts[e] rows for expert e) times each expert's weight
+    [E, out, in], transposed: one grouped GEMM, or a loop over experts where torch's grouped
+    GEMM does not take the dtype (fp64)."""
+    weight = weight.to(x.dtype)
+    if x.dtype in GROUPED_DTYPES:
+        return F.grouped_mm(x, weight.transpose(1, 2), offs=counts.cumsum(0).to(torch.int32))
+    parts = x.split(counts.tolist())
+    return torch.cat([part @ w.T for part, w in zip(parts, weight)])
+
+
+class MoE(nn.Module):
+    """The MLP of a mixture-of-experts block: x [b, s, h] -> [b, s, h]."""
+
+    def __init__(self, cfg: ModelConfig, activation_fn: Activation, shared: nn.Module | None):
+        super().__init__()
+        self.router, self.experts = Router(cfg), Experts(cfg, activation_fn)
+        self.shared = shared  # a dense SwiGLU every token passes through (or None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, experts, loss, counts = self.router(x)
+        out = self.experts(x.reshape(-1, x.shape[-1]), weights, experts).view(x.shape)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return _RecordRouting.apply(out, loss, self.router, counts)

@@ -1,0 +1,59 @@
+"""A mixture of experts' routers as a step sees them (trainer/model/moe.py): joined to the ranks
+that hold other tokens of each micro-batch, weighted in the step's loss, and read after it:
+the balance losses, how evenly the experts were used, and the expert bias moved towards equal
+counts (DeepSeek-V3's auxiliary-loss-free balancing).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from parallel.groups import Groups
+from trainer.model.moe import Router
+
+
+def routers(model: nn.Module) -> list[tuple[str, Router]]:
+    """The model's routers by block, in forward order (none in a dense model)."""
+    return [(name, module) for name, module in model.named_modules()
+            if isinstance(module, Router)]
+
+
+def wire(model: nn.Module, groups: Groups) -> None:
+    """Each router's sums over ranks: token counts over every rank that sees other tokens of
+    the micro-batch (token_distinct), a sequence's over the ranks that split it (context)."""
+    for _, router in routers(model):
+        router.token_sum = groups.token_distinct.all_reduce
+        router.sequence_sum = groups.context.all_reduce
+
+
+def begin(model: nn.Module, micro_batches: int) -> None:
+    """Before a step's micro-batches: the balance losses of each count 1/micro_batches of the
+    step's loss (each is a mean over its micro-batch's tokens, as Megatron's are)."""
+    for _, router in routers(model):
+        router.loss_scale = 1.0 / micro_batches
+        router.records.clear()
+
+
+def finish(model: nn.Module, groups: Groups) -> dict:
+    """After a step's update: what metrics.jsonl records of the routing (empty for a dense
+    model), and each expert bias moved by its update rate towards equal token counts (the
+    counts are the whole step's, so every rank moves it alike)."""
+    found = routers(model)
+    if not found:
+        return {}
+    losses, imbalance = [], {}
+    for name, router in found:
+        counts = torch.stack([r.counts for r in router.records]).sum(0)
+        losses.append(sum(r.loss for r in router.records) * router.loss_scale)
+        block = name.removesuffix(".mlp.router").removeprefix("layers.")  # a block's index
+        imbalance[block] = round(float(counts.max() / counts.mean()), 4)
+        if router.expert_bias is not None:
+            step = torch.sign(counts.mean() - counts) * router.bias_update_rate
+            router.expert_bias.add_(step.to(router.expert_bias.dtype))
+        router.records.clear()
+    # Each rank holds its part of each balance loss: their sum is the loss.
+    device = found[0][1].weight.device
+    total = groups.token_distinct.all_reduce(torch.tensor(losses, dtype=torch.float64,
+                                                          device=device))
+    return {"moe_aux_loss": float(total.sum()), "moe_imbalance": max(imbalance.values()),
+            "moe_imbalance_per_layer": imbalance}
