@@ -1,4 +1,4 @@
-"""Command line: Hugging Face Llama and Qwen3 models in and out of the trainer's checkpoints.
+"""Command line: Hugging Face models (Llama, Qwen3, Mixtral, Qwen3-MoE) in and out of checkpoints.
 
     python -m trainer.hf import HF_DIR OUT_DIR
         HF_DIR: config.json and model.safetensors (or a sharded set with its index).

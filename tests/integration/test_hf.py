@@ -57,6 +57,15 @@ MODELS = {  # name -> (config arguments, save_pretrained max_shard_size, archite
                               head_dim=32, tie_word_embeddings=True,
                               rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
                          None, "Qwen3"),
+    # Mixtral: 4 experts of 176 in every block, top 2, normalised.
+    "mixtral": (dict(vocab_size=256, num_attention_heads=4, num_key_value_heads=2,
+                     num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+                     rope_parameters=DEFAULT_ROPE), None, "Mixtral"),
+    # Qwen3-MoE: experts of 48, top 2 not renormalised, the second block dense.
+    "qwen3_moe": (dict(vocab_size=256, num_attention_heads=4, num_key_value_heads=2,
+                       num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+                       norm_topk_prob=False, mlp_only_layers=[1], tie_word_embeddings=False,
+                       rope_parameters=DEFAULT_ROPE), "80KB", "Qwen3Moe"),
 }
 TOLERANCE = 1e-6  # logits, relative 2-norm
 LOSS_TOLERANCE = 1e-5  # a trained model's loss, relative (measured equal to 6 digits)
@@ -85,7 +94,7 @@ def hf_model(name: str, folder: Path):
         attention_bias=False, **{"head_dim": 64 // kwargs["num_attention_heads"], **kwargs})
     torch.manual_seed(0)
     model = hf_class(name)(config).eval()
-    if family == "Qwen3":  # their norms start at one; ours must be read, not assumed
+    if family.startswith("Qwen3"):  # their norms start at one; ours must be read, not assumed
         for layer in model.model.layers:
             for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
                 torch.nn.init.uniform_(norm.weight, 0.5, 1.5)
@@ -132,8 +141,15 @@ def test_import_matches_transformers_and_export_is_bit_exact(name, tmp_path):
             off = relative(wrong(tokens)[..., :model.vocab_size], want)
         print(f"{name}: with rope factor 4 instead of 8: {off:.2e}")
         assert off > 100 * TOLERANCE
+    if model.num_moe_experts:  # and a router that sends tokens to the wrong experts
+        wrong = our_model(tmp_path / "ours", model)
+        with torch.no_grad():
+            router = wrong.layers["0"].mlp.router.weight
+            router.copy_(router[[1, 0, 2, 3]])
+            off = relative(wrong(tokens)[..., :model.vocab_size], want)
+        print(f"{name}: with layer 0's first two experts' router rows swapped: {off:.2e}")
+        assert off > 100 * TOLERANCE
     if model.qk_layernorm:  # and a qk norm's weights read from the wrong head's place
-        assert model.kv_channels == 32
         wrong = our_model(tmp_path / "ours", model)
         with torch.no_grad():
             wrong.layers["0"].attn.q_norm.weight.copy_(wrong.layers["0"].attn.q_norm.weight.flip(0))
@@ -193,6 +209,7 @@ def test_a_trained_model_exported_gives_transformers_the_same_loss_and_fine_tune
 @pytest.mark.parametrize("change,message", [
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ({"architectures": ["MistralForCausalLM"]}, "architectures=['MistralForCausalLM']"),
+    ({"architectures": ["DeepseekV3ForCausalLM"]}, "architectures=['DeepseekV3ForCausalLM']"),
     ({"attention_bias": True}, "attention_bias=True"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
      "only Llama 3's"),

@@ -176,3 +176,19 @@ def test_the_expert_bias_moves_towards_equal_counts_and_the_step_is_reported():
     assert torch.equal(block.router.expert_bias, 0.01 * torch.sign(counts.mean() - counts).float())
     assert stats["moe_imbalance"] == pytest.approx(float(counts.max() / counts.mean()), abs=1e-4)
     assert not block.router.records
+
+
+@pytest.mark.parametrize("change,key", [
+    (dict(moe_router_score_function="sigmoid"), "moe_router_score_function='sigmoid'"),
+    (dict(moe_shared_expert_intermediate_size=16), "moe_shared_expert_intermediate_size=16"),
+    (dict(moe_router_pre_softmax=True), "moe_router_pre_softmax=True: MixtralForCausalLM"),
+    (dict(moe_layer_freq=[1, 0]), "moe_layer_freq=[1, 0]: MixtralForCausalLM"),
+])
+def test_an_export_no_hugging_face_family_holds_is_one_line(change, key):
+    from trainer.checkpoint.hf_families import architecture_of
+
+    assert architecture_of(MOE) == "MixtralForCausalLM"
+    assert architecture_of(replace(MOE, qk_layernorm=True, moe_layer_freq=[1, 0],
+                                   moe_router_pre_softmax=True)) == "Qwen3MoeForCausalLM"
+    with pytest.raises(ValueError, match=key.replace("[", r"\[").replace("]", r"\]")):
+        architecture_of(replace(MOE, **change))

@@ -1,7 +1,6 @@
-"""Hugging Face Llama and Qwen3 models in and out: config.json <-> ModelConfig, safetensors <->
-our DCP checkpoints, one tensor at a time (`python -m trainer.hf`). Qwen3 is Llama's block with
-an RMSNorm over each head of q and k (model.qk_layernorm) and heads that may be wider than
-hidden / heads (model.kv_channels).
+"""Hugging Face models in and out (Llama, Qwen3, Mixtral, Qwen3-MoE: trainer.checkpoint.
+hf_families maps each family's config and names onto ours): config.json <-> ModelConfig,
+safetensors <-> our DCP checkpoints, one tensor at a time (`python -m trainer.hf`).
 
 The two models agree without any permutation (../shared/notes/scale.md): the rotary
 embedding's convention is the same (two halves, frequencies theta^(-2i/d), and Llama 3's rope
@@ -35,129 +34,15 @@ from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.checkpoint.api import CheckpointException
 
 from trainer.checkpoint.dcp import Chunked, ChunkSavePlanner, check_loadable, write_meta
+from trainer.checkpoint.hf_families import ARCHITECTURES, hf_config, hf_parts, model_config
 from trainer.checkpoint.integrity import CHECKSUMS, METADATA, file_checksum
 from trainer.checkpoint.safetensors_io import SafetensorsReader, write_streamed
 from trainer.checks import check_model
 from trainer.config import ModelConfig
 from trainer.model.plan import parameter_shapes
-from trainer.model.transformer import LLAMA3_ROPE_CONTEXT, LLAMA3_ROPE_HIGH, LLAMA3_ROPE_LOW
 
-ARCHITECTURE = "LlamaForCausalLM"
-QWEN3 = "Qwen3ForCausalLM"  # Llama's with qk_layernorm
-ARCHITECTURES = (ARCHITECTURE, QWEN3)
 WEIGHTS_ONLY = "weights_only"  # meta.json key of an imported checkpoint
-REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "intermediate_size")
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names of what we import
-
-
-def model_config(hf: dict, source: Path) -> ModelConfig:
-    """Our ModelConfig of a Hugging Face Llama config.json; what we cannot model is refused in
-    one line."""
-    def need(key: str, ok: bool, fix: str) -> None:
-        if not ok:
-            raise ValueError(f"{source}: {key}={hf.get(key)!r} is not supported. Fix: {fix}.")
-
-    architecture = (hf.get("architectures") or [ARCHITECTURE])[0]
-    need("architectures", architecture in ARCHITECTURES,
-         f"import a model of one of {', '.join(ARCHITECTURES)}")
-    need("use_sliding_window", not hf.get("use_sliding_window", False),
-         "use a model with full attention in every layer")
-    missing = [key for key in REQUIRED if not isinstance(hf.get(key), int)]
-    if missing:
-        raise ValueError(f"{source} has no integer {missing[0]}. Fix: use the config.json "
-                         f"save_pretrained wrote for the model.")
-    need("hidden_act", hf.get("hidden_act", "silu") == "silu", "use a SwiGLU (silu) model")
-    for key in ("attention_bias", "mlp_bias"):
-        need(key, not hf.get(key, False), "use a model without biases")
-    heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
-    head_dim = hf.get("head_dim") or hidden // heads
-    rope = hf.get("rope_parameters") or {}  # transformers 5; 4 spells it rope_theta/rope_scaling
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
-                                         else None)
-    factor = _llama3_rope_factor(scaling, source) if scaling else None
-    groups = hf.get("num_key_value_heads") or heads
-    model = ModelConfig(
-        name="llama", vocab_size=hf["vocab_size"], hidden_size=hidden,
-        num_layers=hf["num_hidden_layers"], num_heads=heads,
-        ffn_hidden_size=hf["intermediate_size"],
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        init_std=float(hf.get("initializer_range", 0.02)),
-        num_query_groups=None if groups == heads else groups,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        use_rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0,
-        kv_channels=None if head_dim * heads == hidden else head_dim,
-        qk_layernorm=architecture == QWEN3)
-    try:
-        check_model(model)
-    except ValueError as error:
-        raise ValueError(f"{source} gives a model we cannot build: {error}") from None
-    return model
-
-
-def _llama3_rope_factor(scaling: dict, source: Path) -> float:
-    """The factor of Llama 3's rope scaling; any other scaling is refused (it would change
-    every position's rotation, silently)."""
-    kind = scaling.get("rope_type", scaling.get("type"))
-    fixed = {"low_freq_factor": LLAMA3_ROPE_LOW, "high_freq_factor": LLAMA3_ROPE_HIGH,
-             "original_max_position_embeddings": LLAMA3_ROPE_CONTEXT}
-    if kind != "llama3" or any(float(scaling.get(k, v)) != v for k, v in fixed.items()):
-        raise ValueError(f"{source}: rope scaling {scaling} is not supported: only Llama 3's "
-                         f"(rope_type llama3 with {fixed}) is modelled. Fix: import a model "
-                         f"with that rope scaling or none.")
-    return float(scaling["factor"])
-
-
-def hf_config(model: ModelConfig, dtype: torch.dtype) -> dict:
-    """config.json for transformers' LlamaForCausalLM (both rope spellings, 4 and 5)."""
-    rope = {"rope_type": "default", "rope_theta": model.rope_theta}
-    scaling = None
-    if model.use_rope_scaling:
-        scaling = {"rope_type": "llama3", "factor": model.rope_scaling_factor,
-                   "low_freq_factor": LLAMA3_ROPE_LOW, "high_freq_factor": LLAMA3_ROPE_HIGH,
-                   "original_max_position_embeddings": LLAMA3_ROPE_CONTEXT}
-        rope = {**scaling, "rope_theta": model.rope_theta}
-    family = {"architectures": [QWEN3], "model_type": "qwen3", "use_sliding_window": False,
-              "max_window_layers": model.num_layers} if model.qk_layernorm else \
-        {"architectures": [ARCHITECTURE], "model_type": "llama"}
-    return {
-        **family, "vocab_size": model.vocab_size,
-        "hidden_size": model.hidden_size, "intermediate_size": model.ffn_hidden_size,
-        "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_heads,
-        "num_key_value_heads": model.query_groups, "head_dim": model.head_dim,
-        "hidden_act": "silu", "rms_norm_eps": model.norm_eps, "rope_theta": model.rope_theta,
-        "rope_parameters": rope, "rope_scaling": scaling,
-        "attention_bias": False, "mlp_bias": False,
-        "tie_word_embeddings": model.tie_word_embeddings, "initializer_range": model.init_std,
-        "dtype": str(dtype).removeprefix("torch."),
-    }
-
-
-def hf_parts(model: ModelConfig) -> dict[str, list[tuple[str, int]]]:
-    """Our parameter name -> the Hugging Face tensors it is the row-wise concatenation of,
-    with their rows. The vocabulary rows are the unpadded ones."""
-    h, kv, f, vocab = model.hidden_size, model.kv_size, model.ffn_hidden_size, model.vocab_size
-    q, d = model.q_size, model.head_dim
-    out = {"embed.weight": [("model.embed_tokens.weight", vocab)]}
-    for i in range(model.num_layers):
-        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        out |= {
-            f"{ours}attn_norm.weight": [(f"{theirs}input_layernorm.weight", h)],
-            f"{ours}attn.qkv.weight": [(f"{theirs}self_attn.{p}_proj.weight", rows)
-                                       for p, rows in (("q", q), ("k", kv), ("v", kv))],
-            f"{ours}attn.o.weight": [(f"{theirs}self_attn.o_proj.weight", h)],
-            **({f"{ours}attn.{p}_norm.weight": [(f"{theirs}self_attn.{p}_norm.weight", d)]
-                for p in ("q", "k")} if model.qk_layernorm else {}),
-            f"{ours}mlp_norm.weight": [(f"{theirs}post_attention_layernorm.weight", h)],
-            f"{ours}mlp.gate_up.weight": [(f"{theirs}mlp.{p}_proj.weight", f)
-                                          for p in ("gate", "up")],
-            f"{ours}mlp.down.weight": [(f"{theirs}mlp.down_proj.weight", h)],
-        }
-    out["norm.weight"] = [("model.norm.weight", h)]
-    if not model.tie_word_embeddings:
-        out["head.weight"] = [("lm_head.weight", vocab)]
-    return out
 
 
 def import_hf(hf_dir: Path, out_dir: Path) -> ModelConfig:
@@ -175,12 +60,18 @@ def import_hf(hf_dir: Path, out_dir: Path) -> ModelConfig:
     def value(name: str) -> torch.Tensor:  # asked by DCP one tensor at a time, while writing
         pieces = [reader.get(hf_name).to(torch.float32) for hf_name, _ in parts[name]]
         full = torch.zeros(shapes[name], dtype=torch.float32)  # padding rows stay zero
-        torch.cat(pieces, out=full[:sum(rows for _, rows in parts[name])])
+        torch.cat(pieces, out=_rows(full)[:sum(rows for _, rows in parts[name])])
         return full
 
     with _new_folder(out_dir) as tmp:
         _write_import(tmp, shapes, value, hf_dir, model)
     return model
+
+
+def _rows(tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter as rows of its last dim (experts [E, rows, cols] as [E*rows, cols]; a norm
+    as it is), the view hf_families' parts concatenate."""
+    return tensor.view(-1, tensor.shape[-1]) if tensor.ndim > 2 else tensor
 
 
 def _read_mapping(path: Path, name: str, fix: str) -> dict:
@@ -204,7 +95,7 @@ def _check_weights(reader: SafetensorsReader, model: ModelConfig,
     hf_dir, fix = config_path.parent, "use the config.json these weights were saved with"
     for name, pieces in parts.items():
         for hf_name, rows in pieces:
-            spec, want = reader.spec(hf_name), (rows, *shapes[name][1:])
+            spec, want = reader.spec(hf_name), (rows, *shapes[name][1:][-1:])
             if spec is None:
                 raise ValueError(f"{hf_dir}: the weights have no tensor {hf_name!r}, which "
                                  f"{config_path.name} implies ({model.num_layers} layers). Fix: "
@@ -218,8 +109,8 @@ def _check_weights(reader: SafetensorsReader, model: ModelConfig,
     unused = reader.names() - {n for p in parts.values() for n, _ in p} - {"lm_head.weight"}
     if unused:
         raise ValueError(f"{hf_dir}: tensors this model does not have, e.g. "
-                         f"{sorted(unused)[0]!r}. Fix: import a plain {' or '.join(ARCHITECTURES)}"
-                         f", or {fix}.")
+                         f"{sorted(unused)[0]!r}. Fix: import a plain model of "
+                         f"{', '.join(ARCHITECTURES)}, or {fix}.")
 
 
 def _write_import(out_dir: Path, shapes: dict[str, tuple[int, ...]],
@@ -327,9 +218,11 @@ def read_model_config(ckpt: Path, model_yaml: Path | None) -> ModelConfig:
 def export_hf(ckpt: Path, hf_dir: Path, model: ModelConfig, dtype: torch.dtype = torch.float32,
               max_shard_bytes: int = 5 * 2**30) -> list[Path]:
     """A checkpoint (any layout wrote it) -> HF_DIR with config.json and safetensors that
-    transformers' LlamaForCausalLM loads; one tensor in memory at a time."""
+    transformers loads (the family: hf_families.architecture_of); one tensor in memory at a
+    time."""
     shapes, parts = parameter_shapes(model), hf_parts(model)
-    specs = [(hf_name, (rows, *shapes[name][1:]))
+    hf_config(model, dtype)  # a router no family has is refused before anything is written
+    specs = [(hf_name, (rows, *shapes[name][1:][-1:]))
              for name in parts for hf_name, rows in parts[name]]
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
@@ -338,7 +231,7 @@ def export_hf(ckpt: Path, hf_dir: Path, model: ModelConfig, dtype: torch.dtype =
             with _one_process():
                 dcp.load({f"model.{name}": full}, checkpoint_id=ckpt, no_dist=True)
             yield from zip((n for n, _ in pieces),
-                           full[:sum(r for _, r in pieces)].split([r for _, r in pieces]))
+                           _rows(full)[:sum(r for _, r in pieces)].split([r for _, r in pieces]))
 
     with _new_folder(hf_dir) as tmp:
         files = write_streamed(tmp, specs, dtype, tensors(), max_shard_bytes)

@@ -79,6 +79,10 @@ def format_report(spec: RunSpec, record: dict[str, Any]) -> str:
              f"vocabulary {m.vocab_size}" + (f" padded to {m.padded_vocab_size}"
                                              if m.padded_vocab_size != m.vocab_size else "")]
     shape += ["tied embeddings"] if m.tie_word_embeddings else []
+    if m.num_moe_experts is not None:
+        moe = sum(m.is_moe_block(i) for i in range(m.num_layers))
+        shape.append(f"{m.num_moe_experts} experts of {m.expert_ffn_size} (top "
+                     f"{m.moe_router_topk}) in {moe} blocks")
     lines += ["", f"memory per rank: model={m.name}, {m.num_layers} layers x hidden "
               f"{m.hidden_size}, {', '.join(shape)} ({memory['unsharded']['parameters']:,} "
               f"parameters), precision={config.train.precision.value}",
