@@ -24,6 +24,7 @@ from trainer.config import ModelConfig, OptimConfig, Precision
 from trainer.data.batch import rank_micro_batches
 from trainer.model.transformer import Transformer
 from trainer.plan.options import EngineOptions
+from trainer.train import routing
 from trainer.train.engine import build_engine
 from trainer.train.step import IGNORE, train_step
 
@@ -91,10 +92,22 @@ def make_data(global_batch_size: int, model: ModelConfig = TINY) -> list[torch.T
     return batches
 
 
+class _OneProcess:
+    """The sums over ranks of a mixture of experts' step, in one process."""
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+
+ONE_PROCESS = type("Groups", (), {"token_distinct": _OneProcess()})()
+
+
 def reference(rank: int, batches: list[torch.Tensor], dtype: torch.dtype,
-              model_cfg: ModelConfig = TINY) -> dict:
+              model_cfg: ModelConfig = TINY, samples: int = MICRO) -> dict:
     """The plain single-process loop the layouts must match (run in a child process too, so
-    the test process itself never changes its default dtype)."""
+    the test process itself never changes its default dtype), in micro-batches of `samples`
+    (a mixture of experts' balance losses are over a layout's whole micro-batch: micro x
+    batch_parallel_size samples)."""
     torch.set_default_dtype(dtype)
     model = Transformer(model_cfg)
     model.init_weights(SEED)
@@ -104,13 +117,14 @@ def reference(rank: int, batches: list[torch.Tensor], dtype: torch.dtype,
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": OPTIM.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.eps, foreach=False)
-    losses, norms = [], []
+    losses, norms, moe = [], [], []
     for batch, lr in zip(batches, LRS):
         inputs, labels = batch[:, :-1].clamp(min=0), batch[:, 1:]
         count = int((labels != IGNORE).sum())
         opt.zero_grad()
+        routing.begin(model, len(batch) // samples)
         total = 0.0
-        for x, y in zip(inputs.split(MICRO), labels.split(MICRO)):
+        for x, y in zip(inputs.split(samples), labels.split(samples)):
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum",
                                    ignore_index=IGNORE) / count
             loss.backward()
@@ -119,16 +133,18 @@ def reference(rank: int, batches: list[torch.Tensor], dtype: torch.dtype,
         for group in opt.param_groups:
             group["lr"] = lr
         opt.step()
+        moe.append(routing.finish(model, ONE_PROCESS))  # an expert bias moves after the update
         losses.append(total)
     params = {name: p.detach() for name, p in model.named_parameters()}  # a tied weight once
-    return {"losses": losses, "norms": norms, "params": params, "initial_q": initial_q}
+    return {"losses": losses, "norms": norms, "params": params, "initial_q": initial_q,
+            "moe": moe, "biases": {n: b.detach() for n, b in model.named_buffers()}}
 
 
 def train_rank(rank: int, layout: Layout, batches: list[torch.Tensor], dtype: torch.dtype,
                options: EngineOptions = EngineOptions(), model: ModelConfig = TINY) -> dict:
     torch.set_default_dtype(dtype)
     engine = build_engine(model, OPTIM, SEED, layout, torch.device("cpu"), options)
-    losses, norms = [], []
+    losses, norms, moe = [], [], []
     for batch, lr in zip(batches, LRS):
         micro_batches = rank_micro_batches(lambda idx, b=batch: b[idx], layout, rank)
         for mb in micro_batches:  # inputs may not hold the ignore marker; labels keep it
@@ -136,9 +152,11 @@ def train_rank(rank: int, layout: Layout, batches: list[torch.Tensor], dtype: to
         result = train_step(engine.model, engine.optimizer, micro_batches, lr)
         losses.append(result.loss)
         norms.append(result.grad_norm)
+        moe.append(result.moe)
     params = engine.model.full_state_dict()  # this rank's pipeline stage
     first_of_stage = not any(layout.coords(rank)[:-1])
-    return {"losses": losses, "norms": norms, "params": params if first_of_stage else None}
+    return {"losses": losses, "norms": norms, "params": params if first_of_stage else None,
+            "moe": moe, "biases": {n: b.detach() for n, b in engine.model.module.named_buffers()}}
 
 
 def relative(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
