@@ -44,8 +44,6 @@ TYPES = [c.value for c in CPCommType]
 
 
 def _attention_peak(comm: str, cp: int) -> int:
-    import ctypes
-
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from parallel.comm import CommStats
@@ -53,7 +51,7 @@ def _attention_peak(comm: str, cp: int) -> int:
     from parallel.groups import build_groups
     from trainer.report.measure import PeakMemory
 
-    ctypes.CDLL("libc.so.6").mallopt(-3, 64 << 10)  # M_MMAP_THRESHOLD: no dynamic threshold
+    PeakMemory.fix_mmap_threshold(64 << 10)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cp)
     layout = Layout(cp, context_parallel_size=cp, seq_length=SEQ)
     groups = build_groups(layout, CommStats())

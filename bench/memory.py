@@ -114,8 +114,6 @@ def small_layout() -> tuple[ModelConfig, Layout]:
 
 def _rank_peak(rank: int, model: ModelConfig, layout: Layout, options: EngineOptions,
                steps: int, fixed_mmap_threshold: bool) -> int:
-    import ctypes
-
     from trainer.data.batch import rank_micro_batches
     from trainer.report.measure import PeakMemory
     from trainer.train.engine import build_engine
@@ -123,9 +121,9 @@ def _rank_peak(rank: int, model: ModelConfig, layout: Layout, options: EngineOpt
 
     fetch = lambda idx: torch.randint(0, model.vocab_size, (len(idx), layout.seq_length + 1))  # noqa: E731
     batches = [rank_micro_batches(fetch, layout, rank) for _ in range(steps)]
-    if fixed_mmap_threshold:  # glibc mallopt(M_MMAP_THRESHOLD = -3): no dynamic threshold
-        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)
     peak = PeakMemory(torch.device("cpu"))
+    if fixed_mmap_threshold:
+        peak.fix_mmap_threshold()
     peak.reset()
     engine = build_engine(model, OPTIM, 0, layout, torch.device("cpu"), options)
     for micro_batches in batches:

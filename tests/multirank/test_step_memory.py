@@ -313,9 +313,10 @@ def test_measured_dry_run_of_a_64_rank_world_matches_the_plan(tmp_path):
           f"{plan['total_bytes']:,}")
     assert measured["rank"] == 9 and measured["world_size"] == 64
     assert measured["state_bytes"] == plan["total_bytes"]
-    # Resident memory is the end-to-end figure: glibc keeps freed blocks of up to 32 MiB in
-    # the heap, so it stands above what the allocator holds.
-    assert 0.9 <= measured["step_peak_bytes"] / plan["peak_bytes"] <= 1.5
+    # Resident memory is the end-to-end figure, glibc's mmap threshold fixed (measure.py): above
+    # the allocator's count by small blocks kept in the heap and the kernels' code paged in on
+    # the first step (1.15 here, three runs; 1.35 to 1.55 with glibc's moving threshold).
+    assert 1.0 <= measured["step_peak_bytes"] / plan["peak_bytes"] <= 1.25
     # Counted by the allocator: the update's transient and the micro-batches' (here a block's
     # backward with GTP_remat's gathers and the ring's) are the plan's terms within 2%.
     assert abs(measured["update_transient_bytes"] / plan["update_bytes"] - 1) < 0.02

@@ -5,15 +5,20 @@ return at once with the right shapes (parallel.comm zero-fills their outputs), e
 is real, so the memory this process uses is what rank R would use. The rank builds its engine
 exactly as a real rank does and runs one full training step (every micro-batch) on synthetic
 tokens. Figures are high-water marks above the process's memory just before the build: resident
-memory on CPU (the kernel's VmHWM, reset first), allocated memory on GPU. The baseline is taken
-after torch's own lazy imports: initialising a parameter on the meta device imports
-torch._dynamo on first use (about 75 MB of code and 1.5 s on CPU), which is the library's, not
-the rank's, and is imported at the top of this module so it never lands inside the figures.
+memory on CPU (the kernel's VmHWM, reset first), allocated memory on GPU. On CPU glibc's mmap
+threshold is fixed first (PeakMemory.fix_mmap_threshold): by default glibc raises it after every
+large free, up to 32 MiB, so freed tensors of that size stay resident and the peak moved by 0.2 of
+the plan between runs of one config; fixed, resident memory follows the live tensors. The
+baseline is taken after torch's own lazy imports: initialising a parameter on the meta device
+imports torch._dynamo on first use (about 75 MB of code and 1.5 s on CPU), which is the
+library's, not the rank's, and is imported at the top of this module so it never lands inside
+the figures.
 On CPU a second step is counted by the allocator itself (trainer.report.allocations): the
 transients of its micro-batches and of its optimizer update, beside the plan's terms.
 """
 from __future__ import annotations
 
+import ctypes
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +45,16 @@ class PeakMemory:
 
     device: torch.device
     baseline: int = 0
+
+    @staticmethod
+    def fix_mmap_threshold(threshold: int = 1 << 20) -> None:
+        """Serve blocks from `threshold` bytes up by mmap, returned to the kernel when freed
+        (glibc's mallopt(M_MMAP_THRESHOLD); it costs page faults, so only measurements ask)."""
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+        except OSError:  # not glibc: resident memory is that allocator's
+            return
+        libc.mallopt(-3, threshold)  # M_MMAP_THRESHOLD; setting it ends the dynamic threshold
 
     def reset(self) -> None:
         if self.device.type == "cuda":
@@ -92,6 +107,8 @@ def measure_rank(spec: RunSpec, rank: int, step: bool = True) -> dict[str, Any]:
 
         micro_batches = rank_micro_batches(fetch, layout, rank, device)  # the loader's output
         peak = PeakMemory(device)
+        if device.type == "cpu":
+            peak.fix_mmap_threshold()
         peak.reset()
         start = time.perf_counter()
         engine = build_engine(config.model, config.optim, config.train.seed, layout,
