@@ -193,6 +193,18 @@ class Group:
         dist.all_to_all_single(out, parts.contiguous(), group=self.handle)
         return out
 
+    def all_to_all_rows(self, rows: torch.Tensor, send: list[int], receive: list[int]
+                        ) -> torch.Tensor:
+        """Variable all-to-all along dim 0: the next send[i] rows go to group rank i; returns
+        the receive[j] rows group rank j sent, in group rank order."""
+        if self.size == 1:
+            return rows
+        out = self._new(rows, (sum(receive), *rows.shape[1:]))
+        row = _nbytes(rows) // max(rows.shape[0], 1)
+        self.stats.record(self.kind, ALL_TO_ALL, (sum(send) - send[self.rank]) * row)
+        dist.all_to_all_single(out, rows.contiguous(), receive, send, group=self.handle)
+        return out
+
     def start_shift(self, tensors: list[torch.Tensor],
                     into: list[torch.Tensor] | None = None) -> Pending:
         """Ring step: send `tensors` to the next group rank and receive the previous rank's

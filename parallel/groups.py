@@ -30,6 +30,10 @@ class Groups:
     context: Group  # [seq, cp]: runtime CP
     batch_lane: Group  # [batch, dp]
     token_distinct: Group  # [seq, batch, cp, dp]: the loss is summed here
+    # The expert view (parallel.axes.expert): [etp], [ep], [edp]
+    expert_tensor_parallel: Group
+    expert_model_parallel: Group  # different experts; tokens exchanged by all-to-all
+    expert_data_parallel: Group  # the same experts: gradients summed, optimizer sharded
     stats: CommStats
 
 

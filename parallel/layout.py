@@ -1,8 +1,9 @@
 """The parallel layout: every derived size and every rank group (contract: shared/design/layout.md).
 
-Pure integer arithmetic over the rank axes of parallel.axes (tp, seq, batch, cp, dp, pp), no
-torch and no config library. Its inputs, and the rules that relate them, are the axes' (each
-axis's module of parallel.axes); the sizes they derive are here. The resolver plugin, the dry
+Pure integer arithmetic over the rank axes of parallel.axes (tp, seq, batch, cp, dp, pp; and in
+the expert view etp, ep, edp, pp), no torch and no config library. Its inputs, and the rules
+that relate them, are the axes' (each axis's module of parallel.axes); the sizes they derive
+are here. The resolver plugin, the dry
 run and the trainer all ask a Layout; nothing else re-derives a size or a group.
 """
 from __future__ import annotations
@@ -13,6 +14,8 @@ from typing import Any, NamedTuple
 
 from parallel.axes import (
     AXES,
+    EXPERT_AXES,
+    EXPERT_RANK_AXES,
     GROUPS,
     LAYOUT_KEYS,
     RANK_AXES,
@@ -27,6 +30,8 @@ __all__ = ["AXES", "GROUP_AXES", "GROUP_NAMES", "GROUP_PURPOSE", "CONFIG_KEY", "
 
 # Rank axes (fastest first), groups and inputs: parallel.axes, one entry per parallel axis.
 GROUP_AXES: dict[str, tuple[str, ...]] = {g.name: g.axes for g in GROUPS if g.axes is not None}
+GROUP_ORDER = {g.name: g.order for g in GROUPS}  # "dense" or "expert" (parallel.axes.expert)
+ORDERS = {"dense": (AXES, RANK_AXES), "expert": (EXPERT_AXES, EXPERT_RANK_AXES)}
 # "embedding" is not an axis product: it is the first and last stage of each pp group.
 GROUP_NAMES = tuple(g.name for g in GROUPS)
 GROUP_PURPOSE = {g.name: g.purpose for g in GROUPS}
@@ -38,7 +43,7 @@ DERIVED_KEYS = (
     "world_size", "sp_degree", "gtp_remat_size", "gtp_remat_num_sequence_shards",
     "gtp_remat_num_batch_shards", "data_parallel_size", "batch_parallel_size",
     "runtime_context_parallel_size", "num_weight_replicas", "num_microbatches",
-    "global_batch_size",
+    "global_batch_size", "expert_data_parallel_size",
 )
 
 
@@ -58,6 +63,8 @@ class Layout:
     tensor_parallel_num_weight_shards: int | None = None
     tensor_parallel_num_sequence_shards: int | None = None
     context_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: int | None = None  # null: TP
     pipeline_model_parallel_size: int = 1
     virtual_pipeline_model_parallel_size: int | None = None  # model chunks per stage; null = 1
     num_layers_in_first_pipeline_stage: int | None = None  # null: the even split
@@ -103,6 +110,19 @@ class Layout:
     @property
     def virtual_pipeline_size(self) -> int:
         return self.virtual_pipeline_model_parallel_size or 1
+
+    @property
+    def ep_size(self) -> int:
+        return self.expert_model_parallel_size
+
+    @property
+    def etp_size(self) -> int:
+        return self.expert_tensor_parallel_size or self.tp_size
+
+    @cached_property
+    def expert_data_parallel_size(self) -> int:
+        """Ranks of a stage holding the same experts (the expert view's dp)."""
+        return self.world_size // (self.etp_size * self.ep_size * self.pp_size)
 
     @cached_property
     def sp_degree(self) -> int:
@@ -173,10 +193,15 @@ class Layout:
         GTP_remat, so every rank of the group holds the same number (parallel.sharding)."""
         return -(-tp_local_rows // self.gtp_remat_size)
 
-    def optimizer_part(self, numel: int) -> int:
-        """Elements of a flat buffer of `numel` that one weight_replica rank updates: padded up
-        to a multiple of the replicas (ZeRO-1 over weight_replica)."""
-        return -(-numel // self.num_weight_replicas)
+    def optimizer_part(self, numel: int, experts: bool = False) -> int:
+        """Elements of a flat buffer of `numel` that one weight_replica rank updates (of an
+        experts' buffer: one expert_data_parallel rank): padded up to a multiple of the
+        replicas (ZeRO-1 over weight_replica, or expert DP)."""
+        return -(-numel // self.optimizer_replicas(experts))
+
+    def optimizer_replicas(self, experts: bool = False) -> int:
+        """The ranks one flat buffer's parts are spread over."""
+        return self.expert_data_parallel_size if experts else self.num_weight_replicas
 
     def pipeline_layers(self, num_layers: int) -> list[range]:
         """The blocks of each model chunk, in model order (parallel.axes.pipeline.split_layers;
@@ -199,20 +224,45 @@ class Layout:
 
     @cached_property
     def axis_sizes(self) -> dict[str, int]:
-        return {axis: getattr(self, size) for axis, size in RANK_AXES.items()}
+        """Each rank axis's size in the dense view."""
+        return {axis: self._sizes[axis] for axis in AXES}
 
     @cached_property
     def axis_strides(self) -> dict[str, int]:
-        strides, stride = {}, 1
-        for axis in AXES:
-            strides[axis] = stride
-            stride *= self.axis_sizes[axis]
+        return {axis: self._strides[axis] for axis in AXES}
+
+    @cached_property
+    def expert_axis_sizes(self) -> dict[str, int]:
+        """Each rank axis's size in the expert view (etp, ep, edp, pp)."""
+        return {axis: self._sizes[axis] for axis in EXPERT_AXES}
+
+    @cached_property
+    def _sizes(self) -> dict[str, int]:  # both views' (a name is in one view, but pp)
+        return {axis: getattr(self, size) for _, sizes in ORDERS.values()
+                for axis, size in sizes.items()}
+
+    @cached_property
+    def _strides(self) -> dict[str, int]:  # each axis's in its view (pp's is the same in both)
+        strides = {}
+        for axes, _ in ORDERS.values():
+            stride = 1
+            for axis in axes:
+                strides[axis] = stride
+                stride *= self._sizes[axis]
         return strides
 
-    def coords(self, rank: int) -> RankCoords:
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """A rank's index on each rank axis of the expert view."""
+        return self._coords(rank, EXPERT_AXES)
+
+    def _coords(self, rank: int, axes: tuple[str, ...]) -> dict[str, int]:
         if not 0 <= rank < self.world_size:
             raise IndexError(f"rank {rank} is outside world size {self.world_size}")
-        return RankCoords(*(rank // self.axis_strides[a] % self.axis_sizes[a] for a in AXES))
+        return {a: rank // self._strides[a] % self._sizes[a] for a in axes}
+
+    def coords(self, rank: int) -> RankCoords:
+        """A rank's index on each rank axis of the dense view."""
+        return RankCoords(**self._coords(rank, AXES))
 
     def rank(self, coords: RankCoords) -> int:
         for axis, index in zip(AXES, coords):
@@ -226,8 +276,8 @@ class Layout:
         """Rank offsets of a group's members from its lowest rank; list index = position."""
         offsets = [0]
         for axis in axes:  # fastest first, so each later axis is an outer loop: ascending
-            stride = self.axis_strides[axis]
-            offsets = [i * stride + o for i in range(self.axis_sizes[axis]) for o in offsets]
+            stride = self._strides[axis]
+            offsets = [i * stride + o for i in range(self._sizes[axis]) for o in offsets]
         return offsets
 
     def _axes_of(self, name: str) -> tuple[str, ...]:
@@ -240,7 +290,8 @@ class Layout:
         if name == "embedding":
             return [[g[0], g[-1]] if len(g) > 1 else [g[0]] for g in self.groups("pp")]
         axes = self._axes_of(name)
-        bases = self._offsets(tuple(a for a in AXES if a not in axes))
+        view = ORDERS[GROUP_ORDER[name]][0]
+        bases = self._offsets(tuple(a for a in view if a not in axes))
         bases.sort()
         offsets = self._offsets(axes)
         return [[base + o for o in offsets] for base in bases]
@@ -254,8 +305,9 @@ class Layout:
             pp = self.group("pp", rank)
             members = [pp[0], pp[-1]] if len(pp) > 1 else pp
             return members if rank in members else []
-        axes, coords = self._axes_of(name), self.coords(rank)._asdict()
-        base = rank - sum(coords[a] * self.axis_strides[a] for a in axes)
+        axes = self._axes_of(name)
+        coords = self._coords(rank, ORDERS[GROUP_ORDER[name]][0])
+        base = rank - sum(coords[a] * self._strides[a] for a in axes)
         return [base + o for o in self._offsets(axes)]
 
     def position(self, name: str, rank: int) -> int:
@@ -266,10 +318,11 @@ class Layout:
                 raise ValueError(f"rank {rank} is a middle pipeline stage: it is in no "
                                  f"embedding group")
             return members.index(rank)
-        coords, index, radix = self.coords(rank)._asdict(), 0, 1
-        for axis in self._axes_of(name):
+        axes = self._axes_of(name)
+        coords, index, radix = self._coords(rank, ORDERS[GROUP_ORDER[name]][0]), 0, 1
+        for axis in axes:
             index += coords[axis] * radix
-            radix *= self.axis_sizes[axis]
+            radix *= self._sizes[axis]
         return index
 
     def runtime_cp_rank(self, rank: int) -> int:
@@ -317,7 +370,7 @@ class Layout:
 
     @cached_property
     def _spans(self) -> dict[str, int]:
-        return {name: 1 + sum((self.axis_sizes[a] - 1) * self.axis_strides[a] for a in axes)
+        return {name: 1 + sum((self._sizes[a] - 1) * self._strides[a] for a in axes)
                 for name, axes in GROUP_AXES.items()}
 
     def weight_tiles_crossing(self, domain_size: int) -> list[list[int]]:

@@ -21,6 +21,7 @@ from torch import nn
 from parallel.axes import REGISTRY
 from parallel.build import Build, CommOptions, Pruned, StagePart
 from parallel.bundle import GradReduceQueue, ShardBundle
+from parallel.experts import AllToAllDispatch
 from parallel.groups import Groups
 from parallel.layout import Layout
 from parallel.pipeline.runner import PipelineRunner
@@ -58,6 +59,11 @@ class ParallelModel(nn.Module):
         self.compute_dtype = compute_dtype
         self.layers = {n: m for n, m in module.named_modules() if isinstance(m, ParallelLayer)}
         sharded = {f"{n}.weight" for n in self.layers}
+        # Experts split over EP (parallel.experts): parameter name -> its module's dispatch.
+        self.experts = {f"{n}.{p}": m.dispatch for n, m in module.named_modules()
+                        if isinstance(getattr(m, "dispatch", None), AllToAllDispatch)
+                        for p, _ in m.named_parameters(recurse=False)}
+        sharded |= set(self.experts)  # their gradients are summed by the optimizer alone
         # Whole on every rank of a weight tile (norms): gradients need a sum over gtp_remat, and
         # over TP too with SP (each TP rank saw different tokens); per-head norms (the plan's
         # head_norms) first, as their gradients are summed over TP always (each TP rank saw
@@ -112,16 +118,26 @@ class ParallelModel(nn.Module):
                                             self.vocab_size)
 
     def is_sharded(self, name: str) -> bool:
+        """A TP/GTP_remat-sharded weight (2-D)."""
         return name.removesuffix(".weight") in self.layers
+
+    def is_expert(self, name: str) -> bool:
+        """An expert weight, split over expert parallel (3-D)."""
+        return name in self.experts
 
     def global_shape(self, name: str) -> tuple[int, ...]:
         layer = self.layers.get(name.removesuffix(".weight"))
-        return layer.full_shape if layer else tuple(self.module.get_parameter(name).shape)
+        shape = tuple(self.module.get_parameter(name).shape)
+        if name in self.experts:
+            return (self.experts[name].num_experts, *shape[1:])
+        return layer.full_shape if layer else shape
 
     def global_chunks(self, name: str, local: torch.Tensor
                       ) -> list[tuple[tuple[int, ...], torch.Tensor]]:
         """Where the values of `local` (parameter `name` as this rank stores it, or a tensor
         of the same shape) sit in the single-device parameter: (offsets, view) pairs."""
+        if name in self.experts:  # this rank's experts: a slice of dim 0
+            return [((self.experts[name].first,) + (0,) * (local.ndim - 1), local)]
         layer = self.layers.get(name.removesuffix(".weight"))
         if layer is None:  # whole on every rank
             return [((0,) * local.ndim, local)]
@@ -173,11 +189,16 @@ class ParallelModel(nn.Module):
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter at its full single-device shape (collective over gtp_remat and tp)."""
+        """Every parameter at its full single-device shape (collective over gtp_remat and tp,
+        and expert_model_parallel)."""
         out = {}
         for name, param in self.module.named_parameters():
             layer = self.layers.get(name.removesuffix(".weight"))
-            out[name] = param.detach().clone() if layer is None else layer.full_weight().clone()
+            if name in self.experts:
+                out[name] = self.experts[name].group.all_gather(param.detach())
+            else:
+                out[name] = param.detach().clone() if layer is None else \
+                    layer.full_weight().clone()
         return out
 
 

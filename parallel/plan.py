@@ -29,6 +29,10 @@ class ParallelPlan:
     # suffix: a TP rank forms their gradient from its own heads only, so it is summed over TP
     # with sequence parallel or without (other whole weights only with it).
     head_norms: tuple[str, ...] = ()
+    # A mixture of experts' experts, by module-name suffix: each module's 3-D parameters
+    # ([experts, ...]) are split over expert parallel on dim 0, and its `dispatch` hook sends
+    # each row to its expert's rank and back (parallel.experts).
+    experts: tuple[str, ...] = ()
 
     def linear_style(self, name: str) -> tuple[str, tuple[int, ...]]:
         return by_suffix(self.linears, name)

@@ -163,6 +163,10 @@ class ParallelConfig:
     tensor_parallel_num_weight_shards: Optional[int] = MISSING  # null = TP
     tensor_parallel_num_sequence_shards: Optional[int] = MISSING  # null = SP degree
     context_parallel_size: int = MISSING
+    # Megatron-Core's expert parallel (parallel.axes.expert): experts split over EP ranks of
+    # the expert view; expert tensor parallel (null = TP).
+    expert_model_parallel_size: int = MISSING
+    expert_tensor_parallel_size: Optional[int] = MISSING
     pipeline_model_parallel_size: int = MISSING
     # The order a stage runs its micro-batches in (parallel.pipeline.schedules.SCHEDULES):
     # 1f1b (up to PP in flight), interleaved_1f1b (virtual chunks per stage: a smaller bubble

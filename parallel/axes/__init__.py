@@ -6,24 +6,28 @@ and input checks from the registry and runs the rules; the compose-time checks, 
 the dry run and the layout search read the keys from it, and parallel.parallelize runs the
 steps, instead of listing them.
 
-Rank axes run fastest first in the registry's order, the seed's tp-cp-dp-pp with GTP_remat's
-sequence and batch shards inside the weight tile: tp, seq, batch, cp, dp, pp. A group over some
-rank axes holds all ranks that agree on every other axis; it belongs to the axis of its slowest
-rank axis. Pure Python (no torch, no config library): compose time imports it.
+Rank axes run fastest first in the registry's order, the seed's tp-cp-ep-dp-pp with GTP_remat's
+sequence and batch shards inside the weight tile: tp, seq, batch, cp, dp, pp (EP adds no axis to
+this dense view: it splits dp's ranks). The expert view orders the same world as etp, ep, edp,
+pp (Megatron-Core's two rank generators; parallel.axes.expert). A group over some rank axes of
+one view holds all ranks that agree on every other axis of it; it belongs to the axis of its
+slowest rank axis. Pure Python (no torch, no config library): compose time imports it.
 """
 from __future__ import annotations
 
 from parallel.axes.axis import Axis, Group, Key, LayoutError, multiples_near
 from parallel.axes.context import CONTEXT
 from parallel.axes.data import DATA
+from parallel.axes.expert import EXPERT
 from parallel.axes.gtp_remat import GTP_REMAT
 from parallel.axes.pipeline import PIPELINE
 from parallel.axes.tensor import TENSOR
 
-__all__ = ["AXES", "BATCH", "GROUPS", "LAYOUT_KEYS", "PARALLEL_KEYS", "RANK_AXES", "REGISTRY",
-           "WORLD", "Axis", "Group", "Key", "LayoutError", "group_names", "multiples_near"]
+__all__ = ["AXES", "BATCH", "EXPERT_AXES", "EXPERT_RANK_AXES", "GROUPS", "LAYOUT_KEYS",
+           "PARALLEL_KEYS", "RANK_AXES", "REGISTRY", "WORLD", "Axis", "Group", "Key",
+           "LayoutError", "group_names", "multiples_near"]
 
-REGISTRY = (TENSOR, GTP_REMAT, CONTEXT, DATA, PIPELINE)
+REGISTRY = (TENSOR, GTP_REMAT, CONTEXT, EXPERT, DATA, PIPELINE)
 
 # The layout's other inputs: the world and the batch.
 WORLD = Key("world_size", section="", fix="world_size = cluster.num_nodes x "
@@ -36,11 +40,14 @@ BATCH = (Key("micro_batch_size", section="train"),
 
 RANK_AXES = {a: size for axis in REGISTRY for a, size in axis.rank_axes.items()}
 AXES = tuple(RANK_AXES)
+EXPERT_RANK_AXES = {a: size for axis in REGISTRY for a, size in axis.expert_rank_axes.items()}
+EXPERT_AXES = tuple(EXPERT_RANK_AXES)
 PARALLEL_KEYS = tuple(key for axis in REGISTRY for key in axis.keys)
 LAYOUT_KEYS = (WORLD, *PARALLEL_KEYS, *BATCH)  # the Layout's fields, in its order
-# Products of rank axes first (the weight view's, then the token view's), then the others.
+# Products of dense rank axes first (the weight view's, then the token view's), then of expert
+# rank axes, then the others.
 GROUPS = tuple(sorted((g for axis in REGISTRY for g in axis.groups),
-                      key=lambda g: (g.axes is None, g.view != "weight")))
+                      key=lambda g: (g.axes is None, g.order != "dense", g.view != "weight")))
 
 
 def group_names(view: str) -> tuple[str, ...]:

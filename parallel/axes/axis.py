@@ -64,6 +64,9 @@ class Group:
     axes: Optional[tuple[str, ...]]  # None: not a product of rank axes (see Layout.groups)
     purpose: str
     view: str  # "weight" (who holds which weight shard) or "token" (who sees which tokens)
+    # The rank order it is a product of: "dense" (parallel.axes.RANK_AXES) or "expert"
+    # (EXPERT_RANK_AXES: Megatron-Core's second rank generator, parallel.axes.expert).
+    order: str = "dense"
 
 
 # A rule relating an axis's degrees to the others': it reads the parallel.layout.Layout being
@@ -84,3 +87,5 @@ class Axis:
     # Its rules, run by the Layout in the registry's order (an axis's rules may use the sizes
     # of the axes before it, which their rules have checked).
     rules: tuple[Rule, ...] = ()
+    # Its rank axes in the expert view (fastest first), where it has any.
+    expert_rank_axes: dict[str, str] = field(default_factory=dict)

@@ -85,4 +85,5 @@ PIPELINE = Axis(
      Group("embedding", None, "first and last pipeline stage (tied embedding gradients)",
            "weight")),
     {"cut": "parallel.pipeline.steps:cut_to_stage", "wire": "parallel.pipeline.steps:chunk_views"},
-    (check_pipeline,))
+    (check_pipeline,),
+    expert_rank_axes={"pp": "pp_size"})  # the same stages in both views

@@ -127,10 +127,10 @@ def test_a_model_too_large_for_one_device_is_sharded_and_every_choice_is_a_layou
         lay = candidate.layout
         assert lay.weight_tile_size * lay.pp_size >= 14, candidate.describe()
         assert candidate.peak_bytes <= choice.budget_bytes
-        rebuilt = Layout(64, *(candidate.values[f"parallel.{k}"] for k in (
+        rebuilt = Layout(64, **{k: candidate.values[f"parallel.{k}"] for k in (
             "tensor_model_parallel_size", "sequence_parallel", "tensor_parallel_num_weight_shards",
             "tensor_parallel_num_sequence_shards", "context_parallel_size",
-            "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")),
+            "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size")},
             micro_batch_size=1, global_batch_size=64, seq_length=4096)
         assert rebuilt == lay
     assert choice.dropped["planned peak over the device memory less its margin"] > 0

@@ -7,7 +7,15 @@ import dataclasses
 import pytest
 import yaml
 
-from parallel.axes import AXES, GROUPS, LAYOUT_KEYS, PARALLEL_KEYS, REGISTRY, LayoutError
+from parallel.axes import (
+    AXES,
+    EXPERT_AXES,
+    GROUPS,
+    LAYOUT_KEYS,
+    PARALLEL_KEYS,
+    REGISTRY,
+    LayoutError,
+)
 from parallel.layout import GROUP_AXES, Layout, RankCoords
 from trainer.config import ParallelConfig
 
@@ -17,6 +25,7 @@ from config_helpers import CONF_DIR, ROOT
 def test_the_layout_takes_exactly_the_registrys_inputs_in_order():
     assert [f.name for f in dataclasses.fields(Layout)] == [k.name for k in LAYOUT_KEYS]
     assert RankCoords._fields == AXES == ("tp", "seq", "batch", "cp", "dp", "pp")
+    assert EXPERT_AXES == ("etp", "ep", "edp", "pp")  # Megatron-Core's expert generator
 
 
 def test_every_parallel_key_has_a_schema_field_and_a_default():
@@ -30,8 +39,10 @@ def test_each_group_belongs_to_the_axis_of_its_slowest_rank_axis():
     for axis in REGISTRY:
         for group in axis.groups:
             if group.axes is not None:
-                assert set(group.axes) <= set(AXES)
-                assert max(group.axes, key=AXES.index) in axis.rank_axes, group.name
+                order, own = ((AXES, axis.rank_axes) if group.order == "dense" else
+                              (EXPERT_AXES, axis.expert_rank_axes))
+                assert set(group.axes) <= set(order)
+                assert max(group.axes, key=order.index) in own, group.name
     assert len({g.name for g in GROUPS}) == len(GROUPS)
     assert list(GROUP_AXES) == [g.name for g in GROUPS if g.axes is not None]
 

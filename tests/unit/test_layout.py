@@ -22,7 +22,8 @@ def test_seed_example_128_ranks_cp2():
         "world_size": 128, "sp_degree": 1, "gtp_remat_size": 64,
         "gtp_remat_num_sequence_shards": 64, "gtp_remat_num_batch_shards": 1,
         "data_parallel_size": 1, "batch_parallel_size": 1, "runtime_context_parallel_size": 128,
-        "num_weight_replicas": 2, "num_microbatches": 1, "global_batch_size": 1}
+        "num_weight_replicas": 2, "num_microbatches": 1, "global_batch_size": 1,
+        "expert_data_parallel_size": 128}
     # Each weight-sharding group is 64 consecutive ranks (one NVLink domain of 64).
     assert layout.groups("gtp_remat") == [list(range(64)), list(range(64, 128))]
     assert layout.weight_tiles_crossing(64) == []
@@ -168,6 +169,7 @@ def test_from_config_names_the_cluster_key():
     parallel = Node(tensor_model_parallel_size=1, sequence_parallel=False,
                     tensor_parallel_num_weight_shards=None,
                     tensor_parallel_num_sequence_shards=None, context_parallel_size=1,
+                    expert_model_parallel_size=1, expert_tensor_parallel_size=None,
                     pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
                     num_layers_in_first_pipeline_stage=None,
                     num_layers_in_last_pipeline_stage=None)

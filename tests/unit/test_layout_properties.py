@@ -17,9 +17,19 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from parallel.layout import AXES, CONFIG_KEY, GROUP_AXES, GROUP_NAMES, Layout, LayoutError
+from parallel.layout import (
+    AXES,
+    CONFIG_KEY,
+    GROUP_AXES,
+    GROUP_NAMES,
+    GROUP_ORDER,
+    Layout,
+    LayoutError,
+)
 
-AXIS_GROUPS = tuple(GROUP_AXES)  # every group kind that is an axis product ("embedding" is not)
+# Every group kind that is a product of dense-view axes ("embedding" is not; the expert view's
+# are held to their own oracle below).
+AXIS_GROUPS = tuple(name for name in GROUP_AXES if GROUP_ORDER[name] == "dense")
 MAX_WORLD = 600
 SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.filter_too_much,
                                                       HealthCheck.too_slow])
@@ -142,7 +152,7 @@ def test_axis_sizes_and_derived_identities(f: Factors) -> None:
                        "gtp_remat_num_sequence_shards", "gtp_remat_num_batch_shards",
                        "data_parallel_size", "batch_parallel_size",
                        "runtime_context_parallel_size", "num_weight_replicas",
-                       "num_microbatches", "global_batch_size"]
+                       "num_microbatches", "global_batch_size", "expert_data_parallel_size"]
     assert d["sp_degree"] == f.sp_degree
     assert d["gtp_remat_size"] == f.g
     assert d["gtp_remat_num_sequence_shards"] == f.ns
@@ -216,13 +226,59 @@ def test_group_membership_brute_force_oracle(f: Factors) -> None:
     """Same group iff coords agree on every axis outside the group's axes (pairwise)."""
     lay = f.layout()
     coords = [oracle_coords(f, r) for r in range(f.world)]
-    for name, axes in GROUP_AXES.items():
+    for name in AXIS_GROUPS:
+        axes = GROUP_AXES[name]
         outside = [i for i, a in enumerate(AXES) if a not in axes]
         members = [set(lay.group(name, a)) for a in range(f.world)]
         for a in range(f.world):
             for b in range(f.world):
                 same = all(coords[a][i] == coords[b][i] for i in outside)
                 assert (b in members[a]) == same, (name, a, b)
+
+
+@st.composite
+def expert_views(draw) -> tuple[Layout, tuple[int, int, int, int]]:
+    """A layout with expert parallel and the expert view's sizes (etp, ep, edp, pp) it must
+    number: TP, PP and DP for the dense view, then an ETP and EP that divide a stage."""
+    tp, pp, dp = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2])), \
+        draw(st.sampled_from([1, 2, 3, 4, 6]))
+    stage = tp * dp
+    etp = draw(st.sampled_from(divisors(stage)))
+    ep = draw(st.sampled_from(divisors(stage // etp)))
+    lay = Layout(stage * pp, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                 expert_tensor_parallel_size=etp, expert_model_parallel_size=ep)
+    return lay, (etp, ep, stage // (etp * ep), pp)
+
+
+@settings(max_examples=60, **SETTINGS)
+@given(expert_views())
+def test_expert_view_is_megatrons_second_rank_generator(view) -> None:
+    """Megatron-Core's expert generator orders the world etp-ep-edp-pp (fastest first): rank =
+    etp + ETP x (ep + EP x (edp + EDP x pp)). Two ranks share a group iff they agree on every
+    other axis of that view, and pipeline groups are the dense view's."""
+    lay, sizes = view
+    names = ("etp", "ep", "edp", "pp")
+    assert tuple(lay.expert_axis_sizes.values()) == sizes
+    coords = []
+    for r in range(lay.world_size):
+        digits, rest = [], r
+        for size in sizes:
+            digits.append(rest % size)
+            rest //= size
+        coords.append(digits)
+        assert lay.expert_coords(r) == dict(zip(names, digits))
+    groups = {"expert_tensor_parallel": "etp", "expert_model_parallel": "ep",
+              "expert_data_parallel": "edp"}
+    for name, axis in groups.items():
+        i = names.index(axis)
+        for a in range(lay.world_size):
+            members = lay.group(name, a)
+            assert lay.position(name, a) == members.index(a) == coords[a][i]
+            for b in range(lay.world_size):
+                same = all(coords[a][j] == coords[b][j] for j in range(4) if j != i)
+                assert (b in members) == same, (name, a, b)
+        assert sorted(r for g in lay.groups(name) for r in g) == list(range(lay.world_size))
+    assert all(coords[r][3] == lay.coords(r).pp for r in range(lay.world_size))
 
 
 @settings(max_examples=40, **SETTINGS)

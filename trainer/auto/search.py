@@ -181,9 +181,13 @@ def search(p: Problem) -> Choice:
     for tp, sp, ws, ss, cp, pp in degrees(p, fixed, dropped):
         for v in _virtual(p, fixed, pp, dropped):
             try:
-                stage_layers = {key.name: given.get(key.config_key) for key in PARALLEL_KEYS
-                                if not key.searched}
-                layout = Layout(p.world_size, tp, sp, ws, ss, cp, pp, v, **stage_layers,
+                stage_layers = {key.name: given[key.config_key] for key in PARALLEL_KEYS
+                                if not key.searched and key.config_key in given}
+                layout = Layout(p.world_size, tensor_model_parallel_size=tp,
+                                sequence_parallel=sp, tensor_parallel_num_weight_shards=ws,
+                                tensor_parallel_num_sequence_shards=ss, context_parallel_size=cp,
+                                pipeline_model_parallel_size=pp,
+                                virtual_pipeline_model_parallel_size=v, **stage_layers,
                                 micro_batch_size=p.micro_batch_size,
                                 global_batch_size=p.global_batch_size, seq_length=p.seq_length)
                 layout.pipeline_layers(m.num_layers)

@@ -6,14 +6,16 @@ the layout transformers and torchtitan use), run dropless: every token reaches i
 experts; the (token, expert) pairs are sorted by expert and each projection is one grouped GEMM
 over them. MoE: the router, the experts and an optional shared expert.
 
-Like the attention, it knows nothing of ranks. Three attributes are the hooks the trainer sets
-from outside:
+Like the attention, it knows nothing of ranks. Four attributes are the hooks set from outside:
     Router.token_sum     sums a tensor over every rank that holds other tokens of this
                          micro-batch (identity on one process): the balance losses and the
                          token counts are those of the whole micro-batch, whatever the layout
     Router.sequence_sum  sums a per-sequence tensor over the ranks that hold other tokens of the
                          same sequences (context parallel)
     Router.loss_scale    what the balance losses are weighted by in the step (1 / micro-batches)
+    Experts.dispatch     takes the rows sorted by expert to their experts and back (expert
+                         parallel: parallel.experts holds some experts on each rank and sends
+                         the rows there by all-to-all); by default all are here
 What each micro-batch routed is recorded once, when its backward passes the router (a recomputed
 forward records nothing): Router.records, read and cleared by the step.
 """
@@ -154,24 +156,39 @@ class Experts(nn.Module):
     def __init__(self, cfg: ModelConfig, activation_fn: Activation):
         super().__init__()
         E, f, h = cfg.num_moe_experts, cfg.expert_ffn_size, cfg.hidden_size
+        self.num_experts = E
         self.gate_up = nn.Parameter(torch.empty(E, 2 * f, h))  # each expert's gate | up
         self.down = nn.Parameter(torch.empty(E, h, f))
         self.activation_fn = activation_fn  # selective recompute wraps it, as the dense MLP's
+        self.dispatch: Dispatch = _here  # expert parallel sends the rows to their experts' ranks
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
                 ) -> torch.Tensor:
         """x [N, h]; each token's top-k experts and their weights [N, k] -> [N, h]."""
         k = experts.shape[1]
         order = experts.reshape(-1).argsort(stable=True)  # (token, slot) pairs by expert
-        counts = torch.bincount(experts.reshape(-1), minlength=self.gate_up.shape[0])
+        counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
         tokens = order // k
         dtype = (torch.get_autocast_dtype(x.device.type)
                  if torch.is_autocast_enabled(x.device.type) else x.dtype)
         with torch.autocast(x.device.type, enabled=False):
-            gate, up = grouped(x[tokens].to(dtype), self.gate_up, counts).chunk(2, dim=-1)
-            out = grouped(self.activation_fn(gate, up), self.down, counts)
+            out = self.dispatch(x[tokens].to(dtype), counts, self.run)
             out = out * weights.reshape(-1)[order, None].to(out.dtype)
             return out.new_zeros(x.shape).index_add_(0, tokens, out)
+
+    def run(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by expert (counts[e] for the e-th expert this module holds) through
+        their experts: [rows, h] -> [rows, h]."""
+        gate, up = grouped(rows, self.gate_up, counts).chunk(2, dim=-1)
+        return grouped(self.activation_fn(gate, up), self.down, counts)
+
+
+# (rows sorted by expert, each expert's row count, Experts.run) -> the rows back, in order
+Dispatch = Callable[[torch.Tensor, torch.Tensor, Callable], torch.Tensor]
+
+
+def _here(rows: torch.Tensor, counts: torch.Tensor, run: Callable) -> torch.Tensor:
+    return run(rows, counts)  # every expert on this device
 
 
 def grouped(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -14,9 +14,10 @@ EMBEDDING, HEAD, BLOCKS, FINAL_NORM = "embed", "head", "layers", "norm"
 # vocab-parallel logits feed the vocab-parallel loss.
 TP_STYLES = {"attn.qkv": "column", "attn.o": "row", "mlp.gate_up": "column", "mlp.down": "row",
              "shared.gate_up": "column", "shared.down": "row", HEAD: "column"}
-# Weights every rank holds whole: a mixture of experts' router, and its experts (3-D), which no
-# axis splits yet (trainer.plan.axes.tensor refuses TP with experts).
-WHOLE = ("mlp.router", "mlp.experts")
+# Weights no TP style splits: a mixture of experts' router (whole on every rank) and its experts
+# (3-D; split over expert parallel instead: EXPERTS; trainer.plan.axes.tensor refuses TP).
+EXPERTS = "mlp.experts"
+WHOLE = ("mlp.router", EXPERTS)
 
 
 def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
@@ -34,6 +35,7 @@ def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
         # Cheap to recompute, costly to keep: the softmax(QK^T)V core and silu(gate) * up.
         recompute_hooks=("attention_fn", "activation_fn"),
         head_norms=("attn.q_norm", "attn.k_norm"),
+        experts=(EXPERTS,),
     )
 
 

@@ -63,15 +63,18 @@ class StageWeights:
 
 
 # The optimizer's flat buffers (trainer.train.optim.ShardedAdamW), each padded on its own:
-# sharded weights, weights every rank holds whole (a router, experts), norms (no decay).
-SHARDED, WHOLE, NORMS = range(3)
+# sharded weights, weights every rank holds whole (a router), norms (no decay), and experts
+# (split over EP; their parts spread over expert DP, the others' over weight_replica).
+SHARDED, WHOLE, NORMS, EXPERTS = BUFFERS = range(4)
 
 
 def local_numel(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[int, int]:
     """(elements this rank stores of parameter `name`, the optimizer buffer it is in): the TP
     slice of a planned weight, its rows padded to a multiple of GTP_remat as parallel.sharding
-    pads them; a weight the plan keeps whole, and norms, whole."""
+    pads them; experts (3-D) split over EP; a weight the plan keeps whole, and norms, whole."""
     module = name.removesuffix(".weight")
+    if len(shape) == 3:  # parallel.experts: dim 0 over expert_model_parallel
+        return math.prod(shape) // layout.ep_size, EXPERTS
     if module == EMBEDDING:
         style = "column"  # vocab-parallel: the rows (vocabulary) split over TP
     elif len(shape) == 2:
@@ -124,14 +127,14 @@ class ModelWeights:
 
     def stages(self, layout: Layout) -> list[StageWeights]:
         """Each pipeline stage's rank, exactly as the trainer allocates it: shards padded by
-        rows (GTP_remat), and the optimizer's flat buffers (SHARDED, WHOLE, NORMS) each padded
-        to a multiple of the weight replicas, each replica updating one part
-        (trainer.train.optim.FlatBuffer)."""
+        rows (GTP_remat), experts split over EP, and the optimizer's flat buffers (SHARDED,
+        WHOLE, NORMS, EXPERTS) each padded to a multiple of its replicas (weight_replica, or
+        expert DP), each replica updating one part (trainer.train.optim.FlatBuffer)."""
         g, pp = layout.gtp_remat_size, layout.pp_size
         kinds = []  # per block kind: (elements per buffer, gathered elements)
         for kind in self.kinds:
             local = [local_numel(f"{BLOCKS}.0.{name}", shape, layout) for name, shape in kind]
-            kinds.append(([sum(n for n, b in local if b == buffer) for buffer in range(3)],
+            kinds.append(([sum(n for n, b in local if b == buffer) for buffer in BUFFERS],
                           sum(n * g for n, b in local if b == SHARDED)))
         embedding = local_numel(EMBEDDING_WEIGHT, self.embedding, layout)[0]
         p_bytes, g_bytes, o_bytes = BYTES_PER_ELEMENT
@@ -140,7 +143,7 @@ class ModelWeights:
             chunks = tuple(all_chunks[stage::pp])
             blocks = tuple(i for chunk in chunks for i in chunk)
             held = [kinds[self.kind_of[i]] for i in blocks]
-            buffers = [sum(k[0][buffer] for k in held) for buffer in range(3)]
+            buffers = [sum(k[0][buffer] for k in held) for buffer in BUFFERS]
             ends = []
             for name, shape in self.outside:
                 if stage == (0 if name.startswith(f"{EMBEDDING}.") else pp - 1):
@@ -151,9 +154,10 @@ class ModelWeights:
             if self.tied and stage == pp - 1:  # the head uses the embedding's weight
                 ends.append(embedding * g)
                 copy = embedding if pp > 1 else 0
-            own = [layout.optimizer_part(n) for n in buffers if n]
+            own = [layout.optimizer_part(n, b == EXPERTS) for b, n in enumerate(buffers) if n]
             parts = sum(own)
-            flat = parts * layout.num_weight_replicas
+            flat = sum(layout.optimizer_part(n, b == EXPERTS) * layout.optimizer_replicas(
+                b == EXPERTS) for b, n in enumerate(buffers) if n)
             memory = StageMemory(stage, sum(buffers) + copy, (flat + copy) * p_bytes,
                                  (flat + copy) * g_bytes, parts * o_bytes, blocks,
                                  UPDATE_TEMPORARIES * g_bytes * max(own, default=0))

@@ -1,9 +1,12 @@
 """AdamW with its state sharded over weight_replica (ZeRO-1 on top of the GTP weight shards).
 
-Parameters live as views into two flat buffers, one for GTP-sharded weights (with weight decay)
-and one for small replicated tensors such as norms (without). Each weight_replica rank owns one
-contiguous part of each buffer: gradients are reduce-scattered onto the parts, torch's own AdamW
-updates the parts in place, and the parts are all-gathered back into the buffers.
+Parameters live as views into flat buffers: GTP-sharded weights, weights whole on every rank of
+a weight tile (a router), norms (not decayed), and a mixture of experts' experts. Each rank of a
+buffer's replica group owns one contiguous part of it: gradients are reduce-scattered onto the
+parts, torch's own AdamW updates the parts in place, and the parts are all-gathered back into
+the buffers. The replica group is weight_replica, but for the experts: expert_data_parallel, the
+ranks holding the same experts (Megatron's expert DP; their gradients are summed there and only
+there, as every rank of it saw other tokens).
 """
 from __future__ import annotations
 
@@ -30,16 +33,18 @@ class FlatBuffer:
     part: torch.Tensor  # this rank's slice of `params`: what its AdamW updates
     counted: bool  # whether this rank's part enters the gradient norm
     slots: list[tuple[str, int, torch.Size]]  # (name, offset, shape) of each parameter
+    replica: Group  # the ranks its parts are spread over
 
-    def part_of(self, flat: torch.Tensor, replica: Group) -> torch.Tensor:
+    def part_of(self, flat: torch.Tensor) -> torch.Tensor:
         size = self.part.numel()
-        return flat[replica.rank * size:(replica.rank + 1) * size]
+        return flat[self.replica.rank * size:(self.replica.rank + 1) * size]
 
     @classmethod
     def build(cls, named: list[tuple[str, torch.nn.Parameter]], replica: Group, layout: Layout,
-              counted: bool) -> FlatBuffer:
+              counted: bool, experts: bool = False) -> FlatBuffer:
         params = [p for _, p in named]
-        part_size = layout.optimizer_part(sum(p.numel() for p in params))
+        part_size = layout.optimizer_part(sum(p.numel() for p in params), experts)
+        assert replica.size == layout.optimizer_replicas(experts)
         first = params[0]
         flat = first.new_zeros(part_size * replica.size)
         grads = torch.zeros_like(flat)
@@ -53,34 +58,39 @@ class FlatBuffer:
             p.grad = grads[offset:offset + n].view_as(p)
             offset += n
         part = flat[replica.rank * part_size:(replica.rank + 1) * part_size]
-        return cls(flat, grads, part, counted, slots)
+        return cls(flat, grads, part, counted, slots, replica)
 
 
 class ShardedAdamW:
     def __init__(self, model: ParallelModel, cfg: OptimConfig, layout: Layout):
         groups = model.groups
-        assert groups.weight_replica.size == layout.num_weight_replicas
-        self.replica, self.world, self.clip = groups.weight_replica, groups.world, cfg.clip_grad
-        # Three flat buffers (trainer.plan.memory: SHARDED, WHOLE, NORMS): sharded weights;
-        # weights every rank of a weight tile holds whole (a router, experts), decayed too;
-        # norms, whole and not decayed.
-        sharded, whole, norms = [], [], []
+        self.world, self.clip = groups.world, cfg.clip_grad
+        # Four flat buffers (trainer.plan.memory: SHARDED, WHOLE, NORMS, EXPERTS): sharded
+        # weights; weights every rank of a weight tile holds whole (a router), decayed too;
+        # norms, whole and not decayed; experts, split over EP, decayed.
+        sharded, whole, norms, experts = [], [], [], []
         for name, param in model.module.named_parameters():
             if name in model.stage_copies:  # another stage owns it (tied embeddings)
                 continue
-            if model.is_sharded(name):
+            if model.is_expert(name):
+                experts.append((name, param))
+            elif model.is_sharded(name):
                 assert param.ndim == 2, f"{name}: a sharded weight is 2-D"
                 sharded.append((name, param))
             else:
                 (whole if param.ndim >= 2 else norms).append((name, param))
-        # Whole tensors are on every rank of a weight tile: count them once.
+        # Whole tensors are on every rank of a weight tile: count them once. Each rank's part
+        # of the experts' buffer is its own (other experts over EP, other parts over expert DP).
         tile_root = groups.tp.rank == 0 and groups.gtp_remat.rank == 0
+        replica, expert_replica = groups.weight_replica, groups.expert_data_parallel
         self.buffers, param_groups = [], []
-        for params, decay, counted in ((sharded, cfg.weight_decay, True),
-                                       (whole, cfg.weight_decay, tile_root),
-                                       (norms, 0.0, tile_root)):
+        for params, decay, counted, group in ((sharded, cfg.weight_decay, True, replica),
+                                              (whole, cfg.weight_decay, tile_root, replica),
+                                              (norms, 0.0, tile_root, replica),
+                                              (experts, cfg.weight_decay, True, expert_replica)):
             if params:
-                buffer = FlatBuffer.build(params, self.replica, layout, counted)
+                buffer = FlatBuffer.build(params, group, layout, counted,
+                                          group is expert_replica)
                 self.buffers.append(buffer)
                 param_groups.append({"params": [buffer.part], "weight_decay": decay})
         # foreach=False: the same per-tensor kernels as a plain single-process AdamW.
@@ -93,14 +103,14 @@ class ShardedAdamW:
 
     @torch.no_grad()
     def reduce_gradients(self) -> float:
-        """Reduce-scatter gradients over weight_replica; the global gradient norm (before
-        clipping). Nothing is updated yet, so a caller can refuse a non-finite step."""
+        """Reduce-scatter gradients over each buffer's replicas; the global gradient norm
+        (before clipping). Nothing is updated yet, so a caller can refuse a non-finite step."""
         for buffer in self.buffers:
             # The summed part lands in this rank's own slice of the gradient buffer, so the
             # optimizer holds no second copy of it.
-            part_grad = buffer.part_of(buffer.grads, self.replica)
-            if self.replica.size > 1:
-                part_grad.copy_(self.replica.reduce_scatter(buffer.grads))
+            part_grad = buffer.part_of(buffer.grads)
+            if buffer.replica.size > 1:
+                part_grad.copy_(buffer.replica.reduce_scatter(buffer.grads))
             buffer.part.grad = part_grad
         square = torch.zeros((), dtype=torch.float64, device=self.buffers[0].part.device)
         for buffer in self.buffers:
@@ -123,22 +133,22 @@ class ShardedAdamW:
         for group in self.adam.param_groups:
             group["lr"] = lr
         self.adam.step()
-        if self.replica.size > 1:  # with one replica the part is the whole buffer, in place
-            for buffer in self.buffers:
-                self.replica.all_gather_into(buffer.params, buffer.part.clone())
+        for buffer in self.buffers:  # with one replica the part is the whole buffer, in place
+            if buffer.replica.size > 1:
+                buffer.replica.all_gather_into(buffer.params, buffer.part.clone())
 
     # ------------------------------------------------------------------ checkpoint support
     # Adam moments leave and enter as whole flat buffers (every replica's part), so each
     # moment can be viewed at its parameter's local shape and saved at the parameter's offsets.
 
     def gather_moments(self) -> Moments:
-        """Collective over weight_replica."""
+        """Collective over each buffer's replicas."""
         moments = self.empty_moments()
         for buffer, avg, avg_sq in zip(self.buffers, moments.exp_avg, moments.exp_avg_sq):
             state = self.adam.state.get(buffer.part)
             if state:  # before the first step every moment is zero
-                self.replica.all_gather_into(avg, state["exp_avg"])
-                self.replica.all_gather_into(avg_sq, state["exp_avg_sq"])
+                buffer.replica.all_gather_into(avg, state["exp_avg"])
+                buffer.replica.all_gather_into(avg_sq, state["exp_avg_sq"])
                 moments.step = int(state["step"].item())
         return moments
 
@@ -163,8 +173,8 @@ class ShardedAdamW:
                 continue
             self.adam.state[buffer.part] = {
                 "step": torch.tensor(float(moments.step)),
-                "exp_avg": buffer.part_of(avg, self.replica).clone(),
-                "exp_avg_sq": buffer.part_of(avg_sq, self.replica).clone(),
+                "exp_avg": buffer.part_of(avg).clone(),
+                "exp_avg_sq": buffer.part_of(avg_sq).clone(),
             }
 
 

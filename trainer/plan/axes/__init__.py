@@ -9,12 +9,13 @@ from __future__ import annotations
 
 from parallel.layout import Layout
 from trainer.config import ModelConfig
-from trainer.plan.axes import context, pipeline, tensor
+from trainer.plan.axes import context, expert, pipeline, tensor
 from trainer.plan.options import EngineOptions
 
 # The axes that ask something of the model, in parallel.axes.REGISTRY's order (GTP_remat pads
 # a weight's rows and data parallel splits no tensor: they ask nothing).
-MODEL_RULES = (tensor.check_model, context.check_model, pipeline.check_model)
+MODEL_RULES = (tensor.check_model, context.check_model, expert.check_model,
+               pipeline.check_model)
 
 
 def check_model_fits_layout(model: ModelConfig, layout: Layout, options: EngineOptions) -> None:
