@@ -50,6 +50,8 @@ GROUPS = tuple(sorted((g for axis in REGISTRY for g in axis.groups),
                       key=lambda g: (g.axes is None, g.order != "dense", g.view != "weight")))
 
 
-def group_names(view: str) -> tuple[str, ...]:
-    """The groups of one view ("weight" or "token"), in the registry's order."""
-    return tuple(g.name for axis in REGISTRY for g in axis.groups if g.view == view)
+def group_names(view: str, order: str = "dense") -> tuple[str, ...]:
+    """The groups of one view ("weight" or "token") over one rank order, in the registry's
+    order."""
+    return tuple(g.name for axis in REGISTRY for g in axis.groups
+                 if g.view == view and g.order == order)

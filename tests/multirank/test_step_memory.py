@@ -158,6 +158,16 @@ MOE_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
     "moe_full_bf16": (1, {}, dict(recompute_granularity=FULL, precision=Precision.bf16),
                       "moe_wide"),
     "moe_bf16": (1, {}, dict(precision=Precision.bf16), "moe_sigmoid_shared"),
+    # Expert parallel: the fake process group's all-to-all delivers what a rank sends, the
+    # plan's expected case (trainer.plan.moe).
+    "moe_ep2": (2, dict(expert_model_parallel_size=2), {}, "moe"),
+    "moe_ep4_cp2_ws2_bf16": (8, dict(expert_model_parallel_size=4, context_parallel_size=2,
+                                     tensor_parallel_num_weight_shards=2),
+                             dict(precision=Precision.bf16), "moe_sigmoid_shared"),
+    "moe_ep2_selective": (4, dict(expert_model_parallel_size=2),
+                          dict(recompute_granularity=SELECTIVE), "moe_losses"),
+    "moe_ep2_full_wide": (2, dict(expert_model_parallel_size=2),
+                          dict(recompute_granularity=FULL), "moe_wide"),
 }
 ALL_CASES = {**CASES, **GQA_CASES, **QK_CASES, **{n: c[:3] for n, c in MOE_CASES.items()}}
 

@@ -26,12 +26,13 @@ class Tokens:
     t: int  # TP
     sp: bool
     cp: bool
+    ep: int = 1  # EP: a mixture of experts' layer holds num_moe_experts / ep experts here
 
     @classmethod
     def of(cls, layout: Layout) -> Tokens:
         return cls(layout.micro_batch_size, layout.context_local_length, layout.seq_length,
                    layout.tp_size, layout.sp_degree > 1,
-                   layout.runtime_context_parallel_size > 1)
+                   layout.runtime_context_parallel_size > 1, layout.ep_size)
 
     @property
     def T(self) -> int:

@@ -19,6 +19,7 @@ from trainer.report.record import layout_record, write_layout_json
 log = logging.getLogger(__name__)
 
 WEIGHT_VIEW, TOKEN_VIEW = group_names("weight"), group_names("token")
+EXPERT_VIEW = group_names("weight", "expert")
 MAX_TABLE_RANKS = 64  # larger worlds get the summary only; layout.json always has every rank
 
 
@@ -48,15 +49,21 @@ def format_report(spec: RunSpec, record: dict[str, Any]) -> str:
         f"inputs: TP={p.tensor_model_parallel_size} SP={'on' if p.sequence_parallel else 'off'} "
         f"weight_shards={layout.tensor_parallel_num_weight_shards} "
         f"sequence_shards={layout.tensor_parallel_num_sequence_shards} "
-        f"CP={p.context_parallel_size} PP={p.pipeline_model_parallel_size} "
-        f"micro_batch={config.train.micro_batch_size} seq_length={config.train.seq_length}",
+        f"CP={p.context_parallel_size} EP={layout.ep_size} ETP={layout.etp_size} "
+        f"PP={p.pipeline_model_parallel_size} micro_batch={config.train.micro_batch_size} "
+        f"seq_length={config.train.seq_length}",
         "", "derived (config node `layout`):",
     ]
     lines += [f"  {key:32s} {value}" for key, value in layout.derived().items()]
     lines += ["", "rank axes, fastest first:  " + "  ".join(
         f"{axis}={size}" for axis, size in layout.axis_sizes.items())]
-    for title, names in (("weight view (who holds which weight shard)", WEIGHT_VIEW),
-                         ("batch and sequence view (who sees which tokens)", TOKEN_VIEW)):
+    views = [("weight view (who holds which weight shard)", WEIGHT_VIEW),
+             ("batch and sequence view (who sees which tokens)", TOKEN_VIEW)]
+    if config.model.num_moe_experts is not None:
+        lines += ["expert rank axes (Megatron-Core's expert view), fastest first:  " + "  ".join(
+            f"{axis}={size}" for axis, size in layout.expert_axis_sizes.items())]
+        views.append(("expert view (who holds which experts)", EXPERT_VIEW))
+    for title, names in views:
         lines += ["", f"{title}:",
                   f"  {'group':15s} {'axes':22s} {'size':>5s} {'count':>6s}  rank 0's group"]
         for name in names:
@@ -65,7 +72,11 @@ def format_report(spec: RunSpec, record: dict[str, Any]) -> str:
             shown = str(group) if len(group) <= 8 else f"[{group[0]}, {group[1]}, ..., {group[-1]}]"
             count = len(layout.groups(name)) if name == "embedding" else (
                 layout.world_size // len(group))
-            lines += [f"  {name:15s} {axes:22s} {len(group):5d} {count:6d}  {shown}",
+            label = name
+            if len(name) > 15:  # the expert view's long names take a line of their own
+                lines.append(f"  {name}")
+                label = ""
+            lines += [f"  {label:15s} {axes:22s} {len(group):5d} {count:6d}  {shown}",
                       f"  {'':15s} {GROUP_PURPOSE[name]}"]
     if rows and layout.world_size <= MAX_TABLE_RANKS:
         columns = list(rows[0])
@@ -95,7 +106,8 @@ def format_report(spec: RunSpec, record: dict[str, Any]) -> str:
     lines.append(f"  {'one process':18s} " + " ".join(_bytes(one[k]) for k in (
         "param_bytes", "grad_bytes", "optim_bytes", "total_bytes")))
     lines.append("  (2-D weights split over TP x GTP_remat; norms whole; optimizer state split "
-                 "over weight_replica)")
+                 "over weight_replica" + ("; experts split over EP, their optimizer state over "
+                                          "expert DP)" if m.num_moe_experts else ")"))
     t = config.train
     recompute = t.recompute_granularity.value if t.recompute_granularity else "off"
     if t.recompute_granularity and t.recompute_num_layers is not None:

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from parallel.axes import PARALLEL_KEYS
+from parallel.axes import EXPERT_AXES, PARALLEL_KEYS
 from parallel.layout import AXES, Layout
 from parallel.pipeline.schedules import ideal_bubble_fraction
 from trainer.compose.runspec import RunSpec
@@ -17,14 +17,17 @@ from trainer.plan.options import EngineOptions
 
 
 def rank_rows(layout: Layout, procs_per_node: int) -> list[dict[str, int]]:
-    """Per rank: node, its index on each axis, and the positions the trainer uses."""
+    """Per rank: node, its index on each axis, the positions the trainer uses, and its index
+    on the expert view's ep and edp (which experts it holds, which part of their state)."""
     rows = []
     for rank in range(layout.world_size):
         coords = layout.coords(rank)._asdict()
+        experts = layout.expert_coords(rank)
         rows.append({"rank": rank, "node": rank // procs_per_node, **coords,
                      "weight_shard": layout.weight_shard(rank),
                      "batch_partition": layout.batch_partition(rank),
-                     "runtime_cp_rank": layout.runtime_cp_rank(rank)})
+                     "runtime_cp_rank": layout.runtime_cp_rank(rank),
+                     "ep": experts["ep"], "edp": experts["edp"]})
     return rows
 
 
@@ -56,6 +59,7 @@ def layout_record(spec: RunSpec) -> dict[str, Any]:
         },
         "derived": layout.derived(),
         "axes": {"order": list(AXES), "sizes": layout.axis_sizes, "strides": layout.axis_strides},
+        "expert_axes": {"order": list(EXPERT_AXES), "sizes": layout.expert_axis_sizes},
         "groups": layout.all_groups(),
         "ranks": rank_rows(layout, config.cluster.procs_per_node),
         "memory": memory_plan(config.model, layout, EngineOptions.from_config(config)),
