@@ -111,6 +111,19 @@ TABLE = [
       "cluster.procs_per_node=2", ("model.num_moe_experts=4", "pipeline_model_parallel_size=2")),
     R("model.num_moe_experts=4 model.moe_layer_freq=[0,1] model.moe_router_score_function="
       "sigmoid model.moe_router_enable_expert_bias=true", (), OK, torch=True),
+    # expert parallel (parallel/axes/expert.py; its model rules: trainer/plan/axes/expert.py)
+    R("parallel.expert_model_parallel_size=0", ("parallel.expert_model_parallel_size=0",)),
+    R("parallel.expert_tensor_parallel_size=1.5", ("parallel.expert_tensor_parallel_size=1.5",)),
+    R("model.num_moe_experts=4 parallel.expert_model_parallel_size=2",
+      ("world_size=1", "ETP x EP x PP = 1 x 2 x 1 = 2")),
+    R("cluster.procs_per_node=2 parallel.expert_model_parallel_size=2",
+      ("parallel.expert_model_parallel_size=2", "model.num_moe_experts=null")),
+    R("model.num_moe_experts=6 cluster.procs_per_node=4 parallel.expert_model_parallel_size=4",
+      ("parallel.expert_model_parallel_size=4", "model.num_moe_experts=6", "[1, 2, 3, 6]")),
+    R("model.num_moe_experts=4 cluster.procs_per_node=2 parallel.expert_tensor_parallel_size=2",
+      ("parallel.expert_tensor_parallel_size=2", "not built")),
+    R("model.num_moe_experts=4 cluster.procs_per_node=4 parallel.expert_model_parallel_size=4",
+      (), OK, torch=True),
     R("model.kv_channels=15", ("model.kv_channels=15", "odd")),
     R("model.num_heads=3 model.kv_channels=16", (), OK, torch=True),  # heads need not divide h
     R(f"model.num_heads=8 model.num_query_groups=2 {TP4}",

@@ -31,7 +31,7 @@ def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> N
         raise ValueError(
             f"model.num_moe_experts={model.num_moe_experts} with parallel."
             f"pipeline_model_parallel_size={layout.pp_size}: a mixture of experts does not run "
-            f"in pipeline stages yet (it comes with expert parallelism). Fix: set "
+            f"in pipeline stages yet. Fix: set "
             f"parallel.pipeline_model_parallel_size=1, or a dense model.")
     schedule, key = options.pipeline_schedule, "parallel.virtual_pipeline_model_parallel_size"
     if schedule not in SCHEDULES:

@@ -15,9 +15,10 @@ def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> N
     if model.num_moe_experts is not None and tp > 1:
         raise ValueError(
             f"model.num_moe_experts={model.num_moe_experts} with parallel."
-            f"tensor_model_parallel_size={tp}: experts are not split over TP yet (it comes "
-            f"with expert parallelism). Fix: set parallel.tensor_model_parallel_size=1 (data and "
-            f"context parallel and weight shards train a mixture of experts), or a dense model.")
+            f"tensor_model_parallel_size={tp}: experts are not split over TP yet (expert "
+            f"tensor parallel is not built). Fix: set parallel.tensor_model_parallel_size=1 "
+            f"(expert, data and context parallel and weight shards train a mixture of experts), "
+            f"or a dense model.")
     shapes = {"num_heads": model.num_heads, "num_query_groups": model.query_groups,
               "ffn_hidden_size": model.ffn_hidden_size}
     for key, value in shapes.items():
