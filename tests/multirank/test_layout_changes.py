@@ -32,7 +32,7 @@ from config_helpers import compose_config
 from harness import run_ranks
 
 STEPS_BEFORE, STEPS_TOTAL, GBS = 3, 6, 8
-BASE = ("model=tiny", "train.seq_length=32", "train.micro_batch_size=2",
+BASE = ("train.seq_length=32", "train.micro_batch_size=2",
         f"train.global_batch_size={GBS}", "train.eval_interval=null", "logger.log_interval=1",
         "schedule.lr_warmup_samples=8", "schedule.lr_warmup_fraction=null",
         f"schedule.lr_decay_samples={STEPS_TOTAL * GBS}")
@@ -75,6 +75,15 @@ CHANGES = {
          "parallel.pipeline_model_parallel_size=2", "parallel.tensor_parallel_num_weight_shards=2"),
         ("cluster.procs_per_node=4", "model.num_layers=4",
          "parallel.pipeline_model_parallel_size=4")),
+    # A mixture of experts' experts split over EP 2, then 4; then whole on each rank, their
+    # state over expert DP 4 (and the dense weights in weight shards).
+    "moe_ep2_to_ep4": (
+        ("model=tiny_moe", "cluster.procs_per_node=4", "parallel.expert_model_parallel_size=2"),
+        ("model=tiny_moe", "cluster.procs_per_node=4", "parallel.expert_model_parallel_size=4")),
+    "moe_ep4_to_ep1_weight_shards_2": (
+        ("model=tiny_moe", "cluster.procs_per_node=4", "parallel.expert_model_parallel_size=4"),
+        ("model=tiny_moe", "cluster.procs_per_node=4",
+         "parallel.tensor_parallel_num_weight_shards=2")),
 }
 
 
@@ -90,7 +99,8 @@ def dataset(tmp_path_factory) -> Path:
 
 
 def settings_for(dataset: Path, run_dir: Path, overrides: tuple[str, ...], *extra: str):
-    return settle(compose_config(*BASE, *overrides, f"data.path={dataset}",
+    model = () if any(o.startswith("model=") for o in overrides) else ("model=tiny",)
+    return settle(compose_config(*model, *BASE, *overrides, f"data.path={dataset}",
                                  f"checkpoint.dir={run_dir / 'checkpoints'}", *extra))
 
 
