@@ -46,7 +46,8 @@ class ParallelModel(nn.Module):
                  compute_dtype: torch.dtype = torch.float32,
                  bundles: list[ShardBundle] | None = None,
                  reduce_queue: GradReduceQueue | None = None, vocab_size: int | None = None,
-                 stage: Stage | None = None, head_norms: tuple[str, ...] = ()):
+                 stage: Stage | None = None, head_norms: tuple[str, ...] = (),
+                 mixture: bool = False):
         super().__init__()
         # The pipeline stage this rank runs (all of the model without pipeline parallelism);
         # its chunk views are not submodules, so each parameter is registered once.
@@ -64,6 +65,8 @@ class ParallelModel(nn.Module):
                         if isinstance(getattr(m, "dispatch", None), AllToAllDispatch)
                         for p, _ in m.named_parameters(recurse=False)}
         sharded |= set(self.experts)  # their gradients are summed by the optimizer alone
+        # Whether the model has experts on some stage (its plan names them), this one or not.
+        self.mixture = mixture
         # Whole on every rank of a weight tile (norms): gradients need a sum over gtp_remat, and
         # over TP too with SP (each TP rank saw different tokens); per-head norms (the plan's
         # head_norms) first, as their gradients are summed over TP always (each TP rank saw
@@ -240,7 +243,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Gr
     queue = bundles[0].reduce_queue if bundles else None
     stage = Stage(build.part, build.chunks or [model], build.pruned)
     parallel = ParallelModel(model, groups, build.sequence_parallel, plan.head, compute_dtype,
-                             bundles, queue, vocab_size, stage, plan.head_norms)
+                             bundles, queue, vocab_size, stage, plan.head_norms,
+                             bool(plan.experts))
     parallel.runner = PipelineRunner(parallel, layout, options.pipeline_schedule, plan.hidden_size)
     return parallel
 

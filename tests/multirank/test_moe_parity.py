@@ -47,6 +47,7 @@ MODELS = {
     "pre_softmax": replace(MOE, moe_router_pre_softmax=True, moe_z_loss_coeff=None),
 }
 MODELS["aux_z_8"] = replace(MOE, num_moe_experts=8)
+MODELS["aux_z_4_layers"] = replace(MOE, num_layers=4, moe_layer_freq=[1, 0, 1, 1])
 # Expert parallel (the expert view: etp-ep-edp-pp over the same ranks): EP 2, 4 and 8, beside
 # data parallel, context parallel and weight and sequence shards.
 LAYOUTS = LAYOUTS | {
@@ -60,6 +61,11 @@ LAYOUTS = LAYOUTS | {
     "cp2_ws2_ss2_ep4": (8, {"context_parallel_size": 2, "tensor_parallel_num_weight_shards": 2,
                             "tensor_parallel_num_sequence_shards": 2,
                             "expert_model_parallel_size": 4}),
+    # Pipeline stages: each holds its blocks' routers and experts.
+    "pp2": (2, {"pipeline_model_parallel_size": 2}),
+    "ep2_pp2": (4, {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2}),
+    "pp2_virtual2": (2, {"pipeline_model_parallel_size": 2,
+                         "virtual_pipeline_model_parallel_size": 2}),
 }
 P2P, ALL_GATHER, A2A = CPCommType.p2p, CPCommType.all_gather, CPCommType.a2a
 CASES = [  # (layout, cp_comm_type, model, dtype)
@@ -75,6 +81,8 @@ CASES = [  # (layout, cp_comm_type, model, dtype)
     ("ep8", P2P, "aux_z_8", torch.float32), ("cp2_ep2", A2A, "sigmoid_bias_seq", torch.float64),
     ("ws2_ss2_ep2", P2P, "aux_z", torch.float64),
     ("cp2_ws2_ss2_ep4", P2P, "pre_softmax", torch.float32),
+    ("pp2", P2P, "sigmoid_bias_seq", torch.float64), ("ep2_pp2", P2P, "aux_z", torch.float32),
+    ("pp2_virtual2", P2P, "aux_z_4_layers", torch.float64),
 ]
 
 
@@ -88,16 +96,18 @@ def test_a_mixture_of_experts_matches_one_process(name, comm, model, dtype):
     batches = make_data(layout.global_batch_size, cfg)
     samples = MICRO * layout.batch_parallel_size
     (ref,) = run_ranks(1, reference, batches, dtype, cfg, samples)
+    schedule = "interleaved_1f1b" if layout.virtual_pipeline_size > 1 else "1f1b"
     results = run_ranks(world, train_rank, layout, batches, dtype,
-                        EngineOptions(cp_comm_type=comm), cfg, timeout=120)
+                        EngineOptions(cp_comm_type=comm, pipeline_schedule=schedule), cfg,
+                        timeout=120)
     assert_parity(results, ref, dtype, f"MoE {model} {name} {comm.value} (world {world})")
     for got in results:  # every rank: the same routing as one process, step by step
         for ours, theirs in zip(got["moe"], ref["moe"]):
             assert ours["moe_imbalance_per_layer"] == theirs["moe_imbalance_per_layer"]
             assert relative(ours["moe_aux_loss"], theirs["moe_aux_loss"]) <= TOLERANCE[dtype]
-        assert got["biases"].keys() == ref["biases"].keys()
-        for key, bias in ref["biases"].items():
-            assert torch.equal(got["biases"][key], bias), key
+        for key, bias in got["biases"].items():  # its stage's
+            assert torch.equal(bias, ref["biases"][key]), key
+    assert set().union(*(got["biases"] for got in results)) == set(ref["biases"])
     assert ref["moe"][0]["moe_aux_loss"] > 0
     if cfg.moe_router_enable_expert_bias:  # it moved, by whole update steps
         assert ref["biases"]["layers.0.mlp.router.expert_bias"].abs().max() > 0

@@ -236,28 +236,35 @@ def test_allocator_counted_transients_against_the_plan(name):
 
 # Four blocks over two stages, four micro-batches: messages in flight in both directions.
 PP_MODEL = dataclasses.replace(MODEL, num_layers=4)
-PP_CASES = {  # name -> (Layout kwargs, schedule)
-    "pp2_1f1b": (dict(pipeline_model_parallel_size=2), "1f1b"),
-    "pp2_interleaved": (dict(pipeline_model_parallel_size=2,
-                             virtual_pipeline_model_parallel_size=2), "interleaved_1f1b"),
+PP_MOE = dataclasses.replace(MOE_MODELS["moe_seq"], num_layers=4, moe_layer_freq=[1, 0, 1, 1])
+PP_CASES = {  # name -> (world, Layout kwargs, schedule, model)
+    "pp2_1f1b": (2, dict(pipeline_model_parallel_size=2), "1f1b", PP_MODEL),
+    "pp2_interleaved": (2, dict(pipeline_model_parallel_size=2,
+                                virtual_pipeline_model_parallel_size=2), "interleaved_1f1b",
+                        PP_MODEL),
+    # a mixture of experts in stages, its experts over EP 2 (a dense block on stage 0)
+    "pp2_moe_ep2": (4, dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2),
+                    "1f1b", PP_MOE),
 }
 
 
 @pytest.mark.parametrize("name", PP_CASES)
-@pytest.mark.parametrize("rank", [0, 1])
-def test_allocator_counted_transients_of_pipeline_stages(name, rank):
+@pytest.mark.parametrize("stage", [0, 1])
+def test_allocator_counted_transients_of_pipeline_stages(name, stage):
     """A simulated rank of each stage, its schedule's micro-batches and messages in flight:
     what the allocator holds at most is the stage's planned transients (activations of every
     pair in flight, the messages it holds, a backward's moment)."""
-    layout_kwargs, schedule = PP_CASES[name]
-    layout = Layout(2, micro_batch_size=2, seq_length=512, global_batch_size=8, **layout_kwargs)
+    world, layout_kwargs, schedule, model = PP_CASES[name]
+    layout = Layout(world, micro_batch_size=2, seq_length=512, global_batch_size=4 * world,
+                    **layout_kwargs)
     options = EngineOptions(pipeline_schedule=schedule)
-    step, update = simulated(2, rank, allocated_transients, layout, options, PP_MODEL)
-    shapes = parameter_shapes(PP_MODEL)
-    plan = step_per_stage(shapes, PP_MODEL, layout, options)[rank]
-    state = memory_per_stage(shapes, PP_MODEL.num_layers, layout)[rank]
+    rank = layout.groups("pp")[0][stage]
+    step, update = simulated(world, rank, allocated_transients, layout, options, model)
+    shapes = parameter_shapes(model)
+    plan = step_per_stage(shapes, model, layout, options)[stage]
+    state = memory_per_stage(shapes, model.num_layers, layout)[stage]
     transients = plan["peak_bytes"] - state.total_bytes
-    print(f"\n{name} stage {rank}: micro-batches {step:,} B, planned {transients:,} B "
+    print(f"\n{name} stage {stage}: micro-batches {step:,} B, planned {transients:,} B "
           f"({transients / step - 1:+.2%}, messages {plan['message_bytes']:,} B); update "
           f"{update:,} B, planned {state.update_bytes:,} B")
     assert plan["message_bytes"] > 0

@@ -143,8 +143,7 @@ def degrees(p: Problem, fixed: dict[str, Any], dropped: Counter):
             for g in divisors(rest):
                 for ns in divisors(g):
                     for cp in divisors(rest // g):
-                        stages = [d for d in divisors(rest // (g * cp)) if d <= m.num_layers
-                                  and (d == 1 or m.num_moe_experts is None)]
+                        stages = [d for d in divisors(rest // (g * cp)) if d <= m.num_layers]
                         for pp in stages:
                             degree = {"parallel.tensor_model_parallel_size": tp,
                                       "parallel.tensor_parallel_num_weight_shards": tp * g,

@@ -35,7 +35,7 @@ def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
         # Cheap to recompute, costly to keep: the softmax(QK^T)V core and silu(gate) * up.
         recompute_hooks=("attention_fn", "activation_fn"),
         head_norms=("attn.q_norm", "attn.k_norm"),
-        experts=(EXPERTS,),
+        experts=(EXPERTS,) if cfg.num_moe_experts is not None else (),
     )
 
 

@@ -6,8 +6,10 @@ counts (DeepSeek-V3's auxiliary-loss-free balancing).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from parallel.comm import Group
 from parallel.groups import Groups
 from trainer.model.moe import Router
 
@@ -34,26 +36,48 @@ def begin(model: nn.Module, micro_batches: int) -> None:
         router.records.clear()
 
 
-def finish(model: nn.Module, groups: Groups) -> dict:
+def finish(model: nn.Module, groups: Groups, stages: Group | None = None) -> dict:
     """After a step's update: what metrics.jsonl records of the routing (empty for a dense
     model), and each expert bias moved by its update rate towards equal token counts (the
-    counts are the whole step's, so every rank moves it alike)."""
+    counts are the whole step's, so every rank moves it alike). stages: the pipeline group of
+    a mixture of experts (every stage calls, one without routers too; None: no stages)."""
     found = routers(model)
-    if not found:
+    if not found and stages is None:
         return {}
     losses, imbalance = [], {}
     for name, router in found:
         counts = torch.stack([r.counts for r in router.records]).sum(0)
         losses.append(sum(r.loss for r in router.records) * router.loss_scale)
-        block = name.removesuffix(".mlp.router").removeprefix("layers.")  # a block's index
-        imbalance[block] = round(float(counts.max() / counts.mean()), 4)
+        imbalance[_block(name)] = float(counts.max() / counts.mean())
         if router.expert_bias is not None:
             step = torch.sign(counts.mean() - counts) * router.bias_update_rate
             router.expert_bias.add_(step.to(router.expert_bias.dtype))
         router.records.clear()
     # Each rank holds its part of each balance loss: their sum is the loss.
-    device = found[0][1].weight.device
-    total = groups.token_distinct.all_reduce(torch.tensor(losses, dtype=torch.float64,
+    device = next(model.parameters()).device
+    total = groups.token_distinct.all_reduce(torch.tensor([sum(losses)], dtype=torch.float64,
                                                           device=device))
-    return {"moe_aux_loss": float(total.sum()), "moe_imbalance": max(imbalance.values()),
-            "moe_imbalance_per_layer": imbalance}
+    if stages is not None and stages.size > 1:
+        total, imbalance = _over_stages(stages, total, imbalance)
+    return {"moe_aux_loss": float(total.sum()),
+            "moe_imbalance": round(max(imbalance.values()), 4),
+            "moe_imbalance_per_layer": {b: round(v, 4) for b, v in sorted(imbalance.items())}}
+
+
+def _block(name: str) -> int:
+    """The index of the block a router is in ("layers.3.mlp.router"; 0 for a lone block)."""
+    return next((int(part) for part in name.split(".") if part.isdigit()), 0)
+
+
+def _over_stages(stages: Group, total: torch.Tensor, imbalance: dict[int, float]
+                 ) -> tuple[torch.Tensor, dict[int, float]]:
+    """Every stage's blocks into one: the loss summed, the imbalance of each block (each is on
+    one stage; a dense block's stays 0, an expert layer's is 1 or more)."""
+    ends = total.new_tensor([max(imbalance, default=-1) + 1])
+    blocks = int(stages.all_reduce(ends, op=dist.ReduceOp.MAX).item())
+    packed = total.new_zeros(blocks + 1)
+    packed[0] = total[0]
+    for block, value in imbalance.items():
+        packed[block + 1] = value
+    stages.all_reduce(packed)
+    return packed[:1], {b: float(v) for b, v in enumerate(packed[1:].tolist()) if v}

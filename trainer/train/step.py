@@ -77,7 +77,8 @@ def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: lis
     optimizer.update(lr, grad_norm)
     model.sync_stage_copies()
     return StepResult(loss=loss, grad_norm=grad_norm, loss_tokens=total_tokens,
-                      moe=routing.finish(model.module, groups))
+                      moe=routing.finish(model.module, groups,
+                                         groups.pp if model.mixture else None))
 
 
 @torch.no_grad()

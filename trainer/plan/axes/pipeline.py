@@ -27,12 +27,6 @@ def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> N
     """The blocks split over stages and chunks (Layout.pipeline_layers raises naming the keys);
     interleaving and virtual chunks go together (Megatron: a virtual size selects it)."""
     layout.pipeline_layers(model.num_layers)
-    if model.num_moe_experts is not None and layout.pp_size > 1:
-        raise ValueError(
-            f"model.num_moe_experts={model.num_moe_experts} with parallel."
-            f"pipeline_model_parallel_size={layout.pp_size}: a mixture of experts does not run "
-            f"in pipeline stages yet. Fix: set "
-            f"parallel.pipeline_model_parallel_size=1, or a dense model.")
     schedule, key = options.pipeline_schedule, "parallel.virtual_pipeline_model_parallel_size"
     if schedule not in SCHEDULES:
         raise ValueError(f"parallel.pipeline_schedule={schedule!r} selects no pipeline schedule. "
