@@ -206,6 +206,31 @@ def test_a_trained_model_exported_gives_transformers_the_same_loss_and_fine_tune
     assert tuned[0]["loss"] < fresh[0]["loss"] - 1  # it starts where training left it
 
 
+def test_a_mixture_of_experts_trained_under_ep_exported_gives_transformers_the_same_loss(tmp_path):
+    """model=tiny_moe on 4 ranks, its 8 experts over EP 2 (2 copies over expert DP): the
+    checkpoint's experts come together as Mixtral's per-expert projections."""
+    cli("launch.py", *RUN, "model=tiny_moe", "cluster.procs_per_node=4",
+        "parallel.expert_model_parallel_size=2", f"hydra.run.dir={tmp_path / 'run'}")
+    ckpt = tmp_path / "run" / "checkpoints"
+    cli("-m", "trainer.hf", "export", str(ckpt), str(tmp_path / "hf"), "--dtype", "float32")
+    (last,) = sorted(ckpt.glob("step_*"))[-1:]
+    model = read_model_config(last, None)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 8
+    theirs = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ours = our_model(last, model)
+    text = (ROOT / "README.md").read_bytes()[:8 * 65]
+    tokens = torch.tensor(list(text)).view(8, 65)
+    with torch.no_grad():
+        want = theirs(tokens[:, :-1], labels=tokens[:, :-1]).loss  # HF shifts the labels
+        got = F.cross_entropy(ours(tokens[:, :-1])[:, :-1].flatten(0, 1),
+                              tokens[:, 1:-1].flatten())
+    print(f"\ntrained under EP 2 and exported: loss {got.item():.6f} here, {want.item():.6f} in "
+          f"transformers")
+    assert abs(got.item() - want.item()) <= LOSS_TOLERANCE * want.item()
+    assert want.item() < math.log(256) - 1  # it learned
+
+
 @pytest.mark.parametrize("change,message", [
     ({"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ({"architectures": ["MistralForCausalLM"]}, "architectures=['MistralForCausalLM']"),
