@@ -17,9 +17,8 @@ from __future__ import annotations
 
 from parallel.axes.axis import Axis, Group, Key, LayoutError, multiples_near
 
-# parallel=auto takes them as the config sets them (the search does not choose EP yet).
-EXPERTS = Key("expert_model_parallel_size", fix="set parallel.expert_model_parallel_size=1 (off)",
-              searched=False)
+# parallel=auto chooses EP for a mixture of experts (1 for a dense model), and takes ETP as set.
+EXPERTS = Key("expert_model_parallel_size", fix="set parallel.expert_model_parallel_size=1 (off)")
 EXPERT_TENSOR = Key("expert_tensor_parallel_size", null="TP (parallel.tensor_model_parallel_size)",
                     effective="etp_size", searched=False)
 

@@ -16,6 +16,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import product
 from typing import Any, Optional
 
 from parallel.axes import PARALLEL_KEYS
@@ -82,6 +83,8 @@ class Candidate:
                  f"SS={lay.tensor_parallel_num_sequence_shards}",
                  f"CP={lay.context_parallel_size}", f"PP={lay.pp_size}",
                  f"DP={lay.data_parallel_size}"]
+        if lay.ep_size > 1:
+            parts.append(f"EP={lay.ep_size}")
         if lay.virtual_pipeline_size > 1:
             parts.append(f"v={lay.virtual_pipeline_size}")
         if lay.runtime_context_parallel_size > 1:
@@ -178,7 +181,7 @@ def search(p: Problem) -> Choice:
         list(RECOMPUTES[p.recompute_num_layers is not None:]))]
     layouts = []  # (the least its step could cost per sample, its place, the layout)
     for tp, sp, ws, ss, cp, pp in degrees(p, fixed, dropped):
-        for v in _virtual(p, fixed, pp, dropped):
+        for v, ep in product(_virtual(p, fixed, pp, dropped), _experts(p, fixed, pp)):
             try:
                 stage_layers = {key.name: given[key.config_key] for key in PARALLEL_KEYS
                                 if not key.searched and key.config_key in given}
@@ -186,7 +189,8 @@ def search(p: Problem) -> Choice:
                                 sequence_parallel=sp, tensor_parallel_num_weight_shards=ws,
                                 tensor_parallel_num_sequence_shards=ss, context_parallel_size=cp,
                                 pipeline_model_parallel_size=pp,
-                                virtual_pipeline_model_parallel_size=v, **stage_layers,
+                                virtual_pipeline_model_parallel_size=v,
+                                expert_model_parallel_size=ep, **stage_layers,
                                 micro_batch_size=p.micro_batch_size,
                                 global_batch_size=p.global_batch_size, seq_length=p.seq_length)
                 layout.pipeline_layers(m.num_layers)
@@ -273,6 +277,18 @@ def _virtual(p: Problem, fixed: dict[str, Any], pp: int, dropped: Counter
         else:
             dropped["interleaving with micro-batches not a multiple of PP"] += len(virtual)
     return options
+
+
+def _experts(p: Problem, fixed: dict[str, Any], pp: int) -> list[int]:
+    """EP degrees: for a mixture of experts each that divides its experts and a stage's ranks
+    (the Layout checks ETP's share); 1 for a dense model."""
+    key = "parallel.expert_model_parallel_size"
+    if key in fixed:
+        return [fixed[key]]
+    experts = p.model.num_moe_experts
+    if experts is None:
+        return [1]
+    return [d for d in divisors(experts) if (p.world_size // pp) % d == 0]
 
 
 def _microbatches(p: Problem, pp: int) -> int:

@@ -18,6 +18,8 @@ Per micro-batch and block (forward; backward is twice the FLOPs and mirrors the 
                  reduce-scattered; a2a: q, k, v and the output between sequence and heads, both
                  ways; neither hidden
     PP           the residual stream (b*s/t_sp*h fp32) to the next stage, its gradient back
+    EP           a mixture of experts' rows to their experts' ranks and back by all-to-all,
+                 both ways in backward (T*topk*h*e, (EP-1)/EP of it leaving), not hidden
 Per step: the optimizer's flat buffers reduce-scattered and gathered over weight_replica. The
 step runs m micro-batches on the slowest stage plus the bubble: (PP-1)/v of them more.
 Ranks sharing CPU cores (Hardware.shares_cores): nothing is hidden, and the bubble costs only
@@ -33,6 +35,7 @@ from trainer.config import ModelConfig, Precision, RecomputeGranularity
 from trainer.model.plan import block_weight_elements
 from trainer.plan.axes.context import context_seconds
 from trainer.plan.axes.data import optimizer_seconds
+from trainer.plan.axes.expert import dispatch_seconds
 from trainer.plan.axes.gtp_remat import gather_seconds
 from trainer.plan.axes.pipeline import bubble_seconds, send_seconds
 from trainer.plan.axes.tensor import tp_seconds
@@ -40,8 +43,8 @@ from trainer.plan.hardware import Hardware
 from trainer.plan.options import EngineOptions
 from trainer.plan.tokens import compute_bytes
 
-KINDS = ("compute", "tensor parallel", "weight gathers", "context parallel", "pipeline sends",
-         "optimizer reduce", "pipeline bubble")
+KINDS = ("compute", "tensor parallel", "weight gathers", "context parallel", "expert dispatch",
+         "pipeline sends", "optimizer reduce", "pipeline bubble")
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,8 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
         shown = regathers * gather + scatter - hidden
         exposed += max(0.0, hidden - bwd) + shown
         return fwd + bwd, {"tensor parallel": tp_block, "weight gathers": exposed,
-                           "context parallel": cp_fwd + cp_bwd}
+                           "context parallel": cp_fwd + cp_bwd,
+                           "expert dispatch": dispatch_seconds(m, layout, hw, T, e, recompute)}
 
     # The slowest stage's micro-batch, and its optimizer step.
     micro_s, micro_parts, optimizer_s = 0.0, dict.fromkeys(KINDS, 0.0), 0.0

@@ -1,10 +1,17 @@
 """Expert parallel's rules for the model and its terms of the plan (parallel.experts): experts
-split over EP (their weights and optimizer state: trainer.plan.memory's EXPERTS buffer).
+split over EP (their weights and optimizer state: trainer.plan.memory's EXPERTS buffer), and the
+time of the all-to-alls that carry each MoE layer's rows to their experts and back.
+
+The rows a rank receives depend on the router: dropless, a rank may receive every row its EP
+group sends (EP x T x top-k), or none. The plan counts the expected case, the router balanced:
+each rank receives as many rows as it sends (T x top-k), which is what the measured dry run's
+fake all-to-all delivers too (its memory tests hold the plan to it).
 """
 from __future__ import annotations
 
 from parallel.layout import Layout
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, RecomputeGranularity
+from trainer.plan.hardware import Hardware
 from trainer.plan.options import EngineOptions
 
 EP_KEY, ETP_KEY = "parallel.expert_model_parallel_size", "parallel.expert_tensor_parallel_size"
@@ -28,3 +35,17 @@ def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> N
             f"splits each expert, which is not built yet: experts are whole on their EP rank. "
             f"Fix: set {ETP_KEY}=1 and parallel.tensor_model_parallel_size=1.")
 
+
+
+def dispatch_seconds(m: ModelConfig, layout: Layout, hw: Hardware, T: int, e: int,
+                     recompute: RecomputeGranularity | None) -> float:
+    """An average block's all-to-alls in one micro-batch, not hidden: the rows (T x top-k of
+    h x e bytes, (EP-1)/EP of them leaving the rank) out and back in forward, their gradients
+    both ways in backward, the forward's again under full recompute; a dense block has none."""
+    ep = layout.ep_size
+    if ep == 1 or m.num_moe_experts is None:
+        return 0.0
+    one = hw.link(layout, "expert_model_parallel").all_to_all(
+        ep, T * m.moe_router_topk * m.hidden_size * e)
+    moe_blocks = sum(m.is_moe_block(i) for i in range(m.num_layers)) / m.num_layers
+    return (6 if recompute is RecomputeGranularity.full else 4) * one * moe_blocks
