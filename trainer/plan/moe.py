@@ -12,7 +12,8 @@ expert's size; the router runs in fp32 (4 bytes), int64 indices take 8:
                   3*Tk*h*e; gate_up's output 2*Tk*F*e, silu(gate) and the product 2*Tk*F*e
                   (selective: the product only); the pairs' weights Tk*e; their order and
                   tokens 2*Tk int64; under bf16 a bf16 copy of the weights of every expert on
-                  the rank 3*(E/EP)*F*h*e
+                  the rank 3*(E/EP)*F*h*e; under EP the arrived rows' regrouping by expert and
+                  its inverse 2*Tk int64 (the expected case: as many rows arrive as leave)
     shared        as a dense MLP of fs: 4*T*fs*e (selective 3), and under bf16 its input T*h*e
 """
 from __future__ import annotations
@@ -46,6 +47,8 @@ def moe_mlp_bytes(m: ModelConfig, k: Tokens, e: int,
     Tk = T * m.moe_router_topk
     selective = recompute is RecomputeGranularity.selective
     experts = Tk * (3 * h + 2 * F + (1 if selective else 2) * F + 1) * e + 2 * Tk * INDEX
+    if k.ep > 1:  # parallel.experts: the permutations that regroup what arrived, and back
+        experts += 2 * Tk * INDEX
     copies = 3 * E // k.ep * F * h * e if e != FP32 else 0
     shared = 0
     if m.moe_shared_expert_intermediate_size:
