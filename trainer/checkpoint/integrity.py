@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import zlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
+if TYPE_CHECKING:  # torch is imported where a checkpoint is read: launch.py starts without it
+    import torch.distributed as dist
 
 PREFIX, TMP_SUFFIX = "step_", ".tmp"
 META, METADATA = "meta.json", ".metadata"
@@ -56,6 +56,8 @@ def verify(path: Path, share: tuple[int, int] | None = (0, 1)) -> str | None:
     before the ranks start, which check them)."""
     if not (path / METADATA).is_file():
         return f"it has no {METADATA} (the save did not finish)"
+    import torch.distributed.checkpoint as dcp
+
     try:
         storage = dcp.FileSystemReader(str(path)).read_metadata().storage_data
     except Exception as error:  # noqa: BLE001  (unpickling garbage can raise anything)
@@ -94,6 +96,8 @@ def verify(path: Path, share: tuple[int, int] | None = (0, 1)) -> str | None:
 def agreed(group: dist.ProcessGroup | None) -> Verifier:
     """Collective verify: each rank of `group` checks its share of the checksums, and every rank
     gets the same answer (the first problem any rank found)."""
+    import torch.distributed as dist
+
     def check(path: Path) -> str | None:
         rank, size = dist.get_rank(group), dist.get_world_size(group)
         found: list[str | None] = [None] * size

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from parallel.layout import Layout
-from trainer.checkpoint import dcp
 from trainer.checkpoint.integrity import Verifier, agreed, latest, read_meta, resolve
 from trainer.config import RUN_CHECKPOINTS, CheckpointConfig, ConfigError
 from trainer.plan.accounting import RunPlan
+
+if TYPE_CHECKING:
+    from trainer.checkpoint import dcp
 
 OTHER_FOLDER = "give this run its own folder (hydra.run.dir) or checkpoint.dir"
 
@@ -68,6 +70,8 @@ def check(point: ResumePoint, expected: Expected) -> None:
     model at its shape, the same sample stream, and an end at exactly train.train_samples.
     A ValueError names the checkpoint and the fix."""
     fix = "use the model config it was saved with (its meta.json records it)"
+    from trainer.checkpoint import dcp  # torch: only when there is a checkpoint to look at
+
     dcp.check_loadable(point.path, expected.shapes, point.weights_only, point.where,
                        fix + (f", or {OTHER_FOLDER}" if point.own else ""))
     if point.weights_only:
@@ -94,6 +98,8 @@ def start_state(engine: dcp.Engine, ckpt: CheckpointConfig, save_dir: Path, expe
     """Collective: find the checkpoint the run starts from, every file's checksum verified split
     over the ranks (trainer.checkpoint.integrity.agreed), check it, and load it into the built
     engine; a fresh state when there is none. `say` prints (rank 0) or is None."""
+    from trainer.checkpoint import dcp  # torch (a rank)
+
     fresh = dcp.TrainState(data=expected.stream)
     try:
         point = find(ckpt, save_dir, say, agreed(engine.groups.world.handle))

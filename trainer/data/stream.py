@@ -2,15 +2,17 @@
 of the index, so any rank fetches any sample in any order and a resumed run sees the same ones."""
 from __future__ import annotations
 
-from typing import Literal, Sequence
+from typing import TYPE_CHECKING, Literal, Sequence
 
 import numpy as np
-import torch
 
 from trainer.config import ConfigError
 from trainer.data.blend import PERIOD, blend_pattern
 from trainer.data.dataset import TokenDataset
 from trainer.data.source import DataSource
+
+if TYPE_CHECKING:  # launch.py opens the streams to check them before any rank, without torch
+    import torch
 
 
 class SampleStream:
@@ -76,6 +78,8 @@ class SampleStream:
                 f"{int(out[row].max())}, but model.vocab_size={self.max_id} (the dataset's "
                 f"index records no vocabulary). Fix: set model.vocab_size to the tokenizer's "
                 f"vocabulary.")
+        import torch
+
         return torch.from_numpy(out)
 
     @property
@@ -95,6 +99,8 @@ class BlendedStream:
         self.part, self.rank, self.per_period = blend_pattern(self.weights)
 
     def get(self, indices: Sequence[int]) -> torch.Tensor:
+        import torch
+
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         whole, position = np.divmod(idx, PERIOD)
         parts = self.part[position]
