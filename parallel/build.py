@@ -60,6 +60,7 @@ class CommOptions:
     overlap_grad_reduce: bool = False  # a block's reduce-scatter runs during earlier blocks'
     cp_comm_type: str = "p2p"  # context parallel attention: p2p (ring), all_gather or a2a
     pipeline_schedule: str = "1f1b"  # parallel.pipeline.schedules.SCHEDULES
+    moe_token_dispatcher_type: str = "alltoall"  # parallel.experts.DISPATCHERS
 
     def dtypes(self, compute_dtype: torch.dtype) -> CommDtypes:
         if compute_dtype == torch.float32:  # no autocast: messages in the masters' dtype

@@ -21,7 +21,7 @@ from torch import nn
 from parallel.axes import REGISTRY
 from parallel.build import Build, CommOptions, Pruned, StagePart
 from parallel.bundle import GradReduceQueue, ShardBundle
-from parallel.experts import AllToAllDispatch
+from parallel.experts import ExpertDispatch
 from parallel.groups import Groups
 from parallel.layout import Layout
 from parallel.pipeline.runner import PipelineRunner
@@ -62,7 +62,7 @@ class ParallelModel(nn.Module):
         sharded = {f"{n}.weight" for n in self.layers}
         # Experts split over EP (parallel.experts): parameter name -> its module's dispatch.
         self.experts = {f"{n}.{p}": m.dispatch for n, m in module.named_modules()
-                        if isinstance(getattr(m, "dispatch", None), AllToAllDispatch)
+                        if isinstance(getattr(m, "dispatch", None), ExpertDispatch)
                         for p, _ in m.named_parameters(recurse=False)}
         sharded |= set(self.experts)  # their gradients are summed by the optimizer alone
         # Whether the model has experts on some stage (its plan names them), this one or not.

@@ -5,6 +5,7 @@
     gather_along   all-gather | reduce-scatter (SP before column-parallel; K/V for CP)
     scatter_along  reduce-scatter | all-gather (SP after row-parallel)
     all_to_all     all-to-all | all-to-all   (CP a2a: sequence-split <-> head-split)
+    all_to_all_rows  variable all-to-all | the reverse (expert parallel's rows)
 
 All are identities on a one-rank group. Incoming gradients are made contiguous before any
 collective: gloo silently mixes up strided gradients.
@@ -82,6 +83,19 @@ class _AllToAll(torch.autograd.Function):
         return ctx.group.all_to_all(grad.contiguous()), None
 
 
+class _AllToAllRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, group: Group, send: list[int], receive: list[int]
+                ) -> torch.Tensor:
+        ctx.group, ctx.send, ctx.receive = group, send, receive
+        return group.all_to_all_rows(rows, send, receive)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # each row's gradient back to the rank it came from
+        return ctx.group.all_to_all_rows(grad.contiguous(), ctx.receive, ctx.send), None, None, \
+            None
+
+
 def copy_to(x: torch.Tensor, group: Group) -> torch.Tensor:
     return x if group.size == 1 else _CopyTo.apply(x, group)
 
@@ -101,6 +115,12 @@ def scatter_along(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
 def all_to_all(parts: torch.Tensor, group: Group) -> torch.Tensor:
     """parts [size, ...]: part i goes to group rank i; part j of the result came from rank j."""
     return parts if group.size == 1 else _AllToAll.apply(parts, group)
+
+
+def all_to_all_rows(rows: torch.Tensor, group: Group, send: list[int], receive: list[int]
+                    ) -> torch.Tensor:
+    """The next send[i] rows (dim 0) to group rank i; returns the receive[j] rows rank j sent."""
+    return rows if group.size == 1 else _AllToAllRows.apply(rows, group, send, receive)
 
 
 def split_along(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:

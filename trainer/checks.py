@@ -95,6 +95,7 @@ def check_model(model: ModelConfig) -> None:
 
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 MOE_BALANCING = ("aux_loss", "seq_aux_loss", "none")
+MOE_DISPATCHERS = ("alltoall", "allgather")  # parallel.experts
 
 
 def check_moe(model: ModelConfig) -> None:
@@ -107,7 +108,9 @@ def check_moe(model: ModelConfig) -> None:
             ("moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size),
             ("moe_aux_loss_coeff", model.moe_aux_loss_coeff or None),
             ("moe_z_loss_coeff", model.moe_z_loss_coeff),
-            ("moe_router_enable_expert_bias", model.moe_router_enable_expert_bias or None))
+            ("moe_router_enable_expert_bias", model.moe_router_enable_expert_bias or None),
+            ("moe_token_dispatcher_type", None if model.moe_token_dispatcher_type == "alltoall"
+             else model.moe_token_dispatcher_type))
             if v is not None]
         if ignored:
             raise ValueError(f"model.{ignored[0]} is ignored by a dense model "
@@ -153,6 +156,8 @@ def check_moe(model: ModelConfig) -> None:
     balancing = model.moe_router_load_balancing_type
     _one_of("model.moe_router_load_balancing_type", balancing, MOE_BALANCING,
             "load-balancing loss")
+    _one_of("model.moe_token_dispatcher_type", model.moe_token_dispatcher_type,
+            MOE_DISPATCHERS, "token dispatcher")
     _finite("model.moe_aux_loss_coeff", model.moe_aux_loss_coeff, 0, True, fix="use e.g. 1e-2")
     if balancing == "none" and model.moe_aux_loss_coeff:
         raise ValueError(f"model.moe_aux_loss_coeff={model.moe_aux_loss_coeff} is ignored with "

@@ -113,6 +113,10 @@ class ModelConfig:
     moe_z_loss_coeff: Optional[float] = None
     moe_router_enable_expert_bias: bool = False
     moe_router_bias_update_rate: float = 1e-3
+    # How expert parallel moves the rows to their experts' ranks (parallel.experts): alltoall
+    # (each row to its expert's rank and back) or allgather (every rank's rows gathered, the
+    # results reduce-scattered back); both compute the same.
+    moe_token_dispatcher_type: str = "alltoall"
 
     @property
     def query_groups(self) -> int:

@@ -27,6 +27,8 @@ def check_expert_world(layout) -> None:
     """The expert view fills each pipeline stage with ETP x EP x expert-DP ranks."""
     etp, ep, pp, world = layout.etp_size, layout.ep_size, layout.pp_size, layout.world_size
     tile = etp * ep * pp
+    if world % layout.model_and_context_parallel_size:
+        return  # the dense view's tile does not fill it: data parallel's rule names that
     if world % tile:
         raise LayoutError(
             f"world_size={world} (cluster.num_nodes x cluster.procs_per_node) is not divisible "

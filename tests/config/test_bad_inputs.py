@@ -108,7 +108,7 @@ TABLE = [
     R(f"model.num_moe_experts=4 {TP2}", ("model.num_moe_experts=4",
                                          "tensor_model_parallel_size=2")),
     R("model.num_moe_experts=4 parallel.pipeline_model_parallel_size=2 "
-      "cluster.procs_per_node=2", ("model.num_moe_experts=4", "pipeline_model_parallel_size=2")),
+      "cluster.procs_per_node=2", (), OK, torch=True),  # experts in pipeline stages
     R("model.num_moe_experts=4 model.moe_layer_freq=[0,1] model.moe_router_score_function="
       "sigmoid model.moe_router_enable_expert_bias=true", (), OK, torch=True),
     # expert parallel (parallel/axes/expert.py; its model rules: trainer/plan/axes/expert.py)
@@ -124,6 +124,10 @@ TABLE = [
       ("parallel.expert_tensor_parallel_size=2", "not built")),
     R("model.num_moe_experts=4 cluster.procs_per_node=4 parallel.expert_model_parallel_size=4",
       (), OK, torch=True),
+    R("model.num_moe_experts=4 model.moe_token_dispatcher_type=ring",
+      ("model.moe_token_dispatcher_type='ring'", "alltoall, allgather")),
+    R("model.moe_token_dispatcher_type=allgather",
+      ("model.moe_token_dispatcher_type=allgather", "num_moe_experts=null")),
     R("model.kv_channels=15", ("model.kv_channels=15", "odd")),
     R("model.num_heads=3 model.kv_channels=16", (), OK, torch=True),  # heads need not divide h
     R(f"model.num_heads=8 model.num_query_groups=2 {TP4}",

@@ -169,27 +169,40 @@ def test_import_matches_transformers_and_export_is_bit_exact(name, tmp_path):
         assert torch.equal(back(tokens).logits, want)
 
 
-def test_a_trained_model_exported_gives_transformers_the_same_loss_and_fine_tunes_back(tmp_path):
-    # Train here, 2 ranks with weight shards 2, GQA with tied embeddings.
-    cli("launch.py", *RUN, *GQA_TIED, "cluster.procs_per_node=2",
-        "parallel.tensor_parallel_num_weight_shards=2", f"hydra.run.dir={tmp_path / 'run'}")
+def trained_and_exported(tmp_path: Path, *overrides: str) -> tuple[Path, ModelConfig, dict]:
+    """A run of `overrides` trained here and exported to tmp_path/hf: its last checkpoint, the
+    model its meta.json records and the exported config.json."""
+    cli("launch.py", *RUN, *overrides, f"hydra.run.dir={tmp_path / 'run'}")
     ckpt = tmp_path / "run" / "checkpoints"
     cli("-m", "trainer.hf", "export", str(ckpt), str(tmp_path / "hf"), "--dtype", "float32")
     (last,) = sorted(ckpt.glob("step_*"))[-1:]
-    model = read_model_config(last, None)  # what the run recorded in meta.json
-    assert model.num_query_groups == 2 and model.tie_word_embeddings
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
-    assert config["num_key_value_heads"] == 2 and config["tie_word_embeddings"] is True
-    theirs = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    return last, read_model_config(last, None), json.loads(
+        (tmp_path / "hf" / "config.json").read_text())
+
+
+def assert_the_same_trained_loss(theirs, last: Path, model: ModelConfig, label: str) -> None:
+    """transformers' loss on README bytes equals ours from the checkpoint, and it learned."""
     ours = our_model(last, model)
     text = (ROOT / "README.md").read_bytes()[:8 * 65]
     tokens = torch.tensor(list(text)).view(8, 65)
     with torch.no_grad():
-        want = theirs(tokens[:, :-1], labels=tokens[:, :-1]).loss  # HF shifts the labels
-        got = F.cross_entropy(ours(tokens[:, :-1])[:, :-1].flatten(0, 1), tokens[:, 1:-1].flatten())
-    print(f"\ntrained and exported: loss {got.item():.6f} here, {want.item():.6f} in transformers")
+        want = theirs.eval()(tokens[:, :-1], labels=tokens[:, :-1]).loss  # HF shifts labels
+        got = F.cross_entropy(ours(tokens[:, :-1])[:, :-1].flatten(0, 1),
+                              tokens[:, 1:-1].flatten())
+    print(f"\n{label}: loss {got.item():.6f} here, {want.item():.6f} in transformers")
     assert abs(got.item() - want.item()) <= LOSS_TOLERANCE * want.item()
-    assert want.item() < math.log(256) - 1  # it learned: far below a uniform guess
+    assert want.item() < math.log(256) - 1  # it learned: below a uniform guess
+
+
+def test_a_trained_model_exported_gives_transformers_the_same_loss_and_fine_tunes_back(tmp_path):
+    # Train here, 2 ranks with weight shards 2, GQA with tied embeddings.
+    last, model, config = trained_and_exported(
+        tmp_path, *GQA_TIED, "cluster.procs_per_node=2",
+        "parallel.tensor_parallel_num_weight_shards=2")
+    assert model.num_query_groups == 2 and model.tie_word_embeddings
+    assert config["num_key_value_heads"] == 2 and config["tie_word_embeddings"] is True
+    assert_the_same_trained_loss(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf"),
+                                 last, model, "trained and exported")
 
     # Back in, and fine-tuned under TP 2 with SP: the first step's loss is the trained one.
     cli("-m", "trainer.hf", "import", str(tmp_path / "hf"), str(tmp_path / "imported"))
@@ -209,26 +222,13 @@ def test_a_trained_model_exported_gives_transformers_the_same_loss_and_fine_tune
 def test_a_mixture_of_experts_trained_under_ep_exported_gives_transformers_the_same_loss(tmp_path):
     """model=tiny_moe on 4 ranks, its 8 experts over EP 2 (2 copies over expert DP): the
     checkpoint's experts come together as Mixtral's per-expert projections."""
-    cli("launch.py", *RUN, "model=tiny_moe", "cluster.procs_per_node=4",
-        "parallel.expert_model_parallel_size=2", f"hydra.run.dir={tmp_path / 'run'}")
-    ckpt = tmp_path / "run" / "checkpoints"
-    cli("-m", "trainer.hf", "export", str(ckpt), str(tmp_path / "hf"), "--dtype", "float32")
-    (last,) = sorted(ckpt.glob("step_*"))[-1:]
-    model = read_model_config(last, None)
-    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    last, model, config = trained_and_exported(
+        tmp_path, "model=tiny_moe", "cluster.procs_per_node=4",
+        "parallel.expert_model_parallel_size=2")
     assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 8
-    theirs = transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hf").eval()
-    ours = our_model(last, model)
-    text = (ROOT / "README.md").read_bytes()[:8 * 65]
-    tokens = torch.tensor(list(text)).view(8, 65)
-    with torch.no_grad():
-        want = theirs(tokens[:, :-1], labels=tokens[:, :-1]).loss  # HF shifts the labels
-        got = F.cross_entropy(ours(tokens[:, :-1])[:, :-1].flatten(0, 1),
-                              tokens[:, 1:-1].flatten())
-    print(f"\ntrained under EP 2 and exported: loss {got.item():.6f} here, {want.item():.6f} in "
-          f"transformers")
-    assert abs(got.item() - want.item()) <= LOSS_TOLERANCE * want.item()
-    assert want.item() < math.log(256) - 1  # it learned
+    assert_the_same_trained_loss(
+        transformers.MixtralForCausalLM.from_pretrained(tmp_path / "hf"), last, model,
+        "trained under EP 2 and exported")
 
 
 @pytest.mark.parametrize("change,message", [

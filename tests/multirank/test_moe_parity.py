@@ -48,6 +48,10 @@ MODELS = {
 }
 MODELS["aux_z_8"] = replace(MOE, num_moe_experts=8)
 MODELS["aux_z_4_layers"] = replace(MOE, num_layers=4, moe_layer_freq=[1, 0, 1, 1])
+# Megatron's allgather dispatcher (one process runs no dispatch: the reference is the same)
+MODELS["aux_z_allgather"] = replace(MOE, moe_token_dispatcher_type="allgather")
+MODELS["sigmoid_bias_seq_allgather"] = replace(MODELS["sigmoid_bias_seq"],
+                                               moe_token_dispatcher_type="allgather")
 # Expert parallel (the expert view: etp-ep-edp-pp over the same ranks): EP 2, 4 and 8, beside
 # data parallel, context parallel and weight and sequence shards.
 LAYOUTS = LAYOUTS | {
@@ -83,6 +87,9 @@ CASES = [  # (layout, cp_comm_type, model, dtype)
     ("cp2_ws2_ss2_ep4", P2P, "pre_softmax", torch.float32),
     ("pp2", P2P, "sigmoid_bias_seq", torch.float64), ("ep2_pp2", P2P, "aux_z", torch.float32),
     ("pp2_virtual2", P2P, "aux_z_4_layers", torch.float64),
+    ("ep2", P2P, "aux_z_allgather", torch.float64),
+    ("ep4", P2P, "sigmoid_bias_seq_allgather", torch.float64),
+    ("cp2_ws2_ss2_ep4", P2P, "aux_z_allgather", torch.float32),
 ]
 
 

@@ -54,7 +54,7 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layo
         model = ARCHITECTURES[model_cfg.name](model_cfg)
     comm = CommOptions(options.grad_reduce_in_bf16, options.overlap_param_gather,
                        options.overlap_grad_reduce, options.cp_comm_type.value,
-                       options.pipeline_schedule)
+                       options.pipeline_schedule, model_cfg.moe_token_dispatcher_type)
     plan = parallel_plan(model_cfg)
     parallel = parallelize(model, plan, layout, groups, torch.distributed.get_rank(), device,
                            COMPUTE_DTYPE[options.precision], comm, model_cfg.vocab_size)
