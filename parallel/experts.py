@@ -115,16 +115,14 @@ def expert_modules(model: nn.Module, suffixes: tuple[str, ...]) -> dict[str, nn.
 
 def shard_experts(build: Build) -> None:
     """On the meta device: each expert module keeps its EP rank's experts (dim 0 of its 3-D
-    parameters) and dispatches by all-to-all over expert_model_parallel."""
-    group = build.groups.expert_model_parallel
-    for name, module in expert_modules(build.model, build.plan.experts).items():
+    parameters) and dispatches over expert_model_parallel (EP dividing the experts is checked
+    with the model's rules: trainer.plan.axes.expert)."""
+    dispatcher = DISPATCHERS[build.options.moe_token_dispatcher_type]
+    for module in expert_modules(build.model, build.plan.experts).values():
         params = dict(module.named_parameters(recurse=False))
-        total = next(iter(params.values())).shape[0]
-        if total % group.size:
-            raise ValueError(f"{name}: {total} experts do not split over "
-                             f"parallel.expert_model_parallel_size={group.size}")
+        module.dispatch = dispatcher(build.groups.expert_model_parallel,
+                                     next(iter(params.values())).shape[0])
         for pname, param in params.items():
-            local = torch.empty((total // group.size, *param.shape[1:]), dtype=param.dtype,
+            local = torch.empty((module.dispatch.local, *param.shape[1:]), dtype=param.dtype,
                                 device=param.device)
             setattr(module, pname, nn.Parameter(local))
-        module.dispatch = DISPATCHERS[build.options.moe_token_dispatcher_type](group, total)
