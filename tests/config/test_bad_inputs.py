@@ -105,8 +105,14 @@ TABLE = [
       "model.moe_aux_loss_coeff=0.1", ("model.moe_aux_loss_coeff=0.1", "=none")),
     R("model.num_moe_experts=4 model.moe_aux_loss_coeff=-1", ("model.moe_aux_loss_coeff=-1",)),
     R("model.moe_aux_loss_coeff=0.1", ("model.moe_aux_loss_coeff=0.1", "num_moe_experts=null")),
-    R(f"model.num_moe_experts=4 {TP2}", ("model.num_moe_experts=4",
-                                         "tensor_model_parallel_size=2")),
+    # TP with experts: sequence parallel (each TP rank routes its part), experts whole (ETP 1)
+    R("model.num_moe_experts=4 cluster.procs_per_node=2 parallel.tensor_model_parallel_size=2 "
+      "parallel.expert_tensor_parallel_size=1",
+      ("model.num_moe_experts=4", "tensor_model_parallel_size=2", "sequence_parallel=true")),
+    R(f"model.num_moe_experts=4 {TP2}", ("parallel.expert_tensor_parallel_size=None",
+                                         "null = TP = 2", "not built")),
+    R(f"model.num_moe_experts=4 {TP2} parallel.expert_tensor_parallel_size=1", (), OK,
+      torch=True),
     R("model.num_moe_experts=4 parallel.pipeline_model_parallel_size=2 "
       "cluster.procs_per_node=2", (), OK, torch=True),  # experts in pipeline stages
     R("model.num_moe_experts=4 model.moe_layer_freq=[0,1] model.moe_router_score_function="

@@ -84,6 +84,12 @@ CHANGES = {
         ("model=tiny_moe", "cluster.procs_per_node=4", "parallel.expert_model_parallel_size=4"),
         ("model=tiny_moe", "cluster.procs_per_node=4",
          "parallel.tensor_parallel_num_weight_shards=2")),
+    # Under TP 2 with SP (experts whole, ETP 1) and EP 2, then on one process.
+    "moe_tp2_sp_ep2_to_one_process": (
+        ("model=tiny_moe", "cluster.procs_per_node=4", "parallel.tensor_model_parallel_size=2",
+         "parallel.sequence_parallel=true", "parallel.expert_tensor_parallel_size=1",
+         "parallel.expert_model_parallel_size=2"),
+        ("model=tiny_moe",)),
 }
 
 

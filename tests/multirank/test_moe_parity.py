@@ -52,6 +52,8 @@ MODELS["aux_z_4_layers"] = replace(MOE, num_layers=4, moe_layer_freq=[1, 0, 1, 1
 MODELS["aux_z_allgather"] = replace(MOE, moe_token_dispatcher_type="allgather")
 MODELS["sigmoid_bias_seq_allgather"] = replace(MODELS["sigmoid_bias_seq"],
                                                moe_token_dispatcher_type="allgather")
+TP2_SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True,
+          "expert_tensor_parallel_size": 1}
 # Expert parallel (the expert view: etp-ep-edp-pp over the same ranks): EP 2, 4 and 8, beside
 # data parallel, context parallel and weight and sequence shards.
 LAYOUTS = LAYOUTS | {
@@ -70,6 +72,16 @@ LAYOUTS = LAYOUTS | {
     "ep2_pp2": (4, {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2}),
     "pp2_virtual2": (2, {"pipeline_model_parallel_size": 2,
                          "virtual_pipeline_model_parallel_size": 2}),
+    # Tensor parallel with sequence parallel, experts whole (ETP 1): each TP rank routes its
+    # own part of the sequence; TP splits the attention and the shared expert.
+    "tp2_sp_ep4": (4, TP2_SP | {"expert_model_parallel_size": 4}),
+    "tp2_sp_cp2_ep2": (4, TP2_SP | {"context_parallel_size": 2,
+                                    "expert_model_parallel_size": 2}),
+    "tp2_sp_ws4_ss4_ep2": (4, TP2_SP | {"tensor_parallel_num_weight_shards": 4,
+                                        "tensor_parallel_num_sequence_shards": 4,
+                                        "expert_model_parallel_size": 2}),
+    "tp2_sp_ep2_pp2": (4, TP2_SP | {"pipeline_model_parallel_size": 2,
+                                    "expert_model_parallel_size": 2}),
 }
 P2P, ALL_GATHER, A2A = CPCommType.p2p, CPCommType.all_gather, CPCommType.a2a
 CASES = [  # (layout, cp_comm_type, model, dtype)
@@ -90,6 +102,10 @@ CASES = [  # (layout, cp_comm_type, model, dtype)
     ("ep2", P2P, "aux_z_allgather", torch.float64),
     ("ep4", P2P, "sigmoid_bias_seq_allgather", torch.float64),
     ("cp2_ws2_ss2_ep4", P2P, "aux_z_allgather", torch.float32),
+    ("tp2_sp_ep4", P2P, "sigmoid_bias_seq", torch.float64),
+    ("tp2_sp_cp2_ep2", A2A, "aux_z", torch.float32),
+    ("tp2_sp_ws4_ss4_ep2", P2P, "sigmoid_bias_seq", torch.float32),
+    ("tp2_sp_ep2_pp2", P2P, "aux_z_allgather", torch.float64),
 ]
 
 

@@ -95,6 +95,8 @@ CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs)
     "one_process": (1, {}, {}),
     "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), {}),
     "tp2": (2, dict(tensor_model_parallel_size=2), {}),
+    "tp2_sp_bf16": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True),
+                    dict(precision=Precision.bf16)),
     "cp2": (2, dict(context_parallel_size=2), {}),  # p2p: the ring, the default
     "cp4_p2p_bf16": (4, dict(context_parallel_size=4), dict(precision=Precision.bf16)),
     "cp4_all_gather": (4, dict(context_parallel_size=4), dict(cp_comm_type=CPCommType.all_gather)),
@@ -147,6 +149,8 @@ MOE_MODELS = {
                                    moe_router_load_balancing_type="seq_aux_loss"),
     "moe_wide": dataclasses.replace(MOE, moe_ffn_hidden_size=512),  # experts wider than h
 }
+MOE_TP2_SP = dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                  expert_tensor_parallel_size=1)
 MOE_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
     "moe_one_process": (1, {}, {}, "moe"),
     "moe_sigmoid_shared_ws2": (2, dict(tensor_parallel_num_weight_shards=2), {},
@@ -170,6 +174,12 @@ MOE_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
                           dict(recompute_granularity=SELECTIVE), "moe_losses"),
     "moe_ep2_full_wide": (2, dict(expert_model_parallel_size=2),
                           dict(recompute_granularity=FULL), "moe_wide"),
+    # TP with sequence parallel: each TP rank routes its part of the sequence (experts whole)
+    "moe_tp2_sp_shared": (2, MOE_TP2_SP, {}, "moe_sigmoid_shared"),
+    "moe_tp2_sp_ep2_bf16": (4, MOE_TP2_SP | dict(expert_model_parallel_size=2),
+                            dict(precision=Precision.bf16), "moe_sigmoid_shared"),
+    "moe_tp2_sp_selective": (2, MOE_TP2_SP, dict(recompute_granularity=SELECTIVE),
+                             "moe_losses"),
 }
 ALL_CASES = {**CASES, **GQA_CASES, **QK_CASES, **{n: c[:3] for n, c in MOE_CASES.items()}}
 

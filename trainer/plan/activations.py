@@ -190,8 +190,10 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
                           for p in positions)
         autocast = (kept_copies * block_weights + head_weights) * e
     # Backward of the head: the gradient of the logits (fp32, and its scaled copy) beside the
-    # saved softmax.
-    logits = 2 * loss_bytes(m, k) if last else 0
+    # saved softmax; under TP in bf16 also its bf16 cast, which autograd makes for the
+    # vocab-parallel loss's input while the loss's own buffers are still held.
+    cast = k.T * (m.padded_vocab_size // k.t) * e if k.t > 1 and e != FP32 else 0
+    logits = 2 * loss_bytes(m, k) + cast if last else 0
     sizes = [len(chunk) for chunk in chunks] or [0]
     if sharded:
         freed = max(block_activation_bytes(m, k, e, options.recompute_granularity, comm, moe)

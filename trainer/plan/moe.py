@@ -43,7 +43,7 @@ def router_bytes(m: ModelConfig, T: int) -> int:
 def moe_mlp_bytes(m: ModelConfig, k: Tokens, e: int,
                   recompute: RecomputeGranularity | None) -> int:
     """What a mixture of experts' MLP keeps for its backward (no full recompute)."""
-    T, h, F, E = k.T, m.hidden_size, m.expert_ffn_size, m.num_moe_experts
+    T, h, F, E = k.Tr, m.hidden_size, m.expert_ffn_size, m.num_moe_experts
     Tk = T * m.moe_router_topk
     selective = recompute is RecomputeGranularity.selective
     experts = Tk * (3 * h + 2 * F + (1 if selective else 2) * F + 1) * e + 2 * Tk * INDEX
@@ -53,7 +53,9 @@ def moe_mlp_bytes(m: ModelConfig, k: Tokens, e: int,
     shared = 0
     if m.moe_shared_expert_intermediate_size:
         fs = m.moe_shared_expert_intermediate_size
-        shared = (3 if selective else 4) * T * fs * e + (T * h * e if e != FP32 else 0)
+        # TP-split as a dense MLP; its input is a new tensor when gathered over TP or cast
+        shared = (3 if selective else 4) * k.T * fs // k.t * e + (
+            k.T * h * e if e != FP32 or k.sp else 0)
     return router_bytes(m, T) + experts + copies + shared
 
 
@@ -63,6 +65,6 @@ def moe_backward_bytes(m: ModelConfig, k: Tokens, e: int, selective: bool) -> in
     experts' backward: the weighted output's gradient and the down projection's output's
     (2*Tk*h*e), or the latter beside the gradient of the down projection's input (Tk*(h+F)*e),
     with the pairs' order (Tk int64)."""
-    T, h, F = k.T, m.hidden_size, m.expert_ffn_size
+    T, h, F = k.Tr, m.hidden_size, m.expert_ffn_size
     Tk = T * m.moe_router_topk
     return T * h * FP32 + Tk * max(2 * h, h + F) * e + Tk * INDEX

@@ -60,7 +60,8 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layo
                            COMPUTE_DTYPE[options.precision], comm, model_cfg.vocab_size)
     # Around the parallel layers it replays in backward; counted within each model chunk.
     apply_recompute(model, plan, options, parallel.stage.part.chunks)
-    routing.wire(model, groups)  # a mixture of experts counts its tokens over the ranks
+    # A mixture of experts counts its tokens over the ranks.
+    routing.wire(model, groups, parallel.sequence_parallel)
     # The optimizer moves the (still untouched) parameters into its flat buffers first, so the
     # values are written once, in place, and no second copy of them is ever resident.
     optimizer = OPTIMIZERS[optim_cfg.name](parallel, optim_cfg, layout)

@@ -20,12 +20,30 @@ def routers(model: nn.Module) -> list[tuple[str, Router]]:
             if isinstance(module, Router)]
 
 
-def wire(model: nn.Module, groups: Groups) -> None:
+def token_groups(groups: Groups, sequence_parallel: bool) -> tuple[Group, ...]:
+    """The groups whose product is every rank holding other tokens of a micro-batch: the
+    loss's (token_distinct), and TP with sequence parallel (each TP rank routes its own part
+    of the sequence; without SP a mixture of experts under TP is refused at compose)."""
+    return (groups.token_distinct, groups.tp) if sequence_parallel else (groups.token_distinct,)
+
+
+def sum_over(over: tuple[Group, ...]):
+    """An all-reduce over the product of groups of different axes, one group after another."""
+    def total(tensor: torch.Tensor) -> torch.Tensor:
+        for group in over:
+            tensor = group.all_reduce(tensor)
+        return tensor
+    return total
+
+
+def wire(model: nn.Module, groups: Groups, sequence_parallel: bool = False) -> None:
     """Each router's sums over ranks: token counts over every rank that sees other tokens of
-    the micro-batch (token_distinct), a sequence's over the ranks that split it (context)."""
+    the micro-batch (token_groups), a sequence's over the ranks that split it (context, and TP
+    with sequence parallel)."""
+    sequence = (groups.context, groups.tp) if sequence_parallel else (groups.context,)
     for _, router in routers(model):
-        router.token_sum = groups.token_distinct.all_reduce
-        router.sequence_sum = groups.context.all_reduce
+        router.token_sum = sum_over(token_groups(groups, sequence_parallel))
+        router.sequence_sum = sum_over(sequence)
 
 
 def begin(model: nn.Module, micro_batches: int) -> None:
@@ -36,7 +54,8 @@ def begin(model: nn.Module, micro_batches: int) -> None:
         router.records.clear()
 
 
-def finish(model: nn.Module, groups: Groups, stages: Group | None = None) -> dict:
+def finish(model: nn.Module, groups: Groups, stages: Group | None = None,
+           sequence_parallel: bool = False) -> dict:
     """After a step's update: what metrics.jsonl records of the routing (empty for a dense
     model), and each expert bias moved by its update rate towards equal token counts (the
     counts are the whole step's, so every rank moves it alike). stages: the pipeline group of
@@ -55,8 +74,8 @@ def finish(model: nn.Module, groups: Groups, stages: Group | None = None) -> dic
         router.records.clear()
     # Each rank holds its part of each balance loss: their sum is the loss.
     device = next(model.parameters()).device
-    total = groups.token_distinct.all_reduce(torch.tensor([sum(losses)], dtype=torch.float64,
-                                                          device=device))
+    total = sum_over(token_groups(groups, sequence_parallel))(
+        torch.tensor([sum(losses)], dtype=torch.float64, device=device))
     if stages is not None and stages.size > 1:
         total, imbalance = _over_stages(stages, total, imbalance)
     return {"moe_aux_loss": float(total.sum()),

@@ -78,7 +78,8 @@ def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: lis
     model.sync_stage_copies()
     return StepResult(loss=loss, grad_norm=grad_norm, loss_tokens=total_tokens,
                       moe=routing.finish(model.module, groups,
-                                         groups.pp if model.mixture else None))
+                                         groups.pp if model.mixture else None,
+                                         model.sequence_parallel))
 
 
 @torch.no_grad()

@@ -18,7 +18,8 @@ EP_KEY, ETP_KEY = "parallel.expert_model_parallel_size", "parallel.expert_tensor
 
 
 def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> None:
-    """EP splits the experts evenly; it needs experts; ETP is not built (each expert whole)."""
+    """EP splits the experts evenly; it needs experts; ETP is not built (each expert whole:
+    under TP each rank routes its own part of the sequence, as with ETP=1 in Megatron-Core)."""
     ep, experts = layout.ep_size, model.num_moe_experts
     if ep > 1 and experts is None:
         raise ValueError(
@@ -33,19 +34,19 @@ def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> N
         raise ValueError(
             f"{ETP_KEY}={layout.expert_tensor_parallel_size} (null = TP = {layout.tp_size}) "
             f"splits each expert, which is not built yet: experts are whole on their EP rank. "
-            f"Fix: set {ETP_KEY}=1 and parallel.tensor_model_parallel_size=1.")
+            f"Fix: set {ETP_KEY}=1 (TP still splits the attention and the shared expert).")
 
 
 
 def dispatch_seconds(m: ModelConfig, layout: Layout, hw: Hardware, T: int, e: int,
                      recompute: RecomputeGranularity | None) -> float:
-    """An average block's all-to-alls in one micro-batch, not hidden: the rows (T x top-k of
+    """An average block's all-to-alls in one micro-batch, not hidden: the rows (T / SP x top-k of
     h x e bytes, (EP-1)/EP of them leaving the rank) out and back in forward, their gradients
     both ways in backward, the forward's again under full recompute; a dense block has none."""
     ep = layout.ep_size
     if ep == 1 or m.num_moe_experts is None:
         return 0.0
-    one = hw.link(layout, "expert_model_parallel").all_to_all(
-        ep, T * m.moe_router_topk * m.hidden_size * e)
+    rows = T // layout.sp_degree * m.moe_router_topk  # each TP rank routes its part (SP)
+    one = hw.link(layout, "expert_model_parallel").all_to_all(ep, rows * m.hidden_size * e)
     moe_blocks = sum(m.is_moe_block(i) for i in range(m.num_layers)) / m.num_layers
     return (6 if recompute is RecomputeGranularity.full else 4) * one * moe_blocks

@@ -12,13 +12,12 @@ from trainer.plan.options import EngineOptions
 def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> None:
     """Shapes tensor parallel must split evenly (GTP_remat pads rows, so it needs nothing)."""
     tp = layout.tp_size
-    if model.num_moe_experts is not None and tp > 1:
+    if model.num_moe_experts is not None and tp > 1 and layout.sp_degree == 1:
         raise ValueError(
             f"model.num_moe_experts={model.num_moe_experts} with parallel."
-            f"tensor_model_parallel_size={tp}: experts are not split over TP yet (expert "
-            f"tensor parallel is not built). Fix: set parallel.tensor_model_parallel_size=1 "
-            f"(expert, data and context parallel and weight shards train a mixture of experts), "
-            f"or a dense model.")
+            f"tensor_model_parallel_size={tp} needs parallel.sequence_parallel=true: each TP "
+            f"rank routes its own part of the sequence (as Megatron-Core requires). Fix: set "
+            f"parallel.sequence_parallel=true, or parallel.tensor_model_parallel_size=1.")
     shapes = {"num_heads": model.num_heads, "num_query_groups": model.query_groups,
               "ffn_hidden_size": model.ffn_hidden_size}
     for key, value in shapes.items():
