@@ -31,6 +31,7 @@ import fsdp2  # noqa: E402
 import hf_interop  # noqa: E402
 import loader  # noqa: E402
 import memory  # noqa: E402
+import moe  # noqa: E402
 import overhead  # noqa: E402
 import overlap  # noqa: E402
 import pipeline  # noqa: E402
@@ -70,6 +71,7 @@ def run(quick: bool) -> dict:
     figures["prepare"] = prepare_speed.measure(quick)
     figures["hf_interop"] = hf_interop.measure(quick)
     figures["checkpoint_checksums"] = checksum.measure(quick)
+    figures["moe"] = moe.measure(quick)
     return {
         "measured": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": at_start + ("" if commit() == at_start else

@@ -159,7 +159,34 @@ def rows(figures: dict[str, Any]) -> list[dict[str, Any]]:
         _row("save_over_dcp_alone", ck["save_over_dcp_alone"], "-",
              f"checksums and meta.json; verify over load {ck['verify_over_load']}"),
     ]
+    if "moe" in f:  # results of runs before bench/moe.py have none
+        out += _moe_rows(f["moe"])
     return out
+
+
+def _moe_rows(moe: dict) -> list[dict[str, Any]]:
+    """A mixture of experts: dispatch bytes, speed against dense and under EP, balance, and
+    the measured dry run of EP layouts."""
+    dispatch, dense, ep, bal = moe["dispatch"], moe["moe_over_dense"], moe["ep4_over_ep1"], \
+        moe["imbalance"]
+    where = ", ".join(f"{op} {share}" for op, share in dense["moe_self_cpu_share_by_op"].items())
+    dry = moe["dry_run"]
+    worst = max(dry.values(), key=lambda r: abs(r["allocated_peak_over_planned"] - 1))
+    return [
+        _row("moe_dispatch_bytes_over_analytic", dispatch["bytes_over_analytic"], "1.00",
+             f"{dispatch['setup']}; the count from each rank's routing"),
+        _row("moe_tokens_per_s_over_dense", dense["tokens_per_s_moe_over_dense"], ">= 0.7",
+             f"{dense['setup']}; MoE's self CPU time by op: {where}"),
+        _row("moe_step_time_ep4_over_ep1", ep["step_time_ep4_over_ep1"], "-",
+             f"{ep['setup']}: EP 4 {ep['step_s']['ep4']} s, EP 1 {ep['step_s']['ep1']} s"),
+        _row("moe_imbalance_after_256_steps", max(bal["aux_loss"], bal["expert_bias"]),
+             "<= 1.5", f"aux_loss {bal['aux_loss']}, expert bias {bal['expert_bias']}; "
+             f"{bal['setup']}"),
+        _row("moe_dry_run_allocated_over_planned", worst["allocated_peak_over_planned"],
+             "0.8-1.2", "measured dry run of a mid-sized MoE (8 experts, top 2), the worst of "
+             + ", ".join(f"{n} {r['allocated_peak_over_planned']} (resident "
+                         f"{r['step_peak_over_planned']})" for n, r in dry.items())),
+    ]
 
 
 def _auto_rows(a: dict) -> list[dict[str, Any]]:
