@@ -23,6 +23,7 @@ With EP = 1 the step still marks the experts as such (their buffer is sharded ov
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -33,18 +34,33 @@ from parallel.comm import Group
 from parallel.regions import all_to_all_rows, gather_along, scatter_along
 
 
+@dataclass(frozen=True)
+class ExpertWeight:
+    """One 3-D parameter of an expert module ([experts, out, in]) as the single device holds
+    it, and the dim ETP splits: 1 (out, a column split: each fused part, e.g. gate|up, split
+    alike) or 2 (in, a row split: the partial outputs are summed over ETP)."""
+
+    shape: tuple[int, ...]
+    dim: int
+    parts: tuple[int, ...] = (1,)  # fused parts' relative sizes along dim
+
+
 class ExpertDispatch(ABC):
     """The `dispatch` hook of one Experts module of this rank: which experts it holds (from
-    `first`, `local` of them) of how many, over which group; `exchange` is how the rows
-    travel (DISPATCHERS, model.moe_token_dispatcher_type)."""
+    `first`, `local` of them) of how many, over which group (EP); `split` (ETP) splits each
+    of them; `exchange` is how the rows travel (DISPATCHERS, model.moe_token_dispatcher_type).
+    It also knows where this rank's slice of each weight sits in the single-device weight."""
 
-    def __init__(self, group: Group, num_experts: int):
-        self.group, self.num_experts = group, num_experts
-        self.local = num_experts // group.size
+    def __init__(self, group: Group, split: Group, weights: dict[str, ExpertWeight]):
+        self.group, self.split, self.weights = group, split, weights
+        self.num_experts = next(iter(weights.values())).shape[0]
+        self.local = self.num_experts // group.size
         self.first = group.rank * self.local
 
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, run: Callable) -> torch.Tensor:
         """rows sorted by expert, counts [num_experts] -> the rows through their experts."""
+        if self.split.size > 1:
+            run = self._across_split(run)
         if self.group.size == 1:
             return run(rows, counts)
         return self.exchange(rows, counts, run)
@@ -52,6 +68,56 @@ class ExpertDispatch(ABC):
     @abstractmethod
     def exchange(self, rows: torch.Tensor, counts: torch.Tensor, run: Callable) -> torch.Tensor:
         """The rows to their experts' ranks, through `run` there, and back (EP > 1)."""
+
+    def _across_split(self, run: Callable) -> Callable:
+        """ETP (Megatron's all-gather and reduce-scatter over the expert tensor group): every
+        ETP peer's rows (each sorted by expert) go through this rank's slice of the experts,
+        regrouped by expert for the grouped GEMM, and each row's partial outputs come back to
+        its own rank and are summed there. Sending each peer the same rows is the all-gather
+        (variable sizes); the autograd of the exchange and the repeat sums their gradients."""
+        split, local = self.split, self.local
+
+        def across(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+            everyone = split.all_gather(counts.view(1, -1))  # [peer, my expert]
+            n, sizes, k = rows.shape[0], everyone.sum(1).tolist(), split.size
+            expert = torch.arange(local, device=rows.device).repeat(k)
+            order = expert.repeat_interleave(everyone.reshape(-1)).argsort(stable=True)
+            # Each name rebound as soon as the next tensor exists: a row-sized buffer is
+            # freed once used, so no more than two are alive beside what autograd keeps.
+            rows = all_to_all_rows(rows.repeat(k, 1), split, [n] * k, sizes)[order]
+            rows = run(rows, everyone.sum(0))[_inverse(order)]
+            rows = all_to_all_rows(rows, split, sizes, [n] * k)
+            return rows.view(k, n, -1).sum(0)
+        return across
+
+    def local_shape(self, name: str) -> tuple[int, ...]:
+        weight = self.weights[name]
+        shape = [self.local, *weight.shape[1:]]
+        shape[weight.dim] //= self.split.size
+        return tuple(shape)
+
+    def chunks(self, name: str, local: torch.Tensor
+               ) -> list[tuple[tuple[int, ...], torch.Tensor]]:
+        """Where `local` (this rank's slice of weight `name`, or a tensor of its shape) sits
+        in the single-device weight: (offsets, view) pairs, one per fused part."""
+        weight, etp = self.weights[name], self.split
+        full = weight.shape[weight.dim]
+        sizes = [full * p // sum(weight.parts) for p in weight.parts]
+        out, start = [], 0
+        for size, piece in zip(sizes, local.split([s // etp.size for s in sizes], weight.dim)):
+            offsets = [self.first] + [0] * (local.ndim - 1)
+            offsets[weight.dim] = start + etp.rank * piece.shape[weight.dim]
+            out.append((tuple(offsets), piece))
+            start += size
+        return out
+
+    def full(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """The single-device weight (collective over ETP and EP): each element is on one
+        rank of the two groups, so a sum of each rank's slice in place assembles it."""
+        whole = local.new_zeros(self.weights[name].shape)
+        for offsets, view in self.chunks(name, local):
+            whole[tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))] = view
+        return self.group.all_reduce(self.split.all_reduce(whole))
 
 
 class AllToAllDispatch(ExpertDispatch):
@@ -62,12 +128,14 @@ class AllToAllDispatch(ExpertDispatch):
         sent = counts.view(ep, local)
         received = self.group.all_to_all(sent)  # [source, my expert]: rows coming to me
         send, receive = sent.sum(1).tolist(), received.sum(1).tolist()
-        arrived = all_to_all_rows(rows, self.group, send, receive)
-        # Arrived by source, each source's by expert: regroup by expert (stable).
+        # Arrived by source, each source's by expert: regroup by expert (stable). Each
+        # row-sized buffer is let go once the next exists (as in _across_split).
         expert = torch.arange(local, device=rows.device).repeat(ep)
         order = expert.repeat_interleave(received.reshape(-1)).argsort(stable=True)
-        done = run(arrived[order], received.sum(0))
-        return all_to_all_rows(done[_inverse(order)], self.group, receive, send)
+        arrived = all_to_all_rows(rows, self.group, send, receive)[order]
+        done = run(arrived, received.sum(0))[_inverse(order)]
+        del arrived  # autograd keeps what it needs of it
+        return all_to_all_rows(done, self.group, receive, send)
 
 
 class AllGatherDispatch(ExpertDispatch):
@@ -115,14 +183,18 @@ def expert_modules(model: nn.Module, suffixes: tuple[str, ...]) -> dict[str, nn.
 
 def shard_experts(build: Build) -> None:
     """On the meta device: each expert module keeps its EP rank's experts (dim 0 of its 3-D
-    parameters) and dispatches over expert_model_parallel (EP dividing the experts is checked
-    with the model's rules: trainer.plan.axes.expert)."""
+    parameters), each split over ETP as the model's plan says (plan.expert_splits), and
+    dispatches over expert_model_parallel (EP and ETP dividing the experts and their FFN are
+    checked with the model's rules: trainer.plan.axes.expert)."""
     dispatcher = DISPATCHERS[build.options.moe_token_dispatcher_type]
+    groups = build.groups
     for module in expert_modules(build.model, build.plan.experts).values():
         params = dict(module.named_parameters(recurse=False))
-        module.dispatch = dispatcher(build.groups.expert_model_parallel,
-                                     next(iter(params.values())).shape[0])
+        weights = {name: ExpertWeight(tuple(param.shape), *build.plan.expert_splits[name])
+                   for name, param in params.items()}
+        module.dispatch = dispatcher(groups.expert_model_parallel,
+                                     groups.expert_tensor_parallel, weights)
         for pname, param in params.items():
-            local = torch.empty((module.dispatch.local, *param.shape[1:]), dtype=param.dtype,
+            local = torch.empty(module.dispatch.local_shape(pname), dtype=param.dtype,
                                 device=param.device)
             setattr(module, pname, nn.Parameter(local))

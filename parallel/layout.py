@@ -120,6 +120,12 @@ class Layout:
         return self.expert_tensor_parallel_size or self.tp_size
 
     @cached_property
+    def expert_split_size(self) -> int:
+        """Ranks one MoE layer's expert weights are split over (ETP x EP): each holds that
+        fraction of them."""
+        return self.etp_size * self.ep_size
+
+    @cached_property
     def expert_data_parallel_size(self) -> int:
         """Ranks of a stage holding the same experts (the expert view's dp)."""
         return self.world_size // (self.etp_size * self.ep_size * self.pp_size)

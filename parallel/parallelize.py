@@ -132,15 +132,15 @@ class ParallelModel(nn.Module):
         layer = self.layers.get(name.removesuffix(".weight"))
         shape = tuple(self.module.get_parameter(name).shape)
         if name in self.experts:
-            return (self.experts[name].num_experts, *shape[1:])
+            return self.experts[name].weights[name.rpartition(".")[2]].shape
         return layer.full_shape if layer else shape
 
     def global_chunks(self, name: str, local: torch.Tensor
                       ) -> list[tuple[tuple[int, ...], torch.Tensor]]:
         """Where the values of `local` (parameter `name` as this rank stores it, or a tensor
         of the same shape) sit in the single-device parameter: (offsets, view) pairs."""
-        if name in self.experts:  # this rank's experts: a slice of dim 0
-            return [((self.experts[name].first,) + (0,) * (local.ndim - 1), local)]
+        if name in self.experts:  # this rank's experts (dim 0), their ETP slice
+            return self.experts[name].chunks(name.rpartition(".")[2], local)
         layer = self.layers.get(name.removesuffix(".weight"))
         if layer is None:  # whole on every rank
             return [((0,) * local.ndim, local)]
@@ -193,12 +193,12 @@ class ParallelModel(nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every parameter at its full single-device shape (collective over gtp_remat and tp,
-        and expert_model_parallel)."""
+        and expert_model_parallel and expert_tensor_parallel)."""
         out = {}
         for name, param in self.module.named_parameters():
             layer = self.layers.get(name.removesuffix(".weight"))
             if name in self.experts:
-                out[name] = self.experts[name].group.all_gather(param.detach())
+                out[name] = self.experts[name].full(name.rpartition(".")[2], param.detach())
             else:
                 out[name] = param.detach().clone() if layer is None else \
                     layer.full_weight().clone()

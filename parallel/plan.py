@@ -3,7 +3,7 @@ dry run's memory plan reads the same plan the engine applies; each model's room 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -33,6 +33,10 @@ class ParallelPlan:
     # ([experts, ...]) are split over expert parallel on dim 0, and its `dispatch` hook sends
     # each row to its expert's rank and back (parallel.experts).
     experts: tuple[str, ...] = ()
+    # Each expert parameter's split over expert tensor parallel, by parameter name within its
+    # module: (the dim ETP splits, its fused parts' relative sizes): 1 splits each expert's
+    # outputs (a column split), 2 its inputs (a row split, partial outputs summed).
+    expert_splits: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
     def linear_style(self, name: str) -> tuple[str, tuple[int, ...]]:
         return by_suffix(self.linears, name)

@@ -109,10 +109,8 @@ TABLE = [
     R("model.num_moe_experts=4 cluster.procs_per_node=2 parallel.tensor_model_parallel_size=2 "
       "parallel.expert_tensor_parallel_size=1",
       ("model.num_moe_experts=4", "tensor_model_parallel_size=2", "sequence_parallel=true")),
-    R(f"model.num_moe_experts=4 {TP2}", ("parallel.expert_tensor_parallel_size=None",
-                                         "null = TP = 2", "not built")),
-    R(f"model.num_moe_experts=4 {TP2} parallel.expert_tensor_parallel_size=1", (), OK,
-      torch=True),
+    R(f"model.num_moe_experts=4 model.moe_ffn_hidden_size=49 {TP2}",
+      ("parallel.expert_tensor_parallel_size=None", "null = TP = 2", "FFN of 49", "[1, 7, 49]")),
     R("model.num_moe_experts=4 parallel.pipeline_model_parallel_size=2 "
       "cluster.procs_per_node=2", (), OK, torch=True),  # experts in pipeline stages
     R("model.num_moe_experts=4 model.moe_layer_freq=[0,1] model.moe_router_score_function="
@@ -120,14 +118,18 @@ TABLE = [
     # expert parallel (parallel/axes/expert.py; its model rules: trainer/plan/axes/expert.py)
     R("parallel.expert_model_parallel_size=0", ("parallel.expert_model_parallel_size=0",)),
     R("parallel.expert_tensor_parallel_size=1.5", ("parallel.expert_tensor_parallel_size=1.5",)),
+    R("parallel.expert_tensor_parallel_size=0", ("parallel.expert_tensor_parallel_size=0",)),
+    R("model.num_moe_experts=4 cluster.procs_per_node=6 parallel.expert_tensor_parallel_size=4",
+      ("world_size=6", "ETP x EP x PP = 4 x 1 x 1 = 4")),
     R("model.num_moe_experts=4 parallel.expert_model_parallel_size=2",
       ("world_size=1", "ETP x EP x PP = 1 x 2 x 1 = 2")),
     R("cluster.procs_per_node=2 parallel.expert_model_parallel_size=2",
       ("parallel.expert_model_parallel_size=2", "model.num_moe_experts=null")),
     R("model.num_moe_experts=6 cluster.procs_per_node=4 parallel.expert_model_parallel_size=4",
       ("parallel.expert_model_parallel_size=4", "model.num_moe_experts=6", "[1, 2, 3, 6]")),
-    R("model.num_moe_experts=4 cluster.procs_per_node=2 parallel.expert_tensor_parallel_size=2",
-      ("parallel.expert_tensor_parallel_size=2", "not built")),
+    R("model.num_moe_experts=4 model.moe_ffn_hidden_size=50 cluster.procs_per_node=4 "
+      "parallel.expert_tensor_parallel_size=4",
+      ("parallel.expert_tensor_parallel_size=4", "FFN of 50", "[1, 2, 5, 10, 25, 50]")),
     R("model.num_moe_experts=4 cluster.procs_per_node=4 parallel.expert_model_parallel_size=4",
       (), OK, torch=True),
     R("model.num_moe_experts=4 model.moe_token_dispatcher_type=ring",

@@ -90,6 +90,11 @@ CHANGES = {
          "parallel.sequence_parallel=true", "parallel.expert_tensor_parallel_size=1",
          "parallel.expert_model_parallel_size=2"),
         ("model=tiny_moe",)),
+    # Each expert split over ETP 2 (as TP's ranks, with SP), then whole under EP 4.
+    "moe_tp2_sp_etp2_to_ep4": (
+        ("model=tiny_moe", "cluster.procs_per_node=4", "parallel.tensor_model_parallel_size=2",
+         "parallel.sequence_parallel=true"),
+        ("model=tiny_moe", "cluster.procs_per_node=4", "parallel.expert_model_parallel_size=4")),
 }
 
 

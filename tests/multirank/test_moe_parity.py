@@ -82,6 +82,13 @@ LAYOUTS = LAYOUTS | {
                                         "expert_model_parallel_size": 2}),
     "tp2_sp_ep2_pp2": (4, TP2_SP | {"pipeline_model_parallel_size": 2,
                                     "expert_model_parallel_size": 2}),
+    # Expert tensor parallel: each expert's FFN split over ETP ranks, which run every ETP
+    # peer's rows through their slice (alone, as TP's ranks with SP, with EP and CP).
+    "etp2": (2, {"expert_tensor_parallel_size": 2}),
+    "tp2_sp_etp2_ep2": (4, TP2_SP | {"expert_tensor_parallel_size": 2,
+                                     "expert_model_parallel_size": 2}),
+    "cp2_etp2_ep2": (4, {"context_parallel_size": 2, "expert_tensor_parallel_size": 2,
+                         "expert_model_parallel_size": 2}),
 }
 P2P, ALL_GATHER, A2A = CPCommType.p2p, CPCommType.all_gather, CPCommType.a2a
 CASES = [  # (layout, cp_comm_type, model, dtype)
@@ -106,6 +113,9 @@ CASES = [  # (layout, cp_comm_type, model, dtype)
     ("tp2_sp_cp2_ep2", A2A, "aux_z", torch.float32),
     ("tp2_sp_ws4_ss4_ep2", P2P, "sigmoid_bias_seq", torch.float32),
     ("tp2_sp_ep2_pp2", P2P, "aux_z_allgather", torch.float64),
+    ("etp2", P2P, "aux_z", torch.float64),
+    ("tp2_sp_etp2_ep2", P2P, "sigmoid_bias_seq", torch.float64),
+    ("cp2_etp2_ep2", A2A, "aux_z_allgather", torch.float32),
 ]
 
 

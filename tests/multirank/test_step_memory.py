@@ -180,6 +180,15 @@ MOE_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
                             dict(precision=Precision.bf16), "moe_sigmoid_shared"),
     "moe_tp2_sp_selective": (2, MOE_TP2_SP, dict(recompute_granularity=SELECTIVE),
                              "moe_losses"),
+    # Each expert split over ETP: every ETP peer's rows pass through this rank's slice
+    "moe_etp2": (2, dict(expert_tensor_parallel_size=2), {}, "moe"),
+    "moe_tp2_sp_etp2_ep2_bf16": (4, MOE_TP2_SP | dict(expert_tensor_parallel_size=2,
+                                                      expert_model_parallel_size=2),
+                                 dict(precision=Precision.bf16), "moe_sigmoid_shared"),
+    "moe_etp2_full_wide": (2, dict(expert_tensor_parallel_size=2),
+                           dict(recompute_granularity=FULL), "moe_wide"),
+    "moe_etp4_full_wide": (4, dict(expert_tensor_parallel_size=4),
+                           dict(recompute_granularity=FULL), "moe_wide"),
 }
 ALL_CASES = {**CASES, **GQA_CASES, **QK_CASES, **{n: c[:3] for n, c in MOE_CASES.items()}}
 

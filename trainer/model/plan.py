@@ -36,6 +36,8 @@ def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
         recompute_hooks=("attention_fn", "activation_fn"),
         head_norms=("attn.q_norm", "attn.k_norm"),
         experts=(EXPERTS,) if cfg.num_moe_experts is not None else (),
+        # [E, 2F, h]: each expert's gate|up rows split alike; [E, h, F]: its inputs split
+        expert_splits={"gate_up": (1, (1, 1)), "down": (2, (1,))},
     )
 
 

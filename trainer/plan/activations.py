@@ -50,7 +50,7 @@ from parallel.layout import Layout
 from trainer.config import CPCommType, ModelConfig, RecomputeGranularity
 from trainer.plan.axes.context import attention_bytes
 from trainer.plan.axes.gtp_remat import gathered_bytes
-from trainer.plan.moe import moe_backward_bytes, moe_mlp_bytes
+from trainer.plan.moe import moe_backward_bytes, moe_mlp_bytes, moe_rebuild_bytes
 from trainer.plan.options import EngineOptions
 from trainer.plan.tokens import FP32, Tokens, compute_bytes
 
@@ -215,7 +215,9 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
         largest = max(chunks, key=len)
         kept_by_others = chunk_activation_bytes(m, layout, options, largest) - k.Tr * h * FP32 \
             * sum(options.recomputes(p) is RecomputeGranularity.full for p in range(len(largest)))
-        phases.append(max(block_backward_bytes(m, k, e, False, moe) for moe in kinds) + rebuilt
-                      + block - kept_by_others)
+        # (and the rebuilt forward's own moment: a MoE block's exchange over ETP)
+        phases.append(max(max(block_backward_bytes(m, k, e, False, moe),
+                              moe_rebuild_bytes(m, k, e) if moe else 0) for moe in kinds)
+                      + rebuilt + block - kept_by_others)
     return StepMemory(kept, backward, rebuilt, autocast, logits, max(block, head), messages,
                       max(logits, head), max(phases) - head_kept)

@@ -20,7 +20,9 @@ from trainer.config import ModelConfig
 from trainer.model.plan import BLOCKS, EMBEDDING, parameter_shapes, tp_style
 from trainer.plan.activations import StepMemory, stage_chunk_bytes, step_memory
 from trainer.plan.axes.pipeline import message_sizes, stage_activation_bytes
+from trainer.plan.moe import dispatch_rows
 from trainer.plan.options import EngineOptions
+from trainer.plan.tokens import Tokens, compute_bytes
 
 # (param, grad, optimizer) bytes per element. Weights, gradients and both AdamW moments are fp32
 # under every train.precision: bf16 autocasts the compute (and halves activations); it does not
@@ -64,17 +66,17 @@ class StageWeights:
 
 # The optimizer's flat buffers (trainer.train.optim.ShardedAdamW), each padded on its own:
 # sharded weights, weights every rank holds whole (a router), norms (no decay), and experts
-# (split over EP; their parts spread over expert DP, the others' over weight_replica).
+# (split over EP and ETP; their parts spread over expert DP, the others' over weight_replica).
 SHARDED, WHOLE, NORMS, EXPERTS = BUFFERS = range(4)
 
 
 def local_numel(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[int, int]:
     """(elements this rank stores of parameter `name`, the optimizer buffer it is in): the TP
     slice of a planned weight, its rows padded to a multiple of GTP_remat as parallel.sharding
-    pads them; experts (3-D) split over EP; a weight the plan keeps whole, and norms, whole."""
+    pads them; experts (3-D) split over EP and ETP; a weight the plan keeps whole, and norms, whole."""
     module = name.removesuffix(".weight")
-    if len(shape) == 3:  # parallel.experts: dim 0 over expert_model_parallel
-        return math.prod(shape) // layout.ep_size, EXPERTS
+    if len(shape) == 3:  # parallel.experts: dim 0 over EP, each expert over ETP
+        return math.prod(shape) // layout.expert_split_size, EXPERTS
     if module == EMBEDDING:
         style = "column"  # vocab-parallel: the rows (vocabulary) split over TP
     elif len(shape) == 2:
@@ -224,9 +226,13 @@ def unsharded_memory(shapes: dict[str, tuple[int, ...]]) -> StageMemory:
 
 def memory_plan(model: ModelConfig, layout: Layout, options: EngineOptions) -> dict[str, Any]:
     """layout.json's `memory`: per pipeline stage, one rank's state, step transients and peak;
-    and the unsharded model for reference."""
+    the unsharded model for reference; under EP or ETP, a MoE layer's dispatched rows, expected
+    (what the peak counts) and at most (trainer.plan.moe.dispatch_rows)."""
     shapes = parameter_shapes(model)
     stages = ModelWeights(shapes, model.num_layers, model.tie_word_embeddings).stages(layout)
-    return {"per_stage": [{**s.memory.as_dict(), **_planned_step(model, layout, options, s)}
+    plan = {"per_stage": [{**s.memory.as_dict(), **_planned_step(model, layout, options, s)}
                           for s in stages],
             "unsharded": unsharded_memory(shapes).as_dict()}
+    dispatch = dispatch_rows(model, Tokens.of(layout), compute_bytes(options.precision),
+                             options.recompute_granularity)
+    return plan | ({"expert_dispatch": dispatch} if dispatch else {})

@@ -13,7 +13,9 @@ expert's size; the router runs in fp32 (4 bytes), int64 indices take 8:
                   (selective: the product only); the pairs' weights Tk*e; their order and
                   tokens 2*Tk int64; under bf16 a bf16 copy of the weights of every expert on
                   the rank 3*(E/EP)*F*h*e; under EP the arrived rows' regrouping by expert and
-                  its inverse 2*Tk int64 (the expected case: as many rows arrive as leave)
+                  its inverse 2*Tk int64 (the expected case: as many rows arrive as leave);
+                  under ETP every peer's rows as the GEMM's input, (ETP-1)*Tk*h*e more, and
+                  their regrouping and its inverse 2*ETP*Tk int64 (each expert's F is F/ETP)
     shared        as a dense MLP of fs: 4*T*fs*e (selective 3), and under bf16 its input T*h*e
 """
 from __future__ import annotations
@@ -49,7 +51,9 @@ def moe_mlp_bytes(m: ModelConfig, k: Tokens, e: int,
     experts = Tk * (3 * h + 2 * F + (1 if selective else 2) * F + 1) * e + 2 * Tk * INDEX
     if k.ep > 1:  # parallel.experts: the permutations that regroup what arrived, and back
         experts += 2 * Tk * INDEX
-    copies = 3 * E // k.ep * F * h * e if e != FP32 else 0
+    if k.etp > 1:  # every ETP peer's rows, regrouped, are the grouped GEMM's input here
+        experts += (k.etp - 1) * Tk * h * e + 2 * k.etp * Tk * INDEX
+    copies = 3 * E // k.ep * F // k.etp * h * e if e != FP32 else 0
     shared = 0
     if m.moe_shared_expert_intermediate_size:
         fs = m.moe_shared_expert_intermediate_size
@@ -63,8 +67,45 @@ def moe_backward_bytes(m: ModelConfig, k: Tokens, e: int, selective: bool) -> in
     """The most a mixture of experts' backward forms beside what its block keeps, counted by
     the allocator: the gradient entering the block (fp32) and the larger of two moments of the
     experts' backward: the weighted output's gradient and the down projection's output's
-    (2*Tk*h*e), or the latter beside the gradient of the down projection's input (Tk*(h+F)*e),
-    with the pairs' order (Tk int64)."""
+    (2*Tk*h*e), or the latter beside the gradient of the down projection's input (Tk*(h+F)*e;
+    under EP or ETP below), with the pairs' order (Tk int64)."""
     T, h, F = k.Tr, m.hidden_size, m.expert_ffn_size
     Tk = T * m.moe_router_topk
-    return T * h * FP32 + Tk * max(2 * h, h + F) * e + Tk * INDEX
+    # Under EP or ETP what the combine keeps arrived by an exchange, a tensor of its own, freed
+    # by the combine's backward before the down projection's: that moment is its input's
+    # gradient beside its output's, every ETP peer's rows (Tk*(F + (ETP-1)*h)).
+    down = F + (k.etp - 1) * h if k.ep > 1 or k.etp > 1 else h + F
+    return T * h * FP32 + Tk * max(2 * h, down) * e + Tk * INDEX
+
+
+def moe_rebuild_bytes(m: ModelConfig, k: Tokens, e: int) -> int:
+    """A fully recomputed MoE block's forward runs inside the backward. Under EP or ETP, at
+    the exchange back it holds, beside the gradient entering the block, the rows it sends and
+    those it receives (every ETP peer's: 2*ETP*Tk*h*e) and its own rows' input (Tk*h*e, the
+    dispatch's argument), while the two of what the block keeps that the combine makes after
+    it (the summed output and the weighted one, 2*Tk*h*e) are not there yet: (2*ETP - 1)*Tk*h*e
+    more than what it keeps. Without an exchange, nothing beyond its backward's moments."""
+    if k.ep == 1 and k.etp == 1:
+        return 0
+    Tk = k.Tr * m.moe_router_topk
+    return k.Tr * m.hidden_size * FP32 + (2 * k.etp - 1) * Tk * m.hidden_size * e
+
+
+def dispatch_rows(m: ModelConfig, k: Tokens, e: int,
+                  recompute: RecomputeGranularity | None) -> dict[str, int]:
+    """Under EP or ETP, one MoE layer's rows on a rank in one micro-batch: the rows it sends
+    (its tokens' (token, expert) pairs), the rows its experts run in the expected case (the
+    router balanced: as many arrive from each EP source as leave; every ETP peer's too), which
+    the memory plan's peak counts, and at most (dropless: every row of its EP group to its
+    experts), with what its experts keep per row that runs there (their input, gate_up's
+    output, silu(gate) and the product, the regrouping and its inverse): the worst case's
+    bytes beyond the plan. Empty for a dense model or without EP and ETP."""
+    if m.num_moe_experts is None or (k.ep == 1 and k.etp == 1):
+        return {}
+    sent = k.Tr * m.moe_router_topk
+    selective = recompute is RecomputeGranularity.selective
+    per_row = (m.hidden_size + (3 if selective else 4) * m.expert_ffn_size // k.etp) * e \
+        + 2 * INDEX
+    expected, most = sent * k.etp, sent * k.ep * k.etp
+    return {"rows_sent": sent, "rows_expected": expected, "rows_most": most,
+            "kept_bytes_per_row": per_row, "worst_case_extra_bytes": (most - expected) * per_row}

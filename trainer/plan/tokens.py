@@ -27,12 +27,13 @@ class Tokens:
     sp: bool
     cp: bool
     ep: int = 1  # EP: a mixture of experts' layer holds num_moe_experts / ep experts here
+    etp: int = 1  # ETP: and 1/etp of each of them (the rows of every ETP peer pass here)
 
     @classmethod
     def of(cls, layout: Layout) -> Tokens:
         return cls(layout.micro_batch_size, layout.context_local_length, layout.seq_length,
                    layout.tp_size, layout.sp_degree > 1,
-                   layout.runtime_context_parallel_size > 1, layout.ep_size)
+                   layout.runtime_context_parallel_size > 1, layout.ep_size, layout.etp_size)
 
     @property
     def T(self) -> int:

@@ -127,6 +127,14 @@ def format_report(spec: RunSpec, record: dict[str, Any]) -> str:
               " + the larger", "   of the loss's backward (logits, the head's gathered weight) "
               "and a block's (backward", "   + recompute + gathered - the head's activations);"
               " the formula of each term: README, memory plan)"]
+    if "expert_dispatch" in memory:
+        d = memory["expert_dispatch"]
+        lines += [f"  expert dispatch (one MoE layer, one micro-batch): {d['rows_sent']:,} rows "
+                  f"leave this rank; its experts",
+                  f"   run {d['rows_expected']:,} expected (the router balanced: what the peak "
+                  f"counts), at most {d['rows_most']:,}",
+                  f"   (dropless: every row of its EP group), which keeps "
+                  f"{_bytes(d['worst_case_extra_bytes']).strip()} more a layer"]
     if layout.pp_size > 1:
         lines += pipeline_lines(config.parallel.pipeline_schedule, layout, memory)
     if spec.auto is not None:

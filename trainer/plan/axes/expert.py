@@ -1,6 +1,7 @@
 """Expert parallel's rules for the model and its terms of the plan (parallel.experts): experts
-split over EP (their weights and optimizer state: trainer.plan.memory's EXPERTS buffer), and the
-time of the all-to-alls that carry each MoE layer's rows to their experts and back.
+split over EP and each over ETP (their weights and optimizer state: trainer.plan.memory's
+EXPERTS buffer), and the time of the exchanges that carry each MoE layer's rows to their
+experts (and their ETP peers) and back.
 
 The rows a rank receives depend on the router: dropless, a rank may receive every row its EP
 group sends (EP x T x top-k), or none. The plan counts the expected case, the router balanced:
@@ -18,8 +19,9 @@ EP_KEY, ETP_KEY = "parallel.expert_model_parallel_size", "parallel.expert_tensor
 
 
 def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> None:
-    """EP splits the experts evenly; it needs experts; ETP is not built (each expert whole:
-    under TP each rank routes its own part of the sequence, as with ETP=1 in Megatron-Core)."""
+    """EP splits the experts evenly and needs experts; ETP splits each expert's FFN evenly
+    (under TP each rank routes its own part of the sequence: sequence parallel,
+    trainer.plan.axes.tensor)."""
     ep, experts = layout.ep_size, model.num_moe_experts
     if ep > 1 and experts is None:
         raise ValueError(
@@ -30,23 +32,31 @@ def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> N
         raise ValueError(
             f"{EP_KEY}={ep} does not divide model.num_moe_experts={experts}: every EP rank "
             f"holds as many experts. Fix: set {EP_KEY} to one of {divisors}.")
-    if layout.etp_size != 1 and experts is not None:
+    ffn = model.expert_ffn_size if experts is not None else 0
+    if ffn % layout.etp_size:
+        divisors = [d for d in range(1, min(ffn, 64) + 1) if ffn % d == 0]
         raise ValueError(
             f"{ETP_KEY}={layout.expert_tensor_parallel_size} (null = TP = {layout.tp_size}) "
-            f"splits each expert, which is not built yet: experts are whole on their EP rank. "
-            f"Fix: set {ETP_KEY}=1 (TP still splits the attention and the shared expert).")
-
+            f"splits each expert's FFN of {ffn} (model.moe_ffn_hidden_size, null = "
+            f"model.ffn_hidden_size), which it does not divide. Fix: set {ETP_KEY} to one of "
+            f"{divisors}.")
 
 
 def dispatch_seconds(m: ModelConfig, layout: Layout, hw: Hardware, T: int, e: int,
                      recompute: RecomputeGranularity | None) -> float:
-    """An average block's all-to-alls in one micro-batch, not hidden: the rows (T / SP x top-k of
-    h x e bytes, (EP-1)/EP of them leaving the rank) out and back in forward, their gradients
-    both ways in backward, the forward's again under full recompute; a dense block has none."""
-    ep = layout.ep_size
-    if ep == 1 or m.num_moe_experts is None:
+    """An average block's exchanges of rows in one micro-batch, not hidden: the rows (T / SP x
+    top-k of h x e bytes) to their experts' EP ranks ((EP-1)/EP of them leave the rank) and to
+    every ETP peer (ETP-1 copies), out and back in forward, their gradients both ways in
+    backward, the forward's again under full recompute; a dense block has none."""
+    ep, etp = layout.ep_size, layout.etp_size
+    if (ep == 1 and etp == 1) or m.num_moe_experts is None:
         return 0.0
     rows = T // layout.sp_degree * m.moe_router_topk  # each TP rank routes its part (SP)
-    one = hw.link(layout, "expert_model_parallel").all_to_all(ep, rows * m.hidden_size * e)
+    one = 0.0
+    if ep > 1:
+        one += hw.link(layout, "expert_model_parallel").all_to_all(ep, rows * m.hidden_size * e)
+    if etp > 1:  # each peer's copy of the rows that arrived (as many as left, expected)
+        one += hw.link(layout, "expert_tensor_parallel").all_to_all(
+            etp, etp * rows * m.hidden_size * e)
     moe_blocks = sum(m.is_moe_block(i) for i in range(m.num_layers)) / m.num_layers
     return (6 if recompute is RecomputeGranularity.full else 4) * one * moe_blocks
