@@ -134,10 +134,10 @@ def degrees(p: Problem, fixed: dict[str, Any], dropped: Counter):
                     "vocabulary" if any(n % tp for n in sizes) else
                     "TP spans more than one NVLink domain"
                     if tp > p.hardware.gpus_per_nvlink_domain else
-                    "TP with a mixture of experts whose experts TP would split (ETP, not "
-                    "built: set parallel.expert_tensor_parallel_size=1 to search it)"
-                    if tp > 1 and m.num_moe_experts is not None
-                    and dict(p.given).get("parallel.expert_tensor_parallel_size") != 1 else None)
+                    "TP (= ETP, parallel.expert_tensor_parallel_size=null) does not divide "
+                    "the expert FFN" if m.num_moe_experts is not None and m.expert_ffn_size % tp
+                    and dict(p.given).get("parallel.expert_tensor_parallel_size") is None
+                    else None)
         if tp > 1 and "parallel.sequence_parallel" not in fixed:
             # SP off moves the same bytes (an all-reduce is a reduce-scatter and an
             # all-gather) and keeps TP x more activations: never better, not enumerated.
