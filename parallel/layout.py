@@ -180,6 +180,12 @@ class Layout:
         return self.context_parallel_size * self.data_parallel_size
 
     @cached_property
+    def micro_batch_tokens(self) -> int:
+        """Tokens of one micro-batch over every rank that holds some of them (its samples of
+        every batch lane, whole): what a mixture of experts balances and caps over."""
+        return self.micro_batch_times_batch_parallel_size * self.seq_length
+
+    @cached_property
     def micro_batch_times_batch_parallel_size(self) -> int:
         """Samples of one micro-batch on every batch lane: a global batch is a multiple of it
         (Megatron's micro_batch_times_data_parallel_size)."""

@@ -110,7 +110,8 @@ def check_moe(model: ModelConfig) -> None:
             ("moe_z_loss_coeff", model.moe_z_loss_coeff),
             ("moe_router_enable_expert_bias", model.moe_router_enable_expert_bias or None),
             ("moe_token_dispatcher_type", None if model.moe_token_dispatcher_type == "alltoall"
-             else model.moe_token_dispatcher_type))
+             else model.moe_token_dispatcher_type),
+            ("moe_expert_capacity_factor", model.moe_expert_capacity_factor))
             if v is not None]
         if ignored:
             raise ValueError(f"model.{ignored[0]} is ignored by a dense model "
@@ -168,6 +169,10 @@ def check_moe(model: ModelConfig) -> None:
                 fix="use e.g. 1e-3, or null for no z-loss")
     _finite("model.moe_router_bias_update_rate", model.moe_router_bias_update_rate, 0, False,
             fix="use e.g. 1e-3")
+    if model.moe_expert_capacity_factor is not None:
+        _finite("model.moe_expert_capacity_factor", model.moe_expert_capacity_factor, 0, False,
+                fix="use e.g. 1.25 (each expert runs at most 1.25 x its even share), or null "
+                    "for dropless")
 
 
 def check_optim(optim: OptimConfig) -> None:

@@ -6,6 +6,7 @@ once; nothing below it sees a DictConfig.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, List, Optional
@@ -117,6 +118,9 @@ class ModelConfig:
     # (each row to its expert's rank and back) or allgather (every rank's rows gathered, the
     # results reduce-scattered back); both compute the same.
     moe_token_dispatcher_type: str = "alltoall"
+    # Each expert runs at most ceil(tokens x topk / experts x this) of a micro-batch's (token,
+    # expert) pairs, the rest dropped by router weight (trainer.model.capacity); null: dropless.
+    moe_expert_capacity_factor: Optional[float] = None
 
     @property
     def query_groups(self) -> int:
@@ -144,6 +148,15 @@ class ModelConfig:
     @property
     def expert_ffn_size(self) -> int:
         return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def expert_capacity(self, tokens: float) -> int | None:
+        """(token, expert) pairs each expert may run in a micro-batch of `tokens` tokens
+        (Megatron's get_capacity, over the micro-batch's tokens: trainer.model.capacity);
+        None: dropless."""
+        if self.moe_expert_capacity_factor is None:
+            return None
+        return math.ceil(tokens * self.moe_router_topk / self.num_moe_experts
+                         * self.moe_expert_capacity_factor)
 
     def is_moe_block(self, block: int) -> bool:
         """Whether block `block` is a mixture of experts (moe_layer_freq)."""

@@ -136,6 +136,10 @@ TABLE = [
       ("model.moe_token_dispatcher_type='ring'", "alltoall, allgather")),
     R("model.moe_token_dispatcher_type=allgather",
       ("model.moe_token_dispatcher_type=allgather", "num_moe_experts=null")),
+    R("model.num_moe_experts=4 model.moe_expert_capacity_factor=0",
+      ("model.moe_expert_capacity_factor=0", "null for dropless")),
+    R("model.moe_expert_capacity_factor=1.25",
+      ("model.moe_expert_capacity_factor=1.25", "num_moe_experts=null")),
     R("model.kv_channels=15", ("model.kv_channels=15", "odd")),
     R("model.num_heads=3 model.kv_channels=16", (), OK, torch=True),  # heads need not divide h
     R(f"model.num_heads=8 model.num_query_groups=2 {TP4}",

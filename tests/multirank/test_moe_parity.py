@@ -52,6 +52,11 @@ MODELS["aux_z_4_layers"] = replace(MOE, num_layers=4, moe_layer_freq=[1, 0, 1, 1
 MODELS["aux_z_allgather"] = replace(MOE, moe_token_dispatcher_type="allgather")
 MODELS["sigmoid_bias_seq_allgather"] = replace(MODELS["sigmoid_bias_seq"],
                                                moe_token_dispatcher_type="allgather")
+# An expert capacity (trainer.model.capacity): each expert runs at most its even share of the
+# micro-batch's pairs (factor 1), the rest dropped by router weight, whatever the layout.
+MODELS["aux_z_capacity"] = replace(MOE, moe_expert_capacity_factor=1.0)
+MODELS["sigmoid_bias_seq_capacity"] = replace(MODELS["sigmoid_bias_seq"],
+                                              moe_expert_capacity_factor=1.0)
 TP2_SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True,
           "expert_tensor_parallel_size": 1}
 # Expert parallel (the expert view: etp-ep-edp-pp over the same ranks): EP 2, 4 and 8, beside
@@ -116,6 +121,13 @@ CASES = [  # (layout, cp_comm_type, model, dtype)
     ("etp2", P2P, "aux_z", torch.float64),
     ("tp2_sp_etp2_ep2", P2P, "sigmoid_bias_seq", torch.float64),
     ("cp2_etp2_ep2", A2A, "aux_z_allgather", torch.float32),
+    # A capacity's choice is discontinuous: in fp32 a weight within rounding of its expert's
+    # threshold falls either side under another layout's arithmetic (cp2 all_gather fp32
+    # dropped another pair in one step: 3.9e-5), so these run in fp64.
+    ("ep4", P2P, "aux_z_capacity", torch.float64),
+    ("cp2", ALL_GATHER, "sigmoid_bias_seq_capacity", torch.float64),
+    ("tp2_sp_etp2_ep2", P2P, "sigmoid_bias_seq_capacity", torch.float64),
+    ("cp2_ws2_ss2_ep4", P2P, "aux_z_capacity", torch.float64),
 ]
 
 
@@ -137,10 +149,12 @@ def test_a_mixture_of_experts_matches_one_process(name, comm, model, dtype):
     for got in results:  # every rank: the same routing as one process, step by step
         for ours, theirs in zip(got["moe"], ref["moe"]):
             assert ours["moe_imbalance_per_layer"] == theirs["moe_imbalance_per_layer"]
+            assert ours["moe_dropped"] == theirs["moe_dropped"]  # the same pairs dropped
             assert relative(ours["moe_aux_loss"], theirs["moe_aux_loss"]) <= TOLERANCE[dtype]
         for key, bias in got["biases"].items():  # its stage's
             assert torch.equal(bias, ref["biases"][key]), key
     assert set().union(*(got["biases"] for got in results)) == set(ref["biases"])
     assert ref["moe"][0]["moe_aux_loss"] > 0
+    assert (ref["moe"][0]["moe_dropped"] > 0) == (cfg.moe_expert_capacity_factor is not None)
     if cfg.moe_router_enable_expert_bias:  # it moved, by whole update steps
         assert ref["biases"]["layers.0.mlp.router.expert_bias"].abs().max() > 0

@@ -4,6 +4,7 @@ with its bias and scaling), Megatron's balance-loss formulas written out here, a
 use of them (the gradient's weight, one record per micro-batch under recompute, the bias)."""
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -73,7 +74,7 @@ def test_sigmoid_routing_with_bias_and_scaling_equals_deepseek_v3():
         theirs.weight.copy_(ours.weight)
         theirs.e_score_correction_bias.copy_(bias)
     x = torch.randn(2, 30, 32, dtype=torch.float64)
-    weights, experts, _, _ = ours(x)
+    weights, experts, *_ = ours(x)
     _, their_weights, their_experts = theirs(x)
     order, their_order = experts.argsort(-1), their_experts.argsort(-1)
     assert torch.equal(experts.gather(-1, order), their_experts.gather(-1, their_order))
@@ -108,7 +109,7 @@ def test_balance_losses_are_megatrons_and_their_gradient_has_its_weight(balancin
     block.router.loss_scale = 0.25  # as in a step of four micro-batches
     x = torch.randn(3, 10, 32, dtype=torch.float64)
     logits = F.linear(x.reshape(-1, 32), block.router.weight)
-    _, experts, loss, _ = block.router(x)
+    _, experts, loss, *_ = block.router(x)
     want = formulas(logits, experts, cfg, 3, 10)
     expected = 0.1 * want[balancing] + 0.01 * want["z"]
     assert abs(loss.item() - expected.item()) < 1e-12
@@ -192,3 +193,30 @@ def test_an_export_no_hugging_face_family_holds_is_one_line(change, key):
                                    moe_router_pre_softmax=True)) == "Qwen3MoeForCausalLM"
     with pytest.raises(ValueError, match=key.replace("[", r"\[").replace("]", r"\]")):
         architecture_of(replace(MOE, **change))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_an_expert_capacity_keeps_the_pairs_of_largest_weight(dtype):
+    """trainer.model.capacity against a sort: for each expert with more pairs than the limit,
+    the kept pairs are those whose weight is at least its limit-th largest (ties at that
+    weight all kept), the others all; the dropped count is what was not kept."""
+    from trainer.model.capacity import keep_within_capacity
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, k, experts = 300, 2, 6
+    chosen = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+    chosen[:150, 0] = 0  # one expert far over its share
+    weights = torch.rand(tokens, k, generator=gen, dtype=dtype)
+    weights[10:20] = weights[5, 0]  # exact ties, some at expert 0's threshold
+    counts = torch.bincount(chosen.reshape(-1), minlength=experts).double()
+    limit = math.ceil(tokens * k / experts * 1.0)  # ModelConfig.expert_capacity at factor 1
+    keep, dropped = keep_within_capacity(weights, chosen, counts, limit, lambda t: t)
+    for e in range(experts):
+        mine = weights[chosen == e]
+        if len(mine) > limit:
+            expected = weights >= mine.sort(descending=True).values[limit - 1]
+        else:
+            expected = torch.ones_like(keep)
+        assert torch.equal(keep[chosen == e], expected[chosen == e]), e
+    assert counts[0] > limit and not keep[chosen == 0].all()  # it dropped some
+    assert float(dropped) == (~keep).sum().item()

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import ModelConfig
+from trainer.model.capacity import keep_within_capacity
 
 Sum = Callable[[torch.Tensor], torch.Tensor]
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> hidden
@@ -45,6 +46,7 @@ class Routed:
 
     counts: torch.Tensor  # [E] tokens routed to each expert, over the whole micro-batch
     loss: float  # this rank's part of the balance losses (summed over ranks: the loss)
+    dropped: float = 0.0  # (token, expert) pairs beyond their expert's capacity, micro-batch's
 
 
 class Router(nn.Module):
@@ -62,15 +64,18 @@ class Router(nn.Module):
         self.bias_update_rate = cfg.moe_router_bias_update_rate
         self.register_buffer("expert_bias", torch.zeros(cfg.num_moe_experts)
                              if cfg.moe_router_enable_expert_bias else None)
+        # Pairs an expert may run at most of a micro-batch's tokens (None: dropless)
+        self.capacity = cfg.expert_capacity
         self.token_sum: Sum = _unchanged
         self.sequence_sum: Sum = _unchanged
         self.loss_scale = 1.0
         self.records: list[Routed] = []
 
-    def forward(self, x: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [b, s, h] -> (weights [b*s, k], experts [b*s, k], this rank's part of the balance
-        losses, the micro-batch's tokens per expert). The router runs in fp32 at least,
+        losses, the micro-batch's tokens per expert, which pairs their experts' capacity keeps
+        [b*s, k] (None: dropless), the pairs the micro-batch drops). The balance losses and
+        the counts are the router's choice before any drop. The router runs in fp32 at least,
         whatever the compute dtype (Megatron's moe_router_dtype=fp32): a bf16 logit would turn
         near ties into other experts."""
         b, s, _ = x.shape
@@ -82,7 +87,11 @@ class Router(nn.Module):
         # One collective for the micro-batch's counts and its tokens, summed over the ranks.
         totals = self.token_sum(torch.cat([counts, counts.new_tensor([b * s])]).double())
         counts, tokens = totals[:-1], totals[-1]
-        return weights, experts, self._balance_loss(logits, experts, counts, tokens, b, s), counts
+        loss = self._balance_loss(logits, experts, counts, tokens, b, s)
+        keep, dropped, limit = None, totals.new_zeros(()), self.capacity(float(tokens))
+        if limit is not None:
+            keep, dropped = keep_within_capacity(weights, experts, counts, limit, self.token_sum)
+        return weights, experts, loss, counts, keep, dropped
 
     def _route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.topk
@@ -140,8 +149,8 @@ class _RecordRouting(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out: torch.Tensor, loss: torch.Tensor, router: Router,
-                counts: torch.Tensor) -> torch.Tensor:
-        ctx.router, ctx.routed = router, Routed(counts, float(loss))
+                counts: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+        ctx.router, ctx.routed = router, Routed(counts, float(loss), float(dropped))
         ctx.scale, ctx.loss_meta = router.loss_scale, (loss.dtype, loss.device)
         return out.view_as(out)
 
@@ -149,7 +158,7 @@ class _RecordRouting(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         ctx.router.records.append(ctx.routed)
         dtype, device = ctx.loss_meta
-        return grad, torch.full((), ctx.scale, dtype=dtype, device=device), None, None
+        return grad, torch.full((), ctx.scale, dtype=dtype, device=device), None, None, None
 
 
 class Experts(nn.Module):
@@ -162,12 +171,18 @@ class Experts(nn.Module):
         self.activation_fn = activation_fn  # selective recompute wraps it, as the dense MLP's
         self.dispatch: Dispatch = _here  # expert parallel sends the rows to their experts' ranks
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor
-                ) -> torch.Tensor:
-        """x [N, h]; each token's top-k experts and their weights [N, k] -> [N, h]."""
-        k = experts.shape[1]
-        order = experts.reshape(-1).argsort(stable=True)  # (token, slot) pairs by expert
-        counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
+                keep: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, h]; each token's top-k experts and their weights [N, k] -> [N, h]. keep
+        [N, k]: the pairs their experts' capacity keeps (None: all); a dropped pair adds
+        nothing to its token."""
+        k, chosen = experts.shape[1], experts.reshape(-1)
+        if keep is None:
+            order = chosen.argsort(stable=True)  # (token, slot) pairs by expert
+        else:
+            pairs = keep.reshape(-1).nonzero().squeeze(1)
+            order = pairs[chosen[pairs].argsort(stable=True)]
+        counts = torch.bincount(chosen[order], minlength=self.num_experts)
         tokens = order // k
         dtype = (torch.get_autocast_dtype(x.device.type)
                  if torch.is_autocast_enabled(x.device.type) else x.dtype)
@@ -211,8 +226,8 @@ class MoE(nn.Module):
         self.shared = shared  # a dense SwiGLU every token passes through (or None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, experts, loss, counts = self.router(x)
-        out = self.experts(x.reshape(-1, x.shape[-1]), weights, experts).view(x.shape)
+        weights, experts, loss, counts, keep, dropped = self.router(x)
+        out = self.experts(x.reshape(-1, x.shape[-1]), weights, experts, keep).view(x.shape)
         if self.shared is not None:
             out = out + self.shared(x)
-        return _RecordRouting.apply(out, loss, self.router, counts)
+        return _RecordRouting.apply(out, loss, self.router, counts, dropped)

@@ -234,5 +234,5 @@ def memory_plan(model: ModelConfig, layout: Layout, options: EngineOptions) -> d
                           for s in stages],
             "unsharded": unsharded_memory(shapes).as_dict()}
     dispatch = dispatch_rows(model, Tokens.of(layout), compute_bytes(options.precision),
-                             options.recompute_granularity)
+                             options.recompute_granularity, layout.micro_batch_tokens)
     return plan | ({"expert_dispatch": dispatch} if dispatch else {})

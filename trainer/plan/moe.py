@@ -91,15 +91,18 @@ def moe_rebuild_bytes(m: ModelConfig, k: Tokens, e: int) -> int:
     return k.Tr * m.hidden_size * FP32 + (2 * k.etp - 1) * Tk * m.hidden_size * e
 
 
-def dispatch_rows(m: ModelConfig, k: Tokens, e: int,
-                  recompute: RecomputeGranularity | None) -> dict[str, int]:
+def dispatch_rows(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
+                  micro_batch_tokens: int) -> dict[str, int]:
     """Under EP or ETP, one MoE layer's rows on a rank in one micro-batch: the rows it sends
     (its tokens' (token, expert) pairs), the rows its experts run in the expected case (the
     router balanced: as many arrive from each EP source as leave; every ETP peer's too), which
     the memory plan's peak counts, and at most (dropless: every row of its EP group to its
     experts), with what its experts keep per row that runs there (their input, gate_up's
     output, silu(gate) and the product, the regrouping and its inverse): the worst case's
-    bytes beyond the plan. Empty for a dense model or without EP and ETP."""
+    bytes beyond the plan. With an expert capacity (model.moe_expert_capacity_factor) each of
+    its experts runs at most its capacity over the micro-batch's `micro_batch_tokens` tokens
+    (exact ties aside), which bounds the most. Empty for a dense model or without EP and
+    ETP."""
     if m.num_moe_experts is None or (k.ep == 1 and k.etp == 1):
         return {}
     sent = k.Tr * m.moe_router_topk
@@ -107,5 +110,8 @@ def dispatch_rows(m: ModelConfig, k: Tokens, e: int,
     per_row = (m.hidden_size + (3 if selective else 4) * m.expert_ffn_size // k.etp) * e \
         + 2 * INDEX
     expected, most = sent * k.etp, sent * k.ep * k.etp
+    if m.moe_expert_capacity_factor is not None:  # (a factor under 1 bounds both)
+        most = min(most, m.num_moe_experts // k.ep * m.expert_capacity(micro_batch_tokens))
+        expected = min(expected, most)
     return {"rows_sent": sent, "rows_expected": expected, "rows_most": most,
             "kept_bytes_per_row": per_row, "worst_case_extra_bytes": (most - expected) * per_row}

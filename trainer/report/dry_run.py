@@ -92,8 +92,10 @@ def format_report(spec: RunSpec, record: dict[str, Any]) -> str:
     shape += ["tied embeddings"] if m.tie_word_embeddings else []
     if m.num_moe_experts is not None:
         moe = sum(m.is_moe_block(i) for i in range(m.num_layers))
+        capacity = (f", capacity factor {m.moe_expert_capacity_factor:g}"
+                    if m.moe_expert_capacity_factor is not None else "")
         shape.append(f"{m.num_moe_experts} experts of {m.expert_ffn_size} (top "
-                     f"{m.moe_router_topk}) in {moe} blocks")
+                     f"{m.moe_router_topk}{capacity}) in {moe} blocks")
     lines += ["", f"memory per rank: model={m.name}, {m.num_layers} layers x hidden "
               f"{m.hidden_size}, {', '.join(shape)} ({memory['unsharded']['parameters']:,} "
               f"parameters), precision={config.train.precision.value}",
@@ -133,8 +135,9 @@ def format_report(spec: RunSpec, record: dict[str, Any]) -> str:
                   f"leave this rank; its experts",
                   f"   run {d['rows_expected']:,} expected (the router balanced: what the peak "
                   f"counts), at most {d['rows_most']:,}",
-                  f"   (dropless: every row of its EP group), which keeps "
-                  f"{_bytes(d['worst_case_extra_bytes']).strip()} more a layer"]
+                  ("   (its experts' capacity), which keeps " if m.moe_expert_capacity_factor
+                   is not None else "   (dropless: every row of its EP group), which keeps ")
+                  + f"{_bytes(d['worst_case_extra_bytes']).strip()} more a layer"]
     if layout.pp_size > 1:
         lines += pipeline_lines(config.parallel.pipeline_schedule, layout, memory)
     if spec.auto is not None:

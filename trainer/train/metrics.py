@@ -70,6 +70,8 @@ class MetricsLogger:
         left = elapsed / max(consumed - self.first_samples, 1) * (self.total_samples - consumed)
         moe = (f"aux {record['moe_aux_loss']:.2e} | imbalance {record['moe_imbalance']:.2f} | "
                if "moe_aux_loss" in record else "")
+        if record.get("moe_dropped"):  # an expert capacity dropped some of the step's pairs
+            moe += f"dropped {record['moe_dropped']:.2%} | "
         print(f"step {step:>6d}/{self.total_steps} | samples {record['consumed_samples']:>9,d} | "
               f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
               f"grad norm {record['grad_norm']:.3f} | {moe}{record['tokens_per_s']:>9,.0f} tok/s "

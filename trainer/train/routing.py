@@ -63,10 +63,12 @@ def finish(model: nn.Module, groups: Groups, stages: Group | None = None,
     found = routers(model)
     if not found and stages is None:
         return {}
-    losses, imbalance = [], {}
+    losses, imbalance, dropped, pairs = [], {}, 0.0, 0.0
     for name, router in found:
         counts = torch.stack([r.counts for r in router.records]).sum(0)
         losses.append(sum(r.loss for r in router.records) * router.loss_scale)
+        dropped += sum(r.dropped for r in router.records)  # the micro-batches' (global)
+        pairs += float(counts.sum())
         imbalance[_block(name)] = float(counts.max() / counts.mean())
         if router.expert_bias is not None:
             step = torch.sign(counts.mean() - counts) * router.bias_update_rate
@@ -76,11 +78,15 @@ def finish(model: nn.Module, groups: Groups, stages: Group | None = None,
     device = next(model.parameters()).device
     total = sum_over(token_groups(groups, sequence_parallel))(
         torch.tensor([sum(losses)], dtype=torch.float64, device=device))
+    total = torch.cat([total, total.new_tensor([dropped, pairs])])  # those two are global
     if stages is not None and stages.size > 1:
         total, imbalance = _over_stages(stages, total, imbalance)
-    return {"moe_aux_loss": float(total.sum()),
+    # moe_dropped: the share of (token, expert) pairs beyond their expert's capacity
+    # (model.moe_expert_capacity_factor; 0 when dropless)
+    return {"moe_aux_loss": float(total[0]),
             "moe_imbalance": round(max(imbalance.values()), 4),
-            "moe_imbalance_per_layer": {b: round(v, 4) for b, v in sorted(imbalance.items())}}
+            "moe_imbalance_per_layer": {b: round(v, 4) for b, v in sorted(imbalance.items())},
+            "moe_dropped": round(float(total[1] / total[2]), 6)}
 
 
 def _block(name: str) -> int:
@@ -90,13 +96,14 @@ def _block(name: str) -> int:
 
 def _over_stages(stages: Group, total: torch.Tensor, imbalance: dict[int, float]
                  ) -> tuple[torch.Tensor, dict[int, float]]:
-    """Every stage's blocks into one: the loss summed, the imbalance of each block (each is on
-    one stage; a dense block's stays 0, an expert layer's is 1 or more)."""
+    """Every stage's blocks into one: the loss and the dropped and routed pairs summed, the
+    imbalance of each block (each is on one stage; a dense block's stays 0, an expert layer's
+    is 1 or more)."""
     ends = total.new_tensor([max(imbalance, default=-1) + 1])
     blocks = int(stages.all_reduce(ends, op=dist.ReduceOp.MAX).item())
-    packed = total.new_zeros(blocks + 1)
-    packed[0] = total[0]
+    packed = total.new_zeros(blocks + 3)
+    packed[:3] = total
     for block, value in imbalance.items():
-        packed[block + 1] = value
+        packed[block + 3] = value
     stages.all_reduce(packed)
-    return packed[:1], {b: float(v) for b, v in enumerate(packed[1:].tolist()) if v}
+    return packed[:3], {b: float(v) for b, v in enumerate(packed[3:].tolist()) if v}
