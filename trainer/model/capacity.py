@@ -1,8 +1,8 @@
 """An expert's capacity (model.moe_expert_capacity_factor, Megatron's key): which of the
 (token, expert) pairs the router chose each expert keeps when it may run at most
-C = ceil(tokens x top-k / experts x factor) of them (ModelConfig.expert_capacity), dropping the rest by router weight
-(Megatron's moe_token_drop_policy=probs). Single-device code like the router; `token_sum` is
-its hook for the ranks that hold other tokens of the micro-batch.
+C = ceil(tokens x top-k / experts x factor) of them (ModelConfig.expert_capacity), dropping
+the rest by router weight (Megatron's moe_token_drop_policy=probs). Single-device code like
+the router; `token_sum` is its hook for the ranks that hold other tokens of the micro-batch.
 
 Megatron counts a capacity over each rank's own tokens, so what it drops depends on the
 layout. Here C and the choice are the micro-batch's, whatever the layout: each expert keeps the

@@ -73,7 +73,8 @@ SHARDED, WHOLE, NORMS, EXPERTS = BUFFERS = range(4)
 def local_numel(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[int, int]:
     """(elements this rank stores of parameter `name`, the optimizer buffer it is in): the TP
     slice of a planned weight, its rows padded to a multiple of GTP_remat as parallel.sharding
-    pads them; experts (3-D) split over EP and ETP; a weight the plan keeps whole, and norms, whole."""
+    pads them; experts (3-D) split over EP and ETP; a weight the plan keeps whole, and norms,
+    whole."""
     module = name.removesuffix(".weight")
     if len(shape) == 3:  # parallel.experts: dim 0 over EP, each expert over ETP
         return math.prod(shape) // layout.expert_split_size, EXPERTS
