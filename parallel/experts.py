@@ -1,6 +1,6 @@
 """Expert parallel's step: each mixture-of-experts layer keeps num_moe_experts / EP experts on a
-rank, and its rows travel to their experts' ranks and back (Megatron's token dispatchers,
-dropless; model.moe_token_dispatcher_type).
+rank, and its rows travel to their experts' ranks and back (Megatron's token dispatchers;
+model.moe_token_dispatcher_type).
 
 The model's Experts module sorts its (token, expert) rows by expert and hands them to its
 `dispatch` hook with each expert's row count (trainer.model.moe). Here that hook is an
@@ -16,9 +16,12 @@ reduce-scatters the answers back: the same rows through the same experts in the 
 both compute the same. Under selective recompute the dispatch is not repeated (only the
 activation is); full recompute replays the block, its exchanges included.
 
-Experts split on dim 0 over expert_model_parallel; their gradients are summed over
-expert_data_parallel by the optimizer (trainer.train.optim: the experts' own flat buffer).
-With EP = 1 the step still marks the experts as such (their buffer is sharded over expert DP).
+Experts split on dim 0 over expert_model_parallel, and each over expert_tensor_parallel as
+the model's plan says (ParallelPlan.expert_splits: ExpertWeight); under ETP every ETP peer's
+rows pass through this rank's slice and the partial outputs are summed on each row's rank
+(ExpertDispatch._across_split). Their gradients are summed over expert_data_parallel by the
+optimizer (trainer.train.optim: the experts' own flat buffer). With EP = ETP = 1 the step still
+marks the experts as such (their buffer is sharded over expert DP).
 """
 from __future__ import annotations
 

@@ -81,17 +81,31 @@ def _local_rank_main(env: RankEnv, spec: RunSpec, run_dir: Path, meta: dict[str,
                      errors: Any, parent: int) -> None:
     """Body of a process started by launch_local; reports its error to the parent."""
     _die_with_parent(parent)
+    code = 0
     with PreemptionWatch(hard_stop=False) as watch:  # the parent does the hard stop
         try:
             run_rank(env, spec, run_dir, meta, watch)
         except Interrupted as stop:  # saved as asked; the parent prints rank 0's line
             errors.put((env.rank, str(stop)))
-            sys.exit(stop.exit_code)
+            code = stop.exit_code
         except BaseException as error:  # noqa: BLE001  (every failure must reach the parent)
             if not isinstance(error, CompactHydraException):  # expected ones say it in a line
                 traceback.print_exc()
             errors.put((env.rank, f"{type(error).__name__}: {error}".strip()))
-            sys.exit(1)
+            code = 1
+    _leave(code)
+
+
+def _leave(code: int) -> None:
+    """End the rank without the interpreter's teardown. By now its process groups are
+    destroyed, its files closed and its error (if any) written to the parent's queue (a
+    SimpleQueue: written at put, no feeder thread to wait for); what teardown would
+    still do is destroy torch's leftover C++ objects in no fixed order, and gloo's threads
+    destroyed that way abort a rank that has finished (std::terminate, SIGABRT: seen in CI
+    about once in a dozen 2-rank runs), which the parent would report as its failure."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _die_with_parent(parent: int) -> None:
