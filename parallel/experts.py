@@ -78,13 +78,12 @@ class ExpertDispatch(ABC):
         regrouped by expert for the grouped GEMM, and each row's partial outputs come back to
         its own rank and are summed there. Sending each peer the same rows is the all-gather
         (variable sizes); the autograd of the exchange and the repeat sums their gradients."""
-        split, local = self.split, self.local
+        split = self.split
 
         def across(rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
             everyone = split.all_gather(counts.view(1, -1))  # [peer, my expert]
             n, sizes, k = rows.shape[0], everyone.sum(1).tolist(), split.size
-            expert = torch.arange(local, device=rows.device).repeat(k)
-            order = expert.repeat_interleave(everyone.reshape(-1)).argsort(stable=True)
+            order = _by_expert(everyone)
             # Each name rebound as soon as the next tensor exists: a row-sized buffer is
             # freed once used, so no more than two are alive beside what autograd keeps.
             rows = all_to_all_rows(rows.repeat(k, 1), split, [n] * k, sizes)[order]
@@ -133,8 +132,7 @@ class AllToAllDispatch(ExpertDispatch):
         send, receive = sent.sum(1).tolist(), received.sum(1).tolist()
         # Arrived by source, each source's by expert: regroup by expert (stable). Each
         # row-sized buffer is let go once the next exists (as in _across_split).
-        expert = torch.arange(local, device=rows.device).repeat(ep)
-        order = expert.repeat_interleave(received.reshape(-1)).argsort(stable=True)
+        order = _by_expert(received)
         arrived = all_to_all_rows(rows, self.group, send, receive)[order]
         done = run(arrived, received.sum(0))[_inverse(order)]
         del arrived  # autograd keeps what it needs of it
@@ -165,6 +163,14 @@ class AllGatherDispatch(ExpertDispatch):
 
 
 DISPATCHERS = {"alltoall": AllToAllDispatch, "allgather": AllGatherDispatch}
+
+
+def _by_expert(counts: torch.Tensor) -> torch.Tensor:
+    """Rows that arrived by source, each source's sorted by expert (counts [source, expert]):
+    the stable order that groups them by expert."""
+    sources, experts = counts.shape
+    expert = torch.arange(experts, device=counts.device).repeat(sources)
+    return expert.repeat_interleave(counts.reshape(-1)).argsort(stable=True)
 
 
 def _inverse(order: torch.Tensor) -> torch.Tensor:

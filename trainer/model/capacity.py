@@ -36,7 +36,6 @@ def keep_within_capacity(weights: torch.Tensor, chosen: torch.Tensor, counts: to
     bits = 8 * weights.element_size()
     need = torch.full((experts,), float(limit), dtype=torch.float64, device=weights.device)
     prefix = torch.zeros(experts, dtype=torch.int64, device=weights.device)
-    ties = need
     for shift in range(bits - DIGIT, -1, -DIGIT):
         # Pairs whose higher digits equal their expert's prefix so far, by their next digit.
         rows, digit = expert, (key >> shift) & 255
