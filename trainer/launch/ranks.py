@@ -7,6 +7,7 @@ launcher.
 from __future__ import annotations
 
 import os
+import time
 import zlib
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ from trainer.train.signals import PreemptionWatch
 
 # What env:// initialisation needs; torchrun (and a Kubernetes PyTorchJob) sets them all.
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+QUIET_RANKS_WAIT_S = 30  # how long the ranks other than 0 let rank 0 say a wrong world
 
 
 @dataclass(frozen=True)
@@ -69,9 +71,13 @@ def launched_rank() -> RankEnv | None:
 
 def check_world(env: RankEnv, spec: RunSpec) -> None:
     """The launcher started the config's world. Every rank finds a mismatch; rank 0 says it, the
-    others exit quietly with the same failure (one line, not one a rank)."""
+    others exit quietly with the same failure (one line, not one a rank). They wait first:
+    torchrun stops every rank when one fails, and a rank that failed at once stopped rank 0
+    before it had said why (rank 0 also takes the run's locks first); rank 0's failure ends
+    the wait, as torchrun then stops them."""
     layout = spec.layout
     if env.world_size != layout.world_size and env.rank != 0:
+        time.sleep(QUIET_RANKS_WAIT_S)
         raise SystemExit(1)
     if env.world_size != layout.world_size:
         cluster = spec.config.cluster
