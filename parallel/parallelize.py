@@ -80,16 +80,18 @@ class ParallelModel(nn.Module):
                             if head in self.layers else 0)
         self.vocab_size = vocab_size  # logits of ids at or past it are padding
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.forward_chunk(0, tokens, positions)
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        return self.forward_chunk(0, tokens, positions, documents)
 
-    def forward_chunk(self, chunk: int, inputs: torch.Tensor, positions: torch.Tensor
-                      ) -> torch.Tensor:
+    def forward_chunk(self, chunk: int, inputs: torch.Tensor, positions: torch.Tensor,
+                      documents: torch.Tensor | None = None) -> torch.Tensor:
         """This rank's virtual pipeline chunk `chunk` (the whole model without pipelining):
-        tokens or hidden states in, hidden states or logits out."""
+        tokens or hidden states in, hidden states or logits out. documents: where each
+        position's document starts, for the whole sequence (the model's AttentionFn)."""
         autocast = self.compute_dtype != torch.float32
         with torch.autocast(inputs.device.type, dtype=self.compute_dtype, enabled=autocast):
-            return self.stage.chunks[chunk](inputs, positions)
+            return self.stage.chunks[chunk](inputs, positions, documents)
 
     @property
     def stage_copies(self) -> set[str]:

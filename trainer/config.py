@@ -251,6 +251,11 @@ class DataConfig:
     seed: int = MISSING  # the shuffled sample order (independent of the layout)
     valid_fraction: Optional[float] = MISSING  # built-in or Megatron: held-out share (null = 0.01)
     blend: Optional[List[str]] = MISSING  # Megatron's --data-path: [weight, path, weight, path...]
+    # Packed documents (Megatron's flags): attention within a document only, RoPE positions
+    # restarting at each document, no loss where the input is a document's end-of-document token
+    reset_attention_mask: bool = MISSING
+    reset_position_ids: bool = MISSING
+    eod_mask_loss: bool = MISSING
 
 
 @dataclass

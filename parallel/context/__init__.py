@@ -6,7 +6,9 @@ sequence is one of three exchanges, Megatron's cp_comm_type:
     all_gather  gather.py    K/V gathered whole, attention by chunk pairs; O(sequence) K/V
     a2a         alltoall.py  Ulysses: heads <-> sequence all-to-all; heads must divide by CP
 
-All three run PyTorch's fused attention kernels (kernels.py) and build no mask.
+All three run PyTorch's fused attention kernels (kernels.py) and build no mask, also over
+packed documents (data.reset_attention_mask): calls.py cuts each chunk pair into kernel calls
+over the rows and keys a document allows.
 """
 from __future__ import annotations
 
@@ -30,7 +32,7 @@ __all__ = ["CP_COMM_TYPES", "context_attention", "inject_attention", "keep_local
 
 
 def context_attention(cp_comm_type: str, context: Group, layout: Layout, rank: int
-                      ) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+                      ) -> Callable[..., torch.Tensor]:
     """The attention_fn for runtime CP > 1."""
     if cp_comm_type not in ATTENTION:
         raise ValueError(f"cp_comm_type={cp_comm_type!r}: expected one of {CP_COMM_TYPES}")

@@ -8,25 +8,32 @@ from __future__ import annotations
 import torch
 
 from parallel.comm import Group
-from parallel.context.chunks import Block, blocks, sequence_order
-from parallel.context.kernels import Merge, attend_blocks, block_gradients, merged_output
+from parallel.context.calls import Call, plan_calls
+from parallel.context.chunks import sequence_order
+from parallel.context.kernels import (
+    Merge,
+    attend_calls,
+    call_gradients,
+    lse_dtype,
+    merged_output,
+)
 from parallel.layout import Layout
 from parallel.regions import gather_along
 
 HEAD_SEQ_DIM = 2  # q, k, v are [batch, heads, seq, head_dim]
 
 
-class _ChunkPairs(torch.autograd.Function):
-    """Local queries over the whole sequence's keys and values (in sequence order)."""
+class ChunkPairs(torch.autograd.Function):
+    """Local queries over the whole sequence's keys and values (in sequence order), by calls
+    (calls.plan_calls)."""
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: list[Block]):
-        chunk = q.shape[2] // 2
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: list[Call]):
         with torch.autocast(q.device.type, enabled=False):
-            merges, aux = [Merge(), Merge()], {}
-            attend_blocks(q, k, v, plan, chunk, merges, aux)
-            out, lse = merged_output(merges, q)
-        ctx.plan, ctx.aux = plan, aux
+            merge, aux = Merge(q, lse_dtype(q)), {}
+            attend_calls(q, k, v, calls, merge, aux)
+            out, lse = merged_output(merge, q)
+        ctx.calls, ctx.aux = calls, aux
         ctx.save_for_backward(q, k, v, out, lse)
         return out
 
@@ -34,9 +41,10 @@ class _ChunkPairs(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (q, k, v))
-        for rows, keys, grads in block_gradients(grad_out, q, k, v, out, lse, ctx.plan,
-                                                 q.shape[2] // 2, ctx.aux):
-            for total, grad in zip((dq[:, :, rows], dk[:, :, keys], dv[:, :, keys]), grads):
+        for samples, rows, keys, grads in call_gradients(grad_out, q, k, v, out, lse, ctx.calls,
+                                                         ctx.aux):
+            for total, grad in zip((dq[samples, :, rows], dk[samples, :, keys],
+                                    dv[samples, :, keys]), grads):
                 total += grad
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
@@ -47,10 +55,18 @@ class AllGatherAttention:
     def __init__(self, context: Group, layout: Layout, rank: int):
         self.context = context
         self.order = sequence_order(layout, context.ranks)  # gathered K/V in sequence order
-        self.plan = blocks(layout.context_chunk_ids(rank), tuple(range(len(self.order))))
+        self.mine = layout.context_chunk_ids(rank)
+        self._plain: dict[int, list[Call]] = {}  # without documents: by chunk length
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 documents: torch.Tensor | None = None) -> torch.Tensor:
         kv = gather_along(torch.stack((k, v)), self.context, HEAD_SEQ_DIM + 1)
         chunks = kv.unflatten(HEAD_SEQ_DIM + 1, (len(self.order), -1))
         kv = chunks.index_select(HEAD_SEQ_DIM + 1, self.order.to(kv.device)).flatten(3, 4)
-        return _ChunkPairs.apply(q, kv[0], kv[1], self.plan)
+        chunk = q.shape[2] // 2
+        calls = self._plain.get(chunk) if documents is None else None
+        if calls is None:
+            calls = plan_calls(self.mine, tuple(range(len(self.order))), chunk, documents)
+            if documents is None:
+                self._plain[chunk] = calls
+        return ChunkPairs.apply(q, kv[0], kv[1], calls)

@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from parallel.context.chunks import Block
+from parallel.context.calls import Call
 
 aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -86,54 +86,53 @@ def _sum_groups(grad: torch.Tensor, groups: int) -> torch.Tensor:
 
 
 class Merge:
-    """The running softmax-weighted output of one query block over the key blocks seen so
-    far: out = sum_i out_i * exp(lse_i - lse), lse = log sum_i exp(lse_i)."""
+    """The running softmax-weighted output of the local queries over the key blocks seen so
+    far, by region (samples, rows): out = sum_i out_i * exp(lse_i - lse), lse = log sum_i
+    exp(lse_i). A region starts empty (out 0, lse -inf), so its first block is taken as it is."""
 
-    def __init__(self) -> None:
-        self.out: torch.Tensor | None = None
-        self.lse: torch.Tensor | None = None
+    def __init__(self, q: torch.Tensor, dtype: torch.dtype):
+        self.out = torch.zeros(q.shape, dtype=dtype, device=q.device)
+        self.lse = torch.full(q.shape[:3], -torch.inf, dtype=dtype, device=q.device)
 
-    def add(self, out: torch.Tensor, lse: torch.Tensor) -> None:
-        out = out.to(lse.dtype)
-        if self.out is None:
-            self.out, self.lse = out, lse
-            return
-        merged = torch.logaddexp(self.lse, lse)
-        self.out.mul_(torch.exp(self.lse - merged)[..., None])
-        self.out.add_(out.mul_(torch.exp(lse - merged)[..., None]))
-        self.lse = merged
+    def add(self, samples: slice, rows: slice, out: torch.Tensor, lse: torch.Tensor) -> None:
+        mine, mine_lse = self.out[samples, :, rows], self.lse[samples, :, rows]
+        merged = torch.logaddexp(mine_lse, lse)
+        mine.mul_(torch.exp(mine_lse - merged)[..., None])
+        mine.add_(out.to(merged.dtype).mul_(torch.exp(lse - merged)[..., None]))
+        mine_lse.copy_(merged)
 
 
-def attend_blocks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: list[Block],
-                  chunk: int, merges: list[Merge], aux: dict) -> None:
-    """Every block (see chunks.blocks) of local queries q over keys k, v, merged per query
-    chunk; `chunk` tokens per chunk. aux: filled with each block shape's kernel aux."""
-    for qi, k0, k1, causal in blocks:
-        rows, keys = slice(qi * chunk, (qi + 1) * chunk), slice(k0 * chunk, k1 * chunk)
-        out, lse, aux[k1 - k0, causal] = attend(q[:, :, rows], k[:, :, keys], v[:, :, keys],
-                                                causal)
-        merges[qi].add(out, lse)
+def attend_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: list[Call],
+                 merge: Merge, aux: dict) -> None:
+    """Every call (see calls.plan_calls) of local queries q over keys k, v, merged. aux:
+    filled with each call's kernel aux, by its index."""
+    for i, (samples, rows, keys, causal) in enumerate(calls):
+        out, lse, aux[i] = attend(q[samples, :, rows], k[samples, :, keys], v[samples, :, keys],
+                                  causal)
+        merge.add(samples, rows, out, lse)
 
 
-def block_gradients(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    out: torch.Tensor, lse: torch.Tensor, blocks: list[Block], chunk: int,
-                    aux: dict) -> Iterator[tuple[slice, slice, tuple[torch.Tensor, ...]]]:
-    """The backward of attend_blocks, block by block: (query rows, key rows, (dq, dk, dv))."""
-    for qi, k0, k1, causal in blocks:
-        rows, keys = slice(qi * chunk, (qi + 1) * chunk), slice(k0 * chunk, k1 * chunk)
-        yield rows, keys, attend_backward(grad_out[:, :, rows], q[:, :, rows], k[:, :, keys],
-                                          v[:, :, keys], out[:, :, rows], lse[:, :, rows],
-                                          causal, aux[k1 - k0, causal])
+def call_gradients(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, calls: list[Call], aux: dict
+                   ) -> Iterator[tuple[slice, slice, slice, tuple[torch.Tensor, ...]]]:
+    """The backward of attend_calls, call by call: (samples, query rows, key rows,
+    (dq, dk, dv))."""
+    for i, (samples, rows, keys, causal) in enumerate(calls):
+        yield samples, rows, keys, attend_backward(
+            grad_out[samples, :, rows], q[samples, :, rows], k[samples, :, keys],
+            v[samples, :, keys], out[samples, :, rows], lse[samples, :, rows], causal, aux[i])
 
 
-def merged_output(merges: list[Merge], like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) of the query chunks in order; out in like's dtype, laid out [b, s, heads, d]
-    in memory as the kernels' outputs are, so the model's reshape after attention is free."""
+def merged_output(merge: Merge, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse); out in like's dtype, laid out [b, s, heads, d] in memory as the kernels'
+    outputs are, so the model's reshape after attention is free."""
     b, heads, s, d = like.shape
     out = like.new_empty(b, s, heads, d).transpose(1, 2)
-    start = 0
-    for merge in merges:
-        size = merge.out.shape[2]
-        out[:, :, start:start + size] = merge.out
-        start += size
-    return out, torch.cat([merge.lse for merge in merges], dim=2)
+    out.copy_(merge.out)
+    return out, merge.lse
+
+
+def lse_dtype(q: torch.Tensor) -> torch.dtype:
+    """What the kernels' log-sum-exp comes in, and the merge accumulates in: fp32, fp64 for
+    fp64 inputs."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32

@@ -20,37 +20,52 @@ from __future__ import annotations
 import torch
 
 from parallel.comm import Group
-from parallel.context.chunks import Block, blocks
-from parallel.context.kernels import Merge, attend_blocks, block_gradients, merged_output
+from parallel.context.calls import Call, plan_calls
+from parallel.context.kernels import (
+    Merge,
+    attend_calls,
+    call_gradients,
+    lse_dtype,
+    merged_output,
+)
 from parallel.layout import Layout
 
 
 class Ring:
-    """The context group seen as a ring, and the blocks each step computes on this rank."""
+    """The context group seen as a ring, and the calls each step computes on this rank."""
 
     def __init__(self, group: Group, layout: Layout, rank: int):
         self.group, self.size = group, group.size
         chunks = [layout.context_chunk_ids(member) for member in group.ranks]
-        mine = layout.context_chunk_ids(rank)
+        self.mine = layout.context_chunk_ids(rank)
         # step i holds the K/V of the member i hops before this one
-        self.steps: list[list[Block]] = [
-            blocks(mine, chunks[(group.rank - i) % self.size]) for i in range(self.size)]
+        self.held = [chunks[(group.rank - i) % self.size] for i in range(self.size)]
+        self._plain: dict[int, list[list[Call]]] = {}  # without documents: by chunk length
+
+    def steps(self, chunk: int, documents: torch.Tensor | None) -> list[list[Call]]:
+        """Each step's calls for chunks of `chunk` tokens (documents: see calls.py)."""
+        if documents is None and chunk in self._plain:
+            return self._plain[chunk]
+        steps = [plan_calls(self.mine, held, chunk, documents) for held in self.held]
+        if documents is None:
+            self._plain[chunk] = steps
+        return steps
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring):
-        chunk = q.shape[2] // 2
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring,
+                steps: list[list[Call]]):
         with torch.autocast(q.device.type, enabled=False):
             kv = first = torch.stack((k, v))
-            merges, aux = [Merge(), Merge()], {}
-            for i, step in enumerate(ring.steps):
+            merge, aux = Merge(q, lse_dtype(q)), [{} for _ in steps]
+            for i, step in enumerate(steps):
                 hop = ring.group.start_shift([kv]) if i + 1 < ring.size else None
-                attend_blocks(q, kv[0], kv[1], step, chunk, merges, aux)
+                attend_calls(q, kv[0], kv[1], step, merge, aux[i])
                 if hop is not None:
                     kv = hop.wait()[0]
-            out, lse = merged_output(merges, q)
-        ctx.ring, ctx.aux = ring, aux
+            out, lse = merged_output(merge, q)
+        ctx.ring, ctx.steps, ctx.aux = ring, steps, aux
         # K and V stacked (the ring's first block) are kept instead of k and v themselves, so
         # the qkv projection's output (v is a view of it) need not outlive the forward.
         ctx.save_for_backward(q, first, out, lse)
@@ -62,12 +77,12 @@ class _RingAttention(torch.autograd.Function):
             raise RuntimeError("ring attention's backward runs once per forward: it reuses "
                                "its saved K/V buffer (retain_graph is not supported)")
         q, kv, out, lse = ctx.saved_tensors
-        ring, chunk, total = ctx.ring, q.shape[2] // 2, lse.dtype
+        ring, total = ctx.ring, lse.dtype
         ctx.ring = None
         dq = torch.zeros(q.shape, dtype=total, device=q.device)
         travelling = None  # the gradients of the K/V block this rank holds, on their way
         spare = None  # the K/V buffer of two steps ago (from step 2 on, the saved one)
-        for i, step in enumerate(ring.steps):
+        for i, step in enumerate(ctx.steps):
             hop = None
             if i + 1 < ring.size:  # double-buffered: no third K/V block is ever allocated
                 hop = ring.group.start_shift([kv], None if spare is None else [spare])
@@ -75,9 +90,9 @@ class _RingAttention(torch.autograd.Function):
                 travelling.wait_sent()
             if travelling is None:  # our own block: its gradients start here
                 dkv = torch.zeros(kv.shape, dtype=total, device=q.device)
-                _gradients(grad_out, q, kv, out, lse, step, chunk, ctx.aux, dq, dkv)
+                _gradients(grad_out, q, kv, out, lse, step, ctx.aux[i], dq, dkv)
             else:  # added into the gradients arriving for this block, once they are here
-                key_grads = _gradients(grad_out, q, kv, out, lse, step, chunk, ctx.aux, dq)
+                key_grads = _gradients(grad_out, q, kv, out, lse, step, ctx.aux[i], dq)
                 dkv = _added(travelling.wait()[0], key_grads)
                 del key_grads
             travelling = ring.group.start_shift([dkv])  # after the last step: home
@@ -85,19 +100,19 @@ class _RingAttention(torch.autograd.Function):
             if hop is not None:
                 kv, spare = hop.wait()[0], kv
         dkv = travelling.wait()[0]
-        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None
+        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None
 
 
 def _gradients(grad_out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
-               lse: torch.Tensor, step: list[Block], chunk: int, aux: dict, dq: torch.Tensor,
+               lse: torch.Tensor, step: list[Call], aux: dict, dq: torch.Tensor,
                dkv: torch.Tensor | None = None) -> list:
-    """One step's blocks: their dq added into dq; their (key rows, dk, dv) added into dkv as
-    they come, or returned without dkv."""
+    """One step's calls: their dq added into dq; their (samples, key rows, dk, dv) added into
+    dkv as they come, or returned without dkv."""
     key_grads = []
-    for rows, keys, (dq_block, dk, dv) in block_gradients(grad_out, q, kv[0], kv[1], out, lse,
-                                                          step, chunk, aux):
-        dq[:, :, rows] += dq_block
-        key_grads.append((keys, dk, dv))
+    for samples, rows, keys, (dq_call, dk, dv) in call_gradients(grad_out, q, kv[0], kv[1], out,
+                                                                 lse, step, aux):
+        dq[samples, :, rows] += dq_call
+        key_grads.append((samples, keys, dk, dv))
         if dkv is not None:
             _added(dkv, key_grads)
             key_grads.clear()
@@ -105,9 +120,9 @@ def _gradients(grad_out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: t
 
 
 def _added(dkv: torch.Tensor, key_grads: list) -> torch.Tensor:
-    for keys, dk, dv in key_grads:
-        dkv[0][:, :, keys] += dk
-        dkv[1][:, :, keys] += dv
+    for samples, keys, dk, dv in key_grads:
+        dkv[0][samples, :, keys] += dk
+        dkv[1][samples, :, keys] += dv
     return dkv
 
 
@@ -117,5 +132,7 @@ class RingAttention:
     def __init__(self, context: Group, layout: Layout, rank: int):
         self.ring = Ring(context, layout, rank)
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return _RingAttention.apply(q, k, v, self.ring)
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 documents: torch.Tensor | None = None) -> torch.Tensor:
+        return _RingAttention.apply(q, k, v, self.ring,
+                                    self.ring.steps(q.shape[2] // 2, documents))

@@ -3,8 +3,9 @@ with activations and their gradients crossing stages point-to-point over the pp 
 
 Every rank replays the list parallel.pipeline.schedules gives its stage, so the dry run's
 figures (bubble, micro-batches in flight) are the run's. A micro-batch's hidden states go to the
-next stage with their token positions (a stage needs nothing else of the batch); gradients come
-back the same way. Sends never block, and a receive is posted one action before its data is
+next stage with their token positions; gradients come back the same way. Packed documents
+(where each position's document starts, a few integers a sample) are not sent: every stage
+has its micro-batches' own. Sends never block, and a receive is posted one action before its data is
 needed, so it arrives while the rank computes; a rank only waits for what it is about to use.
 Each message has its own tag, so two ranks may post theirs in any order. A peer that died or raised
 leaves a receive waiting, which the process group's timeout (cluster.timeout_s) fails.
@@ -60,10 +61,11 @@ class PipelineRunner:
         # waiting for messages). 1 - busy / total is the bubble this stage saw.
         self.run_s = self.busy_s = 0.0
 
-    def run(self, inputs: Sequence[tuple[torch.Tensor, torch.Tensor]], last: LastStage,
-            train: bool = True) -> None:
-        """inputs: (tokens, positions) of each micro-batch, as this rank keeps them (a stage
-        after the first uses neither: its come with the hidden states). train=False runs the
+    def run(self, inputs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+            last: LastStage, train: bool = True) -> None:
+        """inputs: (tokens, positions, documents) of each micro-batch, as this rank keeps them
+        (a stage after the first uses only the documents: its tokens and positions come with
+        the hidden states). train=False runs the
         forwards only, in the schedule's order, without autograd."""
         actions = stage_actions(self.schedule, self.stage, self.size, len(inputs), self.virtual)
         if not train:
@@ -93,7 +95,8 @@ class PipelineRunner:
         with torch.set_grad_enabled(train), _SavedBytes(self.measure, self.model) as size:
             x, positions = self._inputs(action, inputs, train, flight)
             busy = time.perf_counter()
-            out = self.model.forward_chunk(action.chunk, x, positions)
+            out = self.model.forward_chunk(action.chunk, x, positions,
+                                           inputs[action.microbatch][2])
             if chunk == self.last_chunk:
                 out = last(action.microbatch, out)
             self.busy_s += time.perf_counter() - busy
@@ -146,7 +149,7 @@ class PipelineRunner:
     def _inputs(self, action: Action, inputs: Sequence, train: bool, flight: _InFlight
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         if model_chunk(self.stage, action.chunk, self.size) == 0:
-            return inputs[action.microbatch]
+            return inputs[action.microbatch][:2]
         positions, x = self._received(action, flight)
         return x.requires_grad_(train), positions
 

@@ -238,6 +238,11 @@ TABLE = [
     R("train.eval_samples=3", ("train.eval_samples=3",)),
     R("train.eval_samples=0", ("train.eval_samples=0",)),
     R("train.seed=-1", ("train.seed=-1",)),
+    # packed documents
+    R("data.reset_position_ids=true", ("data.reset_position_ids=true",
+                                       "data.reset_attention_mask=true")),
+    R("data.eod_mask_loss=true", ("data.eod_mask_loss=true", "data.tokenizer=byte")),
+    R("data.eod_mask_loss=true data.path={ds}", ("data.eod_mask_loss=true", "data.path=")),
     R(f"data.seed={2**32}", (f"data.seed={2**32}",)),
     R("checkpoint.save_interval=0", ("checkpoint.save_interval=0",)),
     R("checkpoint.save_interval=-5", ("checkpoint.save_interval=-5",)),

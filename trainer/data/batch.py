@@ -3,6 +3,13 @@
 A sample is a row of seq_length + 1 tokens: inputs are its first seq_length tokens, labels the
 last seq_length. Which samples and which positions a rank keeps is the Layout's answer
 (micro_batch_samples, context_chunks); this module only fetches and indexes.
+
+Packed documents (Megatron's data flags; the documents come from the dataset's document index,
+trainer.data.stream): reset_attention_mask gives the model, for every position of the whole
+sequence, where its document starts (the attention needs no more, trainer.model.transformer's
+AttentionFn); reset_position_ids restarts the RoPE positions at each document; eod_mask_loss
+drops the loss where the input is a document's last token (its end-of-document token), whose
+target is the next document's first token.
 """
 from __future__ import annotations
 
@@ -13,6 +20,9 @@ import torch
 
 from parallel.context import keep_local, local_positions
 from parallel.layout import Layout
+from trainer.config import DataConfig
+
+IGNORE = -100  # label of a position that carries no loss
 
 
 @dataclass
@@ -21,25 +31,63 @@ class MicroBatch:
 
     tokens: torch.Tensor
     labels: torch.Tensor
-    positions: torch.Tensor  # global positions within the sequence (RoPE, causal masks)
+    positions: torch.Tensor  # RoPE positions: global positions, or within the document
+    # data.reset_attention_mask: where each position's document starts, [micro_batch_size,
+    # seq_length], every position (not only this rank's), kept on the CPU; else None
+    documents: torch.Tensor | None = None
 
 
-# Positions within the global batch -> those samples, [n, seq_length + 1] token ids.
+# Positions within the global batch -> those samples, [n, seq_length + 1] token ids; or, for
+# documents, where each of those tokens' document starts within its sample.
 Fetch = Callable[[Sequence[int]], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class DocumentRules:
+    """data.reset_attention_mask, reset_position_ids, eod_mask_loss."""
+
+    reset_attention_mask: bool = False
+    reset_position_ids: bool = False
+    eod_mask_loss: bool = False
+
+    @classmethod
+    def of(cls, data: DataConfig) -> DocumentRules:
+        return cls(data.reset_attention_mask, data.reset_position_ids, data.eod_mask_loss)
+
+    @property
+    def needed(self) -> bool:
+        return self.reset_attention_mask or self.reset_position_ids or self.eod_mask_loss
+
+
+NO_DOCUMENTS = DocumentRules()
+
+
 def rank_micro_batches(fetch: Fetch, layout: Layout, rank: int,
-                       device: torch.device | None = None) -> list[MicroBatch]:
-    """Only this rank's samples are fetched; every rank of a context group fetches the same."""
+                       device: torch.device | None = None, rules: DocumentRules = NO_DOCUMENTS,
+                       starts: Fetch | None = None) -> list[MicroBatch]:
+    """Only this rank's samples are fetched; every rank of a context group fetches the same.
+    starts: the samples' document starts (trainer.data.stream), fetched when `rules` need
+    them."""
     lane, keep = layout.batch_partition(rank), local_positions(layout, rank)
+    seq = layout.seq_length
     out = []
     for micro in range(layout.num_microbatches):
-        samples = fetch(list(layout.micro_batch_samples(lane, micro)))
-        if tuple(samples.shape) != (layout.micro_batch_size, layout.seq_length + 1):
+        indices = list(layout.micro_batch_samples(lane, micro))
+        samples = fetch(indices)
+        if tuple(samples.shape) != (layout.micro_batch_size, seq + 1):
             raise ValueError(f"fetched samples of shape {tuple(samples.shape)}, expected "
-                             f"{(layout.micro_batch_size, layout.seq_length + 1)}")
-        positions = torch.arange(layout.seq_length).expand(samples.shape[0], -1)
-        tensors = (keep_local(samples[:, :-1], keep), keep_local(samples[:, 1:], keep),
+                             f"{(layout.micro_batch_size, seq + 1)}")
+        positions = torch.arange(seq).expand(samples.shape[0], -1)
+        labels, documents = samples[:, 1:], None
+        if rules.needed:
+            begin = starts(indices)  # [n, seq + 1]: where each token's document starts
+            if rules.reset_position_ids:
+                positions = positions - begin[:, :-1]
+            if rules.eod_mask_loss:  # the target starts a document: the input ended one
+                labels = labels.masked_fill(begin[:, 1:] == torch.arange(1, seq + 1), IGNORE)
+            if rules.reset_attention_mask:
+                documents = begin[:, :-1].contiguous()
+        tensors = (keep_local(samples[:, :-1], keep), keep_local(labels, keep),
                    keep_local(positions, keep))
-        out.append(MicroBatch(*(t.to(device) if device else t for t in tensors)))
+        out.append(MicroBatch(*(t.to(device) if device else t for t in tensors), documents))
     return out

@@ -31,6 +31,12 @@ class DataSource:
 
     @classmethod
     def from_config(cls, data: DataConfig, model: ModelConfig, train: TrainConfig) -> DataSource:
+        if data.reset_position_ids and not data.reset_attention_mask:
+            raise ValueError(
+                "data.reset_position_ids=true with data.reset_attention_mask=false: positions "
+                "would restart at each document while attention still runs across documents, "
+                "so tokens of two documents would meet at the same positions. Fix: set "
+                "data.reset_attention_mask=true too, or data.reset_position_ids=false.")
         if data.blend is not None:
             return cls._blend(data, model, train)
         if data.path is None:
@@ -55,6 +61,7 @@ class DataSource:
             raise ValueError(f"data.path={data.path}: {problem}. Fix: {PREPARE_FIX}.") from None
         _check_vocab(meta["vocab_size"], f"the dataset {path}", model)
         _check_splits(meta["splits"], data.path, train)
+        _check_end_of_document(data, meta["eod_id"], f"data.path={data.path}")
         return cls(path, False, float("nan"))
 
     @classmethod
@@ -66,6 +73,8 @@ class DataSource:
                              f"data.path.")
         fraction = _valid_fraction(data, train)
         _check_vocab(TOKENIZERS[tokenizer].vocab_size, "the built-in corpus", model)
+        _check_end_of_document(data, TOKENIZERS[tokenizer].eod_id,
+                               f"the built-in corpus (data.tokenizer={tokenizer})")
         path = builtin_location(Path(data.cache_dir) if data.cache_dir else None, fraction)
         # Its splits are checked at start, once it is prepared (prepare()): a dry run, which
         # reads no data, plans any train.seq_length whether or not this machine prepared it.
@@ -206,6 +215,18 @@ def _tokenizer_of(part: DataSource) -> tuple[str, tuple]:
         if file.is_absolute() and file.is_file():
             return name, (meta["vocab_size"], hashlib.sha256(file.read_bytes()).hexdigest())
     return name, (meta["vocab_size"], meta["tokenizer"])
+
+
+def _check_end_of_document(data: DataConfig, eod_id: int | None, what: str) -> None:
+    """eod_mask_loss drops the loss at the token that ends a document: data tokenized without
+    one (the byte tokenizer) has none. A Megatron dataset records no tokenizer: its documents
+    are taken to end with one, as Megatron's own flag takes them (preprocess --append-eod)."""
+    if data.eod_mask_loss and eod_id is None:
+        raise ValueError(
+            f"data.eod_mask_loss=true, but {what} was tokenized without an end-of-document "
+            f"token (the byte tokenizer): its documents end in text, whose loss would be "
+            f"dropped. Fix: set data.eod_mask_loss=false, or prepare the text with a tokenizer "
+            f"that has one (python -m trainer.prepare --tokenizer ...).")
 
 
 def _check_vocab(vocab_size: int, what: str, model: ModelConfig) -> None:

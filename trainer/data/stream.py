@@ -46,6 +46,7 @@ class SampleStream:
             dataset.tokens[self.start:], shape=(self.num_samples_per_epoch, seq_length + 1),
             strides=(seq_length * step, step), writeable=False)
         self._orders: dict[int, np.ndarray] = {}  # the last two epochs: a batch may span both
+        self._doc_starts: np.ndarray | None = None  # read when documents are first asked for
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The split's sample positions in epoch's order."""
@@ -60,8 +61,8 @@ class SampleStream:
             self._orders[epoch] = order
         return self._orders[epoch]
 
-    def get(self, indices: Sequence[int]) -> torch.Tensor:
-        """[len(indices), seq_length + 1] int64 tokens of these stream indices."""
+    def _samples(self, indices: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+        """(stream indices, the split's sample positions they are)."""
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         if idx.size and idx.min() < 0:
             raise ValueError(f"sample indices must be >= 0, got {int(idx.min())}")
@@ -70,6 +71,25 @@ class SampleStream:
         for epoch in np.unique(epochs):
             here = epochs == epoch
             samples[here] = self.epoch_order(int(epoch))[positions[here]]
+        return idx, samples
+
+    def document_starts(self, indices: Sequence[int]) -> torch.Tensor:
+        """[len(indices), seq_length + 1] int64: for each token of these samples, where its
+        document starts within the sample (0 for one that started before the sample). The
+        documents are the dataset's (its document index: ours, or Megatron's .idx)."""
+        import torch
+
+        _, samples = self._samples(indices)
+        if self._doc_starts is None:
+            self._doc_starts = np.asarray(self.dataset.meta["doc_starts"], dtype=np.int64)
+        first = self.start + samples * self.seq_length  # each sample's first token
+        tokens = first[:, None] + np.arange(self.seq_length + 1)
+        begins = self._doc_starts[np.searchsorted(self._doc_starts, tokens, side="right") - 1]
+        return torch.from_numpy(np.maximum(begins - first[:, None], 0))
+
+    def get(self, indices: Sequence[int]) -> torch.Tensor:
+        """[len(indices), seq_length + 1] int64 tokens of these stream indices."""
+        idx, samples = self._samples(indices)
         out = np.array(self.windows[samples], dtype=np.int64)
         if self.max_id is not None and out.size and out.max() >= self.max_id:
             row = int(np.argmax(out.max(axis=1)))
@@ -99,6 +119,13 @@ class BlendedStream:
         self.part, self.rank, self.per_period = blend_pattern(self.weights)
 
     def get(self, indices: Sequence[int]) -> torch.Tensor:
+        return self._gather(indices, SampleStream.get)
+
+    def document_starts(self, indices: Sequence[int]) -> torch.Tensor:
+        return self._gather(indices, SampleStream.document_starts)
+
+    def _gather(self, indices: Sequence[int], read) -> torch.Tensor:
+        """read(part's stream, its indices) of each part's samples, in the order asked."""
         import torch
 
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
@@ -108,7 +135,7 @@ class BlendedStream:
         out = torch.empty(idx.size, self.streams[0].seq_length + 1, dtype=torch.int64)
         for d in np.unique(parts):
             here = np.flatnonzero(parts == d)
-            out[torch.from_numpy(here)] = self.streams[d].get(local[here].tolist())
+            out[torch.from_numpy(here)] = read(self.streams[d], local[here].tolist())
         return out
 
     @property

@@ -21,16 +21,33 @@ from trainer.model.init import normal_rectangle
 from trainer.model.moe import MoE
 
 # q [batch, heads, seq, head_dim], k and v [batch, groups, seq, head_dim] (grouped-query
-# attention: groups divides heads) -> [batch, heads, seq, head_dim]
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# attention: groups divides heads), documents -> [batch, heads, seq, head_dim]. documents:
+# None (each sample one document), or for every position of the whole sequence where its
+# document starts ([batch, seq], on the CPU; data.reset_attention_mask).
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+                       torch.Tensor]
 # (gate, up) each [batch, seq, ffn] -> [batch, seq, ffn]
 ActivationFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     documents: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention; with documents, within each document only: one causal call per
+    document of each sample, no mask (a variable-length loop; torch has no such kernel on
+    CPU)."""
     # The fused kernels read each K/V group for its query heads; nothing is repeated.
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    gqa = k.shape[1] != q.shape[1]
+    if documents is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    rows = []
+    for b, row in enumerate(documents):
+        edges = [0, *((row[1:] != row[:-1]).nonzero().flatten() + 1).tolist(), row.numel()]
+        pieces = [F.scaled_dot_product_attention(q[b:b + 1, :, a:e], k[b:b + 1, :, a:e],
+                                                 v[b:b + 1, :, a:e], is_causal=True,
+                                                 enable_gqa=gqa)
+                  for a, e in zip(edges, edges[1:])]
+        rows.append(torch.cat(pieces, dim=2))
+    return torch.cat(rows)
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -93,7 +110,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_layernorm else None
         self.attention_fn: AttentionFn = causal_attention
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         qkv = self.qkv(x)
         # Shapes come from the projections, not from x: a tensor-parallel projection has fewer
         # heads (q, k and v in the same proportions), and a sequence-parallel one sees the
@@ -106,7 +124,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         freqs = rotary_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, x.device)
         q, k = apply_rotary(q, positions, freqs), apply_rotary(k, positions, freqs)
-        out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                documents)
         return self.o(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -138,13 +157,15 @@ class Block(nn.Module):
         self.attn_norm, self.mlp_norm = (RMSNorm(cfg.hidden_size, cfg.norm_eps) for _ in range(2))
         self.attn, self.mlp = Attention(cfg), mlp(cfg, index)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions, documents)
         return x + self.mlp(self.mlp_norm(x))
 
 
 class Transformer(nn.Module):
-    """tokens [batch, seq] (+ positions [batch, seq]) -> logits [batch, seq, vocab].
+    """tokens [batch, seq] (+ positions [batch, seq], + documents: see AttentionFn) -> logits
+    [batch, seq, vocab].
 
     A pipeline stage (parallel.pipeline.stages) sets the embedding, or the final norm and head,
     to None where another stage runs them: it then takes hidden states [batch, seq, hidden]
@@ -165,13 +186,14 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:  # one parameter, named embed.weight; both uses add grads
             self.head.weight = self.embed.weight
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand(
                 tokens.shape[:2])
         x = tokens if self.embed is None else self.embed(tokens)
         for block in self.layers.values():
-            x = block(x, positions)
+            x = block(x, positions, documents)
         return x if self.head is None else self.head(self.norm(x))
 
     def initial_values(self, name: str, full: tuple[int, ...], offsets: tuple[int, ...],

@@ -19,7 +19,7 @@ from trainer.checkpoint import dcp as checkpoint
 from trainer.checkpoint import resume
 from trainer.checkpoint.integrity import PREFIX, latest, verify
 from trainer.compose.runspec import RunSpec
-from trainer.data.batch import rank_micro_batches
+from trainer.data.batch import DocumentRules, rank_micro_batches
 from trainer.data.stream import open_streams
 from trainer.model.plan import parameter_shapes
 from trainer.plan.options import EngineOptions
@@ -49,6 +49,7 @@ class Trainer:
         self.save_interval = config.checkpoint.save_interval
         self.train_stream, self.valid_stream = open_streams(
             spec.data, self.layout.seq_length, config.data.seed, bool(self.plan.eval_interval))
+        self.documents = DocumentRules.of(config.data)
         self.engine = build_engine(config.model, config.optim, config.train.seed, self.layout,
                                    device, EngineOptions.from_config(config),
                                    config.cluster.timeout_s)
@@ -84,7 +85,9 @@ class Trainer:
             samples = step_layout.global_batch_size
             micro_batches = rank_micro_batches(
                 lambda idx, at=consumed: self.train_stream.get([at + i for i in idx]),
-                step_layout, self.rank, self.device)
+                step_layout, self.rank, self.device, self.documents,
+                lambda idx, at=consumed: self.train_stream.document_starts(
+                    [at + i for i in idx]))
             lr = self.schedule.lr(consumed + samples)
             self.engine.groups.stats.reset()
             try:
@@ -150,7 +153,8 @@ class Trainer:
     def evaluate(self) -> float:
         """The same first eval_samples of the validation split every time, so evals compare."""
         micro_batches = rank_micro_batches(self.valid_stream.get, self.plan.eval_layout,
-                                           self.rank, self.device)
+                                           self.rank, self.device, self.documents,
+                                           self.valid_stream.document_starts)
         return evaluate(self.engine.model, micro_batches)
 
 

@@ -16,11 +16,9 @@ from typing import Callable
 import torch
 
 from parallel.parallelize import ParallelModel
-from trainer.data.batch import MicroBatch
+from trainer.data.batch import IGNORE, MicroBatch
 from trainer.train import routing
 from trainer.train.optim import ShardedAdamW
-
-IGNORE = -100  # label of a position that carries no loss
 
 
 class NonFiniteStep(Exception):
@@ -64,7 +62,7 @@ def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: lis
         loss_sum.add_(summed.detach().double())
         return summed / total_tokens
 
-    model.runner.run([(mb.tokens, mb.positions) for mb in micro_batches], last_stage)
+    model.runner.run(_inputs(micro_batches), last_stage)
     model.finish_grad_reduce()  # reduce-scatters still overlapping the last backward
     model.reduce_replicated_grads()
     model.reduce_embedding_grads()  # tied embeddings on the first and last stage
@@ -95,10 +93,14 @@ def evaluate(model: ParallelModel, micro_batches: list[MicroBatch]) -> float:
         loss_sum.add_(_masked_sum(model.token_losses(logits, labels), labels).double())
         return logits
 
-    model.runner.run([(mb.tokens, mb.positions) for mb in micro_batches], last_stage,
+    model.runner.run(_inputs(micro_batches), last_stage,
                      train=False)
     total = _from_last_stage(model, loss_sum).item()
     return total / model.groups.token_distinct.all_reduce(tokens).item()
+
+
+def _inputs(micro_batches: list[MicroBatch]) -> list[tuple]:
+    return [(mb.tokens, mb.positions, mb.documents) for mb in micro_batches]
 
 
 def _masked_sum(losses: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,214 @@
+"""Packed documents (data.reset_attention_mask, reset_position_ids, eod_mask_loss) against an
+independent reference: every document of a packed batch run alone through one plain process,
+no packing, no documents argument, its pieces cut here from the document lengths (not by the
+stream's document_starts, which the layouts use). Losses, gradient norms and every weight after
+the steps match within the parity tolerances (fp32 1e-5, fp64 1e-10): on one process, under
+every cp_comm_type with CP 2 and runtime CP 8, with sequence shards, TP with SP, and pipeline
+stages with recompute. Documents of 1 to 20 tokens and one of 45 cross the CP chunks (4 or 2
+tokens) and the samples (32)."""
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from trainer.config import CPCommType, RecomputeGranularity
+from trainer.data.batch import IGNORE, DocumentRules, rank_micro_batches
+from trainer.data.dataset import TokenDataset
+from trainer.data.stream import SampleStream
+from trainer.model.transformer import Transformer
+from trainer.plan.options import EngineOptions
+from trainer.train.engine import build_engine
+from trainer.train.step import train_step
+
+from harness import run_ranks
+from test_parity import (
+    LAYOUTS,
+    LRS,
+    OPTIM,
+    SEED,
+    SEQ,
+    TINY,
+    assert_parity,
+    make_layout,
+    relative,
+)
+
+MODEL = replace(TINY, num_heads=8)  # a2a splits the heads over runtime CP 8
+ALL_RULES = DocumentRules(reset_attention_mask=True, reset_position_ids=True,
+                          eod_mask_loss=True)
+STEPS = 2
+
+
+def packed_dataset(samples: int) -> tuple[TokenDataset, list[int]]:
+    """Random tokens in documents of 1..20 tokens (one of 45), enough for `samples` samples;
+    (the dataset, its document starts)."""
+    rng = np.random.RandomState(SEED)
+    lengths = [*rng.randint(1, 21, size=8).tolist(), 45]
+    while sum(lengths) <= samples * SEQ + 1:
+        lengths.append(int(rng.randint(1, 21)))
+    starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).tolist()
+    total = sum(lengths)
+    tokens = rng.randint(0, MODEL.vocab_size, size=total).astype(np.uint16)
+    meta = {"doc_starts": starts, "num_tokens": total, "fingerprint": "test:packed",
+            "splits": {"train": [0, total], "valid": [total, total]}}
+    return TokenDataset(Path("packed"), meta, tokens), starts
+
+
+def stream_of(dataset: TokenDataset) -> SampleStream:
+    return SampleStream(dataset, "train", SEQ, SEED, shuffle=False)
+
+
+def train_packed(rank: int, layout, dataset: TokenDataset, rules: DocumentRules,
+                 dtype: torch.dtype, options: EngineOptions) -> dict:
+    torch.set_default_dtype(dtype)
+    stream = stream_of(dataset)
+    engine = build_engine(MODEL, OPTIM, SEED, layout, torch.device("cpu"), options)
+    losses, norms = [], []
+    for step, lr in zip(range(STEPS), LRS):
+        def shifted(idx, at=step * layout.global_batch_size):
+            return [at + i for i in idx]
+
+        micro_batches = rank_micro_batches(lambda idx: stream.get(shifted(idx)), layout, rank,
+                                           None, rules,
+                                           lambda idx: stream.document_starts(shifted(idx)))
+        result = train_step(engine.model, engine.optimizer, micro_batches, lr)
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+    params = engine.model.full_state_dict()  # collective: every rank of the stage calls it
+    first_of_stage = not any(layout.coords(rank)[:-1])
+    return {"losses": losses, "norms": norms, "params": params if first_of_stage else None}
+
+
+def pieces(sample: int, starts: list[int], total: int) -> list[tuple[int, int, int]]:
+    """(first input, end input, the document's end), sample-relative, of each document's
+    piece in sample `sample`'s inputs (stream order without shuffling: tokens j*SEQ...)."""
+    first, out = sample * SEQ, []
+    ends = [*starts[1:], total]
+    for begin, end in zip(starts, ends):
+        a, e = max(begin, first), min(end, first + SEQ)
+        if a < e:
+            out.append((a - first, e - first, end - first))
+    return out
+
+
+def alone(rank: int, dataset: TokenDataset, starts: list[int], rules: DocumentRules,
+          dtype: torch.dtype, global_batch: int) -> dict:
+    """The reference: each piece of a document through the plain model on its own (or, without
+    reset_attention_mask, each sample whole), one AdamW as test_parity's reference."""
+    torch.set_default_dtype(dtype)
+    model = Transformer(MODEL)
+    model.init_weights(SEED)
+    initial_q = model.layers["0"].attn.qkv.weight.detach().clone()
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": OPTIM.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.eps, foreach=False)
+    tokens = torch.from_numpy(dataset.tokens.astype(np.int64))
+    losses, norms = [], []
+    for step, lr in zip(range(STEPS), LRS):
+        runs = []  # (inputs, RoPE positions, labels)
+        for sample in range(step * global_batch, (step + 1) * global_batch):
+            window = tokens[sample * SEQ:sample * SEQ + SEQ + 1]
+            labels = window[1:].clone()
+            for a, e, doc_end in pieces(sample, starts, len(tokens)):
+                if rules.eod_mask_loss and e == doc_end:  # the input ends its document
+                    labels[e - 1] = IGNORE
+            if not rules.reset_attention_mask:
+                runs.append((window[:-1], torch.arange(SEQ), labels))
+                continue
+            for a, e, _ in pieces(sample, starts, len(tokens)):
+                positions = torch.arange(e - a) if rules.reset_position_ids else torch.arange(a, e)
+                runs.append((window[a:e], positions, labels[a:e]))
+        count = sum(int((labels != IGNORE).sum()) for _, _, labels in runs)
+        opt.zero_grad()
+        total = 0.0
+        for x, positions, y in runs:
+            loss = F.cross_entropy(model(x[None], positions[None])[0], y, reduction="sum",
+                                   ignore_index=IGNORE) / count
+            loss.backward()
+            total += loss.item()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip_grad).item())
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+        losses.append(total)
+    return {"losses": losses, "norms": norms, "initial_q": initial_q,
+            "params": {name: p.detach() for name, p in model.named_parameters()}}
+
+
+FULL = replace(EngineOptions(), recompute_granularity=RecomputeGranularity.full)
+# name -> (world, Layout keyword arguments, engine options)
+CASES = {
+    "one_process": (1, {}, EngineOptions()),
+    **{f"cp2_{c.value}": (2, LAYOUTS["cp2"][1], EngineOptions(cp_comm_type=c))
+       for c in CPCommType},
+    **{f"runtime_cp8_{c.value}": (8, LAYOUTS["runtime_cp8"][1], EngineOptions(cp_comm_type=c))
+       for c in CPCommType},
+    "cp2_ws2_ss2": (4, LAYOUTS["cp2_ws2_ss2"][1], EngineOptions()),
+    "tp2_sp_cp2_a2a": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                               context_parallel_size=2), EngineOptions(cp_comm_type=CPCommType.a2a)),
+    "pp2_cp2_full_recompute": (4, dict(pipeline_model_parallel_size=2, context_parallel_size=2),
+                               FULL),
+}
+FP64 = ("one_process", "cp2_p2p", "runtime_cp8_all_gather", "pp2_cp2_full_recompute")
+PARAMS = [pytest.param(name, dtype, id=f"{name}-{label}") for name in CASES
+          for dtype, label in ((torch.float32, "fp32"), (torch.float64, "fp64"))
+          if dtype == torch.float32 or name in FP64]
+
+
+@pytest.fixture(scope="module")
+def references():
+    cache = {}
+
+    def get(global_batch: int, dtype: torch.dtype, rules: DocumentRules):
+        key = (global_batch, dtype, rules)
+        if key not in cache:
+            dataset, starts = packed_dataset(STEPS * global_batch)
+            cache[key] = dataset, run_ranks(1, alone, dataset, starts, rules, dtype,
+                                            global_batch)[0]
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("name,dtype", PARAMS)
+def test_packed_documents_train_as_each_document_alone(name, dtype, references):
+    world, kwargs, options = CASES[name]
+    layout = make_layout(world, kwargs)
+    dataset, ref = references(layout.global_batch_size, dtype, ALL_RULES)
+    results = run_ranks(world, train_packed, layout, dataset, ALL_RULES, dtype, options,
+                        timeout=120)
+    assert_parity(results, ref, dtype, f"documents {name} (world {world})")
+
+
+@pytest.mark.parametrize("rules", [
+    DocumentRules(reset_attention_mask=True),  # positions run on across documents
+    DocumentRules(eod_mask_loss=True),  # attention across documents, their ends not counted
+], ids=["attention_only", "eod_loss_only"])
+def test_each_rule_alone_matches_its_reference(rules, references):
+    layout = make_layout(2, LAYOUTS["cp2"][1])
+    dataset, ref = references(layout.global_batch_size, torch.float64, rules)
+    results = run_ranks(2, train_packed, layout, dataset, rules, torch.float64,
+                        EngineOptions(), timeout=120)
+    assert_parity(results, ref, torch.float64, f"documents cp2 {rules}")
+
+
+def test_the_rules_change_the_training():
+    """Each rule changes what is trained (else the tests above could pass with rules
+    ignored): the one-process losses of each differ from the others' (by 4e-5 or more
+    relative at this random initialisation; fp64 rounding is 1e-15)."""
+    layout = make_layout(1, {})
+    dataset, _ = packed_dataset(STEPS * layout.global_batch_size)
+    losses = {}
+    for rules in (DocumentRules(), DocumentRules(reset_attention_mask=True), ALL_RULES,
+                  DocumentRules(eod_mask_loss=True)):
+        losses[rules] = run_ranks(1, train_packed, layout, dataset, rules, torch.float64,
+                                  EngineOptions())[0]["losses"][0]
+    values = list(losses.values())
+    assert all(relative(a, b) > 1e-6 for i, a in enumerate(values) for b in values[i + 1:])
