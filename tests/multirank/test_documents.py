@@ -116,7 +116,7 @@ def alone(rank: int, dataset: TokenDataset, starts: list[int], rules: DocumentRu
         for sample in range(step * global_batch, (step + 1) * global_batch):
             window = tokens[sample * SEQ:sample * SEQ + SEQ + 1]
             labels = window[1:].clone()
-            for a, e, doc_end in pieces(sample, starts, len(tokens)):
+            for _, e, doc_end in pieces(sample, starts, len(tokens)):
                 if rules.eod_mask_loss and e == doc_end:  # the input ends its document
                     labels[e - 1] = IGNORE
             if not rules.reset_attention_mask:
@@ -152,7 +152,8 @@ CASES = {
        for c in CPCommType},
     "cp2_ws2_ss2": (4, LAYOUTS["cp2_ws2_ss2"][1], EngineOptions()),
     "tp2_sp_cp2_a2a": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True,
-                               context_parallel_size=2), EngineOptions(cp_comm_type=CPCommType.a2a)),
+                               context_parallel_size=2),
+                       EngineOptions(cp_comm_type=CPCommType.a2a)),
     "pp2_cp2_full_recompute": (4, dict(pipeline_model_parallel_size=2, context_parallel_size=2),
                                FULL),
 }
