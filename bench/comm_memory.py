@@ -111,9 +111,10 @@ def analytic_bytes(layout: Layout) -> dict[str, int]:
         part = layout.optimizer_part(numel) * F32
         out["reduce_scatter"] += _ring("reduce_scatter", r, part)
         out["all_gather"] += _ring("all_gather", r, part)
-    # Scalars: loss-token count and loss sum over token_distinct, gradient norm over the world.
+    # Scalars over token_distinct: the loss-token and empty-sample counts and the loss sum;
+    # the gradient norm over the world.
     token_distinct = layout.world_size // (t * layout.pp_size)
-    out["all_reduce"] += 2 * _ring("all_reduce", token_distinct, F64)
+    out["all_reduce"] += 3 * _ring("all_reduce", token_distinct, F64)
     out["all_reduce"] += _ring("all_reduce", layout.world_size, F64)
     return {op: b for op, b in out.items() if b}
 

@@ -1,12 +1,19 @@
-"""Command line: tokenize a folder of text files into a dataset the trainer reads.
+"""Command line: tokenize text, JSON lines or Parquet into a dataset the trainer reads.
 
-    python -m trainer.prepare SRC_FOLDER OUT_DIR [--valid-fraction F]
+    python -m trainer.prepare SRC [SRC ...] OUT_DIR [--valid-fraction F]
         [--tokenizer byte | TOKENIZER_JSON | FOLDER] [--train-tokenizer VOCAB_SIZE]
-        [--eod-token TOKEN] [--megatron PREFIX]
+        [--eod-token TOKEN] [--json-key KEY] [--chat [--loss-on assistant|all]]
+        [--workers N] [--megatron PREFIX]
+
+SRC: text files (one document each), .jsonl / .jsonl.gz / .jsonl.zst (one document a line, its
+--json-key field), .parquet (its --json-key column), or folders of them (trainer.data.inputs).
+--chat: JSON lines of {"messages": [...]}, rendered with the tokenizer's chat template, and a
+loss mask on the assistant's turns (trainer.data.chat).
 """
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 from trainer.data.dataset import TokenDataset, prepare
@@ -15,7 +22,8 @@ from trainer.data.megatron import check_new_prefix, write_indexed
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m trainer.prepare", description=__doc__)
-    parser.add_argument("src", type=Path, help="a text file or a folder of text files")
+    parser.add_argument("src", type=Path, nargs="+",
+                        help="text, JSON-lines (.jsonl[.gz|.zst]) or Parquet files, or folders")
     parser.add_argument("out_dir", type=Path, help="the dataset folder to write")
     parser.add_argument("--valid-fraction", type=float, default=0.01,
                         help="share of tokens held out as whole documents at the end (0.01)")
@@ -27,6 +35,17 @@ def main(argv: list[str] | None = None) -> None:
                              "kept as OUT_DIR/tokenizer.json")
     parser.add_argument("--eod-token", help="the end-of-document token (default: the "
                                             "tokenizer's eos_token or a usual name)")
+    parser.add_argument("--json-key", default="text",
+                        help="the field of each JSON line, or the Parquet column, that holds "
+                             "the text (Megatron's preprocess_data flag; default text)")
+    parser.add_argument("--chat", action="store_true",
+                        help="JSON lines of {\"messages\": [...]}: rendered with the "
+                             "tokenizer's chat template, with a loss mask")
+    parser.add_argument("--loss-on", choices=("assistant", "all"), default="assistant",
+                        help="with --chat: which tokens the loss counts (assistant turns)")
+    parser.add_argument("--workers", type=int, metavar="N",
+                        help="threads of the tokenizers library's batch encoder (default: "
+                             "every core)")
     parser.add_argument("--megatron", metavar="PREFIX",
                         help="also write the tokens as a Megatron-LM indexed dataset, "
                              "PREFIX.bin and PREFIX.idx (one sequence per document)")
@@ -35,11 +54,17 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"error: --tokenizer {args.tokenizer} with --train-tokenizer "
                        f"{args.train_tokenizer}: both choose the tokenizer. Fix: pass one of "
                        f"them.\n")
+    if args.workers is not None:
+        if args.workers < 1:
+            parser.exit(2, f"error: --workers {args.workers}: at least 1\n")
+        # read by the tokenizers library when its thread pool starts (not imported yet)
+        os.environ["RAYON_NUM_THREADS"] = str(args.workers)
     try:
         if args.megatron:  # before OUT_DIR is written, not after
             check_new_prefix(args.megatron)
         out = prepare(args.src, args.out_dir, args.valid_fraction, args.tokenizer,
-                      args.train_tokenizer, args.eod_token, progress=True)
+                      args.train_tokenizer, args.eod_token, progress=True,
+                      json_key=args.json_key, chat=args.chat, loss_on=args.loss_on)
     except ValueError as e:
         parser.exit(2, f"error: {e}\n")
     ds = TokenDataset.open(out)
@@ -49,6 +74,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"  tokenizer {ds.meta['tokenizer']} (vocab {ds.vocab_size}"
           f"{'' if eod is None else f', end of document {eod}'}), {ds.num_tokens:,} tokens, "
           f"{len(ds.meta['doc_starts']):,} documents, {ds.fingerprint[:19]}...")
+    if ds.loss_mask is not None:
+        counted = ds.meta["counted_tokens"]
+        print(f"  loss mask ({args.loss_on}): {counted:,} of {ds.num_tokens:,} tokens are "
+              f"targets ({counted / ds.num_tokens:.1%})")
     for name in ("train", "valid"):
         start, end = ds.split(name)
         print(f"  {name}: tokens [{start:,}, {end:,}) = {end - start:,} tokens, "

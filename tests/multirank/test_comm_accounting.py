@@ -60,7 +60,8 @@ def expected(layout: Layout) -> tuple[dict, dict]:
         ("gtp_remat", "all_reduce"): 2 * (g - 1) * small // g,
         ("weight_replica", "reduce_scatter"): (r - 1) * (sharded_part + small_part),
         ("weight_replica", "all_gather"): (r - 1) * (sharded_part + small_part),
-        ("token_distinct", "all_reduce"): 2 * (2 * (token_distinct - 1) * scalar // token_distinct),
+        # the counts (loss tokens, samples counting none: two scalars) and the loss sum
+        ("token_distinct", "all_reduce"): 3 * (2 * (token_distinct - 1) * scalar // token_distinct),
         ("world", "all_reduce"): 2 * (world - 1) * scalar // world,
     }
     blocks = TINY.num_layers  # a block's linears share one collective (a ShardBundle)
@@ -71,7 +72,7 @@ def expected(layout: Layout) -> tuple[dict, dict]:
         ("gtp_remat", "all_reduce"): 1,
         ("weight_replica", "reduce_scatter"): 2,
         ("weight_replica", "all_gather"): 2,
-        ("token_distinct", "all_reduce"): 2,  # the loss-token count and the loss sum
+        ("token_distinct", "all_reduce"): 2,  # the counts and the loss sum
         ("world", "all_reduce"): 1,  # the gradient norm
     }
     return bytes_, calls

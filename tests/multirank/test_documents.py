@@ -1,10 +1,11 @@
-"""Packed documents (data.reset_attention_mask, reset_position_ids, eod_mask_loss) against an
-independent reference: every document of a packed batch run alone through one plain process,
-no packing, no documents argument, its pieces cut here from the document lengths (not by the
-stream's document_starts, which the layouts use). Losses, gradient norms and every weight after
-the steps match within the parity tolerances (fp32 1e-5, fp64 1e-10): on one process, under
-every cp_comm_type with CP 2 and runtime CP 8, with sequence shards, TP with SP, and pipeline
-stages with recompute. Documents of 1 to 20 tokens and one of 45 cross the CP chunks (4 or 2
+"""Packed documents (data.reset_attention_mask, reset_position_ids, eod_mask_loss) and a
+dataset's loss mask against an independent reference: every document of a packed batch run
+alone through one plain process, no packing, no documents argument, its pieces cut here from
+the document lengths and its labels masked here from the mask (not by the stream's
+document_starts and loss_mask, which the layouts use); samples that count no token counted.
+Losses, gradient norms and every weight after the steps match within the parity tolerances
+(fp32 1e-5, fp64 1e-10): on one process, under every cp_comm_type with CP 2 and runtime CP 8,
+with sequence shards, TP with SP, and pipeline stages with recompute. Documents of 1 to 20 tokens and one of 45 cross the CP chunks (4 or 2
 tokens) and the samples (32)."""
 from __future__ import annotations
 
@@ -44,9 +45,10 @@ ALL_RULES = DocumentRules(reset_attention_mask=True, reset_position_ids=True,
 STEPS = 2
 
 
-def packed_dataset(samples: int) -> tuple[TokenDataset, list[int]]:
-    """Random tokens in documents of 1..20 tokens (one of 45), enough for `samples` samples;
-    (the dataset, its document starts)."""
+def packed_dataset(samples: int, with_mask: bool = True) -> tuple[TokenDataset, list[int]]:
+    """Random tokens in documents of 1..20 tokens (one of 45), enough for `samples` samples,
+    with a loss mask (each document's first third is a prompt, no target; so is every target
+    of sample 1, which counts no token); (the dataset, its document starts)."""
     rng = np.random.RandomState(SEED)
     lengths = [*rng.randint(1, 21, size=8).tolist(), 45]
     while sum(lengths) <= samples * SEQ + 1:
@@ -54,9 +56,15 @@ def packed_dataset(samples: int) -> tuple[TokenDataset, list[int]]:
     starts = np.concatenate(([0], np.cumsum(lengths)[:-1])).tolist()
     total = sum(lengths)
     tokens = rng.randint(0, MODEL.vocab_size, size=total).astype(np.uint16)
+    mask = np.ones(total, dtype=np.uint8)
+    for begin, length in zip(starts, lengths):
+        mask[begin:begin + length // 3] = 0
+    mask[SEQ + 1:2 * SEQ + 1] = 0  # sample 1's targets
     meta = {"doc_starts": starts, "num_tokens": total, "fingerprint": "test:packed",
-            "splits": {"train": [0, total], "valid": [total, total]}}
-    return TokenDataset(Path("packed"), meta, tokens), starts
+            "splits": {"train": [0, total], "valid": [total, total]}, "loss_mask": True}
+    if not with_mask:
+        meta.pop("loss_mask")
+    return TokenDataset(Path("packed"), meta, tokens, mask if with_mask else None), starts
 
 
 def stream_of(dataset: TokenDataset) -> SampleStream:
@@ -68,20 +76,18 @@ def train_packed(rank: int, layout, dataset: TokenDataset, rules: DocumentRules,
     torch.set_default_dtype(dtype)
     stream = stream_of(dataset)
     engine = build_engine(MODEL, OPTIM, SEED, layout, torch.device("cpu"), options)
-    losses, norms = [], []
+    losses, norms, empty = [], [], []
     for step, lr in zip(range(STEPS), LRS):
-        def shifted(idx, at=step * layout.global_batch_size):
-            return [at + i for i in idx]
-
-        micro_batches = rank_micro_batches(lambda idx: stream.get(shifted(idx)), layout, rank,
-                                           None, rules,
-                                           lambda idx: stream.document_starts(shifted(idx)))
+        micro_batches = rank_micro_batches(stream, layout, rank, None, rules,
+                                           step * layout.global_batch_size)
         result = train_step(engine.model, engine.optimizer, micro_batches, lr)
         losses.append(result.loss)
         norms.append(result.grad_norm)
+        empty.append(result.empty_samples)
     params = engine.model.full_state_dict()  # collective: every rank of the stage calls it
     first_of_stage = not any(layout.coords(rank)[:-1])
-    return {"losses": losses, "norms": norms, "params": params if first_of_stage else None}
+    return {"losses": losses, "norms": norms, "empty": empty,
+            "params": params if first_of_stage else None}
 
 
 def pieces(sample: int, starts: list[int], total: int) -> list[tuple[int, int, int]]:
@@ -110,15 +116,19 @@ def alone(rank: int, dataset: TokenDataset, starts: list[int], rules: DocumentRu
                              {"params": no_decay, "weight_decay": 0.0}],
                             betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.eps, foreach=False)
     tokens = torch.from_numpy(dataset.tokens.astype(np.int64))
-    losses, norms = [], []
+    counted = torch.from_numpy(dataset.loss_mask.astype(bool))
+    losses, norms, empty = [], [], []
     for step, lr in zip(range(STEPS), LRS):
         runs = []  # (inputs, RoPE positions, labels)
+        empty.append(0)
         for sample in range(step * global_batch, (step + 1) * global_batch):
             window = tokens[sample * SEQ:sample * SEQ + SEQ + 1]
-            labels = window[1:].clone()
+            labels = window[1:].masked_fill(~counted[sample * SEQ + 1:(sample + 1) * SEQ + 1],
+                                            IGNORE)
             for _, e, doc_end in pieces(sample, starts, len(tokens)):
                 if rules.eod_mask_loss and e == doc_end:  # the input ends its document
                     labels[e - 1] = IGNORE
+            empty[-1] += int((labels != IGNORE).sum() == 0)
             if not rules.reset_attention_mask:
                 runs.append((window[:-1], torch.arange(SEQ), labels))
                 continue
@@ -138,7 +148,7 @@ def alone(rank: int, dataset: TokenDataset, starts: list[int], rules: DocumentRu
             group["lr"] = lr
         opt.step()
         losses.append(total)
-    return {"losses": losses, "norms": norms, "initial_q": initial_q,
+    return {"losses": losses, "norms": norms, "initial_q": initial_q, "empty": empty,
             "params": {name: p.detach() for name, p in model.named_parameters()}}
 
 
@@ -186,6 +196,7 @@ def test_packed_documents_train_as_each_document_alone(name, dtype, references):
     results = run_ranks(world, train_packed, layout, dataset, ALL_RULES, dtype, options,
                         timeout=120)
     assert_parity(results, ref, dtype, f"documents {name} (world {world})")
+    assert results[0]["empty"] == ref["empty"] and ref["empty"][0] >= 1  # sample 1 at least
 
 
 @pytest.mark.parametrize("rules", [
@@ -203,9 +214,10 @@ def test_each_rule_alone_matches_its_reference(rules, references):
 def test_the_rules_change_the_training():
     """Each rule changes what is trained (else the tests above could pass with rules
     ignored): the one-process losses of each differ from the others' (by 4e-5 or more
-    relative at this random initialisation; fp64 rounding is 1e-15)."""
+    relative at this random initialisation; fp64 rounding is 1e-15). Without a loss mask,
+    whose prompts would hide most document ends from eod_mask_loss."""
     layout = make_layout(1, {})
-    dataset, _ = packed_dataset(STEPS * layout.global_batch_size)
+    dataset, _ = packed_dataset(STEPS * layout.global_batch_size, with_mask=False)
     losses = {}
     for rules in (DocumentRules(), DocumentRules(reset_attention_mask=True), ALL_RULES,
                   DocumentRules(eod_mask_loss=True)):

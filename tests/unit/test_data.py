@@ -78,7 +78,7 @@ def test_decode_replaces_what_is_not_text() -> None:
 
 def test_prepare_user_errors_name_the_path_or_value(tmp_path: Path, src: Path) -> None:
     (tmp_path / "void").mkdir()
-    with pytest.raises(ValueError, match=r"no text files found in .*void"):
+    with pytest.raises(ValueError, match=r"no text, JSON-lines or Parquet files found in .*void"):
         prepare(tmp_path / "void", tmp_path / "out", 0.1)
     with pytest.raises(ValueError, match=r"missing.* does not exist"):
         prepare(tmp_path / "missing", tmp_path / "out", 0.1)

@@ -9,12 +9,13 @@ trainer.data.stream): reset_attention_mask gives the model, for every position o
 sequence, where its document starts (the attention needs no more, trainer.model.transformer's
 AttentionFn); reset_position_ids restarts the RoPE positions at each document; eod_mask_loss
 drops the loss where the input is a document's last token (its end-of-document token), whose
-target is the next document's first token.
+target is the next document's first token. A dataset with a loss mask (a prompt's tokens,
+trainer.prepare --chat) drops the loss where the target is a token it does not count.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Protocol, Sequence
 
 import torch
 
@@ -35,11 +36,34 @@ class MicroBatch:
     # data.reset_attention_mask: where each position's document starts, [micro_batch_size,
     # seq_length], every position (not only this rank's), kept on the CPU; else None
     documents: torch.Tensor | None = None
+    empty_samples: int = 0  # samples with no counted token (counted by one rank of each)
 
 
-# Positions within the global batch -> those samples, [n, seq_length + 1] token ids; or, for
-# documents, where each of those tokens' document starts within its sample.
+# Positions within the global batch -> those samples, [n, seq_length + 1] token ids.
 Fetch = Callable[[Sequence[int]], torch.Tensor]
+
+
+class Samples(Protocol):
+    """A sample stream (trainer.data.stream) by stream index: [n, seq_length + 1] each."""
+
+    def get(self, indices: Sequence[int]) -> torch.Tensor: ...  # token ids
+
+    def document_starts(self, indices: Sequence[int]) -> torch.Tensor: ...  # see stream
+
+    def loss_mask(self, indices: Sequence[int]) -> torch.Tensor | None: ...  # 0: not a target
+
+
+class _Tokens:
+    """Samples of a plain fetch (tests, the measured dry run): tokens, no documents, no mask."""
+
+    def __init__(self, fetch: Fetch):
+        self.get = fetch
+
+    def document_starts(self, indices: Sequence[int]) -> torch.Tensor:
+        raise ValueError("packed documents need a sample stream's document index")
+
+    def loss_mask(self, indices: Sequence[int]) -> None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -62,32 +86,41 @@ class DocumentRules:
 NO_DOCUMENTS = DocumentRules()
 
 
-def rank_micro_batches(fetch: Fetch, layout: Layout, rank: int,
+def rank_micro_batches(samples: Samples | Fetch, layout: Layout, rank: int,
                        device: torch.device | None = None, rules: DocumentRules = NO_DOCUMENTS,
-                       starts: Fetch | None = None) -> list[MicroBatch]:
-    """Only this rank's samples are fetched; every rank of a context group fetches the same.
-    starts: the samples' document starts (trainer.data.stream), fetched when `rules` need
-    them."""
+                       offset: int = 0) -> list[MicroBatch]:
+    """Only this rank's samples are fetched (stream indices offset + their position in the
+    global batch); every rank of a context group fetches the same. A plain fetch gives tokens
+    only."""
+    source = samples if hasattr(samples, "document_starts") else _Tokens(samples)
     lane, keep = layout.batch_partition(rank), local_positions(layout, rank)
     seq = layout.seq_length
+    # Samples that count no token are counted once: by runtime CP rank 0 of each batch lane
+    # (the step sums them with the loss tokens over token_distinct).
+    counts_empty = layout.runtime_cp_rank(rank) == 0
     out = []
     for micro in range(layout.num_microbatches):
-        indices = list(layout.micro_batch_samples(lane, micro))
-        samples = fetch(indices)
-        if tuple(samples.shape) != (layout.micro_batch_size, seq + 1):
-            raise ValueError(f"fetched samples of shape {tuple(samples.shape)}, expected "
+        indices = [offset + i for i in layout.micro_batch_samples(lane, micro)]
+        tokens = source.get(indices)
+        if tuple(tokens.shape) != (layout.micro_batch_size, seq + 1):
+            raise ValueError(f"fetched samples of shape {tuple(tokens.shape)}, expected "
                              f"{(layout.micro_batch_size, seq + 1)}")
-        positions = torch.arange(seq).expand(samples.shape[0], -1)
-        labels, documents = samples[:, 1:], None
+        positions = torch.arange(seq).expand(tokens.shape[0], -1)
+        labels, documents = tokens[:, 1:], None
+        mask = source.loss_mask(indices)
+        if mask is not None:  # the dataset's own: a token that is no target (a prompt's)
+            labels = labels.masked_fill(mask[:, 1:] == 0, IGNORE)
         if rules.needed:
-            begin = starts(indices)  # [n, seq + 1]: where each token's document starts
+            begin = source.document_starts(indices)  # [n, seq + 1]: each token's document
             if rules.reset_position_ids:
                 positions = positions - begin[:, :-1]
             if rules.eod_mask_loss:  # the target starts a document: the input ended one
                 labels = labels.masked_fill(begin[:, 1:] == torch.arange(1, seq + 1), IGNORE)
             if rules.reset_attention_mask:
                 documents = begin[:, :-1].contiguous()
-        tensors = (keep_local(samples[:, :-1], keep), keep_local(labels, keep),
+        empty = int(((labels != IGNORE).sum(1) == 0).sum()) if counts_empty else 0
+        tensors = (keep_local(tokens[:, :-1], keep), keep_local(labels, keep),
                    keep_local(positions, keep))
-        out.append(MicroBatch(*(t.to(device) if device else t for t in tensors), documents))
+        out.append(MicroBatch(*(t.to(device) if device else t for t in tensors), documents,
+                              empty))
     return out

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.data.inputs import Reader, collect, find_files
 from trainer.data.tokenizer import ByteTokenizer, HFTokenizer
 
 FORMAT_VERSION = 1
@@ -37,41 +38,6 @@ def token_dtype(vocab_size: int) -> str:
     return next(name for name, dt in DTYPES.items() if vocab_size <= np.iinfo(dt).max + 1)
 
 
-def looks_like_text(path: Path) -> bool:
-    """git's test: a file is binary when its first 8000 bytes hold a NUL byte."""
-    with open(path, "rb") as f:
-        return b"\0" not in f.read(8000)
-
-
-def find_files(folder: Path, suffix: str = "", skip_dirs: frozenset = frozenset()) -> list[Path]:
-    """Files under folder, sorted by path; hidden entries, skip_dirs and symlinked folders are
-    left out (os.walk does not follow links, so a link loop cannot hang it)."""
-    found = []
-    for root, dirs, files in os.walk(folder):
-        dirs[:] = [d for d in dirs if d not in skip_dirs and not d.startswith(".")]
-        found += [Path(root, f) for f in files if f.endswith(suffix) and not f.startswith(".")]
-    return sorted(found, key=lambda p: p.parts)
-
-
-def collect_documents(sources: list[Path]) -> list[Path]:
-    """Every named file, and every text file under each named folder, sorted by path."""
-    files = set()
-    for src in sources:
-        if src.is_dir():
-            files |= {p for p in find_files(src) if looks_like_text(p)}
-        elif src.is_file():
-            if not looks_like_text(src):
-                raise ValueError(f"{src} is not a text file (it holds a NUL byte); remove it "
-                                 "from the sources")
-            files.add(src)
-        else:
-            raise ValueError(f"source {src} does not exist; pass text files or folders of them")
-    if not files:
-        raise ValueError(f"no text files found in {', '.join(map(str, sources))}; pass a folder "
-                         "that holds text files")
-    return sorted(files, key=lambda p: p.parts)
-
-
 def split_point(doc_starts: list[int], num_tokens: int, valid_fraction: float) -> int:
     """First token of the valid split: whole documents from the end until they hold at least
     valid_fraction of the tokens. A single document is split by tokens instead."""
@@ -90,15 +56,19 @@ def split_point(doc_starts: list[int], num_tokens: int, valid_fraction: float) -
 
 def prepare(sources: list[Path] | Path, out_dir: Path, valid_fraction: float,
             tokenizer: str | Path = "byte", train_vocab_size: int | None = None,
-            eod_token: str | None = None, progress: bool = False) -> Path:
-    """Tokenize the sources into out_dir (tokens.bin + meta.json), atomically.
+            eod_token: str | None = None, progress: bool = False, json_key: str = "text",
+            chat: bool = False, loss_on: str = "assistant") -> Path:
+    """Tokenize the sources (trainer.data.inputs: text, JSON lines, Parquet) into out_dir
+    (tokens.bin + meta.json), atomically.
 
     tokenizer: "byte", or a Hugging Face tokenizer.json (or a folder holding one); with
     train_vocab_size, a byte-level BPE of that size is trained on the sources first and kept as
-    out_dir/tokenizer.json. The dataset is written into a hidden sibling folder and renamed into
-    place, so out_dir either does not exist or is complete. If out_dir already holds a dataset
-    (another process won the race, or an earlier run), it is kept when it is this same dataset;
-    a different one is an error.
+    out_dir/tokenizer.json. chat: JSON lines of messages rendered with the tokenizer's chat
+    template, plus loss_mask.bin (trainer.data.chat; loss_on "assistant" or "all"). The
+    dataset is written into a hidden sibling folder and renamed into place, so out_dir either
+    does not exist or is complete. If out_dir already holds a dataset (another process won the
+    race, or an earlier run), it is kept when it is this same dataset; a different one is an
+    error.
     """
     out_dir = Path(out_dir)
     sources = [Path(s) for s in ([sources] if isinstance(sources, (str, Path)) else sources)]
@@ -112,13 +82,18 @@ def prepare(sources: list[Path] | Path, out_dir: Path, valid_fraction: float,
                          f"token to choose (its 256 ids are the bytes; meta.json records where "
                          f"each document starts). Fix: leave --eod-token out, or use it with "
                          f"--tokenizer TOKENIZER_JSON or --train-tokenizer VOCAB_SIZE.")
-    files = collect_documents(sources)
+    if chat and (train_vocab_size is not None or str(tokenizer) == "byte"):
+        raise ValueError("--chat renders each conversation with the tokenizer's chat template: "
+                         "pass --tokenizer with a folder holding tokenizer.json and "
+                         "tokenizer_config.json (its chat_template)")
+    files = collect(sources)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
         if train_vocab_size is not None:
-            tok: Tokenizer = HFTokenizer.train(files, train_vocab_size, tmp / "tokenizer.json",
+            texts = (d.value for d in Reader(files, json_key) if d.value)
+            tok: Tokenizer = HFTokenizer.train(texts, train_vocab_size, tmp / "tokenizer.json",
                                                eod_token)
             if tok.vocab_size < train_vocab_size:  # the BPE trainer ran out of pairs to merge
                 print(f"warning: --train-tokenizer {train_vocab_size}: the corpus supports only "
@@ -129,7 +104,13 @@ def prepare(sources: list[Path] | Path, out_dir: Path, valid_fraction: float,
             tok = TOKENIZERS[str(tokenizer)]
         else:
             tok = HFTokenizer.load(Path(tokenizer), eod_token)
-        meta = write_dataset(files, tmp, tok, valid_fraction, progress)
+        encoder = None
+        if chat:
+            from trainer.data.chat import ChatEncoder
+
+            encoder = ChatEncoder(tok, loss_on)
+        meta = write_dataset(Reader(files, json_key, chat), tmp, tok, valid_fraction, progress,
+                             encoder)
         meta["sources"] = [str(s) for s in sources]
         write_json(tmp / "meta.json", meta)
         try:
@@ -152,45 +133,71 @@ BATCH_BYTES = 8 << 20  # documents tokenized together: the batch encoder spreads
 PROGRESS_BYTES = 32 << 20  # inputs at least this long show a progress line
 
 
-def write_dataset(files: list[Path], folder: Path, tok: Tokenizer, valid_fraction: float,
-                  progress: bool = False) -> dict:
-    """Write tokens.bin into folder; the meta.json fields that describe it."""
+def write_dataset(reader: Reader, folder: Path, tok: Tokenizer, valid_fraction: float,
+                  progress: bool = False, chat=None) -> dict:
+    """Write tokens.bin (and with a chat encoder loss_mask.bin) into folder; the meta.json
+    fields that describe it."""
     dtype_name = token_dtype(tok.vocab_size)
-    sha, doc_starts, num_tokens = hashlib.sha256(), [], 0
-    total, done, started = sum(f.stat().st_size for f in files), 0, time.perf_counter()
-    progress = progress and total >= PROGRESS_BYTES
+    sha, mask_sha, doc_starts, num_tokens = hashlib.sha256(), hashlib.sha256(), [], 0
+    started, counted = time.perf_counter(), 0
+    progress = progress and reader.total >= PROGRESS_BYTES
+    masks = open(folder / LOSS_MASK, "wb") if chat else None
     with open(folder / "tokens.bin", "wb") as f:
-        for batch in _batches(files):
-            texts = [path.read_bytes() for path in batch]
-            for ids in tok.encode_documents([t for t in texts if t]):  # empty: no document
+        for batch in _batches(reader):
+            if chat is not None:
+                encoded = [chat.encode(d.value, d.where) for d in batch]
+            else:  # an empty document is none
+                encoded = [(ids, None) for ids in tok.encode_documents(
+                    [d.value for d in batch if d.value])]
+            for ids, mask in encoded:
                 ids = ids.astype(DTYPES[dtype_name], copy=False)
                 doc_starts.append(num_tokens)
                 num_tokens += ids.size
                 sha.update(ids.tobytes())
                 f.write(ids.tobytes())
-            done += sum(len(t) for t in texts)
+                if mask is not None:
+                    mask_sha.update(mask.tobytes())
+                    masks.write(mask.tobytes())
+                    counted += int(mask.sum())
             if progress:
-                rate = num_tokens / max(time.perf_counter() - started, 1e-9)
-                print(f"\rtokenized {done / total:4.0%} ({done >> 20:,} of {total >> 20:,} MiB)"
-                      f", {rate:,.0f} tokens/s", end="", file=sys.stderr, flush=True)
+                _show_progress(reader, num_tokens, started)
         f.flush()
         os.fsync(f.fileno())
+    if masks is not None:
+        masks.close()
     if progress:
         print(file=sys.stderr)
     if num_tokens == 0:
-        raise ValueError(f"the sources ({len(files)} files) hold no tokens: every file is empty")
+        raise ValueError(f"the sources ({len(reader.files)} files) hold no tokens: every "
+                         f"document is empty")
     start = split_point(doc_starts, num_tokens, valid_fraction)
-    return {"format_version": FORMAT_VERSION, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
+    meta = {"format_version": FORMAT_VERSION, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
             "eod_id": tok.eod_id, "dtype": dtype_name, "num_tokens": num_tokens,
             "doc_starts": doc_starts, "splits": {"train": [0, start], "valid": [start, num_tokens]},
             "fingerprint": f"sha256:{sha.hexdigest()}"}
+    if chat is not None:  # the mask changes what trains: part of the identity
+        meta |= {"loss_mask": True, "counted_tokens": counted,
+                 "fingerprint": f"sha256:{sha.hexdigest()}+mask:{mask_sha.hexdigest()[:16]}"}
+    return meta
 
 
-def _batches(files: list[Path]):
+def _show_progress(reader: Reader, num_tokens: int, started: float) -> None:
+    elapsed = max(time.perf_counter() - started, 1e-9)
+    share = reader.done / max(reader.total, 1)
+    left = elapsed / max(share, 1e-9) * (1 - share)
+    print(f"\rtokenized {share:4.0%} ({reader.done >> 20:,} of {reader.total >> 20:,} MiB), "
+          f"{num_tokens / elapsed:,.0f} tokens/s, {int(left) // 60}m{int(left) % 60:02d}s left",
+          end="", file=sys.stderr, flush=True)
+
+
+def _batches(reader: Reader):
+    """Documents in groups of about BATCH_BYTES of text."""
     batch, size = [], 0
-    for path in files:
-        batch.append(path)
-        size += path.stat().st_size
+    for document in reader:
+        batch.append(document)
+        value = document.value
+        size += len(value) if isinstance(value, (str, bytes)) else sum(
+            len(m["content"]) for m in value)
         if size >= BATCH_BYTES:
             yield batch
             batch, size = [], 0
@@ -223,11 +230,17 @@ def builtin_corpus(cache_dir: Path | None, valid_fraction: float) -> Path:
     return prepare(find_files(stdlib, ".py", BUILTIN_SKIP_DIRS), out_dir, valid_fraction)
 
 
-class TokenDataset:
-    """A prepared dataset folder: tokens.bin memory-mapped read-only, and its meta.json."""
+LOSS_MASK = "loss_mask.bin"  # optional: one uint8 a token, 0 where it is no target
 
-    def __init__(self, path: Path, meta: dict, tokens: np.ndarray):
-        self.path, self.meta, self.tokens = path, meta, tokens
+
+class TokenDataset:
+    """A prepared dataset folder: tokens.bin memory-mapped read-only, and its meta.json; with
+    meta "loss_mask": true also loss_mask.bin (trainer.prepare --chat: 0 on a prompt's
+    tokens, which are no target of the loss)."""
+
+    def __init__(self, path: Path, meta: dict, tokens: np.ndarray,
+                 loss_mask: np.ndarray | None = None):
+        self.path, self.meta, self.tokens, self.loss_mask = path, meta, tokens, loss_mask
 
     @classmethod
     def open(cls, path: Path | str) -> TokenDataset:
@@ -241,7 +254,16 @@ class TokenDataset:
             raise ValueError(f"{bin_path} has {size} bytes but {path / 'meta.json'} says "
                              f"num_tokens={meta['num_tokens']} of {meta['dtype']} ({want} "
                              "bytes): truncated or not this dataset's file; prepare it again")
-        return cls(path, meta, np.memmap(bin_path, dtype=dtype, mode="r"))
+        mask = None
+        if meta.get("loss_mask"):
+            mask_path = path / LOSS_MASK
+            have = mask_path.stat().st_size if mask_path.is_file() else None
+            if have != meta["num_tokens"]:
+                what = "is missing" if have is None else f"has {have} bytes"
+                raise ValueError(f"{mask_path} {what}, but {path / 'meta.json'} records a loss "
+                                 f"mask of num_tokens={meta['num_tokens']} bytes")
+            mask = np.memmap(mask_path, dtype=np.uint8, mode="r")
+        return cls(path, meta, np.memmap(bin_path, dtype=dtype, mode="r"), mask)
 
     @property
     def num_tokens(self) -> int:

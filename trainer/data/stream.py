@@ -87,6 +87,19 @@ class SampleStream:
         begins = self._doc_starts[np.searchsorted(self._doc_starts, tokens, side="right") - 1]
         return torch.from_numpy(np.maximum(begins - first[:, None], 0))
 
+    def loss_mask(self, indices: Sequence[int]) -> torch.Tensor | None:
+        """[len(indices), seq_length + 1] uint8 of the dataset's loss mask (0: no target), or
+        None when it has none."""
+        if self.dataset.loss_mask is None:
+            return None
+        import torch
+
+        _, samples = self._samples(indices)
+        windows = np.lib.stride_tricks.as_strided(
+            self.dataset.loss_mask[self.start:], shape=self.windows.shape,
+            strides=(self.seq_length, 1), writeable=False)
+        return torch.from_numpy(np.array(windows[samples]))
+
     def get(self, indices: Sequence[int]) -> torch.Tensor:
         """[len(indices), seq_length + 1] int64 tokens of these stream indices."""
         idx, samples = self._samples(indices)
@@ -123,6 +136,17 @@ class BlendedStream:
 
     def document_starts(self, indices: Sequence[int]) -> torch.Tensor:
         return self._gather(indices, SampleStream.document_starts)
+
+    def loss_mask(self, indices: Sequence[int]) -> torch.Tensor | None:
+        """A part without a loss mask counts every token."""
+        if all(s.dataset.loss_mask is None for s in self.streams):
+            return None
+
+        def read(stream: SampleStream, local: list[int]):
+            mask = stream.loss_mask(local)
+            return 1 if mask is None else mask
+
+        return self._gather(indices, read)
 
     def _gather(self, indices: Sequence[int], read) -> torch.Tensor:
         """read(part's stream, its indices) of each part's samples, in the order asked."""

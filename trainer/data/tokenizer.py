@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Iterable
 
 import numpy as np
 
@@ -22,10 +23,10 @@ class ByteTokenizer:
 
     name, vocab_size, eod_id = "byte", 256, None
 
-    def encode(self, data: bytes) -> np.ndarray:
-        return np.frombuffer(data, dtype=np.uint8)
+    def encode(self, data: str | bytes) -> np.ndarray:
+        return np.frombuffer(data.encode() if isinstance(data, str) else data, dtype=np.uint8)
 
-    def encode_documents(self, documents: list[bytes]) -> list[np.ndarray]:
+    def encode_documents(self, documents: list[str | bytes]) -> list[np.ndarray]:
         return [self.encode(doc) for doc in documents]
 
     def decode(self, token_ids) -> str:
@@ -42,6 +43,7 @@ class HFTokenizer:
     def __init__(self, tokenizer, name: str, eod_token: str | None = None,
                  config: dict | None = None):
         self.tokenizer, self.name = tokenizer, name
+        self.config = config or {}  # tokenizer_config.json: its chat_template, special tokens
         self.vocab_size = tokenizer.get_vocab_size()
         candidates = [eod_token] if eod_token else [_eos_of(config or {}), *EOD_NAMES]
         found = [(t, tokenizer.token_to_id(t)) for t in candidates if t]
@@ -73,9 +75,10 @@ class HFTokenizer:
         return cls(tokenizer, str(file.resolve()), eod_token, config)
 
     @classmethod
-    def train(cls, files: list[Path], vocab_size: int, out: Path,
+    def train(cls, texts: Iterable[str | bytes], vocab_size: int, out: Path,
               eod_token: str | None = None) -> HFTokenizer:
-        """A byte-level BPE of `vocab_size` trained on `files`, saved as out (tokenizer.json)."""
+        """A byte-level BPE of `vocab_size` trained on the documents `texts`, saved as out
+        (tokenizer.json)."""
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
         eod = eod_token or EOD_NAMES[0]
@@ -85,20 +88,24 @@ class HFTokenizer:
         trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[eod],
                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
                                       show_progress=False)
-        tokenizer.train([str(f) for f in files], trainer)
+        tokenizer.train_from_iterator((_text(t) for t in texts), trainer)
         tokenizer.save(str(out))
         return cls(tokenizer, out.name, eod)
 
-    def encode_documents(self, documents: list[bytes]) -> list[np.ndarray]:
+    def encode_documents(self, documents: list[str | bytes]) -> list[np.ndarray]:
         """Each document's ids followed by the end-of-document id (undecodable bytes become
         U+FFFD: a Hugging Face tokenizer reads text, not bytes)."""
-        texts = [doc.decode("utf-8", errors="replace") for doc in documents]
+        texts = [_text(doc) for doc in documents]
         encoded = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
         return [np.asarray(e.ids + [self.eod_id], dtype=np.int64) for e in encoded]
 
     def decode(self, token_ids) -> str:
         return self.tokenizer.decode(np.asarray(token_ids).reshape(-1).tolist(),
                                      skip_special_tokens=False)
+
+
+def _text(document: str | bytes) -> str:
+    return document if isinstance(document, str) else document.decode("utf-8", errors="replace")
 
 
 def _eos_of(config: dict) -> str | None:

@@ -83,11 +83,8 @@ class Trainer:
             started, consumed = time.perf_counter(), state.consumed_samples
             step_layout = plan.step_layout(layout, consumed)  # smaller only for a last step
             samples = step_layout.global_batch_size
-            micro_batches = rank_micro_batches(
-                lambda idx, at=consumed: self.train_stream.get([at + i for i in idx]),
-                step_layout, self.rank, self.device, self.documents,
-                lambda idx, at=consumed: self.train_stream.document_starts(
-                    [at + i for i in idx]))
+            micro_batches = rank_micro_batches(self.train_stream, step_layout, self.rank,
+                                               self.device, self.documents, consumed)
             lr = self.schedule.lr(consumed + samples)
             self.engine.groups.stats.reset()
             try:
@@ -98,7 +95,8 @@ class Trainer:
             state.step, state.consumed_samples = state.step + 1, consumed + samples
             last = state.consumed_samples == plan.train_samples
             record = {"consumed_samples": state.consumed_samples, "loss": result.loss, "lr": lr,
-                      "grad_norm": result.grad_norm,
+                      "grad_norm": result.grad_norm, "loss_tokens": result.loss_tokens,
+                      "empty_samples": result.empty_samples,
                       "tokens_per_s": samples * layout.seq_length / (time.perf_counter() - started),
                       "comm_bytes": self.engine.groups.stats.by_op(),  # this rank, this step
                       **result.moe}
@@ -152,9 +150,8 @@ class Trainer:
 
     def evaluate(self) -> float:
         """The same first eval_samples of the validation split every time, so evals compare."""
-        micro_batches = rank_micro_batches(self.valid_stream.get, self.plan.eval_layout,
-                                           self.rank, self.device, self.documents,
-                                           self.valid_stream.document_starts)
+        micro_batches = rank_micro_batches(self.valid_stream, self.plan.eval_layout,
+                                           self.rank, self.device, self.documents)
         return evaluate(self.engine.model, micro_batches)
 
 

@@ -68,13 +68,15 @@ class MetricsLogger:
         consumed = record["consumed_samples"]
         elapsed = time.perf_counter() - self.started
         left = elapsed / max(consumed - self.first_samples, 1) * (self.total_samples - consumed)
-        moe = (f"aux {record['moe_aux_loss']:.2e} | imbalance {record['moe_imbalance']:.2f} | "
-               if "moe_aux_loss" in record else "")
+        extra = (f"aux {record['moe_aux_loss']:.2e} | imbalance {record['moe_imbalance']:.2f} | "
+                 if "moe_aux_loss" in record else "")
         if record.get("moe_dropped"):  # an expert capacity dropped some of the step's pairs
-            moe += f"dropped {record['moe_dropped']:.2%} | "
+            extra += f"dropped {record['moe_dropped']:.2%} | "
+        if record.get("empty_samples"):  # a loss mask left samples with no counted token
+            extra += f"{record['empty_samples']} sample(s) count no token | "
         print(f"step {step:>6d}/{self.total_steps} | samples {record['consumed_samples']:>9,d} | "
               f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-              f"grad norm {record['grad_norm']:.3f} | {moe}{record['tokens_per_s']:>9,.0f} tok/s "
+              f"grad norm {record['grad_norm']:.3f} | {extra}{record['tokens_per_s']:>9,.0f} tok/s "
               f"| left {_duration(left)}", flush=True)
         self._write({"step": step, **record})
 

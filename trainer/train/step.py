@@ -36,6 +36,7 @@ class StepResult:
     # losses, which the gradient includes, are moe["moe_aux_loss"])
     grad_norm: float  # before clipping
     loss_tokens: int
+    empty_samples: int = 0  # samples of the global batch with no counted token (a loss mask)
     moe: dict = field(default_factory=dict)  # trainer.train.routing.finish (dense: empty)
 
 
@@ -46,9 +47,12 @@ def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: lis
     mark = mark or (lambda phase: None)
     groups, device = model.groups, next(model.parameters()).device
     # Counted over token_distinct: TP ranks (and pipeline stages) share their tokens.
-    local = sum(int((mb.labels != IGNORE).sum()) for mb in micro_batches)
-    count = torch.tensor(float(local), dtype=torch.float64, device=device)
-    total_tokens = int(groups.token_distinct.all_reduce(count).item())
+    # With them, the samples that count no token (each counted by one rank).
+    local = [sum(int((mb.labels != IGNORE).sum()) for mb in micro_batches),
+             sum(mb.empty_samples for mb in micro_batches)]
+    counts = groups.token_distinct.all_reduce(
+        torch.tensor(local, dtype=torch.float64, device=device)).tolist()
+    total_tokens, empty_samples = int(counts[0]), int(counts[1])
     if total_tokens == 0:
         raise ValueError("the global batch has no loss tokens (every label is ignored)")
     optimizer.zero_grad()
@@ -75,7 +79,7 @@ def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: lis
     optimizer.update(lr, grad_norm)
     model.sync_stage_copies()
     return StepResult(loss=loss, grad_norm=grad_norm, loss_tokens=total_tokens,
-                      moe=routing.finish(model.module, groups,
+                      empty_samples=empty_samples, moe=routing.finish(model.module, groups,
                                          groups.pp if model.mixture else None,
                                          model.sequence_parallel))
 
