@@ -5,8 +5,8 @@ the document lengths and its labels masked here from the mask (not by the stream
 document_starts and loss_mask, which the layouts use); samples that count no token counted.
 Losses, gradient norms and every weight after the steps match within the parity tolerances
 (fp32 1e-5, fp64 1e-10): on one process, under every cp_comm_type with CP 2 and runtime CP 8,
-with sequence shards, TP with SP, and pipeline stages with recompute. Documents of 1 to 20 tokens and one of 45 cross the CP chunks (4 or 2
-tokens) and the samples (32)."""
+with sequence shards, TP with SP, and pipeline stages with recompute. Documents of 1 to 20
+tokens and one of 45 cross the CP chunks (4 or 2 tokens) and the samples (32)."""
 from __future__ import annotations
 
 from dataclasses import replace
