@@ -256,6 +256,7 @@ class DataConfig:
     reset_attention_mask: bool = MISSING
     reset_position_ids: bool = MISSING
     eod_mask_loss: bool = MISSING
+    pack: bool = MISSING  # samples of whole documents (examples), padded; none split in two
 
 
 @dataclass

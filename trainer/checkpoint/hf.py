@@ -43,6 +43,7 @@ from trainer.model.plan import parameter_shapes
 
 WEIGHTS_ONLY = "weights_only"  # meta.json key of an imported checkpoint
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names of what we import
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def import_hf(hf_dir: Path, out_dir: Path) -> ModelConfig:
@@ -118,11 +119,14 @@ def _write_import(out_dir: Path, shapes: dict[str, tuple[int, ...]],
     # Each tensor whole, planned from its shape alone (a meta tensor carries no values).
     tensors = {f"model.{n}": Chunked(s, [((0,) * len(s), torch.empty(s, device="meta"))])
                for n, s in shapes.items()}
-    with _one_process():
+    with one_process():
         # One file per tensor: DCP's writer keeps every tensor of a file until the file is
         # done, so a single file would hold the whole model at once.
         dcp.save({}, storage_writer=dcp.FileSystemWriter(out_dir, single_file_per_rank=False),
                  planner=_LazySavePlanner(tensors, value), no_dist=True)
+    for name in TOKENIZER_FILES:  # kept for python -m trainer.generate and trainer.prepare
+        if (hf_dir / name).is_file():
+            shutil.copy(hf_dir / name, out_dir / name)
     (out_dir / "model.yaml").write_text(
         f"# Imported from {hf_dir.resolve()} by python -m trainer.hf import\n"
         + yaml.safe_dump(asdict(model), sort_keys=False))
@@ -136,7 +140,7 @@ def _write_import(out_dir: Path, shapes: dict[str, tuple[int, ...]],
 
 
 @contextlib.contextmanager
-def _one_process() -> Iterator[None]:
+def one_process() -> Iterator[None]:
     """DCP without a process group, as intended here: its warning that it assumes one process
     is silenced, and a failure inside it is raised as itself (DCP wraps it in a
     CheckpointException whose text is the whole traceback)."""
@@ -228,7 +232,7 @@ def export_hf(ckpt: Path, hf_dir: Path, model: ModelConfig, dtype: torch.dtype =
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for name, pieces in parts.items():
             full = torch.empty(shapes[name], dtype=torch.float32)
-            with _one_process():
+            with one_process():
                 dcp.load({f"model.{name}": full}, checkpoint_id=ckpt, no_dist=True)
             yield from zip((n for n, _ in pieces),
                            _rows(full)[:sum(r for _, r in pieces)].split([r for _, r in pieces]))

@@ -149,6 +149,23 @@ class DataSource:
                                  f"model.vocab_size >= {largest + 1} (the tokenizer's "
                                  f"vocabulary).")
 
+    def tokenizer_file(self) -> str | None:
+        """What tokenized the data, for python -m trainer.generate: "byte", a tokenizer.json
+        path, or None (a Megatron dataset records none). A blend's parts share one."""
+        if self.blend:
+            return self.blend[0][1].tokenizer_file()
+        if self.builtin:
+            return "byte"
+        if self.megatron:
+            return None
+        name = TokenDataset.open(self.path).meta["tokenizer"]
+        if name == "byte":
+            return name
+        for file in (self.path.resolve() / "tokenizer.json", Path(name)):  # trained: kept here
+            if file.is_absolute() and file.is_file():
+                return str(file)
+        return None
+
     def open(self) -> TokenDataset:
         """The dataset, prepared and checked by launch.py before any rank started."""
         if self.megatron:

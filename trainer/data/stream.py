@@ -9,6 +9,7 @@ import numpy as np
 from trainer.config import ConfigError
 from trainer.data.blend import PERIOD, blend_pattern
 from trainer.data.dataset import TokenDataset
+from trainer.data.packing import Packs
 from trainer.data.source import DataSource
 
 if TYPE_CHECKING:  # launch.py opens the streams to check them before any rank, without torch
@@ -25,9 +26,10 @@ class SampleStream:
     """
 
     def __init__(self, dataset: TokenDataset, split: Literal["train", "valid"], seq_length: int,
-                 seed: int, shuffle: bool, max_id: int | None = None):
+                 seed: int, shuffle: bool, max_id: int | None = None, pack: bool = False):
         """max_id: ids must be below it, checked on every sample read (a Megatron dataset: its
-        index records no vocabulary, and a large one is only sampled before the run)."""
+        index records no vocabulary, and a large one is only sampled before the run). pack:
+        samples of whole documents (data.pack, trainer.data.packing) instead of windows."""
         if seq_length < 1:
             raise ValueError(f"seq_length={seq_length} must be at least 1")
         if not 0 <= seed < 2**32:
@@ -35,18 +37,25 @@ class SampleStream:
         self.dataset, self.split, self.seq_length = dataset, split, seq_length
         self.seed, self.shuffle, self.max_id = seed, shuffle, max_id
         self.start, end = dataset.split(split)
-        self.num_samples_per_epoch = (end - self.start - 1) // seq_length
+        self._doc_starts: np.ndarray | None = None  # read when documents are first asked for
+        self.packs = None
+        if pack:
+            self.packs = Packs(self.doc_starts, self.start, end, seq_length + 1)
+            self.pad = dataset.meta.get("eod_id") or 0  # never a target, never attended to
+            self.num_samples_per_epoch = len(self.packs)
+        else:
+            self.num_samples_per_epoch = (end - self.start - 1) // seq_length
         if self.num_samples_per_epoch < 1:
             raise ValueError(f"the {split} split of {dataset.path} has {end - self.start} tokens,"
                              f" too few for one sample of seq_length={seq_length} (needs "
                              f"{seq_length + 1}); lower seq_length or change data.valid_fraction")
-        # windows[j] = sample j, a read-only view of the memory map: indexing copies only rows.
-        step = dataset.tokens.itemsize
-        self.windows = np.lib.stride_tricks.as_strided(
-            dataset.tokens[self.start:], shape=(self.num_samples_per_epoch, seq_length + 1),
-            strides=(seq_length * step, step), writeable=False)
+        if self.packs is None:
+            # windows[j] = sample j, a read-only view of the memory map: indexing copies rows.
+            step = dataset.tokens.itemsize
+            self.windows = np.lib.stride_tricks.as_strided(
+                dataset.tokens[self.start:], shape=(self.num_samples_per_epoch, seq_length + 1),
+                strides=(seq_length * step, step), writeable=False)
         self._orders: dict[int, np.ndarray] = {}  # the last two epochs: a batch may span both
-        self._doc_starts: np.ndarray | None = None  # read when documents are first asked for
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The split's sample positions in epoch's order."""
@@ -80,20 +89,36 @@ class SampleStream:
         import torch
 
         _, samples = self._samples(indices)
-        if self._doc_starts is None:
-            self._doc_starts = np.asarray(self.dataset.meta["doc_starts"], dtype=np.int64)
+        doc_starts = self.doc_starts
+        if self.packs is not None:
+            return torch.from_numpy(self.packs.document_starts(doc_starts, samples))
         first = self.start + samples * self.seq_length  # each sample's first token
         tokens = first[:, None] + np.arange(self.seq_length + 1)
-        begins = self._doc_starts[np.searchsorted(self._doc_starts, tokens, side="right") - 1]
+        begins = doc_starts[np.searchsorted(doc_starts, tokens, side="right") - 1]
         return torch.from_numpy(np.maximum(begins - first[:, None], 0))
+
+    def describe_packing(self) -> list[str]:
+        """data.pack's report: how full the samples are, what was truncated."""
+        if self.packs is None:
+            return []
+        return [f"{self.packs.describe(self.split)} ({self.dataset.path})"]
+
+    @property
+    def doc_starts(self) -> np.ndarray:
+        if self._doc_starts is None:
+            self._doc_starts = np.asarray(self.dataset.meta["doc_starts"], dtype=np.int64)
+        return self._doc_starts
 
     def loss_mask(self, indices: Sequence[int]) -> torch.Tensor | None:
         """[len(indices), seq_length + 1] uint8 of the dataset's loss mask (0: no target), or
         None when it has none."""
-        if self.dataset.loss_mask is None:
-            return None
         import torch
 
+        if self.packs is not None:  # the padding is no target, with or without a mask
+            _, samples = self._samples(indices)
+            return torch.from_numpy(self.packs.loss_mask(self.dataset.loss_mask, samples))
+        if self.dataset.loss_mask is None:
+            return None
         _, samples = self._samples(indices)
         windows = np.lib.stride_tricks.as_strided(
             self.dataset.loss_mask[self.start:], shape=self.windows.shape,
@@ -103,7 +128,10 @@ class SampleStream:
     def get(self, indices: Sequence[int]) -> torch.Tensor:
         """[len(indices), seq_length + 1] int64 tokens of these stream indices."""
         idx, samples = self._samples(indices)
-        out = np.array(self.windows[samples], dtype=np.int64)
+        if self.packs is not None:
+            out = self.packs.tokens(self.dataset.tokens, samples, self.pad)
+        else:
+            out = np.array(self.windows[samples], dtype=np.int64)
         if self.max_id is not None and out.size and out.max() >= self.max_id:
             row = int(np.argmax(out.max(axis=1)))
             raise ConfigError(
@@ -120,7 +148,8 @@ class SampleStream:
         """What fixes the stream's content; a checkpoint stores it to refuse a different one."""
         return {"fingerprint": self.dataset.fingerprint, "split": self.split,
                 "token_range": list(self.dataset.split(self.split)),
-                "seq_length": self.seq_length, "seed": self.seed, "shuffle": self.shuffle}
+                "seq_length": self.seq_length, "seed": self.seed, "shuffle": self.shuffle,
+                **({"pack": True} if self.packs is not None else {})}
 
 
 class BlendedStream:
@@ -167,22 +196,26 @@ class BlendedStream:
         return {"blend": [[w, s.identity] for w, s in zip(self.weights, self.streams)],
                 "period": PERIOD}
 
+    def describe_packing(self) -> list[str]:
+        return [line for s in self.streams for line in s.describe_packing()]
+
 
 Stream = SampleStream | BlendedStream
 
 
 def open_streams(source: DataSource, seq_length: int, seed: int,
-                 with_valid: bool) -> tuple[Stream, Stream | None]:
+                 with_valid: bool, pack: bool = False) -> tuple[Stream, Stream | None]:
     """The train and valid streams of a data source (data.path, or each part of data.blend,
-    mixed); the valid one only if the run evaluates."""
-    def max_id(part: DataSource) -> int | None:  # ids a Megatron dataset is checked against
-        return part.vocab_size if part.megatron else None
+    mixed); the valid one only if the run evaluates. pack: data.pack."""
+    def one(part: DataSource, split: str, shuffle: bool) -> SampleStream:
+        # a Megatron dataset's ids are checked against the vocabulary as they are read
+        return SampleStream(part.open(), split, seq_length, seed, shuffle,
+                            part.vocab_size if part.megatron else None, pack)
 
     def stream(split: str, shuffle: bool) -> Stream:
         if not source.blend:
-            return SampleStream(source.open(), split, seq_length, seed, shuffle, max_id(source))
-        return BlendedStream([SampleStream(part.open(), split, seq_length, seed, shuffle,
-                                           max_id(part)) for _, part in source.blend],
+            return one(source, split, shuffle)
+        return BlendedStream([one(part, split, shuffle) for _, part in source.blend],
                              [weight for weight, _ in source.blend])
 
     return stream("train", True), stream("valid", False) if with_valid else None

@@ -33,7 +33,7 @@ def check_inputs(spec: RunSpec, run_dir: Path) -> None:
         point = resume.find(spec.config.checkpoint, save_dir, None, lambda p: verify(p, None))
         if point is not None:
             train, _ = open_streams(spec.data, spec.layout.seq_length, spec.config.data.seed,
-                                    with_valid=False)
+                                    with_valid=False, pack=spec.config.data.pack)
             resume.check(point, resume.Expected(parameter_shapes(spec.config.model),
                                                 train.identity, spec.plan, spec.layout))
     except (ValueError, FileNotFoundError) as error:
@@ -74,7 +74,8 @@ def _start_ranks(spec: RunSpec, run_dir: Path, env: RankEnv | None) -> None:
     # The model config travels with every checkpoint (python -m trainer.hf export reads it), and
     # the global batch size, which a resume under another one names in its messages.
     meta = {"run_dir": str(run_dir), "model": asdict(spec.config.model),
-            "global_batch_size": spec.plan.global_batch_size}
+            "global_batch_size": spec.plan.global_batch_size,
+            "tokenizer": spec.data.tokenizer_file()}  # python -m trainer.generate reads it
     if env is not None:  # this process is one rank of a world started elsewhere
         run_rank(env, spec, run_dir, meta)
     elif spec.layout.world_size > 1:

@@ -48,7 +48,8 @@ class Trainer:
         self.plan, self.schedule = spec.plan, spec.schedule
         self.save_interval = config.checkpoint.save_interval
         self.train_stream, self.valid_stream = open_streams(
-            spec.data, self.layout.seq_length, config.data.seed, bool(self.plan.eval_interval))
+            spec.data, self.layout.seq_length, config.data.seed, bool(self.plan.eval_interval),
+            config.data.pack)
         self.documents = DocumentRules.of(config.data)
         self.engine = build_engine(config.model, config.optim, config.train.seed, self.layout,
                                    device, EngineOptions.from_config(config),
@@ -75,6 +76,8 @@ class Trainer:
                     f"samples, {self.total_steps} steps from step {state.step} (samples "
                     f"{state.consumed_samples:,} to {plan.train_samples:,}); "
                     f"{self.schedule.describe()}")
+        for line in self.train_stream.describe_packing():
+            logger.note(line)
         records = []
         if state.consumed_samples >= plan.train_samples:
             logger.note(f"nothing to train: the checkpoint has consumed {state.consumed_samples:,}"

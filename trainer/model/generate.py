@@ -1,0 +1,91 @@
+"""Text generation with the single-device model and a KV cache.
+
+The cache is applied from outside, as context parallelism is: each attention's attention_fn is
+replaced for the duration by one that keeps the keys and values it has seen and attends the new
+queries over all of them (the prompt at once, causally; then one token a step, over
+everything). The rest of the model runs as in training, on the new tokens only, at their
+positions.
+
+Decoding: temperature 0 is greedy (the highest logit; transformers' do_sample=False picks the
+same tokens, tests/integration/test_generate.py), otherwise the softmax of logits / temperature
+restricted to the smallest set of tokens whose probability reaches top_p (nucleus sampling),
+drawn with a seeded generator. Padding rows of the vocabulary are never chosen.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from trainer.model.transformer import Transformer
+
+
+class _CachedAttention:
+    def __init__(self) -> None:
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 documents: torch.Tensor | None = None) -> torch.Tensor:
+        first = self.k is None
+        self.k = k if first else torch.cat((self.k, k), dim=2)
+        self.v = v if first else torch.cat((self.v, v), dim=2)
+        if not first and q.shape[2] != 1:
+            raise ValueError("after the prompt, the cache takes one token at a time")
+        # the prompt: causal among itself; a new token: every cached key is before it
+        return F.scaled_dot_product_attention(q, self.k, self.v, is_causal=first,
+                                              enable_gqa=self.k.shape[1] != q.shape[1])
+
+
+@contextlib.contextmanager
+def kv_cache(model: Transformer) -> Iterator[None]:
+    """Within: every attention of `model` caches its keys and values (one sequence)."""
+    attentions = [m for m in model.modules() if hasattr(m, "attention_fn")]
+    saved = [m.attention_fn for m in attentions]
+    for module in attentions:
+        module.attention_fn = _CachedAttention()
+    try:
+        yield
+    finally:
+        for module, fn in zip(attentions, saved):
+            module.attention_fn = fn
+
+
+@torch.no_grad()
+def generate(model: Transformer, prompt: list[int], max_new_tokens: int,
+             temperature: float = 0.0, top_p: float = 1.0, stop: int | None = None,
+             seed: int = 0) -> list[int]:
+    """The tokens after `prompt` (at most max_new_tokens; `stop` ends it and is included)."""
+    if not prompt:
+        raise ValueError("the prompt is empty: generation needs at least one token to follow")
+    model.eval()
+    generator = torch.Generator().manual_seed(seed)
+    device = next(model.parameters()).device
+    out: list[int] = []
+    with kv_cache(model):
+        tokens = torch.tensor([prompt], device=device)
+        positions = torch.arange(len(prompt), device=device)[None]
+        for _ in range(max_new_tokens):
+            logits = model(tokens, positions)[0, -1, :model.vocab_size].float()
+            token = _choose(logits, temperature, top_p, generator)
+            out.append(token)
+            if token == stop:
+                break
+            tokens = torch.tensor([[token]], device=device)
+            positions = positions[:, -1:] + 1
+    return out
+
+
+def _choose(logits: torch.Tensor, temperature: float, top_p: float,
+            generator: torch.Generator) -> int:
+    if temperature == 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits / temperature, dim=-1).cpu()
+    if top_p < 1:
+        ordered, order = probs.sort(descending=True)
+        # keep a token while the probability before it is below top_p (the first always)
+        keep = ordered.cumsum(0) - ordered < top_p
+        probs = torch.zeros_like(probs).scatter_(0, order[keep], ordered[keep])
+    return int(torch.multinomial(probs, 1, generator=generator))
