@@ -256,9 +256,31 @@ def check_checkpoint(checkpoint: CheckpointConfig) -> None:
 
 def check_logger(logger: LoggerConfig) -> None:
     _positive_int("logger.log_interval", logger.log_interval, "set it to a number of steps")
+    _positive_int("logger.sample_max_new_tokens", logger.sample_max_new_tokens,
+                  "set it to a number of tokens")
     if logger.name is LoggerName.console and logger.project is not None:
         raise ValueError(f"logger.project={logger.project!r} is ignored by logger=console. "
                          f"Fix: use logger=wandb, or remove the override.")
+
+
+def check_sample_prompts(cfg: Config) -> None:
+    """Greedy continuations at each evaluation, generated on rank 0 from the whole model."""
+    prompts = cfg.logger.sample_prompts
+    if prompts is None:
+        return
+    value = f"logger.sample_prompts={list(prompts)}"
+    if cfg.train.eval_interval is None:
+        raise ValueError(f"{value} is ignored without evaluations (they are sampled at each). "
+                         f"Fix: set train.eval_interval, or logger.sample_prompts=null.")
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        raise ValueError(f"{value} with parallel.pipeline_model_parallel_size="
+                         f"{cfg.parallel.pipeline_model_parallel_size}: samples are generated "
+                         f"from one rank's whole model, which pipeline stages split. Fix: set "
+                         f"logger.sample_prompts=null (python -m trainer.generate reads any "
+                         f"checkpoint).")
+    if not prompts or not all(isinstance(p, str) and p for p in prompts):
+        raise ValueError(f"{value}: expected a list of non-empty prompts. Fix: e.g. "
+                         f"'logger.sample_prompts=[\"def main(\"]'.")
 
 
 def check_seeds(cfg: Config) -> None:
@@ -306,4 +328,5 @@ def check_values(cfg: Config, layout: Layout) -> None:
     check_seeds(cfg)
     check_optim(cfg.optim)
     check_logger(cfg.logger)
+    check_sample_prompts(cfg)
     check_checkpoint(cfg.checkpoint)

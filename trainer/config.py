@@ -285,6 +285,8 @@ class LoggerConfig:
     name: LoggerName = MISSING
     log_interval: int = MISSING
     project: Optional[str] = MISSING  # wandb project; unused by the console logger
+    sample_prompts: Optional[List[str]] = MISSING  # greedy continuations at each evaluation
+    sample_max_new_tokens: int = MISSING
 
 
 RUN_CHECKPOINTS = "checkpoints"  # checkpoint.dir=null: <run dir>/checkpoints

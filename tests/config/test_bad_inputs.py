@@ -256,6 +256,10 @@ TABLE = [
     R(f"cluster.num_nodes=2 data.path={{ds}} {SHORT}", ("cluster.num_nodes=2",), start=True,
       torch=True),  # launch.py starts ranks on this machine only (a dry run may plan 2 nodes)
     R("logger.log_interval=0", ("logger.log_interval=0",)),
+    R("logger.sample_prompts=[hi] train.eval_interval=null",
+      ("logger.sample_prompts=['hi']", "train.eval_interval")),
+    R(f"logger.sample_prompts=[hi] {PP2}", ("logger.sample_prompts=['hi']",
+                                           "pipeline_model_parallel_size=2")),
     R("logger.project=x", ("logger.project='x'", "logger=console")),
     R("cluster.num_nodes=0", ("cluster.num_nodes=0",)),
     R("cluster.procs_per_node=0", ("cluster.procs_per_node=0",)),

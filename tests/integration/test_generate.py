@@ -57,3 +57,31 @@ def test_the_command_uses_the_tokenizer_an_import_kept(tmp_path):
                           "--prompt", "x"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
     assert "RUN_OR_CHECKPOINT=" in bad.stderr and "no checkpoint there" in bad.stderr
+
+
+def test_sample_prompts_at_evaluation_are_the_checkpoints_greedy_continuations(tmp_path):
+    """logger.sample_prompts under weight shards 2 (rank 0 assembles the weights) against the
+    command's path (the checkpoint of the same step, read whole by DCP)."""
+    import json
+
+    from trainer.checkpoint.hf import read_model_config
+    from trainer.data.dataset import TOKENIZERS
+
+    prompts = ["def main(", "import "]
+    done = subprocess.run([sys.executable, "launch.py", "train.train_samples=256",
+                           "train.eval_interval=16", "logger.sample_max_new_tokens=12",
+                           f"logger.sample_prompts={json.dumps(prompts)}",
+                           "cluster.procs_per_node=2",
+                           "parallel.tensor_parallel_num_weight_shards=2",
+                           f"hydra.run.dir={tmp_path}"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=240)
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    logged = [row["samples"] for row in rows if "samples" in row]
+    assert len(logged) == 1 and "sample at step 16: 'def main(' -> " in done.stdout
+    ckpt = tmp_path / "checkpoints" / "step_00000016"
+    model = load_model(ckpt, read_model_config(ckpt, None))
+    byte = TOKENIZERS["byte"]
+    for prompt, sample in zip(prompts, logged[0]):
+        ids = generate(model, byte.encode(prompt).tolist(), 12)
+        assert sample == {"prompt": prompt, "continuation": byte.decode(ids)}

@@ -76,6 +76,11 @@ def settle(cfg: DictConfig) -> RunSpec:
         plan = RunPlan.from_config(config.train, config.checkpoint, layout)
         schedule = LrSchedule.from_config(config.schedule, config.train.train_samples)
         data = DataSource.from_config(config.data, config.model, config.train)
+        if config.logger.sample_prompts and data.tokenizer_file() is None:
+            raise ValueError(f"logger.sample_prompts={list(config.logger.sample_prompts)} needs "
+                             f"the data's tokenizer, and data.path={config.data.path} (a Megatron "
+                             f"dataset) records none. Fix: set logger.sample_prompts=null, and "
+                             f"sample a checkpoint with python -m trainer.generate --tokenizer.")
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return RunSpec(config, layout, plan, schedule, data, auto)

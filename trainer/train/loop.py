@@ -25,6 +25,7 @@ from trainer.model.plan import parameter_shapes
 from trainer.plan.options import EngineOptions
 from trainer.train.engine import build_engine
 from trainer.train.metrics import MetricsLogger
+from trainer.train.samples import Sampler
 from trainer.train.signals import PREEMPT, Interrupted, PreemptionWatch, code_of, signal_of
 from trainer.train.step import NonFiniteStep, evaluate, train_step
 
@@ -51,6 +52,11 @@ class Trainer:
             spec.data, self.layout.seq_length, config.data.seed, bool(self.plan.eval_interval),
             config.data.pack)
         self.documents = DocumentRules.of(config.data)
+        self.sampler = None
+        if config.logger.sample_prompts:
+            self.sampler = Sampler(config.model, spec.data.tokenizer_file(),
+                                   list(config.logger.sample_prompts),
+                                   config.logger.sample_max_new_tokens)
         self.engine = build_engine(config.model, config.optim, config.train.seed, self.layout,
                                    device, EngineOptions.from_config(config),
                                    config.cluster.timeout_s)
@@ -109,6 +115,9 @@ class Trainer:
                 records.append({"step": state.step, "eval_loss": self.evaluate()})
                 logger.log_eval(state.step, {"eval_loss": records[-1]["eval_loss"],
                                              "eval_samples": plan.eval_layout.global_batch_size})
+                if self.sampler is not None:
+                    logger.log_samples(state.step,
+                                       self.sampler.sample(self.engine, self.rank, self.device))
             interval = self.save_interval
             saved = (interval and state.step % interval == 0) or last
             if saved:

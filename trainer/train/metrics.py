@@ -87,6 +87,15 @@ class MetricsLogger:
               f"({record['eval_samples']} samples)", flush=True)
         self._write({"step": step, **record})
 
+    def log_samples(self, step: int, samples: list[dict] | None) -> None:
+        """logger.sample_prompts' continuations (rank 0 has them)."""
+        if not self.writer or samples is None:
+            return
+        for sample in samples:
+            print(f"sample at step {step}: {sample['prompt']!r} -> "
+                  f"{sample['continuation']!r}", flush=True)
+        self._write({"step": step, "samples": samples})
+
     def note(self, message: str) -> None:
         if self.writer:
             print(message, flush=True)
