@@ -7,7 +7,11 @@
                      checkpoint.load=OUT_DIR checkpoint.finetune=true ...
     python -m trainer.hf export CKPT_DIR HF_DIR [--model MODEL_YAML] [--dtype float32|bfloat16]
         CKPT_DIR: a checkpoint (step_XXXXXXXX) or a folder of them (the latest good one);
-        the model config is the one the run recorded, or --model.
+        the model config is the one the run recorded, or --model. The run's tokenizer (a
+        Hugging Face one) is copied beside the weights.
+    python -m trainer.hf standin HF_DIR CHATS_JSONL
+        A stand-in for a downloaded chat model, made offline (needs transformers): a random
+        tiny Llama with a ChatML tokenizer, and arithmetic chats to fine-tune it on.
 """
 from __future__ import annotations
 
@@ -34,6 +38,9 @@ def main(argv: list[str] | None = None) -> None:
                      help="of the written weights (float32: the master weights as trained)")
     exp.add_argument("--max-shard-gb", type=float, default=5.0,
                      help="safetensors files are cut at this size, with an index (5)")
+    standin = sub.add_parser("standin", help="a random tiny chat Llama and chats (offline)")
+    standin.add_argument("hf_dir", type=Path)
+    standin.add_argument("chats", type=Path)
     args = parser.parse_args(argv)
     if args.command == "export" and not (math.isfinite(args.max_shard_gb)
                                          and args.max_shard_gb > 0):
@@ -42,11 +49,17 @@ def main(argv: list[str] | None = None) -> None:
 
     import torch  # after parsing: --help answers at once
 
-    from trainer.checkpoint.hf import export_hf, import_hf, read_model_config
+    from trainer.checkpoint.hf import copy_tokenizer, export_hf, import_hf, read_model_config
     from trainer.checkpoint.integrity import resolve
 
     try:
-        if args.command == "import":
+        if args.command == "standin":
+            from trainer.checkpoint.hf_standin import write_standin
+
+            vocab = write_standin(args.hf_dir, args.chats)
+            print(f"wrote {args.hf_dir} (a random Llama, vocabulary {vocab}, with a ChatML "
+                  f"tokenizer) and {args.chats} (chats)")
+        elif args.command == "import":
             model = import_hf(args.hf_dir, args.out_dir)
             print(f"wrote {args.out_dir}: a weights-only checkpoint of {model.num_layers} layers "
                   f"x hidden {model.hidden_size} (vocabulary {model.vocab_size}) and model.yaml."
@@ -57,8 +70,9 @@ def main(argv: list[str] | None = None) -> None:
             model = read_model_config(ckpt, args.model)
             files = export_hf(ckpt, args.hf_dir, model, getattr(torch, args.dtype),
                               max(int(args.max_shard_gb * 2**30), 1))
+            kept = copy_tokenizer(ckpt, args.hf_dir)
             print(f"wrote {args.hf_dir}: config.json and {len(files)} safetensors file(s) from "
-                  f"{ckpt}")
+                  f"{ckpt}{f', and the tokenizer of {kept}' if kept else ''}")
     except (ValueError, FileNotFoundError) as error:
         parser.exit(2, f"error: {error}\n")
 

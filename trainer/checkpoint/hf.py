@@ -219,6 +219,21 @@ def read_model_config(ckpt: Path, model_yaml: Path | None) -> ModelConfig:
     return model
 
 
+def copy_tokenizer(ckpt: Path, hf_dir: Path) -> Path | None:
+    """The Hugging Face tokenizer the checkpoint records (its run's dataset's, or the one an
+    import kept) copied into an export; returns the folder it came from, or None."""
+    recorded = json.loads((ckpt / "meta.json").read_text()).get("tokenizer")
+    folder = ckpt if (ckpt / "tokenizer.json").is_file() else None
+    if recorded and recorded != "byte" and Path(recorded).is_file():
+        folder = Path(recorded).parent
+    if folder is None:
+        return None
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file() and not (hf_dir / name).exists():
+            shutil.copy(folder / name, hf_dir / name)
+    return folder
+
+
 def export_hf(ckpt: Path, hf_dir: Path, model: ModelConfig, dtype: torch.dtype = torch.float32,
               max_shard_bytes: int = 5 * 2**30) -> list[Path]:
     """A checkpoint (any layout wrote it) -> HF_DIR with config.json and safetensors that
