@@ -43,8 +43,8 @@ def test_import_fine_tune_on_chats_export_and_generate(tmp_path):
                   "parallel.sequence_parallel=true", "logger.log_interval=16",
                   "hydra.run.dir=outputs/chat", cwd=tmp_path)
     assert "data.pack: the train split's 1,900 examples in" in trained.stdout
-    losses = [json.loads(line)["loss"] for line in
-              (tmp_path / "outputs/chat/metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+    rows = (tmp_path / "outputs/chat/metrics.jsonl").read_text().splitlines()
+    losses = [json.loads(line)["loss"] for line in rows if '"loss"' in line]
     assert losses[-1] < 0.5 * losses[0], losses  # it learned from the assistant's tokens
     run("-m", "trainer.hf", "export", "outputs/chat/checkpoints", "hf/tuned", cwd=tmp_path)
     ours = run("-m", "trainer.generate", "outputs/chat", "--chat", "--prompt", QUESTION,
