@@ -3,7 +3,7 @@
     python -m trainer.prepare SRC [SRC ...] OUT_DIR [--valid-fraction F]
         [--tokenizer byte | TOKENIZER_JSON | FOLDER] [--train-tokenizer VOCAB_SIZE]
         [--eod-token TOKEN] [--json-key KEY] [--chat [--loss-on assistant|all]]
-        [--workers N] [--megatron PREFIX]
+        [--seq-length N] [--workers N] [--megatron PREFIX]
 
 SRC: text files (one document each), .jsonl / .jsonl.gz / .jsonl.zst (one document a line, its
 --json-key field), .parquet (its --json-key column), or folders of them (trainer.data.inputs).
@@ -16,8 +16,11 @@ import argparse
 import os
 from pathlib import Path
 
+import numpy as np
+
 from trainer.data.dataset import TokenDataset, prepare
 from trainer.data.megatron import check_new_prefix, write_indexed
+from trainer.data.packing import Packs
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -43,6 +46,9 @@ def main(argv: list[str] | None = None) -> None:
                              "tokenizer's chat template, with a loss mask")
     parser.add_argument("--loss-on", choices=("assistant", "all"), default="assistant",
                         help="with --chat: which tokens the loss counts (assistant turns)")
+    parser.add_argument("--seq-length", type=int, metavar="N",
+                        help="report how full data.pack's samples of N tokens would be "
+                             "(train.seq_length)")
     parser.add_argument("--workers", type=int, metavar="N",
                         help="threads of the tokenizers library's batch encoder (default: "
                              "every core)")
@@ -82,6 +88,9 @@ def main(argv: list[str] | None = None) -> None:
         start, end = ds.split(name)
         print(f"  {name}: tokens [{start:,}, {end:,}) = {end - start:,} tokens, "
               f"{ds.num_documents(name):,} documents")
+        if args.seq_length and end > start:
+            packs = Packs(np.asarray(ds.meta["doc_starts"]), start, end, args.seq_length + 1)
+            print(f"    {packs.describe(name)}")
     if args.megatron:
         try:
             bin_path, idx_path = write_indexed(ds, args.megatron)

@@ -91,7 +91,7 @@ class SampleStream:
         _, samples = self._samples(indices)
         doc_starts = self.doc_starts
         if self.packs is not None:
-            return torch.from_numpy(self.packs.document_starts(doc_starts, samples))
+            return torch.from_numpy(self.packs.document_starts(samples))
         first = self.start + samples * self.seq_length  # each sample's first token
         tokens = first[:, None] + np.arange(self.seq_length + 1)
         begins = doc_starts[np.searchsorted(doc_starts, tokens, side="right") - 1]
