@@ -27,6 +27,7 @@ import checksum  # noqa: E402
 import comm_memory  # noqa: E402
 import compose  # noqa: E402
 import context  # noqa: E402
+import documents  # noqa: E402
 import fsdp2  # noqa: E402
 import hf_interop  # noqa: E402
 import loader  # noqa: E402
@@ -72,6 +73,7 @@ def run(quick: bool) -> dict:
     figures["hf_interop"] = hf_interop.measure(quick)
     figures["checkpoint_checksums"] = checksum.measure(quick)
     figures["moe"] = moe.measure(quick)
+    figures["documents"] = documents.measure(quick)
     return {
         "measured": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": at_start + ("" if commit() == at_start else

@@ -161,7 +161,32 @@ def rows(figures: dict[str, Any]) -> list[dict[str, Any]]:
     ]
     if "moe" in f:  # results of runs before bench/moe.py have none
         out += _moe_rows(f["moe"])
+    if "documents" in f:  # nor before bench/documents.py
+        out += _document_rows(f["documents"])
     return out
+
+
+def _document_rows(d: dict) -> list[dict[str, Any]]:
+    """Packed documents and fine-tuning data: reset_attention_mask's step time, prepare from
+    JSON lines, data.pack's efficiency."""
+    one, cp4, prep, pack = (d["reset_attention_mask"], d["reset_attention_mask_cp4"],
+                            d["prepare_json_lines"], d["packing"])
+    return [
+        _row("reset_attention_mask_step_over_without", one["with_over_without"], "<= 0.6",
+             f"attention {one['attention_share_without']} of the step without; "
+             f"{one['step_s']['with']} s vs {one['step_s']['without']} s; {one['setup']}"),
+        _row("reset_attention_mask_cp4_step_over_without", cp4["with_over_without"], "<= 0.6",
+             f"attention {cp4['attention_share_without']} of the step without; "
+             f"{cp4['step_s']['with']} s vs {cp4['step_s']['without']} s; {cp4['setup']}"),
+        _row("prepare_jsonl_throughput_vs_lib", prep["ours_over_library"], ">= 0.8",
+             f"{prep['ours_tokens_per_s']:,} vs {prep['library_tokens_per_s']:,} tokens/s, "
+             f"{prep['setup']}"),
+        _row("prepare_workers_2_over_1", prep["workers_2_over_1_tokens_per_s"], "-",
+             f"tokens/s of python -m trainer.prepare --workers 2 over --workers 1 (whole "
+             f"command: {prep['workers_s']['1']} s and {prep['workers_s']['2']} s)"),
+        _row("pack_efficiency_chat_2048", pack["efficiency"]["2048"], ">= 0.95",
+             f"at train.seq_length 256: {pack['efficiency']['256']}; {pack['setup']}"),
+    ]
 
 
 def _moe_rows(moe: dict) -> list[dict[str, Any]]:

@@ -21,7 +21,6 @@ from trainer.config import CPCommType, RecomputeGranularity
 from trainer.data.batch import IGNORE, DocumentRules, rank_micro_batches
 from trainer.data.dataset import TokenDataset
 from trainer.data.stream import SampleStream
-from trainer.model.transformer import Transformer
 from trainer.plan.options import EngineOptions
 from trainer.train.engine import build_engine
 from trainer.train.step import train_step
@@ -36,6 +35,8 @@ from test_parity import (
     TINY,
     assert_parity,
     make_layout,
+    reference_model,
+    reference_update,
     relative,
 )
 
@@ -107,14 +108,7 @@ def alone(rank: int, dataset: TokenDataset, starts: list[int], rules: DocumentRu
     """The reference: each piece of a document through the plain model on its own (or, without
     reset_attention_mask, each sample whole), one AdamW as test_parity's reference."""
     torch.set_default_dtype(dtype)
-    model = Transformer(MODEL)
-    model.init_weights(SEED)
-    initial_q = model.layers["0"].attn.qkv.weight.detach().clone()
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": OPTIM.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.eps, foreach=False)
+    model, opt, initial_q = reference_model(MODEL)
     tokens = torch.from_numpy(dataset.tokens.astype(np.int64))
     counted = torch.from_numpy(dataset.loss_mask.astype(bool))
     losses, norms, empty = [], [], []
@@ -143,10 +137,7 @@ def alone(rank: int, dataset: TokenDataset, starts: list[int], rules: DocumentRu
                                    ignore_index=IGNORE) / count
             loss.backward()
             total += loss.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip_grad).item())
-        for group in opt.param_groups:
-            group["lr"] = lr
-        opt.step()
+        norms.append(reference_update(model, opt, lr))
         losses.append(total)
     return {"losses": losses, "norms": norms, "initial_q": initial_q, "empty": empty,
             "params": {name: p.detach() for name, p in model.named_parameters()}}

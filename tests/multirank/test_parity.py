@@ -102,13 +102,10 @@ class _OneProcess:
 ONE_PROCESS = type("Groups", (), {"token_distinct": _OneProcess()})()
 
 
-def reference(rank: int, batches: list[torch.Tensor], dtype: torch.dtype,
-              model_cfg: ModelConfig = TINY, samples: int = MICRO) -> dict:
-    """The plain single-process loop the layouts must match (run in a child process too, so
-    the test process itself never changes its default dtype), in micro-batches of `samples`
-    (a mixture of experts' balance losses are over a layout's whole micro-batch: micro x
-    batch_parallel_size samples)."""
-    torch.set_default_dtype(dtype)
+def reference_model(model_cfg: ModelConfig) -> tuple[Transformer, torch.optim.AdamW,
+                                                     torch.Tensor]:
+    """The plain model at the layouts' initial weights, torch's AdamW (decay on matrices only,
+    as the sharded optimizer) and a copy of the first qkv weight (training must move it)."""
     model = Transformer(model_cfg)
     model.init_weights(SEED)
     initial_q = model.layers["0"].attn.qkv.weight.detach().clone()
@@ -117,6 +114,26 @@ def reference(rank: int, batches: list[torch.Tensor], dtype: torch.dtype,
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": OPTIM.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
                             betas=(OPTIM.beta1, OPTIM.beta2), eps=OPTIM.eps, foreach=False)
+    return model, opt, initial_q
+
+
+def reference_update(model: Transformer, opt: torch.optim.AdamW, lr: float) -> float:
+    """Clip as the trainer does, step at `lr`; the gradient norm before clipping."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip_grad).item()
+    for group in opt.param_groups:
+        group["lr"] = lr
+    opt.step()
+    return norm
+
+
+def reference(rank: int, batches: list[torch.Tensor], dtype: torch.dtype,
+              model_cfg: ModelConfig = TINY, samples: int = MICRO) -> dict:
+    """The plain single-process loop the layouts must match (run in a child process too, so
+    the test process itself never changes its default dtype), in micro-batches of `samples`
+    (a mixture of experts' balance losses are over a layout's whole micro-batch: micro x
+    batch_parallel_size samples)."""
+    torch.set_default_dtype(dtype)
+    model, opt, initial_q = reference_model(model_cfg)
     losses, norms, moe = [], [], []
     for batch, lr in zip(batches, LRS):
         inputs, labels = batch[:, :-1].clamp(min=0), batch[:, 1:]
@@ -129,10 +146,7 @@ def reference(rank: int, batches: list[torch.Tensor], dtype: torch.dtype,
                                    ignore_index=IGNORE) / count
             loss.backward()
             total += loss.item()
-        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip_grad).item())
-        for group in opt.param_groups:
-            group["lr"] = lr
-        opt.step()
+        norms.append(reference_update(model, opt, lr))
         moe.append(routing.finish(model, ONE_PROCESS))  # an expert bias moves after the update
         losses.append(total)
     params = {name: p.detach() for name, p in model.named_parameters()}  # a tied weight once
