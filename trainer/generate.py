@@ -31,8 +31,7 @@ def checkpoint_of(path: Path) -> Path:
 
 def tokenizer_of(ckpt: Path, given: str | None):
     """(a tokenizer: trainer.data.tokenizer's, what chose it)."""
-    from trainer.data.dataset import TOKENIZERS
-    from trainer.data.tokenizer import HFTokenizer
+    from trainer.data.dataset import load_tokenizer
 
     meta = json.loads((ckpt / "meta.json").read_text())
     choice, why = given, "--tokenizer"
@@ -44,9 +43,7 @@ def tokenizer_of(ckpt: Path, given: str | None):
         raise ValueError(f"{KEY}={ckpt} records no tokenizer (a Megatron dataset's, or a run "
                          f"from before they were recorded). Fix: pass --tokenizer with the "
                          f"tokenizer.json the data was prepared with, or byte")
-    if choice in TOKENIZERS:
-        return TOKENIZERS[choice], why
-    return HFTokenizer.load(Path(choice)), why
+    return load_tokenizer(choice), why
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,8 +77,7 @@ def main(argv: list[str] | None = None) -> None:
         model_cfg = read_model_config(ckpt, None)
     except (ValueError, FileNotFoundError) as error:
         parser.exit(2, f"error: {error}\n")
-    ids = (tok.encode(prompt).tolist() if tok.name == "byte"
-           else tok.tokenizer.encode(prompt, add_special_tokens=False).ids)
+    ids = tok.encode_text(prompt)
     print(f"{ckpt}: {model_cfg.name}, {model_cfg.num_layers} layers; tokenizer {tok.name} "
           f"({why}); prompt {len(ids)} tokens", file=sys.stderr, flush=True)
     from trainer.checkpoint.whole import load_model

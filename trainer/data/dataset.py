@@ -29,6 +29,11 @@ TOKENIZERS = {"byte": ByteTokenizer()}
 Tokenizer = ByteTokenizer | HFTokenizer
 
 
+def load_tokenizer(name: str) -> Tokenizer:
+    """"byte", or a tokenizer.json (or a folder holding one), as a checkpoint records it."""
+    return TOKENIZERS[name] if name in TOKENIZERS else HFTokenizer.load(Path(name))
+
+
 def decode(token_ids) -> str:
     """Text of byte-tokenizer ids (a list, array or tensor); undecodable bytes print as U+FFFD."""
     return TOKENIZERS["byte"].decode(token_ids)

@@ -29,6 +29,10 @@ class ByteTokenizer:
     def encode_documents(self, documents: list[str | bytes]) -> list[np.ndarray]:
         return [self.encode(doc) for doc in documents]
 
+    def encode_text(self, text: str) -> list[int]:
+        """A prompt's ids, no end-of-document token (generation)."""
+        return self.encode(text).tolist()
+
     def decode(self, token_ids) -> str:
         ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
         # An id outside a byte (a model's padded vocabulary) becomes 0xFF, which is never valid
@@ -98,6 +102,10 @@ class HFTokenizer:
         texts = [_text(doc) for doc in documents]
         encoded = self.tokenizer.encode_batch_fast(texts, add_special_tokens=False)
         return [np.asarray(e.ids + [self.eod_id], dtype=np.int64) for e in encoded]
+
+    def encode_text(self, text: str) -> list[int]:
+        """A prompt's ids, without added special tokens (a chat template writes its own)."""
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
 
     def decode(self, token_ids) -> str:
         return self.tokenizer.decode(np.asarray(token_ids).reshape(-1).tolist(),

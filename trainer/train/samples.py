@@ -16,20 +16,13 @@ from trainer.model.transformer import Transformer
 class Sampler:
     def __init__(self, model_cfg: ModelConfig, tokenizer_file: str | None, prompts: list[str],
                  max_new_tokens: int):
-        from trainer.data.dataset import TOKENIZERS
-        from trainer.data.tokenizer import HFTokenizer
+        from trainer.data.dataset import load_tokenizer
 
         self.model_cfg, self.prompts, self.max_new_tokens = model_cfg, prompts, max_new_tokens
         if tokenizer_file is None:
             raise ValueError("logger.sample_prompts needs the data's tokenizer, which a Megatron "
                              "dataset does not record")
-        self.tok = (TOKENIZERS[tokenizer_file] if tokenizer_file in TOKENIZERS
-                    else HFTokenizer.load(tokenizer_file))
-
-    def encode(self, prompt: str) -> list[int]:
-        if self.tok.name == "byte":
-            return self.tok.encode(prompt).tolist()
-        return self.tok.tokenizer.encode(prompt, add_special_tokens=False).ids
+        self.tok = load_tokenizer(tokenizer_file)
 
     @torch.no_grad()
     def sample(self, engine, rank: int, device: torch.device) -> list[dict] | None:
@@ -44,7 +37,7 @@ class Sampler:
         model.to(device)
         out = []
         for prompt in self.prompts:
-            ids = generate(model, self.encode(prompt), self.max_new_tokens,
+            ids = generate(model, self.tok.encode_text(prompt), self.max_new_tokens,
                            stop=self.tok.eod_id)
             out.append({"prompt": prompt, "continuation": self.tok.decode(ids)})
         return out
