@@ -7,6 +7,7 @@ plan.accounting's, the schedule plan.schedule's, the data's data.source's.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import tempfile
 from pathlib import Path
@@ -258,9 +259,13 @@ def check_logger(logger: LoggerConfig) -> None:
     _positive_int("logger.log_interval", logger.log_interval, "set it to a number of steps")
     _positive_int("logger.sample_max_new_tokens", logger.sample_max_new_tokens,
                   "set it to a number of tokens")
-    if logger.name is LoggerName.console and logger.project is not None:
-        raise ValueError(f"logger.project={logger.project!r} is ignored by logger=console. "
-                         f"Fix: use logger=wandb, or remove the override.")
+    if logger.name is not LoggerName.wandb and logger.project is not None:
+        raise ValueError(f"logger.project={logger.project!r} is ignored by "
+                         f"logger={logger.name.value}. Fix: use logger=wandb, or remove the "
+                         f"override.")
+    if logger.name is LoggerName.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("logger=tensorboard needs the tensorboard package, which is not "
+                         "installed. Fix: pip install -e '.[tensorboard]', or use logger=console.")
 
 
 def check_sample_prompts(cfg: Config) -> None:

@@ -55,6 +55,7 @@ class LrDecayStyle(Enum):
 class LoggerName(Enum):
     console = "console"
     wandb = "wandb"
+    tensorboard = "tensorboard"
 
 
 @dataclass
@@ -284,7 +285,7 @@ class ScheduleConfig:
 class LoggerConfig:
     name: LoggerName = MISSING
     log_interval: int = MISSING
-    project: Optional[str] = MISSING  # wandb project; unused by the console logger
+    project: Optional[str] = MISSING  # wandb project; unused by console and tensorboard
     sample_prompts: Optional[List[str]] = MISSING  # greedy continuations at each evaluation
     sample_max_new_tokens: int = MISSING
 

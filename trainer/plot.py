@@ -1,6 +1,7 @@
 """python -m trainer.plot RUN_DIR [RUN_DIR ...] [-o OUT.png]: one PNG of train and eval loss,
-learning rate and gradient norm against consumed samples, the runs overlaid and labelled by their
-overrides. Owns the command line only; the drawing is trainer/report/plot.py's."""
+learning rate, gradient norm, model TFLOP/s per rank and peak memory against consumed samples,
+the runs overlaid and labelled by their overrides. Owns the command line only; the drawing is
+trainer/report/plot.py's."""
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,9 @@ def expand(run_dir: Path) -> list[Path]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m trainer.plot",
-        description="Plot train/eval loss, learning rate and gradient norm against consumed "
-                    "samples for one or more runs, overlaid in one PNG.")
+        description="Plot train/eval loss, learning rate, gradient norm, model TFLOP/s per rank "
+                    "and peak memory against consumed samples for one or more runs, overlaid in "
+                    "one PNG.")
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR",
                         help="a run folder with metrics.jsonl, or a sweep folder of them")
     parser.add_argument("-o", "--output", type=Path, default=Path("curves.png"),

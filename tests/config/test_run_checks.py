@@ -59,3 +59,20 @@ def test_a_launcher_without_m_is_refused_not_ignored(no_torch, tmp_path, launche
     line = one_line(launch(no_torch, f"hydra/launcher={launcher}", f"hydra.run.dir={run_dir}"))
     assert f"hydra/launcher={launcher} applies only to -m sweeps" in line and "add -m" in line
     assert not run_dir.exists(), "the run folder was created"
+
+
+def test_logger_tensorboard_without_its_package_is_one_line_naming_the_extra(monkeypatch):
+    import importlib.util
+
+    from trainer.checks import check_logger
+    from trainer.config import LoggerConfig, LoggerName
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",  # as on a machine without the extra
+                        lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    logger = LoggerConfig(LoggerName.tensorboard, 64, None, None, 32)
+    with pytest.raises(ValueError, match=r"^logger=tensorboard needs the tensorboard package.*"
+                                         r"pip install -e '\.\[tensorboard\]'"):
+        check_logger(logger)
+    monkeypatch.setattr(importlib.util, "find_spec", real)
+    check_logger(logger)  # installed here (the test extra)

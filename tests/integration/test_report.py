@@ -4,6 +4,7 @@ included, stdout and stderr kept apart), curves.png at the end of every run (a f
 by side (each pays the torch import) and are shared by the tests that read them."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -32,15 +33,16 @@ def start(*args: str, module: str | None = None) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-    """ok: two ranks started by launch.py, 4 steps. diverged: one process whose lr of 1e8 makes
-    the gradient norm nan at step 2, so the run fails after it has logged a step."""
+    """ok: two ranks started by launch.py, 4 steps, logged to TensorBoard too. diverged: one
+    process whose lr of 1e8 makes the gradient norm nan at step 2, so the run fails after it has
+    logged a step."""
     base = tmp_path_factory.mktemp("report")
     (base / "text").mkdir()
     for doc in range(4):
         (base / "text" / f"doc{doc}.txt").write_text(
             " ".join(f"word{(doc * 7 + i) % 40}" for i in range(800)))
     data = prepare(base / "text", base / "dataset", valid_fraction=0.2)
-    overrides = {"ok": ("cluster.procs_per_node=2",),
+    overrides = {"ok": ("cluster.procs_per_node=2", "logger=tensorboard"),
                  "diverged": ("schedule.lr=1e8", "schedule.min_lr=0")}
     started = {name: start(f"data.path={data}", f"hydra.run.dir={base / name}", *SMALL_RUN,
                            *extra) for name, extra in overrides.items()}
@@ -63,6 +65,40 @@ def test_launch_log_is_the_console_of_every_rank(runs):
                      r"samples$", log, re.M), log
     assert len(re.findall(r"^step +\d/4 \|", log, re.M)) == 4
     assert len(re.findall(r"^eval at step \d", log, re.M)) == 2
+
+
+# model=tiny at train.seq_length=32: a block's linears 4 x 64 x 64 (q, k, v, o) + 3 x 64 x 176
+# (gate, up, down), two blocks, the head 64 x 256; causal attention 2 x 32 x 64 a block forward.
+TINY_FLOPS_PER_TOKEN = 6 * (2 * (4 * 64 * 64 + 3 * 64 * 176) + 64 * 256) + 3 * 2 * (2 * 32 * 64)
+LOCAL_PEAK_FP32 = 0.11e12  # conf/cluster/local.yaml
+
+
+def test_steps_log_model_flops_mfu_peak_memory_and_data_wait_to_tensorboard_too(runs):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run_dir, out = runs["ok"]
+    assert out.returncode == 0, out.stderr
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "loss" in row]
+    assert [row["step"] for row in steps] == [1, 2, 3, 4]
+    for row in steps:
+        tflops = row["tokens_per_s"] * TINY_FLOPS_PER_TOKEN / 2 / 1e12  # two ranks
+        assert abs(row["tflops_per_rank"] / tflops - 1) < 1e-9, row
+        assert abs(row["mfu"] / (tflops * 1e12 / LOCAL_PEAK_FP32) - 1) < 1e-9, row
+        assert 0 < row["data_wait_share"] < 1, row
+        assert 2**26 < row["peak_memory_bytes"] < 2**32, row  # rank 0's resident set
+    line = next(line for line in out.stdout.splitlines() if line.startswith("step      4/4"))
+    assert f"(MFU {steps[-1]['mfu']:.1%})" in line, line
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    for key in ("loss", "grad_norm", "tflops_per_rank", "mfu", "data_wait_share", "eval_loss"):
+        logged = {e.step: e.value for e in events.Scalars(key)}
+        expected = {row["step"]: row[key] for row in rows if key in row}
+        assert logged.keys() == expected.keys(), key
+        assert all(abs(logged[s] - v) <= 1e-6 * abs(v) for s, v in expected.items()), key
+    # The end of the run holds the measured peak against layout.json's plan.
+    planned = json.loads((run_dir / "layout.json").read_text())["memory"]["per_stage"][0]
+    assert f"  stage 0: planned {planned['peak_bytes'] / 2**30:.3f} GiB, measured " in out.stdout
 
 
 def test_a_failed_run_logs_why_it_stopped(runs):

@@ -74,6 +74,19 @@ def test_write_curves_writes_a_png_into_the_run_folder(tmp_path):
     assert (run / "curves.png").read_bytes()[:8] == PNG_MAGIC
 
 
+def png_height(path: Path) -> int:
+    return int.from_bytes(path.read_bytes()[20:24], "big")  # the IHDR chunk's height
+
+
+def test_runs_that_logged_their_speed_get_the_tflops_and_memory_panels(tmp_path):
+    speed = {"tflops_per_rank": 0.03, "peak_memory_bytes": 2**29}
+    plain = make_run(tmp_path / "plain", [step_row(1), step_row(2)])
+    fast = make_run(tmp_path / "fast", [step_row(1) | speed, step_row(2) | speed])
+    heights = {run.name: png_height(write_curves(run)) for run in (plain, fast)}
+    # 10 and 14 inches at 110 dpi: three panels, or five (TFLOP/s per rank, peak memory)
+    assert heights == {"plain": 1100, "fast": 1540}
+
+
 def test_write_curves_returns_none_without_steps_and_never_raises(tmp_path, capsys):
     assert write_curves(tmp_path / "missing") is None
     assert write_curves(make_run(tmp_path / "empty", [])) is None

@@ -48,6 +48,29 @@ KINDS = ("compute", "tensor parallel", "weight gathers", "context parallel", "ex
 
 
 @dataclass(frozen=True)
+class TokenFlops:
+    """The forward FLOPs one token costs, counted from the config: a block's linears 2*W, its
+    causal attention 2*S*q (QK^T and AV, 2*S*q each over S keys, halved: a query sees the keys
+    before it), the head 2*h*V. The embedding is a lookup; norms and activations are not
+    counted (Megatron's and torchtitan's convention)."""
+    block_linear: float
+    block_attention: float
+    head: float
+    num_layers: int
+
+    @classmethod
+    def of(cls, m: ModelConfig, seq_length: int) -> TokenFlops:
+        return cls(2 * block_weight_elements(m), 2 * seq_length * m.q_size,
+                   2 * m.hidden_size * m.padded_vocab_size, m.num_layers)
+
+    @property
+    def training(self) -> float:
+        """Model FLOPs of a trained token: forward and a backward of twice its FLOPs. What
+        recompute runs again is not model FLOPs (MFU counts it as lost time)."""
+        return 3 * (self.num_layers * (self.block_linear + self.block_attention) + self.head)
+
+
+@dataclass(frozen=True)
 class Estimate:
     step_s: float
     seconds: dict[str, float] = field(default_factory=dict)  # by KINDS: compute, exposed comm
@@ -66,17 +89,17 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
     b, s, S, h = layout.micro_batch_size, layout.context_local_length, layout.seq_length, \
         m.hidden_size
     T, V, W = b * s, m.padded_vocab_size, block_weight_elements(m)
-    e = compute_bytes(options.precision)
+    e, token = compute_bytes(options.precision), TokenFlops.of(m, S)
     flops = hw.flops(options.precision)
     overlaps = not hw.shares_cores  # shared cores compute and move messages in turn
     overlap_gather = options.overlap_param_gather and overlaps
     overlap_reduce = options.overlap_grad_reduce and overlaps
     # Compute of one micro-batch through one block, forward and backward.
-    linear_fwd = 2 * T * W / t / flops
-    attn_fwd = 2 * T * S * m.q_size / t / flops
+    linear_fwd = T * token.block_linear / t / flops
+    attn_fwd = T * token.block_attention / t / flops
     extra = {RecomputeGranularity.full: linear_fwd + attn_fwd,
              RecomputeGranularity.selective: attn_fwd, None: 0.0}
-    head_fwd = 2 * T * h * V / t / flops
+    head_fwd = T * token.head / t / flops
 
     # Each axis's messages (trainer.plan.axes): TP's per block and around the head, a block's
     # weight gathers and gradient reduce-scatters (a full weight is W/t elements), CP's K/V.
@@ -143,16 +166,15 @@ def floor_s(m: ModelConfig, layout: Layout, precision: Precision, hw: Hardware) 
     through the bubble, plus the optimizer's reduction of the smallest stage. The search skips
     a layout whose floor is already slower than the candidates it keeps."""
     t, pp = layout.tp_size, layout.pp_size
-    b, s, S, h = layout.micro_batch_size, layout.context_local_length, layout.seq_length, \
-        m.hidden_size
-    T, V, W = b * s, m.padded_vocab_size, block_weight_elements(m)
-    e = compute_bytes(precision)
+    b, s, h = layout.micro_batch_size, layout.context_local_length, m.hidden_size
+    T, W = b * s, block_weight_elements(m)
+    e, token = compute_bytes(precision), TokenFlops.of(m, layout.seq_length)
     flops = hw.flops(precision)
     per_stage = [sum(map(len, layout.stage_chunks(stage, m.num_layers))) for stage in range(pp)]
     blocks = per_stage[-1]  # the last stage's, which also runs the head
     ring = tp_seconds(layout, hw, T * h * e)[1] / 2  # one TP collective of T*h*e
-    micro = blocks * (3 * 2 * T * (W / t + S * m.q_size / t) / flops + 8 * ring) \
-        + 3 * 2 * T * h * V / t / flops + 2 * ring
+    micro = blocks * (3 * T * (token.block_linear + token.block_attention) / t / flops
+                      + 8 * ring) + 3 * T * token.head / t / flops + 2 * ring
     optimizer = optimizer_seconds(layout, hw, min(per_stage) * W)
     bubble = (pp - 1) / layout.virtual_pipeline_size * hw.bubble_share(pp)
     return micro * (layout.num_microbatches + bubble) + optimizer

@@ -84,10 +84,14 @@ class Hardware:
         """What a rank's planned peak may reach: the device less the margin."""
         return int(self.device_memory_gib * GiB * (1 - self.memory_margin))
 
+    def peak_flops(self, precision: Precision) -> float:
+        """A device's peak FLOP/s in the precision's matrix products (what MFU divides by)."""
+        peak = self.peak_bf16_tflops if precision is Precision.bf16 else self.peak_fp32_tflops
+        return peak * 1e12
+
     def flops(self, precision: Precision) -> float:
         """FLOP/s a rank achieves in the model's GEMMs and attention."""
-        peak = self.peak_bf16_tflops if precision is Precision.bf16 else self.peak_fp32_tflops
-        return peak * 1e12 * self.compute_efficiency
+        return self.peak_flops(precision) * self.compute_efficiency
 
     def link(self, layout: Layout, group: str) -> Link:
         """The link one group of this kind communicates over: NVLink when it fits in a domain

@@ -1,5 +1,6 @@
-"""Training curves as a PNG: train and eval loss, learning rate and gradient norm against
-consumed samples, from one or more run folders' metrics.jsonl, each run labelled by its overrides.
+"""Training curves as a PNG: train and eval loss, learning rate and gradient norm (and, where the
+run logged them, model TFLOP/s per rank and peak memory) against consumed samples, from one or
+more run folders' metrics.jsonl, each run labelled by its overrides.
 Owns reading metrics.jsonl for plots; matplotlib is imported here only, and only when drawing."""
 from __future__ import annotations
 
@@ -110,8 +111,10 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
     import matplotlib.pyplot as plt
     from matplotlib.ticker import StrMethodFormatter
 
-    fig, (loss_ax, lr_ax, norm_ax) = plt.subplots(3, 1, figsize=(9, 10), sharex=True,
-                                                  height_ratios=(2, 1, 1))
+    speed = any("tflops_per_rank" in r for run in runs for r in run.train)  # older runs: none
+    fig, axes = plt.subplots(5 if speed else 3, 1, figsize=(9, 14 if speed else 10),
+                             sharex=True, height_ratios=(2, 1, 1, 1, 1) if speed else (2, 1, 1))
+    loss_ax, lr_ax, norm_ax = axes[:3]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i, run in enumerate(runs):
         color = colors[i % len(colors)]
@@ -123,14 +126,22 @@ def plot_runs(run_dirs: list[Path], out: Path) -> Path:
                          label=f"{run.label} eval")
         lr_ax.plot(samples, [r.get("lr") for r in run.train], color=color, lw=1.2)
         norm_ax.plot(samples, [r.get("grad_norm") for r in run.train], color=color, lw=1.2)
+        if speed:
+            axes[3].plot(samples, [r.get("tflops_per_rank") for r in run.train], color=color,
+                         lw=1.2)
+            axes[4].plot(samples, [r["peak_memory_bytes"] / 2**30 if "peak_memory_bytes" in r
+                                   else None for r in run.train], color=color, lw=1.2)
     loss_ax.set_ylabel("loss")
     loss_ax.set_title("train (solid) and eval (dashed) loss")
     lr_ax.set_ylabel("learning rate")
     lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     norm_ax.set_ylabel("gradient norm")
-    norm_ax.set_xlabel("consumed samples")
-    norm_ax.xaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
-    for ax in (loss_ax, lr_ax, norm_ax):
+    if speed:
+        axes[3].set_ylabel("TFLOP/s per rank")
+        axes[4].set_ylabel("peak memory (GiB)")
+    axes[-1].set_xlabel("consumed samples")
+    axes[-1].xaxis.set_major_formatter(StrMethodFormatter("{x:,.0f}"))
+    for ax in axes:
         ax.grid(alpha=0.3)
     loss_ax.legend(fontsize=8, loc="upper right")
     if shared:

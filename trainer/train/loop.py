@@ -28,6 +28,7 @@ from trainer.train.metrics import MetricsLogger
 from trainer.train.samples import Sampler
 from trainer.train.signals import PREEMPT, Interrupted, PreemptionWatch, code_of, signal_of
 from trainer.train.step import NonFiniteStep, evaluate, train_step
+from trainer.train.throughput import Throughput
 
 
 class TrainingDiverged(CompactHydraException):
@@ -52,6 +53,7 @@ class Trainer:
             spec.data, self.layout.seq_length, config.data.seed, bool(self.plan.eval_interval),
             config.data.pack)
         self.documents = DocumentRules.of(config.data)
+        self.throughput = Throughput(config, self.layout, device)  # before the model is built
         self.sampler = None
         if config.logger.sample_prompts:
             self.sampler = Sampler(config.model, spec.data.tokenizer_file(),
@@ -94,6 +96,7 @@ class Trainer:
             samples = step_layout.global_batch_size
             micro_batches = rank_micro_batches(self.train_stream, step_layout, self.rank,
                                                self.device, self.documents, consumed)
+            data_s = time.perf_counter() - started
             lr = self.schedule.lr(consumed + samples)
             self.engine.groups.stats.reset()
             try:
@@ -103,10 +106,11 @@ class Trainer:
                 raise self.diverged(state.step + 1, error, lr) from None
             state.step, state.consumed_samples = state.step + 1, consumed + samples
             last = state.consumed_samples == plan.train_samples
+            speed = self.throughput.step(samples * layout.seq_length,
+                                         time.perf_counter() - started, data_s)
             record = {"consumed_samples": state.consumed_samples, "loss": result.loss, "lr": lr,
                       "grad_norm": result.grad_norm, "loss_tokens": result.loss_tokens,
-                      "empty_samples": result.empty_samples,
-                      "tokens_per_s": samples * layout.seq_length / (time.perf_counter() - started),
+                      "empty_samples": result.empty_samples, **speed.as_dict(),
                       "comm_bytes": self.engine.groups.stats.by_op(),  # this rank, this step
                       **result.moe}
             records.append({"step": state.step, **record})
@@ -126,8 +130,18 @@ class Trainer:
             signum = self.stop_requested() if not last else None
             if signum is not None:
                 self.stop(signum, saved)
+        if records:
+            self.report_memory()
         logger.close()
         return records
+
+    def report_memory(self) -> None:
+        """Collective: each stage's measured peak beside the plan's, printed by rank 0."""
+        mine = torch.tensor([self.throughput.measured_bytes()], dtype=torch.int64,
+                            device=self.device)
+        every = self.engine.groups.world.all_gather(mine).tolist()
+        for line in self.throughput.memory_table(every):
+            self.logger.note(line)
 
     def diverged(self, step: int, error: NonFiniteStep, lr: float) -> TrainingDiverged:
         good = latest(self.save_dir, check=lambda path: verify(path, None))

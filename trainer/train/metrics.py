@@ -1,5 +1,7 @@
 """Progress output from one rank: console lines, metrics.jsonl in the run directory, and wandb
-when `logger=wandb`. Other ranks get a logger that writes nothing."""
+when `logger=wandb`, TensorBoard event files in the run directory's tensorboard/ when
+`logger=tensorboard` (the same numbers, each a scalar against the step). Other ranks get a logger
+that writes nothing."""
 from __future__ import annotations
 
 import json
@@ -9,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import LoggerConfig, LoggerName
+
+TENSORBOARD = "tensorboard"  # the run folder's event files
 
 
 def _duration(seconds: float) -> str:
@@ -43,6 +47,11 @@ class MetricsLogger:
             import wandb  # only the writing rank pays for the import
 
             self.wandb = wandb.init(project=cfg.project, dir=str(run_dir), config=config)
+        self.tensorboard = None
+        if writer and cfg.name is LoggerName.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tensorboard = SummaryWriter(str(run_dir / TENSORBOARD))
 
     def forget_after(self, step: int) -> None:
         """Drop metrics.jsonl's rows past `step`, the step this run starts from: a run that
@@ -77,7 +86,9 @@ class MetricsLogger:
         print(f"step {step:>6d}/{self.total_steps} | samples {record['consumed_samples']:>9,d} | "
               f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
               f"grad norm {record['grad_norm']:.3f} | {extra}{record['tokens_per_s']:>9,.0f} tok/s "
-              f"| left {_duration(left)}", flush=True)
+              f"| {record['tflops_per_rank']:.3g} TFLOP/s/rank (MFU {record['mfu']:.1%}) | "
+              f"mem {record['peak_memory_bytes'] / 2**30:.2f} GiB | "
+              f"data {record['data_wait_share']:.1%} | left {_duration(left)}", flush=True)
         self._write({"step": step, **record})
 
     def log_eval(self, step: int, record: dict[str, Any]) -> None:
@@ -105,7 +116,14 @@ class MetricsLogger:
             f.write(json.dumps(record) + "\n")
         if self.wandb is not None:
             self.wandb.log(record, step=record["step"])
+        if self.tensorboard is not None:
+            for key, value in record.items():  # numbers only (not comm_bytes' table, samples)
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tensorboard.add_scalar(key, value, record["step"])
+            self.tensorboard.flush()  # a run killed later keeps what was logged
 
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
