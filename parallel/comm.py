@@ -8,12 +8,19 @@ broadcast the tensor on its root. A
 group of one rank moves nothing and calls nothing. A collective started asynchronously
 (start_*) is counted when it starts, and once more in `overlapped`, so a test can tell overlap
 from a synchronous fallback.
+
+CommStats also knows which collective this rank waits in now, and since when: a hang watch
+(another thread) reads it to tell the ranks stuck in a collective from the one that never
+reached it.
 """
 from __future__ import annotations
 
+import time
 from collections import defaultdict
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from functools import partial
+from typing import Any, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -26,13 +33,35 @@ _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class Wait(NamedTuple):
+    """A collective this rank is blocked in: its group kind and global ranks, since when."""
+    group: str
+    op: str
+    ranks: tuple[int, ...]
+    since: float  # time.monotonic()
+
+
 @dataclass
 class CommStats:
-    """Bytes sent and calls made by this rank, keyed by (group kind, collective kind)."""
+    """Bytes sent and calls made by this rank, keyed by (group kind, collective kind); the
+    collective it waits in now (None: none) and how many waits have ended."""
 
     bytes: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     calls: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
     overlapped: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))
+    waiting: Wait | None = None
+    waits_done: int = 0
+
+    @contextmanager
+    def waiting_in(self, group: str, op: str, ranks: list[int]) -> Iterator[None]:
+        """Around the call that blocks until the peers take part (one assignment each way: a
+        watch thread reads `waiting` without a lock)."""
+        self.waiting = Wait(group, op, tuple(ranks), time.monotonic())
+        try:
+            yield
+        finally:
+            self.waiting = None
+            self.waits_done += 1
 
     def record(self, group: str, op: str, nbytes: int, overlapped: bool = False) -> None:
         self.bytes[(group, op)] += nbytes
@@ -57,8 +86,9 @@ class Pending:
     keeps the input alive until then (the backend may still be reading it)."""
 
     def __init__(self, output: Any, work: dist.Work | list[dist.Work] | None,
-                 source: Any = None, sends: int = 0):
-        self.output, self._source = output, source
+                 source: Any = None, sends: int = 0, waits: Any = None):
+        """waits: the group's wait(op), entered while this blocks."""
+        self.output, self._source, self._waits = output, source, waits
         self._works = [] if work is None else work if isinstance(work, list) else [work]
         self._sends = sends  # the first `sends` works are sends of `source`, one per tensor
 
@@ -66,8 +96,9 @@ class Pending:
         """Wait only for the sends and let their sources go, where the backend reports sends
         apart from receives (gloo does; NCCL coalesces a batch into one work, kept whole)."""
         if self._sends and len(self._works) == self._sends + len(self.output):
-            for work in self._works[:self._sends]:
-                work.wait()
+            with self._waits():
+                for work in self._works[:self._sends]:
+                    work.wait()
             self._works, self._source, self._sends = self._works[self._sends:], None, 0
 
     def completed(self) -> bool:
@@ -75,8 +106,10 @@ class Pending:
         return all(work.is_completed() for work in self._works)
 
     def wait(self) -> Any:
-        for work in self._works:
-            work.wait()
+        if self._works:
+            with self._waits():
+                for work in self._works:
+                    work.wait()
         self._works, self._source = [], None
         return self.output
 
@@ -110,7 +143,8 @@ class Group:
         if self.size == 1:
             return output.copy_(shard)
         self.stats.record(self.kind, ALL_GATHER, (self.size - 1) * _nbytes(shard))
-        _all_gather_tensor(output, shard.contiguous(), group=self.handle)
+        with self.wait(ALL_GATHER)():
+            _all_gather_tensor(output, shard.contiguous(), group=self.handle)
         return output
 
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
@@ -125,7 +159,7 @@ class Group:
         self.stats.record(self.kind, ALL_GATHER, (self.size - 1) * _nbytes(shard), True)
         source = shard.contiguous()
         return Pending(out, _all_gather_tensor(out, source, group=self.handle, async_op=True),
-                       source)
+                       source, waits=self.wait(ALL_GATHER))
 
     def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
         """Sum over the group of `full` (dim 0 divisible by size); returns this rank's slice."""
@@ -133,7 +167,8 @@ class Group:
             return full
         out = self._new(full, (full.shape[0] // self.size, *full.shape[1:]))
         self.stats.record(self.kind, REDUCE_SCATTER, (self.size - 1) * _nbytes(out))
-        _reduce_scatter_tensor(out, full.contiguous(), group=self.handle)
+        with self.wait(REDUCE_SCATTER)():
+            _reduce_scatter_tensor(out, full.contiguous(), group=self.handle)
         return out
 
     def start_reduce_scatter(self, full: torch.Tensor) -> Pending:
@@ -144,7 +179,8 @@ class Group:
         self.stats.record(self.kind, REDUCE_SCATTER, (self.size - 1) * _nbytes(out), True)
         source = full.contiguous()
         return Pending(out, _reduce_scatter_tensor(out, source, group=self.handle,
-                                                   async_op=True), source)
+                                                   async_op=True), source,
+                       waits=self.wait(REDUCE_SCATTER))
 
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM
                    ) -> torch.Tensor:
@@ -152,7 +188,8 @@ class Group:
         if self.size == 1:
             return tensor
         self.stats.record(self.kind, ALL_REDUCE, 2 * (self.size - 1) * _nbytes(tensor) // self.size)
-        dist.all_reduce(tensor, op=op, group=self.handle)
+        with self.wait(ALL_REDUCE)():
+            dist.all_reduce(tensor, op=op, group=self.handle)
         return tensor
 
     def broadcast(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
@@ -160,7 +197,8 @@ class Group:
         if self.size == 1:
             return tensor
         self.stats.record(self.kind, BROADCAST, _nbytes(tensor) if self.rank == root else 0)
-        dist.broadcast(tensor, group=self.handle, group_src=root)
+        with self.wait(BROADCAST)():
+            dist.broadcast(tensor, group=self.handle, group_src=root)
         return tensor
 
     def start_send(self, tensor: torch.Tensor, peer: int, tag: int) -> Pending:
@@ -172,13 +210,14 @@ class Group:
         if self._fake:  # delivered at once (see __init__); nothing will receive it
             return Pending(None, None)
         return Pending(None, dist.isend(source, group=self.handle, group_dst=peer, tag=tag),
-                       source)
+                       source, waits=self.wait(P2P))
 
     def start_recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                    peer: int, tag: int) -> Pending:
         """The message group rank `peer` sends with `tag`, into a new tensor (Pending.wait())."""
         out = self._new(torch.empty(0, dtype=dtype, device=device), shape)
-        return Pending(out, dist.irecv(out, group=self.handle, group_src=peer, tag=tag))
+        return Pending(out, dist.irecv(out, group=self.handle, group_src=peer, tag=tag),
+                       waits=self.wait(P2P))
 
 
     def all_to_all(self, parts: torch.Tensor) -> torch.Tensor:
@@ -190,7 +229,8 @@ class Group:
             raise ValueError(f"all_to_all needs dim 0 = {self.size} parts, got {parts.shape}")
         out = self._new(parts, parts.shape)
         self.stats.record(self.kind, ALL_TO_ALL, (self.size - 1) * _nbytes(parts) // self.size)
-        dist.all_to_all_single(out, parts.contiguous(), group=self.handle)
+        with self.wait(ALL_TO_ALL)():
+            dist.all_to_all_single(out, parts.contiguous(), group=self.handle)
         return out
 
     def all_to_all_rows(self, rows: torch.Tensor, send: list[int], receive: list[int]
@@ -202,7 +242,8 @@ class Group:
         out = self._new(rows, (sum(receive), *rows.shape[1:]))
         row = _nbytes(rows) // max(rows.shape[0], 1)
         self.stats.record(self.kind, ALL_TO_ALL, (sum(send) - send[self.rank]) * row)
-        dist.all_to_all_single(out, rows.contiguous(), receive, send, group=self.handle)
+        with self.wait(ALL_TO_ALL)():
+            dist.all_to_all_single(out, rows.contiguous(), receive, send, group=self.handle)
         return out
 
     def start_shift(self, tensors: list[torch.Tensor],
@@ -220,7 +261,13 @@ class Group:
         ops += [dist.P2POp(dist.irecv, t, group=self.handle, group_peer=before)
                 for t in received]
         self.stats.record(self.kind, P2P, sum(_nbytes(t) for t in sources), True)
-        return Pending(received, dist.batch_isend_irecv(ops), sources, len(sources))
+        return Pending(received, dist.batch_isend_irecv(ops), sources, len(sources),
+                       self.wait(P2P))
+
+
+    def wait(self, op: str) -> Any:
+        """What a blocking call enters: CommStats.waiting_in for this group and op."""
+        return partial(self.stats.waiting_in, self.kind, op, self.ranks)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -297,6 +297,7 @@ RUN_CHECKPOINTS = "checkpoints"  # checkpoint.dir=null: <run dir>/checkpoints
 class CheckpointConfig:
     dir: Optional[str] = MISSING  # null = <run dir>/checkpoints
     save_interval: Optional[int] = MISSING  # in steps; null = only at the end
+    async_save: bool = MISSING  # write in the background from a host copy (one save in flight)
     load: Optional[str] = MISSING  # a checkpoint folder, or a folder of them (the latest)
     resume: bool = MISSING  # load null and checkpoint.dir holds a checkpoint: continue from it
     finetune: bool = MISSING  # load only the weights of checkpoint.load; start at step 0

@@ -160,7 +160,8 @@ def test_a_killed_rank_ends_the_run_and_is_named(dataset, tmp_path):
 
 def test_a_hung_rank_ends_the_run_within_the_timeout(dataset, tmp_path):
     """Across pipeline stages: the first stage waits for the second's activations' gradients
-    in a point-to-point receive on the pp group, which must time out like a collective."""
+    in a point-to-point receive on the pp group, which must time out like a collective. The
+    stopped rank cannot write its stacks: the line says so (trainer/train/hangs.py)."""
     proc = start(dataset, tmp_path, "cluster.procs_per_node=2", "train.train_samples=100000",
                  "parallel.pipeline_model_parallel_size=2", "train.global_batch_size=8",
                  "cluster.timeout_s=5")
@@ -170,7 +171,9 @@ def test_a_hung_rank_ends_the_run_within_the_timeout(dataset, tmp_path):
     os.kill(pids[1], signal.SIGSTOP)  # alive but silent: only the timeout can tell
     code, _, err = finish(proc, timeout=90)
     assert code != 0 and time.monotonic() - stopped < 5 + 30
-    assert "rank 0 of 2 failed" in err and "The other ranks were stopped" in err
+    assert ("rank(s) 0 wait in p2p over pp (ranks 0, 1) that rank(s) 1 never reached; rank(s) 1 "
+            "wrote no stacks (stuck outside Python, or gone)") in err, err
+    assert "The ranks were stopped." in err
 
 
 def test_preemption_saves_and_a_relaunch_resumes(dataset, tmp_path):

@@ -175,38 +175,76 @@ class _RecordingWriter(dcp.FileSystemWriter):
         return future
 
 
+@dataclass
+class Staged:
+    """What one rank writes of a checkpoint: DCP's objects and this rank's rectangles."""
+
+    objects: dict[str, Any]
+    tensors: dict[str, Chunked]
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes of its rectangles (an asynchronous save's staging copy)."""
+        return sum(view.numel() * view.element_size()
+                   for chunked in self.tensors.values() for _, view in chunked.chunks)
+
+    def copy(self) -> Staged:
+        """A copy in host memory, so training can change the rank's own tensors meanwhile."""
+        return Staged(self.objects, {
+            fqn: Chunked(c.shape, [(o, view.detach().to("cpu", copy=True)) for o, view in c.chunks])
+            for fqn, c in self.tensors.items()})
+
+
+def stage(engine: Engine, state: TrainState) -> Staged:
+    """Collective over the engine's groups (the optimizer's moments are gathered): the views of
+    what this rank writes."""
+    moments = engine.optimizer.gather_moments()
+    tensors = _tensors(engine, engine.optimizer.moment_views(moments))
+    # The trainer draws no random numbers after initialisation (the sample order is a function
+    # of data.seed and the sample index), so every rank's generator state is the same; it is
+    # kept so that anything random added later (dropout) resumes exactly.
+    objects = {"train_state": json.dumps(asdict(state)), "optim_step": moments.step,
+               "rng": torch.get_rng_state()}
+    return Staged(objects, tensors)
+
+
+def folder_of(directory: Path, step: int) -> Path:
+    return directory / f"{PREFIX}{step:08d}"
+
+
 def save(engine: Engine, state: TrainState, directory: Path, meta: dict[str, Any]) -> Path:
-    """Collective. Returns the finished checkpoint folder. It is written as a .tmp folder and
-    renamed once meta.json, with every file's checksum, is in it; a failure removes the .tmp."""
-    final = directory / f"{PREFIX}{state.step:08d}"
+    """Collective. Returns the finished checkpoint folder (see write)."""
+    return write(stage(engine, state), state, directory, meta)
+
+
+def write(staged: Staged, state: TrainState, directory: Path, meta: dict[str, Any],
+          group: dist.ProcessGroup | None = None) -> Path:
+    """Collective over `group` (None: the world), whose ranks are the world's in order.
+    Returns the finished checkpoint folder. It is written as a .tmp folder and renamed once
+    meta.json, with every file's checksum, is in it; a failure removes the .tmp."""
+    final = folder_of(directory, state.step)
     tmp = final.with_name(final.name + TMP_SUFFIX)
     rank = dist.get_rank()
     try:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a crashed earlier attempt at this step
             tmp.mkdir(parents=True)
-        dist.barrier()
-        moments = engine.optimizer.gather_moments()
-        tensors = _tensors(engine, engine.optimizer.moment_views(moments))
-        # The trainer draws no random numbers after initialisation (the sample order is a
-        # function of data.seed and the sample index), so every rank's generator state is the
-        # same; it is kept so that anything random added later (dropout) resumes exactly.
-        objects = {"train_state": json.dumps(asdict(state)), "optim_step": moments.step,
-                   "rng": torch.get_rng_state()}
+        dist.barrier(group=group)
         writer = _RecordingWriter(tmp)
-        dcp.save(objects, storage_writer=writer, planner=ChunkSavePlanner(tensors))
+        dcp.save(staged.objects, storage_writer=writer,
+                 planner=ChunkSavePlanner(staged.tensors), process_group=group)
         # Each rank checksums the files it wrote (still in its page cache), rank 0 also DCP's
         # .metadata; rank 0 records them all in meta.json, the file that marks the save done.
         mine = {name: file_checksum(tmp / name)
                 for name in writer.written + ([METADATA] if rank == 0 else [])}
         everyone: list[dict | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(everyone, mine)
+        dist.all_gather_object(everyone, mine, group=group)
         if rank == 0:
             checksums = {name: value for part in everyone for name, value in part.items()}
             write_meta(tmp, {**meta, **asdict(state), CHECKSUMS: checksums})
             shutil.rmtree(final, ignore_errors=True)
             tmp.rename(final)
-        dist.barrier()
+        dist.barrier(group=group)
     except (OSError, CheckpointException) as error:  # CheckpointException: any rank's failure
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -1,6 +1,7 @@
 """Ranks started on this machine by launch.py, which supervises them: a rank that fails stops
-the others and is named; stop signals are forwarded, and a second interrupt kills the ranks at
-once. The ranks never outlive launch.py, however it dies (kill -9 included).
+the others and is named (a hang by the line its watch wrote: trainer.train.hangs); stop signals
+are forwarded, and a second interrupt kills the ranks at once; SIGUSR1 asks every rank for its
+stacks. The ranks never outlive launch.py, however it dies (kill -9 included).
 """
 from __future__ import annotations
 
@@ -21,6 +22,14 @@ from hydra.errors import CompactHydraException
 from trainer.compose.runspec import RunSpec
 from trainer.config import ConfigError
 from trainer.launch.ranks import RankEnv, run_rank
+from trainer.train.hangs import (
+    DUMP_SIGNAL,
+    HUNG_EXIT,
+    SUMMARY,
+    hold_dump_signal,
+    request_stacks,
+    stacks_folder,
+)
 from trainer.train.signals import (
     INTERRUPTED_EXIT_CODES,
     INTERRUPTS,
@@ -71,7 +80,7 @@ def launch_local(spec: RunSpec, run_dir: Path, meta: dict[str, Any]) -> None:
                 proc.start()
             print("started " + ", ".join(f"rank {r} (pid {p.pid})" for r, p in enumerate(procs)),
                   flush=True)
-            _supervise(procs, errors)
+            _supervise(procs, errors, run_dir)
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
@@ -81,6 +90,7 @@ def _local_rank_main(env: RankEnv, spec: RunSpec, run_dir: Path, meta: dict[str,
                      errors: Any, parent: int) -> None:
     """Body of a process started by launch_local; reports its error to the parent."""
     _die_with_parent(parent)
+    hold_dump_signal()  # before any thread starts (trainer.train.hangs)
     code = 0
     with PreemptionWatch(hard_stop=False) as watch:  # the parent does the hard stop
         try:
@@ -130,8 +140,13 @@ class _Stop:
     forwarded: float = 0.0
 
 
-def _supervise(procs: list, errors: Any) -> None:
+def _supervise(procs: list, errors: Any, run_dir: Path) -> None:
     stop = _Stop()
+
+    def on_dump_signal(signum: int, frame: Any) -> None:
+        request_stacks(run_dir, "SIGUSR1 to launch.py")
+        print(f"SIGUSR1: every rank writes its Python stacks to {stacks_folder(run_dir)}/"
+              f"rank_R.txt; the run goes on", flush=True)
 
     def on_signal(signum: int, frame: Any) -> None:
         if signum in INTERRUPTS and stop.interrupt is not None:
@@ -146,12 +161,14 @@ def _supervise(procs: list, errors: Any) -> None:
 
     for signum in STOP_SIGNALS:
         signal.signal(signum, on_signal)  # launch_local restores the handlers from before
+    previous_dump = signal.signal(DUMP_SIGNAL, on_dump_signal)
     try:
         while any(p.exitcode is None for p in procs) and stop.hard is None:
             failed = [(r, p) for r, p in enumerate(procs) if p.exitcode not in (None, *DONE_CODES)]
             if failed:
                 _stop(procs)
-                raise RankFailed(_failure_message(failed, _reported(errors), len(procs)))
+                raise RankFailed(_hang_line(failed, run_dir)
+                                 or _failure_message(failed, _reported(errors), len(procs)))
             if stop.signum is not None and time.monotonic() - stop.forwarded > REPEAT_S:
                 stop.forwarded = time.monotonic()
                 _signal_all(procs, stop.interrupt or stop.signum)
@@ -161,14 +178,26 @@ def _supervise(procs: list, errors: Any) -> None:
         reported = _reported(errors)
         failed = [(r, p) for r, p in enumerate(procs) if p.exitcode not in DONE_CODES]
         if failed:
-            raise RankFailed(_failure_message(failed, reported, len(procs)))
+            raise RankFailed(_hang_line(failed, run_dir)
+                             or _failure_message(failed, reported, len(procs)))
         codes = {p.exitcode for p in procs}
         if codes & INTERRUPTED_EXIT_CODES:
             signum = stop.interrupt or max(codes) - 128
             raise Interrupted(reported.get(0, f"interrupted by {signal.Signals(signum).name}"),
                               signum)
     finally:
+        signal.signal(DUMP_SIGNAL, previous_dump)
         _stop(procs)
+
+
+def _hang_line(failed: list, run_dir: Path) -> str | None:
+    """The summary a rank's hang watch wrote before it ended the run with HUNG_EXIT."""
+    if not any(p.exitcode == HUNG_EXIT for _, p in failed):
+        return None
+    try:
+        return (stacks_folder(run_dir) / SUMMARY).read_text().strip() + " The ranks were stopped."
+    except OSError:
+        return None
 
 
 def _signal_all(procs: list, signum: int) -> None:

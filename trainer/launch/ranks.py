@@ -17,6 +17,7 @@ from typing import Any
 
 from trainer.compose.runspec import RunSpec
 from trainer.config import ConfigError
+from trainer.train.hangs import backend_timeout_s, hold_dump_signal
 from trainer.train.signals import PreemptionWatch
 
 # What env:// initialisation needs; torchrun (and a Kubernetes PyTorchJob) sets them all.
@@ -104,8 +105,11 @@ def run_rank(env: RankEnv, spec: RunSpec, run_dir: Path, meta: dict[str, Any],
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=env.init_method,
                             rank=env.rank, world_size=env.world_size,
-                            timeout=timedelta(seconds=spec.config.cluster.timeout_s))
+                            timeout=timedelta(
+                                seconds=backend_timeout_s(spec.config.cluster.timeout_s)))
     try:
+        if watch is None:  # the first thread: the block reaches every thread started later
+            hold_dump_signal()
         with PreemptionWatch() if watch is None else nullcontext(watch) as watch:
             try:
                 Trainer(spec, run_dir, device, meta, watch).run()

@@ -68,6 +68,12 @@ def block_shapes(cfg: ModelConfig, block: int = 0) -> dict[str, tuple[int, ...]]
     return shapes
 
 
+def block_buffer_bytes(cfg: ModelConfig) -> list[int]:
+    """Each block's buffers (fp32, whole on every rank): a router's expert bias."""
+    return [4 * cfg.num_moe_experts if cfg.is_moe_block(block)
+            and cfg.moe_router_enable_expert_bias else 0 for block in range(cfg.num_layers)]
+
+
 def block_weight_elements(cfg: ModelConfig) -> float:
     """A block's weight elements each token multiplies by (the cost model's W), averaged over
     the blocks: its linears', and of a mixture of experts the router's and moe_router_topk

@@ -17,7 +17,13 @@ from typing import Any
 from parallel.layout import Layout
 from parallel.pipeline.schedules import in_flight, message_bytes, message_counts, stage_actions
 from trainer.config import ModelConfig
-from trainer.model.plan import BLOCKS, EMBEDDING, parameter_shapes, tp_style
+from trainer.model.plan import (
+    BLOCKS,
+    EMBEDDING,
+    block_buffer_bytes,
+    parameter_shapes,
+    tp_style,
+)
 from trainer.plan.activations import StepMemory, stage_chunk_bytes, step_memory
 from trainer.plan.axes.pipeline import message_sizes, stage_activation_bytes
 from trainer.plan.moe import dispatch_rows
@@ -44,13 +50,23 @@ class StageMemory:
     # by the bias correction beside each other, fp32 of the largest part this rank updates
     # (trainer.train.optim; the fp64 gradient norm is taken in chunks no larger).
     update_bytes: int = 0
+    copy_elements: int = 0  # of `parameters`: a tied embedding's copy on the last stage
+    buffer_bytes: int = 0  # the model's buffers here (a router's expert bias)
 
     @property
     def total_bytes(self) -> int:
         return self.param_bytes + self.grad_bytes + self.optim_bytes
 
+    @property
+    def staging_bytes(self) -> int:
+        """What checkpoint.async_save copies to host memory (trainer.checkpoint.saver): each
+        parameter and its two Adam moments (a copy has none), and the buffers."""
+        p_bytes = BYTES_PER_ELEMENT[0]
+        return p_bytes * (3 * self.parameters - 2 * self.copy_elements) + self.buffer_bytes
+
     def as_dict(self) -> dict[str, int]:
-        return {**asdict(self), "total_bytes": self.total_bytes}
+        return {**asdict(self), "total_bytes": self.total_bytes,
+                "staging_bytes": self.staging_bytes}
 
 
 @dataclass(frozen=True)
@@ -112,7 +128,8 @@ class ModelWeights:
     gradient, outside the optimizer, and its head gathers that weight."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], num_layers: int,
-                 tie_word_embeddings: bool = False):
+                 tie_word_embeddings: bool = False, buffer_bytes: list[int] | None = None):
+        """buffer_bytes: each block's buffers (model_buffer_bytes), whole on every rank."""
         prefix = f"{BLOCKS}."
         blocks: list[dict[str, tuple[int, ...]]] = [{} for _ in range(num_layers)]
         self.outside: list[tuple[str, tuple[int, ...]]] = []
@@ -127,6 +144,7 @@ class ModelWeights:
         self.kinds = list(kinds)
         self.num_layers, self.tied = num_layers, tie_word_embeddings
         self.embedding = shapes[EMBEDDING_WEIGHT]
+        self.buffer_bytes = buffer_bytes or [0] * num_layers
 
     def stages(self, layout: Layout) -> list[StageWeights]:
         """Each pipeline stage's rank, exactly as the trainer allocates it: shards padded by
@@ -163,7 +181,8 @@ class ModelWeights:
                 b == EXPERTS) for b, n in enumerate(buffers) if n)
             memory = StageMemory(stage, sum(buffers) + copy, (flat + copy) * p_bytes,
                                  (flat + copy) * g_bytes, parts * o_bytes, blocks,
-                                 UPDATE_TEMPORARIES * g_bytes * max(own, default=0))
+                                 UPDATE_TEMPORARIES * g_bytes * max(own, default=0), copy,
+                                 sum(self.buffer_bytes[i] for i in blocks))
             out.append(StageWeights(memory, chunks, max((k[1] for k in held), default=0),
                                     max(ends, default=0)))
         return out
@@ -230,7 +249,8 @@ def memory_plan(model: ModelConfig, layout: Layout, options: EngineOptions) -> d
     the unsharded model for reference; under EP or ETP, a MoE layer's dispatched rows, expected
     (what the peak counts) and at most (trainer.plan.moe.dispatch_rows)."""
     shapes = parameter_shapes(model)
-    stages = ModelWeights(shapes, model.num_layers, model.tie_word_embeddings).stages(layout)
+    stages = ModelWeights(shapes, model.num_layers, model.tie_word_embeddings,
+                          block_buffer_bytes(model)).stages(layout)
     plan = {"per_stage": [{**s.memory.as_dict(), **_planned_step(model, layout, options, s)}
                           for s in stages],
             "unsharded": unsharded_memory(shapes).as_dict()}

@@ -138,6 +138,10 @@ def format_report(spec: RunSpec, record: dict[str, Any]) -> str:
                   ("   (its experts' capacity), which keeps " if m.moe_expert_capacity_factor
                    is not None else "   (dropless: every row of its EP group), which keeps ")
                   + f"{_bytes(d['worst_case_extra_bytes']).strip()} more a layer"]
+    if config.checkpoint.async_save:
+        staged = max(entry["staging_bytes"] for entry in memory["per_stage"])
+        lines += [f"  checkpoint.async_save: each save copies up to {_bytes(staged).strip()} "
+                  f"a rank to host memory (weights, Adam moments, buffers), held until written"]
     if layout.pp_size > 1:
         lines += pipeline_lines(config.parallel.pipeline_schedule, layout, memory)
     if spec.auto is not None:

@@ -46,7 +46,8 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layo
                  device: torch.device, options: EngineOptions = EngineOptions(),
                  timeout_s: int | None = None) -> Engine:
     """Collective over the default process group. timeout_s: how long a collective of the
-    engine's groups waits for a peer (cluster.timeout_s); None: torch's default."""
+    engine's groups waits for a peer (a run's: trainer.train.hangs.backend_timeout_s); None:
+    torch's default."""
     check_model_fits_layout(model_cfg, layout, options)
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     groups = build_groups(layout, CommStats(), timeout)

@@ -15,15 +15,17 @@ import torch
 import torch.distributed as dist
 from hydra.errors import CompactHydraException
 
-from trainer.checkpoint import dcp as checkpoint
 from trainer.checkpoint import resume
-from trainer.checkpoint.integrity import PREFIX, latest, verify
+from trainer.checkpoint.dcp import folder_of
+from trainer.checkpoint.integrity import latest, verify
+from trainer.checkpoint.saver import Saver
 from trainer.compose.runspec import RunSpec
 from trainer.data.batch import DocumentRules, rank_micro_batches
 from trainer.data.stream import open_streams
 from trainer.model.plan import parameter_shapes
 from trainer.plan.options import EngineOptions
 from trainer.train.engine import build_engine
+from trainer.train.hangs import HangWatch, backend_timeout_s
 from trainer.train.metrics import MetricsLogger
 from trainer.train.samples import Sampler
 from trainer.train.signals import PREEMPT, Interrupted, PreemptionWatch, code_of, signal_of
@@ -47,6 +49,7 @@ class Trainer:
         config = spec.config
         self.layout, self.device = spec.layout, device
         self.rank, self.meta, self.watch = dist.get_rank(), meta or {}, watch
+        self.run_dir, self.timeout_s = run_dir, config.cluster.timeout_s
         self.plan, self.schedule = spec.plan, spec.schedule
         self.save_interval = config.checkpoint.save_interval
         self.train_stream, self.valid_stream = open_streams(
@@ -61,7 +64,7 @@ class Trainer:
                                    config.logger.sample_max_new_tokens)
         self.engine = build_engine(config.model, config.optim, config.train.seed, self.layout,
                                    device, EngineOptions.from_config(config),
-                                   config.cluster.timeout_s)
+                                   backend_timeout_s(config.cluster.timeout_s))
         self.save_dir = resume.save_folder(config.checkpoint, run_dir)
         # launch.py checked this choice before the ranks started; here every file's checksum
         # is verified too, so a damaged newest checkpoint gives way to the one before it.
@@ -70,6 +73,8 @@ class Trainer:
         self.state = resume.start_state(self.engine, config.checkpoint, self.save_dir, expected,
                                         (lambda line: print(line, flush=True))
                                         if self.rank == 0 else None)
+        self.saver = Saver(self.engine, self.save_dir, self.meta, config.checkpoint.async_save,
+                           backend_timeout_s(config.cluster.timeout_s))
         self.total_steps = self.state.step + self.plan.steps_from(self.state.consumed_samples)
         self.logger = MetricsLogger(run_dir, config.logger, self.rank == 0, self.total_steps,
                                     (self.state.consumed_samples, self.plan.train_samples))
@@ -78,7 +83,13 @@ class Trainer:
     def run(self) -> list[dict[str, Any]]:
         """Collective. Returns the records this rank computed (every rank computes the same).
         Steps run until train.train_samples are consumed; the step counter only numbers them
-        (a resume under another global batch size continues both)."""
+        (a resume under another global batch size continues both). A hang watch runs beside
+        (trainer.train.hangs)."""
+        with HangWatch(self.engine.groups.stats, self.rank, self.layout.world_size,
+                       self.run_dir, self.timeout_s):
+            return self._run()
+
+    def _run(self) -> list[dict[str, Any]]:
         plan, state, layout, logger = self.plan, self.state, self.layout, self.logger
         logger.note(f"{layout.world_size} rank(s), global batch {plan.global_batch_size} "
                     f"samples, {self.total_steps} steps from step {state.step} (samples "
@@ -102,6 +113,7 @@ class Trainer:
             try:
                 result = train_step(self.engine.model, self.engine.optimizer, micro_batches, lr)
             except NonFiniteStep as error:
+                self.finish_saves()
                 logger.close()
                 raise self.diverged(state.step + 1, error, lr) from None
             state.step, state.consumed_samples = state.step + 1, consumed + samples
@@ -124,16 +136,22 @@ class Trainer:
                                        self.sampler.sample(self.engine, self.rank, self.device))
             interval = self.save_interval
             saved = (interval and state.step % interval == 0) or last
-            if saved:
-                path = checkpoint.save(self.engine, state, self.save_dir, self.meta)
-                logger.note(f"saved {path}")
+            for line in self.saver.poll() + (self.saver.save(state) if saved else []):
+                logger.note(line)
             signum = self.stop_requested() if not last else None
             if signum is not None:
                 self.stop(signum, saved)
+        self.finish_saves()
         if records:
             self.report_memory()
         logger.close()
         return records
+
+    def finish_saves(self) -> None:
+        """Wait for a background save in flight (its failure raises here)."""
+        for line in self.saver.wait():
+            self.logger.note(line)
+        self.saver.close()
 
     def report_memory(self) -> None:
         """Collective: each stage's measured peak beside the plan's, printed by rank 0."""
@@ -164,8 +182,10 @@ class Trainer:
         """Collective: save this step (unless it just was), then leave the loop. Preemption
         exits 0 (submitit requeues on that); an interrupt is an error the user asked for."""
         state = self.state
-        path = (self.save_dir / f"{PREFIX}{state.step:08d}" if saved
-                else checkpoint.save(self.engine, state, self.save_dir, self.meta))
+        for line in [] if saved else self.saver.save(state):
+            self.logger.note(line)
+        self.finish_saves()
+        path = folder_of(self.save_dir, state.step)
         self.logger.close()
         if signum == PREEMPT:
             self.logger.note(f"preempted at step {state.step}: saved {path}; run the same "

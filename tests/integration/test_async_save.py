@@ -1,0 +1,85 @@
+"""checkpoint.async_save on real launch.py runs of two gloo ranks: training goes on while a
+checkpoint is written; kill -9 during a background write leaves the previous checkpoint as the
+latest, and the same command resumes from it to the same final checkpoint, byte for byte, as a
+run that saved each checkpoint at once and was never stopped."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from config_helpers import ROOT, finish
+from stall_helpers import stall_env
+
+RUN = ("cluster.procs_per_node=2", "train.micro_batch_size=2", "train.seq_length=32",
+       "logger.log_interval=1", "train.eval_interval=null", "schedule.lr_warmup_samples=0",
+       "schedule.lr_warmup_fraction=null", "train.train_samples=64", "checkpoint.save_interval=4")
+
+
+def start(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
+    base = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RANK")}
+    return subprocess.Popen([sys.executable, str(ROOT / "launch.py"), f"hydra.run.dir={run_dir}",
+                             *RUN, *args], text=True, cwd=ROOT, env=base | (env or {}),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def contents(checkpoint: Path, out: Path) -> dict:
+    """Every value a checkpoint holds (DCP's own reader, into one torch.save file)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(checkpoint, out)
+    return torch.load(out, weights_only=False)
+
+
+def same(a, b) -> bool:
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def test_a_kill_during_a_background_write_resumes_from_the_one_before_bitwise(tmp_path):
+    reference = finish(start(tmp_path / "at_once"))  # 16 steps, saved at once every 4
+    assert reference.returncode == 0, reference.stderr
+    # The second save (step 8) sleeps in its writer thread on both ranks: training goes on.
+    env = stall_env(tmp_path / "site", "trainer.checkpoint.dcp.write", call=2)
+    run_dir = tmp_path / "async"
+    process = start(run_dir, "checkpoint.async_save=true", env=env)
+    seen = []
+    for line in process.stdout:
+        seen.append(line)
+        if line.startswith("step     10/16"):  # two steps past the save in flight
+            break
+    text = "".join(seen)
+    assert re.search(r"saving .*step_00000008 in the background \(0\.\d+ GiB staged", text), text
+    assert re.search(r"saved .*step_00000004 \(written in the background in", text), text
+    os.kill(process.pid, signal.SIGKILL)  # launch.py; its ranks die with it
+    process.wait()
+    time.sleep(1)  # the kernel's SIGKILL of the ranks (their parent died) lands
+    folder = run_dir / "checkpoints"
+    # step 8 never became a checkpoint (at most its .tmp folder, which a resume ignores)
+    assert sorted(p.name for p in folder.iterdir() if not p.name.endswith(".tmp")) == [
+        "step_00000004"]
+    resumed = finish(start(run_dir, "checkpoint.async_save=true"))  # the same command again
+    assert resumed.returncode == 0, resumed.stderr
+    assert "16 steps from step 4" in resumed.stdout, resumed.stdout
+    assert sorted(p.name for p in folder.iterdir()) == [
+        f"step_{s:08d}" for s in (4, 8, 12, 16)]
+    final = contents(folder / "step_00000016", tmp_path / "resumed.pt")
+    expected = contents(tmp_path / "at_once" / "checkpoints" / "step_00000016",
+                        tmp_path / "expected.pt")
+    assert final.keys() == expected.keys()
+    assert len([k for k in final if k.startswith("optim.exp_avg_sq.")]) > 0
+    # "rng", torch's generator state, differs between two plain runs of the same command too
+    # (the trainer draws nothing from it; a resume restores it): every other value is equal.
+    assert [k for k in final if not same(final[k], expected[k])] in ([], ["rng"])
+    steps = [json.loads(line)["step"] for line in
+             (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 17))  # each step logged once
