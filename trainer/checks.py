@@ -194,6 +194,10 @@ def check_cluster(cluster: ClusterConfig) -> None:
                   "set it to the GPUs one NVLink domain connects (8 on a DGX H100)")
     _positive_int("cluster.timeout_s", cluster.timeout_s,
                   "set it to the seconds a collective may wait (default 300)")
+    if not isinstance(cluster.max_restarts, int) or cluster.max_restarts < 0:
+        raise ValueError(f"cluster.max_restarts={cluster.max_restarts} must be a count >= 0. "
+                         f"Fix: 0 ends the run at the first failed rank; N restarts it from "
+                         f"the latest checkpoint up to N times.")
     for key in ("device_memory_gib", "peak_bf16_tflops", "peak_fp32_tflops",
                 "nvlink_bandwidth_gbs", "network_bandwidth_gbs"):
         _finite(f"cluster.{key}", getattr(cluster, key), 0, False,
@@ -232,6 +236,15 @@ def check_writable(key: str, value: Any, folder: Path, what: str) -> None:
         raise ValueError(f"{key}={value}: {what} in {folder}, but {existing} is not a folder "
                          f"this user can write. Fix: point {key} at a folder you can write."
                          ) from None
+
+
+def check_restarts(cfg: Config) -> None:
+    """A restart resumes from the run's latest checkpoint, as a relaunch does."""
+    if cfg.cluster.max_restarts and not cfg.checkpoint.resume:
+        raise ValueError(f"cluster.max_restarts={cfg.cluster.max_restarts} with "
+                         f"checkpoint.resume=false: a restarted run would start over and "
+                         f"overwrite the checkpoints of the failed one. Fix: set "
+                         f"checkpoint.resume=true, or cluster.max_restarts=0.")
 
 
 def check_checkpoint(checkpoint: CheckpointConfig) -> None:
@@ -335,3 +348,4 @@ def check_values(cfg: Config, layout: Layout) -> None:
     check_logger(cfg.logger)
     check_sample_prompts(cfg)
     check_checkpoint(cfg.checkpoint)
+    check_restarts(cfg)

@@ -212,8 +212,9 @@ class ClusterConfig:
     procs_per_node: int = MISSING
     gpus_per_nvlink_domain: int = MISSING
     timeout_s: int = MISSING  # a collective waiting longer fails its rank (a peer died or hung)
+    max_restarts: int = MISSING  # launch.py restarts failed ranks from the latest checkpoint
     # The hardware, per device (each preset names its sources). parallel=auto sizes and times
-    # its candidate layouts from these; nothing else reads them.
+    # its candidate layouts from these; the logs' MFU divides by the peak.
     device_memory_gib: float = MISSING  # memory of one device
     memory_margin: float = MISSING  # share of device memory a layout must leave free
     peak_bf16_tflops: float = MISSING  # dense bf16 peak of one device (train.precision=bf16)

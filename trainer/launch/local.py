@@ -6,6 +6,7 @@ stacks. The ranks never outlive launch.py, however it dies (kill -9 included).
 from __future__ import annotations
 
 import ctypes
+import json
 import multiprocessing
 import os
 import signal
@@ -19,6 +20,8 @@ from typing import Any
 
 from hydra.errors import CompactHydraException
 
+from trainer.checkpoint import resume
+from trainer.checkpoint.integrity import META, verify
 from trainer.compose.runspec import RunSpec
 from trainer.config import ConfigError
 from trainer.launch.ranks import RankEnv, run_rank
@@ -39,6 +42,7 @@ from trainer.train.signals import (
     hard_stop_line,
 )
 
+RESTARTS = "restarts.jsonl"  # the run folder's record of cluster.max_restarts' restarts
 POLL_S = 0.05
 # A rank ignores stop signals until its watch is up (it inherits SIG_IGN from the start), so the
 # parent repeats a stop signal this often until the ranks have stopped.
@@ -48,7 +52,14 @@ DONE_CODES = frozenset({0}) | INTERRUPTED_EXIT_CODES  # a rank that stopped as i
 
 
 class RankFailed(CompactHydraException):
-    """A rank of a run started here failed; the message names it and its error."""
+    """A rank of a run started here failed; the message names it and its error. restartable:
+    a death, a hang or an unexpected error (cluster.max_restarts may try again), not an error
+    the rank explained in one line (a diverged run, a full disk: a restart would meet it
+    again)."""
+
+    def __init__(self, message: str, restartable: bool = True):
+        super().__init__(message)
+        self.restartable = restartable
 
 
 def check_local(spec: RunSpec) -> None:
@@ -61,7 +72,42 @@ def check_local(spec: RunSpec) -> None:
 
 
 def launch_local(spec: RunSpec, run_dir: Path, meta: dict[str, Any]) -> None:
-    """Start every rank on this machine and supervise them (check_local passed)."""
+    """Start every rank on this machine and supervise them (check_local passed). A failed or
+    hung rank stops them all; under cluster.max_restarts = N they start again, resuming from
+    the latest checkpoint (checkpoint.resume), up to N times, each restart one line on the
+    console and one row of the run folder's restarts.jsonl."""
+    most = spec.config.cluster.max_restarts
+    for restart in range(most + 1):
+        try:
+            _start_and_supervise(spec, run_dir, meta)
+            return
+        except RankFailed as failure:
+            if not failure.restartable or restart == most:
+                if restart:
+                    raise RankFailed(f"{failure} That was failure {restart + 1} of the run: "
+                                     f"all cluster.max_restarts={most} restart(s) were used.",
+                                     False) from None
+                raise
+            step = _resume_step(spec, run_dir)
+            where = f"step {step}" if step is not None else "the start (no checkpoint yet)"
+            line = (f"restart {restart + 1} of cluster.max_restarts={most}: {failure} "
+                    f"Resuming from {where}.")
+            print(line, flush=True)
+            with (run_dir / RESTARTS).open("a") as f:
+                f.write(json.dumps({"restart": restart + 1, "failure": str(failure),
+                                    "resumed_from_step": step or 0, "time": time.time()}) + "\n")
+
+
+def _resume_step(spec: RunSpec, run_dir: Path) -> int | None:
+    """The step of the checkpoint a restarted rank resumes from (None: none yet)."""
+    folder = resume.save_folder(spec.config.checkpoint, run_dir)
+    point = resume.find(spec.config.checkpoint, folder, None, lambda p: verify(p, None))
+    if point is None or point.weights_only:
+        return None
+    return int(json.loads((point.path / META).read_text())["step"])
+
+
+def _start_and_supervise(spec: RunSpec, run_dir: Path, meta: dict[str, Any]) -> None:
     layout = spec.layout
     context = multiprocessing.get_context("spawn")
     errors = context.SimpleQueue()
@@ -96,12 +142,13 @@ def _local_rank_main(env: RankEnv, spec: RunSpec, run_dir: Path, meta: dict[str,
         try:
             run_rank(env, spec, run_dir, meta, watch)
         except Interrupted as stop:  # saved as asked; the parent prints rank 0's line
-            errors.put((env.rank, str(stop)))
+            errors.put((env.rank, str(stop), True))
             code = stop.exit_code
         except BaseException as error:  # noqa: BLE001  (every failure must reach the parent)
-            if not isinstance(error, CompactHydraException):  # expected ones say it in a line
+            expected = isinstance(error, CompactHydraException)  # said in a line: not retried
+            if not expected:
                 traceback.print_exc()
-            errors.put((env.rank, f"{type(error).__name__}: {error}".strip()))
+            errors.put((env.rank, f"{type(error).__name__}: {error}".strip(), expected))
             code = 1
     _leave(code)
 
@@ -167,8 +214,7 @@ def _supervise(procs: list, errors: Any, run_dir: Path) -> None:
             failed = [(r, p) for r, p in enumerate(procs) if p.exitcode not in (None, *DONE_CODES)]
             if failed:
                 _stop(procs)
-                raise RankFailed(_hang_line(failed, run_dir)
-                                 or _failure_message(failed, _reported(errors), len(procs)))
+                raise _hang(failed, run_dir) or _failure(failed, _reported(errors), len(procs))
             if stop.signum is not None and time.monotonic() - stop.forwarded > REPEAT_S:
                 stop.forwarded = time.monotonic()
                 _signal_all(procs, stop.interrupt or stop.signum)
@@ -178,26 +224,26 @@ def _supervise(procs: list, errors: Any, run_dir: Path) -> None:
         reported = _reported(errors)
         failed = [(r, p) for r, p in enumerate(procs) if p.exitcode not in DONE_CODES]
         if failed:
-            raise RankFailed(_hang_line(failed, run_dir)
-                             or _failure_message(failed, reported, len(procs)))
+            raise _hang(failed, run_dir) or _failure(failed, reported, len(procs))
         codes = {p.exitcode for p in procs}
         if codes & INTERRUPTED_EXIT_CODES:
             signum = stop.interrupt or max(codes) - 128
-            raise Interrupted(reported.get(0, f"interrupted by {signal.Signals(signum).name}"),
-                              signum)
+            said = reported.get(0, (f"interrupted by {signal.Signals(signum).name}", True))
+            raise Interrupted(said[0], signum)
     finally:
         signal.signal(DUMP_SIGNAL, previous_dump)
         _stop(procs)
 
 
-def _hang_line(failed: list, run_dir: Path) -> str | None:
+def _hang(failed: list, run_dir: Path) -> RankFailed | None:
     """The summary a rank's hang watch wrote before it ended the run with HUNG_EXIT."""
     if not any(p.exitcode == HUNG_EXIT for _, p in failed):
         return None
     try:
-        return (stacks_folder(run_dir) / SUMMARY).read_text().strip() + " The ranks were stopped."
+        line = (stacks_folder(run_dir) / SUMMARY).read_text().strip()
     except OSError:
         return None
+    return RankFailed(line + " The ranks were stopped.")
 
 
 def _signal_all(procs: list, signum: int) -> None:
@@ -217,28 +263,29 @@ def _stop(procs: list) -> None:
         proc.join()
 
 
-def _reported(errors: Any) -> dict[int, str]:
-    reported: dict[int, str] = {}
+def _reported(errors: Any) -> dict[int, tuple[str, bool]]:
+    """What ranks put on the queue: (their line, whether it is an error they expected)."""
+    reported: dict[int, tuple[str, bool]] = {}
     while not errors.empty():
-        rank, text = errors.get()
-        reported.setdefault(rank, text)  # dicts keep insertion order: first reported first
+        rank, text, expected = errors.get()
+        reported.setdefault(rank, (text, expected))  # insertion order: first reported first
     return reported
 
 
-def _failure_message(failed: list, reported: dict[int, str], world: int) -> str:
+def _failure(failed: list, reported: dict[int, tuple[str, bool]], world: int) -> RankFailed:
     """Name the rank that failed first: a rank killed by a signal says nothing, and the others
     then fail on their next collective ("connection closed"), so a silent death is the cause;
     otherwise the first error reported is."""
     ranks = {r for r, _ in failed}
-    said = {r: text for r, text in reported.items() if r in ranks}  # not a stopped rank's line
+    said = {r: said for r, said in reported.items() if r in ranks}  # not a stopped rank's line
     silent = [(r, p) for r, p in failed if r not in said]
     if silent:
         rank, proc = silent[0]
-        why = (f"killed by {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0
-               else f"exited with code {proc.exitcode}")
+        why, expected = (f"killed by {signal.Signals(-proc.exitcode).name}" if proc.exitcode < 0
+                         else f"exited with code {proc.exitcode}"), False
     else:
-        rank, why = next(iter(said.items()))
+        rank, (why, expected) = next(iter(said.items()))
     others = sorted(r for r, _ in failed if r != rank)
     also = f" (then rank(s) {', '.join(map(str, others))} failed too)" if others else ""
-    return (f"rank {rank} of {world} failed: {why.rstrip('.')}{also}. The other ranks were "
-            f"stopped.")
+    return RankFailed(f"rank {rank} of {world} failed: {why.rstrip('.')}{also}. The other "
+                      f"ranks were stopped.", restartable=not expected)

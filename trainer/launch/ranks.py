@@ -77,6 +77,19 @@ def check_world(env: RankEnv, spec: RunSpec) -> None:
     before it had said why (rank 0 also takes the run's locks first); rank 0's failure ends
     the wait, as torchrun then stops them."""
     layout = spec.layout
+    restarts = spec.config.cluster.max_restarts
+    if env.launcher == "torchrun" and restarts != int(os.environ.get("TORCHELASTIC_MAX_RESTARTS",
+                                                                     0)):
+        raise ConfigError(
+            f"cluster.max_restarts={restarts} but torchrun was started with --max-restarts="
+            f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', 0)}: under torchrun its agent restarts "
+            f"the ranks (each resumes from the latest checkpoint). Fix: pass --max-restarts="
+            f"{restarts} to torchrun, or set cluster.max_restarts to its value.")
+    if env.launcher == "submitit" and restarts:
+        raise ConfigError(
+            f"cluster.max_restarts={restarts} under SLURM: a job is not yet requeued on a failed "
+            f"rank (it is on preemption). Fix: cluster.max_restarts=0, and relaunch the same "
+            f"command to resume from the latest checkpoint.")
     if env.world_size != layout.world_size and env.rank != 0:
         time.sleep(QUIET_RANKS_WAIT_S)
         raise SystemExit(1)

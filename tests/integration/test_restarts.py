@@ -1,0 +1,109 @@
+"""cluster.max_restarts on real launch.py runs of two gloo ranks: a rank killed with SIGKILL
+stops every rank and the run starts again from the latest checkpoint, one line a restart (also
+in restarts.jsonl); every step is logged once and the last checkpoint equals, value for value,
+that of a run never stopped. One failure more than the restarts ends the run with the count."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from config_helpers import ROOT, finish
+
+RUN = ("cluster.procs_per_node=2", "train.micro_batch_size=2", "train.seq_length=32",
+       "logger.log_interval=1", "train.eval_interval=null", "schedule.lr_warmup_samples=0",
+       "schedule.lr_warmup_fraction=null", "train.train_samples=256", "checkpoint.save_interval=8")
+STEPS = 64
+
+
+def start(run_dir: Path, *args: str, torchrun: list[str] | None = None,
+          env: dict | None = None) -> subprocess.Popen:
+    base = {k: v for k, v in os.environ.items() if k not in ("HYDRA_FULL_ERROR", "RANK")}
+    runner = ["-m", "torch.distributed.run", *torchrun] if torchrun is not None else []
+    return subprocess.Popen([sys.executable, *runner, str(ROOT / "launch.py"),
+                             f"hydra.run.dir={run_dir}", *RUN, *args], text=True, cwd=ROOT,
+                            env=base | (env or {}), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+
+
+def kill_rank_1_at(process: subprocess.Popen, steps: list[int]) -> list[str]:
+    """Read the console; at each of `steps` (counted in the current start's own steps) kill
+    the newest rank 1. Returns the lines read."""
+    lines, pid, left = [], None, list(steps)
+    for line in process.stdout:
+        lines.append(line)
+        found = re.search(r"rank 1 \(pid (\d+)\)", line)
+        if found:
+            pid = int(found.group(1))
+        step = re.match(r"step\s+(\d+)/", line)
+        if left and step and pid is not None and int(step.group(1)) >= left[0]:
+            os.kill(pid, signal.SIGKILL)
+            left.pop(0)
+            pid = None  # the next start's rank 1
+        if not left:
+            break
+    return lines
+
+
+def contents(checkpoint: Path, out: Path) -> dict:
+    dcp_to_torch_save(checkpoint, out)
+    return torch.load(out, weights_only=False)
+
+
+def test_two_killed_ranks_restart_from_the_latest_checkpoint_to_the_same_weights(tmp_path):
+    reference = start(tmp_path / "never_stopped")
+    restarted = start(tmp_path / "killed", "cluster.max_restarts=2")
+    lines = kill_rank_1_at(restarted, [12, 30])
+    out = finish(restarted)
+    assert out.returncode == 0, out.stderr
+    text = "".join(lines) + out.stdout
+    restarts = re.findall(r"restart (\d) of cluster.max_restarts=2: rank 1 of 2 failed: killed by "
+                          r"SIGKILL\. The other ranks were stopped\. Resuming from step (\d+)\.",
+                          text)
+    assert [n for n, _ in restarts] == ["1", "2"], text
+    resumed = [int(step) for _, step in restarts]
+    # the checkpoint before each kill (the ranks may run a few steps while rank 1 is killed)
+    assert resumed[0] in (8, 16) and resumed[1] in (24, 32, 40), resumed
+    rows = [json.loads(line) for line in (tmp_path / "killed" / "restarts.jsonl").open()]
+    assert [(r["restart"], r["resumed_from_step"]) for r in rows] == [(1, resumed[0]),
+                                                                       (2, resumed[1])]
+    steps = [json.loads(line)["step"] for line in
+             (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, STEPS + 1))  # each step logged once
+    assert finish(reference).returncode == 0
+    last = f"checkpoints/step_{STEPS:08d}"
+    got = contents(tmp_path / "killed" / last, tmp_path / "killed.pt")
+    want = contents(tmp_path / "never_stopped" / last, tmp_path / "never_stopped.pt")
+    assert got.keys() == want.keys()
+    # "rng" differs between two plain runs of the same command too (nothing draws from it)
+    assert [k for k in got if k != "rng" and not (
+        torch.equal(got[k], want[k]) if isinstance(got[k], torch.Tensor) else got[k] == want[k])
+    ] == []
+
+
+def test_a_failure_past_max_restarts_ends_the_run_with_the_count(tmp_path):
+    process = start(tmp_path / "run", "cluster.max_restarts=1")
+    kill_rank_1_at(process, [2, 2])
+    out = finish(process)
+    assert out.returncode == 1
+    assert ("rank 1 of 2 failed: killed by SIGKILL. The other ranks were stopped. That was "
+            "failure 2 of the run: all cluster.max_restarts=1 restart(s) were used.") in out.stderr
+
+
+
+def test_under_torchrun_its_max_restarts_must_be_the_configs(tmp_path):
+    """torchrun's agent restarts its ranks (--max-restarts); each resumes from the latest
+    checkpoint as a relaunch does. The two counts must agree: one line before training."""
+    out = finish(start(tmp_path / "other", "cluster.max_restarts=2",
+                       torchrun=["--nproc-per-node=2", "--max-restarts=1"]))
+    assert out.returncode != 0
+    assert ("cluster.max_restarts=2 but torchrun was started with --max-restarts=1"
+            in out.stderr), out.stderr
+    assert not (tmp_path / "other" / "metrics.jsonl").exists()
