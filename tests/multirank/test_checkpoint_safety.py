@@ -22,15 +22,16 @@ def job_crash_in_second_save(rank, spec, run_dir):
     trainer = Trainer(spec, run_dir, torch.device("cpu"))
     real_save = checkpoint.dcp.save
 
-    def dying_save(state_dict, storage_writer, planner):
+    def dying_save(state_dict, storage_writer, planner, process_group=None):
         folder = Path(storage_writer.path)
         if folder.name.startswith("step_00000004"):
             (folder / f"__{rank}_0.distcp").write_bytes(b"half a file")
             # DCP's failure is collective: every rank's write ends before any rank raises (a
             # rank still writing while rank 0 removes the folder would leave it half removed)
-            torch.distributed.barrier()
+            torch.distributed.barrier(group=process_group)
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(folder))
-        return real_save(state_dict, storage_writer=storage_writer, planner=planner)
+        return real_save(state_dict, storage_writer=storage_writer, planner=planner,
+                         process_group=process_group)
 
     checkpoint.dcp.save = dying_save
     trainer.run()
