@@ -272,3 +272,24 @@ class Group:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+# What keep_collectives_eager wraps: every call that starts, waits for or asks after a message.
+_PENDING_CALLS = ("wait_sent", "completed", "wait")
+_GROUP_CALLS = ("all_gather_into", "all_gather", "start_all_gather", "reduce_scatter",
+                "start_reduce_scatter", "all_reduce", "broadcast", "start_send", "start_recv",
+                "all_to_all", "all_to_all_rows", "start_shift")
+
+
+def keep_collectives_eager() -> None:
+    """Under torch.compile (train.compile=blocks) a collective, and waiting for one, runs
+    eagerly, counted and watched as without compile: the compiled graph ends before it and the
+    next starts after it. Process-wide and idempotent; called only when compiling, because
+    torch.compiler.disable imports dynamo (about a second of every rank's start)."""
+    for cls, names in ((Pending, _PENDING_CALLS), (Group, _GROUP_CALLS)):
+        for name in names:
+            fn = cls.__dict__[name]
+            if not getattr(fn, "_kept_eager", False):
+                eager = torch.compiler.disable(fn)
+                eager._kept_eager = True
+                setattr(cls, name, eager)

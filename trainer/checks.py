@@ -338,11 +338,22 @@ def check_memory_options(cfg: Config, layout: Layout) -> None:
                              f"{layout.world_size - 1}].")
 
 
+COMPILE_MODES = (False, "blocks")  # train.compile
+
+
+def check_compile(train: Any) -> None:
+    if train.compile not in COMPILE_MODES:
+        raise ValueError(f"train.compile={train.compile!r} is not a compile mode. Fix: "
+                         f"train.compile=blocks (torch.compile each transformer block) or "
+                         f"train.compile=false.")
+
+
 def check_values(cfg: Config, layout: Layout) -> None:
     """Everything above, in the order a reader meets the config."""
     check_layout_inputs(cfg.parallel, cfg.cluster, cfg.train)
     check_model(cfg.model)
     check_memory_options(cfg, layout)
+    check_compile(cfg.train)
     check_seeds(cfg)
     check_optim(cfg.optim)
     check_logger(cfg.logger)

@@ -240,6 +240,9 @@ class TrainConfig:
     # null = all
     recompute_num_layers: Optional[int] = MISSING
     seed: int = MISSING  # model initialisation (the same full weights under every layout)
+    # false | blocks: torch.compile each transformer block (regional compilation). Any, not an
+    # enum: Hydra reads `false` as a boolean (trainer.checks says which values are valid).
+    compile: Any = MISSING
     train_samples: int = MISSING  # the run ends after this many samples (a multiple of the GBS)
     eval_interval: Optional[int] = MISSING  # steps between evaluations; null = never
     eval_samples: int = MISSING  # validation samples per evaluation

@@ -154,6 +154,37 @@ def test_resuming_mid_run_reproduces_the_uninterrupted_run_bitwise(base, dataset
     assert [exact(r) for r in resumed] == [exact(r) for r in uninterrupted]
 
 
+# ---------------------------------------------------------------------------- compiled blocks
+
+def test_compiled_blocks_train_as_eager_and_a_resume_finds_their_kernels(base, dataset, run_a):
+    """train.compile=blocks: the first step's line says what it compiled, no later step
+    recompiles and nothing but collectives breaks a graph (one process: none); the losses are
+    run A's (eager) to fp32 rounding; started again from its step 4 in its folder, it finds
+    every kernel in the folder's compile_cache and compiles none."""
+    run_dir = base / "compiled"
+    first = train_run(base / "home", dataset, run_dir, "train.compile=blocks",
+                      f"train.train_samples={STEPS * MICRO}", "checkpoint.save_interval=4")
+    assert first.returncode == 0, first.stderr
+    assert re.search(r"step 1 compiled [1-9]\d* graph\(s\) in [\d.]+ s .*inductor: 0 found in "
+                     r"the cache, [1-9]", first.stdout), first.stdout
+    assert "0 recompile(s) after the first step; graph breaks at none" in first.stdout
+    # Again from its step 4, in the same folder (as a relaunch after a failure would be).
+    again = train_run(base / "home", dataset, run_dir, "train.compile=blocks",
+                      f"train.train_samples={STEPS * MICRO}", "checkpoint.save_interval=4",
+                      "checkpoint.resume=false",
+                      f"checkpoint.load={run_dir / 'checkpoints' / 'step_00000004'}")
+    assert again.returncode == 0, again.stderr
+    found = re.search(r"step 5 compiled \d+ graph\(s\) .*inductor: (\d+) found in the cache, "
+                      r"(\d+) compiled", again.stdout)
+    assert found and int(found[1]) > 0 and int(found[2]) == 0, again.stdout
+    assert "0 recompile(s) after the first step" in again.stdout
+    compiled, eager = step_records(run_dir), step_records(run_a[0])
+    assert [r["step"] for r in compiled] == [r["step"] for r in eager]
+    for got, want in zip(compiled, eager):
+        assert abs(got["loss"] - want["loss"]) <= 1e-5 * want["loss"], (got, want)
+        assert abs(got["grad_norm"] - want["grad_norm"]) <= 1e-5 * want["grad_norm"]
+
+
 # ------------------------------------------------------------------------------ bad input
 
 # name -> (overrides, texts stderr must hold)

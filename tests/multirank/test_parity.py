@@ -25,6 +25,7 @@ from trainer.data.batch import rank_micro_batches
 from trainer.model.transformer import Transformer
 from trainer.plan.options import EngineOptions
 from trainer.train import routing
+from trainer.train.compile import graphs as compiled_graphs
 from trainer.train.engine import build_engine
 from trainer.train.step import IGNORE, train_step
 
@@ -158,7 +159,7 @@ def train_rank(rank: int, layout: Layout, batches: list[torch.Tensor], dtype: to
                options: EngineOptions = EngineOptions(), model: ModelConfig = TINY) -> dict:
     torch.set_default_dtype(dtype)
     engine = build_engine(model, OPTIM, SEED, layout, torch.device("cpu"), options)
-    losses, norms, moe = [], [], []
+    losses, norms, moe, graphs = [], [], [], []
     for batch, lr in zip(batches, LRS):
         micro_batches = rank_micro_batches(lambda idx, b=batch: b[idx], layout, rank)
         for mb in micro_batches:  # inputs may not hold the ignore marker; labels keep it
@@ -167,10 +168,13 @@ def train_rank(rank: int, layout: Layout, batches: list[torch.Tensor], dtype: to
         losses.append(result.loss)
         norms.append(result.grad_norm)
         moe.append(result.moe)
+        if options.compile_blocks:  # graphs compiled so far (test_compile: no recompile)
+            graphs.append(compiled_graphs())
     params = engine.model.full_state_dict()  # this rank's pipeline stage
     first_of_stage = not any(layout.coords(rank)[:-1])
     return {"losses": losses, "norms": norms, "params": params if first_of_stage else None,
-            "moe": moe, "biases": {n: b.detach() for n, b in engine.model.module.named_buffers()}}
+            "moe": moe, "biases": {n: b.detach() for n, b in engine.model.module.named_buffers()},
+            "graphs": graphs}
 
 
 def relative(a: torch.Tensor | float, b: torch.Tensor | float) -> float:

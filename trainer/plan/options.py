@@ -20,6 +20,7 @@ class EngineOptions:
     overlap_grad_reduce: bool = False
     cp_comm_type: CPCommType = CPCommType.p2p
     pipeline_schedule: str = "1f1b"  # parallel.pipeline.schedules.SCHEDULES
+    compile_blocks: bool = False  # train.compile=blocks
 
     @classmethod
     def from_config(cls, cfg: Config) -> EngineOptions:
@@ -27,7 +28,7 @@ class EngineOptions:
         return cls(train.precision, train.recompute_granularity, train.recompute_num_layers,
                    parallel.grad_reduce_in_bf16, parallel.overlap_param_gather,
                    parallel.overlap_grad_reduce, parallel.cp_comm_type,
-                   parallel.pipeline_schedule)
+                   parallel.pipeline_schedule, train.compile == "blocks")
 
     def recomputes(self, block: int) -> Optional[RecomputeGranularity]:
         """What block `block` (its position in its model chunk: recompute_num_layers counts

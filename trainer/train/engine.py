@@ -23,6 +23,7 @@ from trainer.model.transformer import Transformer
 from trainer.plan.axes import check_model_fits_layout
 from trainer.plan.options import EngineOptions
 from trainer.train import routing
+from trainer.train.compile import compile_blocks
 from trainer.train.optim import ShardedAdamW
 from trainer.train.recompute import apply_recompute
 
@@ -61,6 +62,8 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layo
                            COMPUTE_DTYPE[options.precision], comm, model_cfg.vocab_size)
     # Around the parallel layers it replays in backward; counted within each model chunk.
     apply_recompute(model, plan, options, parallel.stage.part.chunks)
+    if options.compile_blocks:  # what the rank runs, recompute and hooks included
+        compile_blocks(model, plan, parallel.stage.part.chunks)
     # A mixture of experts counts its tokens over the ranks.
     routing.wire(model, groups, parallel.sequence_parallel)
     # The optimizer moves the (still untouched) parameters into its flat buffers first, so the

@@ -24,6 +24,7 @@ from trainer.data.batch import DocumentRules, rank_micro_batches
 from trainer.data.stream import open_streams
 from trainer.model.plan import parameter_shapes
 from trainer.plan.options import EngineOptions
+from trainer.train.compile import COMPILE_CACHE, CompileWatch, use_cache
 from trainer.train.engine import build_engine
 from trainer.train.hangs import HangWatch, backend_timeout_s
 from trainer.train.metrics import MetricsLogger
@@ -62,9 +63,12 @@ class Trainer:
             self.sampler = Sampler(config.model, spec.data.tokenizer_file(),
                                    list(config.logger.sample_prompts),
                                    config.logger.sample_max_new_tokens)
+        options = EngineOptions.from_config(config)
+        self.compiles = CompileWatch() if options.compile_blocks else None
+        if self.compiles:  # a relaunch in this folder (a resume, a restart) finds the kernels
+            use_cache(run_dir / COMPILE_CACHE)
         self.engine = build_engine(config.model, config.optim, config.train.seed, self.layout,
-                                   device, EngineOptions.from_config(config),
-                                   backend_timeout_s(config.cluster.timeout_s))
+                                   device, options, backend_timeout_s(config.cluster.timeout_s))
         self.save_dir = resume.save_folder(config.checkpoint, run_dir)
         # launch.py checked this choice before the ranks started; here every file's checksum
         # is verified too, so a damaged newest checkpoint gives way to the one before it.
@@ -110,6 +114,8 @@ class Trainer:
             data_s = time.perf_counter() - started
             lr = self.schedule.lr(consumed + samples)
             self.engine.groups.stats.reset()
+            if self.compiles:
+                self.compiles.start()
             try:
                 result = train_step(self.engine.model, self.engine.optimizer, micro_batches, lr)
             except NonFiniteStep as error:
@@ -117,6 +123,8 @@ class Trainer:
                 logger.close()
                 raise self.diverged(state.step + 1, error, lr) from None
             state.step, state.consumed_samples = state.step + 1, consumed + samples
+            if self.compiles and (line := self.compiles.end(state.step)):
+                logger.note(line)
             last = state.consumed_samples == plan.train_samples
             speed = self.throughput.step(samples * layout.seq_length,
                                          time.perf_counter() - started, data_s)
@@ -144,6 +152,8 @@ class Trainer:
         self.finish_saves()
         if records:
             self.report_memory()
+        if self.compiles and records:
+            logger.note(self.compiles.summary())
         logger.close()
         return records
 

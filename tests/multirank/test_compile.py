@@ -1,0 +1,109 @@
+"""train.compile=blocks trains the same model as one process, and compiles once.
+
+Each case is one of test_parity's layouts (or test_pipeline's) with its blocks compiled by
+torch.compile (inductor, CPU kernels), trained 3 steps against the one-process eager reference
+with test_parity's tolerance (fp32 1e-5): weight shards with full recompute, TP + SP with
+selective recompute, context parallel's ring, two pipeline stages, and bf16 autocast (within
+bf16 rounding of the fp32 reference, as test_parity's bf16 test). Inductor fuses and reorders
+float work, so fp32 agrees to rounding, not bit for bit.
+
+No recompile: every rank has compiled the same number of graphs after the first step as after
+the last. Graph breaks: only where the block communicates (parallel.comm's collectives kept
+eager, and a GTP_remat bundle's linear, which gathers); any other break in our code fails.
+
+The ranks share one inductor cache (a graph compiled by one case is found by the next), as the
+run folder's compile_cache does across a resume.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from trainer.config import Precision, RecomputeGranularity
+from trainer.plan.options import EngineOptions
+from trainer.train.compile import graph_breaks
+
+from harness import run_ranks
+from test_parity import (
+    LAYOUTS,
+    assert_parity,
+    make_layout,
+    reference_cache,
+    relative,
+    train_rank,
+)
+
+COMPILED = EngineOptions(compile_blocks=True)
+# name -> (world, Layout keyword arguments, engine options, micro-batches per lane)
+CASES = {
+    "ws2_full_recompute": (*LAYOUTS["ws2"], replace(
+        COMPILED, recompute_granularity=RecomputeGranularity.full), 2),
+    "tp2_sp_selective": (*LAYOUTS["tp2_sp"], replace(
+        COMPILED, recompute_granularity=RecomputeGranularity.selective), 2),
+    "cp2_ring": (*LAYOUTS["cp2"], COMPILED, 2),
+    "pp2": (2, dict(pipeline_model_parallel_size=2), COMPILED, 4),
+}
+# Where a compiled block may break its graph: a collective, waiting for one, or a GTP_remat
+# bundle's linear (its torch._C._current_graph_task_id() tells a recompute from a forward).
+EXPECTED_BREAKS = {"Group.all_gather", "Group.all_gather_into", "Group.start_all_gather",
+                   "Group.reduce_scatter", "Group.start_reduce_scatter", "Group.all_reduce",
+                   "Group.start_shift", "Group.all_to_all", "Pending.wait",
+                   "_current_graph_task_id"}
+
+
+@pytest.fixture(scope="module")
+def references():
+    return reference_cache()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def shared_cache(tmp_path_factory, monkeypatch_module):
+    monkeypatch_module.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as patch:
+        yield patch
+
+
+def compiled_rank(rank, layout, batches, dtype, options) -> dict:
+    result = train_rank(rank, layout, batches, dtype, options)
+    return result | {"breaks": set(graph_breaks())}
+
+
+def assert_compiled_once(results: list[dict]) -> None:
+    for result in results:
+        assert result["graphs"][0] > 0  # the blocks really compiled
+        assert result["graphs"][-1] == result["graphs"][0], result["graphs"]  # no recompile
+        assert result["breaks"] <= EXPECTED_BREAKS, result["breaks"] - EXPECTED_BREAKS
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_compiled_blocks_match_one_process(name, references):
+    world, kwargs, options, micro_batches = CASES[name]
+    layout = make_layout(world, kwargs, micro_batches)
+    batches, ref = references(layout.global_batch_size, torch.float32)
+    results = run_ranks(world, compiled_rank, layout, batches, torch.float32, options,
+                        timeout=300)
+    assert_compiled_once(results)
+    assert_parity(results, ref, torch.float32, f"{name} compiled (world {world})")
+
+
+def test_compiled_bf16_trains_close_to_fp32(references):
+    """bf16 autocast inside the compiled blocks: losses within test_parity's bf16 bound of the
+    fp32 reference, and not equal to it (autocast really ran)."""
+    world, kwargs = LAYOUTS["ws2"]
+    layout = make_layout(world, kwargs)
+    batches, ref = references(layout.global_batch_size, torch.float32)
+    options = replace(COMPILED, precision=Precision.bf16)
+    results = run_ranks(world, compiled_rank, layout, batches, torch.float32, options,
+                        timeout=300)
+    assert_compiled_once(results)
+    losses = [relative(a, b) for a, b in zip(results[0]["losses"], ref["losses"])]
+    norms = [relative(a, b) for a, b in zip(results[0]["norms"], ref["norms"])]
+    print(f"\nbf16 ws2 compiled: relative differences to fp32: loss {losses}, norm {norms}")
+    assert max(losses) < 1e-2 and max(norms) < 5e-2  # test_parity's bf16 bounds
+    assert max(norms) > 1e-4  # far above fp32 rounding: the compute was bf16

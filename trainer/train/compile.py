@@ -1,0 +1,108 @@
+"""train.compile=blocks: regional compilation, each transformer block by torch.compile.
+
+Compiling the block, not the model, as torchtitan does: every block of a model shares one
+compiled graph (the parameters are the graph's inputs), so the compile time is that of one
+block whatever the depth, and the pipeline's stages, the loss and the optimizer stay eager.
+
+The block is compiled in place (nn.Module.compile), after the parallel layers, context
+parallel's attention and recompute are applied: the graph is the block this rank runs, its
+hooks included, and no module or parameter name changes. A collective ends a graph: dynamo does
+not trace our counted collectives (parallel.comm.keep_collectives_eager), which run eagerly
+between the compiled regions, and a GTP_remat bundle's linear, which decides at run time
+whether a forward is a recompute, ends one too. graph_breaks() names where the breaks are.
+
+Counting: CompileWatch counts the graphs each training step compiles; any after the first step
+is a recompile, printed as it happens and summed at the end.
+"""
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections import Counter
+
+from torch import nn
+
+from parallel.comm import keep_collectives_eager
+from parallel.plan import ParallelPlan
+
+
+def compile_blocks(model: nn.Module, plan: ParallelPlan, chunks: list[range]) -> int:
+    """Compile each block this rank runs, in place; returns how many. Compiling is lazy: the
+    first forward pays for it."""
+    keep_collectives_eager()
+    blocks = model.get_submodule(plan.blocks)
+    count = 0
+    for chunk in chunks:
+        for index in chunk:
+            blocks[str(index)].compile()
+            count += 1
+    return count
+
+
+def graphs() -> int:
+    """Graphs dynamo compiled in this process so far (a recompile adds one)."""
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])
+
+
+def cache_hits() -> tuple[int, int]:
+    """(found, compiled): inductor graphs taken from the cache and compiled anew, so far."""
+    from torch._dynamo.utils import counters
+    found = counters["inductor"]
+    return int(found["fxgraph_cache_hit"]), int(found["fxgraph_cache_miss"])
+
+
+def graph_breaks() -> Counter:
+    """Where dynamo broke a graph -> how many times it did while compiling (in this process so
+    far): the function it would not trace (Group.all_gather: a collective kept eager), or the
+    first line of its reason."""
+    from torch._dynamo.utils import counters
+    where: Counter = Counter()
+    for reason, count in counters["graph_break"].items():
+        found = re.search(r"<function (\S+) at|<built-in function (\w+)>", reason)
+        where[next(g for g in found.groups() if g) if found else reason.splitlines()[0]] += count
+    return where
+
+
+COMPILE_CACHE = "compile_cache"  # in the run folder
+
+
+def use_cache(folder: os.PathLike | str) -> None:
+    """Inductor's and the FX graph caches in `folder`, so a resumed run (the same folder) finds
+    the kernels its first start compiled. Set before the first compile."""
+    os.makedirs(folder, exist_ok=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+
+
+class CompileWatch:
+    """What compiling costs a run, measured around each training step: the graphs the first
+    step compiled and its time, then any graph a later step compiles (a recompile: a guard
+    failed, e.g. a new shape). Evaluation's graphs (no autograd) are not training steps."""
+
+    def __init__(self) -> None:
+        self.first: tuple[int, float] | None = None  # graphs, seconds
+        self.recompiles = 0
+        self._before, self._started = 0, 0.0
+
+    def start(self) -> None:
+        self._before, self._started = graphs(), time.perf_counter()
+
+    def end(self, step: int) -> str | None:
+        """A line to print, or None."""
+        new = graphs() - self._before
+        if self.first is None:
+            self.first = new, time.perf_counter() - self._started
+            found, compiled = cache_hits()
+            return (f"train.compile=blocks: step {step} compiled {new} graph(s) in "
+                    f"{self.first[1]:.1f} s (the step included); inductor: {found} found in "
+                    f"the cache, {compiled} compiled")
+        self.recompiles += new
+        if new:
+            return (f"warning: train.compile=blocks recompiled {new} graph(s) in step {step} "
+                    f"(a guard failed: TORCH_LOGS=recompiles says which)")
+        return None
+
+    def summary(self) -> str:
+        return (f"train.compile=blocks: {self.recompiles} recompile(s) after the first step; "
+                f"graph breaks at {dict(graph_breaks()) or 'none'}")
