@@ -25,6 +25,7 @@ sys.path.insert(0, str(HERE))
 import auto  # noqa: E402
 import checksum  # noqa: E402
 import comm_memory  # noqa: E402
+import compile_blocks  # noqa: E402
 import compose  # noqa: E402
 import context  # noqa: E402
 import documents  # noqa: E402
@@ -37,6 +38,7 @@ import overhead  # noqa: E402
 import overlap  # noqa: E402
 import pipeline  # noqa: E402
 import prepare_speed  # noqa: E402
+import soak  # noqa: E402
 import table  # noqa: E402
 
 
@@ -74,6 +76,8 @@ def run(quick: bool) -> dict:
     figures["checkpoint_checksums"] = checksum.measure(quick)
     figures["moe"] = moe.measure(quick)
     figures["documents"] = documents.measure(quick)
+    figures["compile"] = compile_blocks.measure(quick)
+    figures["soak"] = soak.measure(quick)
     return {
         "measured": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": at_start + ("" if commit() == at_start else

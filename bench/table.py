@@ -163,7 +163,47 @@ def rows(figures: dict[str, Any]) -> list[dict[str, Any]]:
         out += _moe_rows(f["moe"])
     if "documents" in f:  # nor before bench/documents.py
         out += _document_rows(f["documents"])
+    if "compile" in f:  # nor before bench/compile_blocks.py
+        out += _compile_rows(f["compile"])
+    if "soak" in f:  # nor before bench/soak.py
+        out += _soak_rows(f["soak"])
     return out
+
+
+def _compile_rows(c: dict) -> list[dict[str, Any]]:
+    """train.compile=blocks: compiled over eager step time, one process and WS 2."""
+    def first(r: dict) -> str:
+        done = [x for x in r["first_step"] if x]
+        return (f"first step {done[0]['graphs']} graph(s) in {done[0]['first_step_s']} s"
+                if done else "first step not reported")
+    one, ws2 = c["one_process"], c["ws2"]
+    return [
+        _row("compiled_over_eager", one["ratio"], "<= 0.8",
+             f"train.compile=blocks over eager, launch.py step time, one process ({c['batch']});"
+             f" spread {one['ratio_spread']}; {first(one)}"),
+        _row("compiled_over_eager_ws2", ws2["ratio"], "-",
+             f"the same under WS 2 (two gloo ranks); spread {ws2['ratio_spread']}; "
+             f"{first(ws2)}"),
+    ]
+
+
+def _soak_rows(s: dict) -> list[dict[str, Any]]:
+    """A long 8-rank run with background checkpoints, then the same with one rank killed."""
+    plain, killed = s["plain"], s["killed_once"]
+    return [
+        _row("soak_rss_growth", plain["rss_growth"], "< 1.02",
+             f"8 ranks (WS 4 x CP 2, model=tiny), {plain['steps']:,} steps, a background "
+             f"checkpoint every 256: the worst rank's resident set at the end over after "
+             f"warm-up ({plain['seconds']} s)"),
+        _row("soak_fds_growth", plain["fds_growth"], "0",
+             "open file descriptors at the end less after warm-up, the worst rank"),
+        _row("soak_left_running", plain["left_running"] + killed["left_running"], "0",
+             "processes alive after launch.py exited, both runs"),
+        _row("soak_killed_once_restarts", killed["restarts"], "1",
+             f"the same run with rank 3 killed mid-way under cluster.max_restarts=1: exit code "
+             f"{killed['exit_code']}, each step logged once: {killed['steps_logged_once']}, "
+             f"resident set growth {killed['rss_growth']:.3f}"),
+    ]
 
 
 def _document_rows(d: dict) -> list[dict[str, Any]]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -121,3 +122,45 @@ def test_a_preempted_job_saves_requeues_and_resumes(slurm_env, slurm_partition, 
     assert 3 <= stopped < 500
     assert f"500 steps from step {stopped}" in job_output
     assert (folder / "checkpoints" / f"step_{stopped:08d}" / ".metadata").exists()
+
+
+def task_pid(job: str, procid: int) -> int | None:
+    """The pid of task `procid` of SLURM job `job` on this machine (its Python), from /proc."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if (f"SLURM_JOB_ID={job}".encode() in environ
+                and f"SLURM_PROCID={procid}".encode() in environ
+                and b"python" in cmdline and b"submitit" in cmdline):
+            return int(entry.name)
+    return None
+
+
+def test_a_killed_rank_requeues_the_job_and_it_resumes(slurm_env, slurm_partition, dataset,
+                                                      tmp_path):
+    """cluster.max_restarts=1: rank 1 killed (SIGKILL) mid-run; rank 0 finds the run failed,
+    requeues the job and records it in restarts.jsonl; the job's next start resumes from the
+    latest checkpoint and ends; every step is logged once."""
+    proc = sweep(slurm_env, slurm_partition, tmp_path / "sweep", dataset,
+                 "train.train_samples=800", "checkpoint.save_interval=20",
+                 "cluster.max_restarts=1", log=tmp_path / "log.txt")  # 200 steps
+    wait_for(lambda: (tmp_path / "sweep").exists() and run_folders(tmp_path / "sweep")
+             and len(steps(run_folders(tmp_path / "sweep")[0])) >= 30, 120, "training", proc)
+    (job,) = squeue_ids(slurm_env)
+    pid = task_pid(job, 1)
+    assert pid is not None, f"no task 1 of job {job} found in /proc"
+    os.kill(pid, signal.SIGKILL)
+    assert proc.wait(timeout=240) == 0, (tmp_path / "log.txt").read_text()
+    (folder,) = run_folders(tmp_path / "sweep")
+    assert steps(folder) == list(range(1, 201))  # every step once
+    (row,) = [json.loads(line) for line in (folder / "restarts.jsonl").read_text().splitlines()]
+    assert row["restart"] == 1 and row["slurm_job"] == job and row["resumed_from_step"] >= 20
+    assert "rank 0 of 2 found the run failed" in row["failure"]
+    job_output = "".join(p.read_text() for p in (tmp_path / "sweep" / ".submitit").rglob("*.out"))
+    assert "requeue 1 of cluster.max_restarts=1" in job_output
+    assert f"200 steps from step {row['resumed_from_step']}" in job_output

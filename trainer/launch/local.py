@@ -6,7 +6,6 @@ stacks. The ranks never outlive launch.py, however it dies (kill -9 included).
 from __future__ import annotations
 
 import ctypes
-import json
 import multiprocessing
 import os
 import signal
@@ -20,11 +19,10 @@ from typing import Any
 
 from hydra.errors import CompactHydraException
 
-from trainer.checkpoint import resume
-from trainer.checkpoint.integrity import META, verify
 from trainer.compose.runspec import RunSpec
 from trainer.config import ConfigError
 from trainer.launch.ranks import RankEnv, run_rank
+from trainer.launch.requeue import record_restart, resume_step
 from trainer.train.hangs import (
     DUMP_SIGNAL,
     HUNG_EXIT,
@@ -42,7 +40,6 @@ from trainer.train.signals import (
     hard_stop_line,
 )
 
-RESTARTS = "restarts.jsonl"  # the run folder's record of cluster.max_restarts' restarts
 POLL_S = 0.05
 # A rank ignores stop signals until its watch is up (it inherits SIG_IGN from the start), so the
 # parent repeats a stop signal this often until the ranks have stopped.
@@ -88,23 +85,13 @@ def launch_local(spec: RunSpec, run_dir: Path, meta: dict[str, Any]) -> None:
                                      f"all cluster.max_restarts={most} restart(s) were used.",
                                      False) from None
                 raise
-            step = _resume_step(spec, run_dir)
+            step = resume_step(spec, run_dir)
             where = f"step {step}" if step is not None else "the start (no checkpoint yet)"
             line = (f"restart {restart + 1} of cluster.max_restarts={most}: {failure} "
                     f"Resuming from {where}.")
             print(line, flush=True)
-            with (run_dir / RESTARTS).open("a") as f:
-                f.write(json.dumps({"restart": restart + 1, "failure": str(failure),
-                                    "resumed_from_step": step or 0, "time": time.time()}) + "\n")
-
-
-def _resume_step(spec: RunSpec, run_dir: Path) -> int | None:
-    """The step of the checkpoint a restarted rank resumes from (None: none yet)."""
-    folder = resume.save_folder(spec.config.checkpoint, run_dir)
-    point = resume.find(spec.config.checkpoint, folder, None, lambda p: verify(p, None))
-    if point is None or point.weights_only:
-        return None
-    return int(json.loads((point.path / META).read_text())["step"])
+            record_restart(run_dir, {"restart": restart + 1, "failure": str(failure),
+                                     "resumed_from_step": step or 0})
 
 
 def _start_and_supervise(spec: RunSpec, run_dir: Path, meta: dict[str, Any]) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 
 from trainer.compose.runspec import RunSpec
 from trainer.config import ConfigError
+from trainer.launch.requeue import requeue_after_failure, wait_to_be_stopped
 from trainer.train.hangs import backend_timeout_s, hold_dump_signal
 from trainer.train.signals import PreemptionWatch
 
@@ -85,11 +86,11 @@ def check_world(env: RankEnv, spec: RunSpec) -> None:
             f"{os.environ.get('TORCHELASTIC_MAX_RESTARTS', 0)}: under torchrun its agent restarts "
             f"the ranks (each resumes from the latest checkpoint). Fix: pass --max-restarts="
             f"{restarts} to torchrun, or set cluster.max_restarts to its value.")
-    if env.launcher == "submitit" and restarts:
+    if env.launcher == "submitit" and restarts and "SLURM_JOB_ID" not in os.environ:
         raise ConfigError(
-            f"cluster.max_restarts={restarts} under SLURM: a job is not yet requeued on a failed "
-            f"rank (it is on preemption). Fix: cluster.max_restarts=0, and relaunch the same "
-            f"command to resume from the latest checkpoint.")
+            f"cluster.max_restarts={restarts} with submitit's local executor: only a SLURM job "
+            f"is requeued on a failed rank. Fix: cluster.max_restarts=0, or "
+            f"hydra/launcher=slurm.")
     if env.world_size != layout.world_size and env.rank != 0:
         time.sleep(QUIET_RANKS_WAIT_S)
         raise SystemExit(1)
@@ -123,10 +124,18 @@ def run_rank(env: RankEnv, spec: RunSpec, run_dir: Path, meta: dict[str, Any],
     try:
         if watch is None:  # the first thread: the block reaches every thread started later
             hold_dump_signal()
+        requeued = False
         with PreemptionWatch() if watch is None else nullcontext(watch) as watch:
             try:
                 Trainer(spec, run_dir, device, meta, watch).run()
             except Preempted:
                 watch.hand_over()  # submitit requeues the job from rank 0; elsewhere nothing
+            except Exception as error:  # noqa: BLE001 (re-raised unless the job is requeued)
+                requeued = env.launcher == "submitit" and requeue_after_failure(
+                    env.rank, env.world_size, spec, run_dir, error)
+                if not requeued:
+                    raise
+        if requeued:  # outside the watch: SLURM's stop must not start a save
+            wait_to_be_stopped()
     finally:
         dist.destroy_process_group()
