@@ -64,9 +64,10 @@ def test_two_killed_ranks_restart_from_the_latest_checkpoint_to_the_same_weights
     out = finish(restarted)
     assert out.returncode == 0, out.stderr
     text = "".join(lines) + out.stdout
+    # rank 0 may fail in its collective before launch.py has stopped it: then the line says so
     restarts = re.findall(r"restart (\d) of cluster.max_restarts=2: rank 1 of 2 failed: killed by "
-                          r"SIGKILL\. The other ranks were stopped\. Resuming from step (\d+)\.",
-                          text)
+                          r"SIGKILL(?: \(then rank\(s\) 0 failed too\))?\. The other ranks were "
+                          r"stopped\. Resuming from step (\d+)\.", text)
     assert [n for n, _ in restarts] == ["1", "2"], text
     resumed = [int(step) for _, step in restarts]
     # the checkpoint before each kill (the ranks may run a few steps while rank 1 is killed)
@@ -93,8 +94,9 @@ def test_a_failure_past_max_restarts_ends_the_run_with_the_count(tmp_path):
     kill_rank_1_at(process, [2, 2])
     out = finish(process)
     assert out.returncode == 1
-    assert ("rank 1 of 2 failed: killed by SIGKILL. The other ranks were stopped. That was "
-            "failure 2 of the run: all cluster.max_restarts=1 restart(s) were used.") in out.stderr
+    assert re.search(r"rank 1 of 2 failed: killed by SIGKILL(?: \(then rank\(s\) 0 failed "
+                     r"too\))?\. The other ranks were stopped\. That was failure 2 of the run: all "
+                     r"cluster\.max_restarts=1 restart\(s\) were used\.", out.stderr), out.stderr
 
 
 
