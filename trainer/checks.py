@@ -341,10 +341,17 @@ def check_memory_options(cfg: Config, layout: Layout) -> None:
 COMPILE_MODES = (False, "blocks")  # train.compile
 
 
-def check_compile(train: Any) -> None:
+def check_compile(cfg: Config) -> None:
+    train, experts = cfg.train, cfg.model.num_moe_experts
     if train.compile not in COMPILE_MODES:
         raise ValueError(f"train.compile={train.compile!r} is not a compile mode. Fix: "
                          f"train.compile=blocks (torch.compile each transformer block) or "
+                         f"train.compile=false.")
+    if train.compile == "blocks" and experts and train.precision is Precision.fp32:
+        # torch's meta kernel of aten._grouped_mm, which compiling traces, takes bf16 only.
+        raise ValueError(f"train.compile=blocks with a mixture of experts (model.num_moe_experts="
+                         f"{experts}) in train.precision=fp32: torch cannot compile the experts' "
+                         f"grouped GEMM in fp32. Fix: train.precision=bf16, or "
                          f"train.compile=false.")
 
 
@@ -353,7 +360,7 @@ def check_values(cfg: Config, layout: Layout) -> None:
     check_layout_inputs(cfg.parallel, cfg.cluster, cfg.train)
     check_model(cfg.model)
     check_memory_options(cfg, layout)
-    check_compile(cfg.train)
+    check_compile(cfg)
     check_seeds(cfg)
     check_optim(cfg.optim)
     check_logger(cfg.logger)

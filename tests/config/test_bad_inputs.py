@@ -263,6 +263,8 @@ TABLE = [
     R("logger.project=x", ("logger.project='x'", "logger=console")),
     R("cluster.max_restarts=-1", ("cluster.max_restarts=-1", "count >= 0")),
     R("train.compile=true", ("train.compile=True", "train.compile=blocks")),
+    R("train.compile=blocks model=tiny_moe", ("train.compile=blocks", "model.num_moe_experts=",
+                                              "train.precision=bf16")),
     R("cluster.max_restarts=2 checkpoint.resume=false",
       ("cluster.max_restarts=2", "checkpoint.resume=false", "set checkpoint.resume=true")),
     R("cluster.num_nodes=0", ("cluster.num_nodes=0",)),
