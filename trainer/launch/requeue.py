@@ -32,11 +32,12 @@ RESTARTS = "restarts.jsonl"  # the run folder's record of cluster.max_restarts' 
 WAIT_FOR_STOP_S = 600  # a rank waits this long for SLURM to stop it after the requeue
 
 
-def restarts_so_far(run_dir: Path, but: str | None = None) -> int:
-    """Rows of the run folder's restarts.jsonl, those of SLURM start `but` excepted."""
+def restarts_so_far(run_dir: Path, but: str) -> int:
+    """Rows of the run folder's restarts.jsonl, those of SLURM start `but` (this one) excepted:
+    a peer of this start may have written its row already."""
     path = run_dir / RESTARTS
     rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return sum(1 for row in rows if but is None or row.get("slurm_start") != but)
+    return sum(1 for row in rows if row.get("slurm_start") != but)
 
 
 def record_restart(run_dir: Path, row: dict[str, Any]) -> None:

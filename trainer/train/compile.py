@@ -27,17 +27,14 @@ from parallel.comm import keep_collectives_eager
 from parallel.plan import ParallelPlan
 
 
-def compile_blocks(model: nn.Module, plan: ParallelPlan, chunks: list[range]) -> int:
-    """Compile each block this rank runs, in place; returns how many. Compiling is lazy: the
-    first forward pays for it."""
+def compile_blocks(model: nn.Module, plan: ParallelPlan, chunks: list[range]) -> None:
+    """Compile each block this rank runs, in place. Compiling is lazy: the first forward pays
+    for it."""
     keep_collectives_eager()
     blocks = model.get_submodule(plan.blocks)
-    count = 0
     for chunk in chunks:
         for index in chunk:
             blocks[str(index)].compile()
-            count += 1
-    return count
 
 
 def graphs() -> int:
@@ -81,7 +78,7 @@ class CompileWatch:
     failed, e.g. a new shape). Evaluation's graphs (no autograd) are not training steps."""
 
     def __init__(self) -> None:
-        self.first: tuple[int, float] | None = None  # graphs, seconds
+        self.first_done = False
         self.recompiles = 0
         self._before, self._started = 0, 0.0
 
@@ -91,12 +88,12 @@ class CompileWatch:
     def end(self, step: int) -> str | None:
         """A line to print, or None."""
         new = graphs() - self._before
-        if self.first is None:
-            self.first = new, time.perf_counter() - self._started
+        if not self.first_done:
+            self.first_done = True
             found, compiled = cache_hits()
             return (f"train.compile=blocks: step {step} compiled {new} graph(s) in "
-                    f"{self.first[1]:.1f} s (the step included); inductor: {found} found in "
-                    f"the cache, {compiled} compiled")
+                    f"{time.perf_counter() - self._started:.1f} s (the step included); "
+                    f"inductor: {found} found in the cache, {compiled} compiled")
         self.recompiles += new
         if new:
             return (f"warning: train.compile=blocks recompiled {new} graph(s) in step {step} "
