@@ -123,8 +123,26 @@ def test_launch_py_starts_the_configured_ranks(dataset, tmp_path):
     line = started_line(out) or ""
     assert line.startswith("started rank 0 (pid ") and ", rank 1 (pid " in line
     assert "2 rank(s), global batch 4 samples, 4 steps" in out
+    cpus = len(os.sched_getaffinity(0))
+    assert f"each rank computes with {max(1, cpus // 2)} CPU thread(s): 2 ranks share this " \
+           f"machine's {cpus} CPUs" in out
     assert [m["consumed_samples"] for m in metrics(tmp_path)] == [4, 8, 12, 16]
     assert (tmp_path / "checkpoints" / "step_00000004" / ".metadata").exists()
+
+
+def test_each_local_rank_takes_its_share_of_the_cpus(monkeypatch):
+    """torch starts a thread per core in every process: 8 ranks on 2 cores ran 9x slower
+    than with one thread each (bench/soak.py's layout, 1.2 s a step against 0.13 s)."""
+    from trainer.launch.ranks import cpu_threads
+
+    for name in ("OMP_NUM_THREADS", "SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert [cpu_threads(n) for n in (1, 2, 8, 32)] == [None, 8, 2, 1]
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "6")  # SLURM gave each task its own CPUs
+    assert cpu_threads(8) == 6
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")  # a person's choice stands
+    assert cpu_threads(8) is None
 
 
 def test_torchrun_ranks_train_and_a_wrong_world_is_named(dataset, tmp_path):

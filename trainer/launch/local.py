@@ -21,7 +21,7 @@ from hydra.errors import CompactHydraException
 
 from trainer.compose.runspec import RunSpec
 from trainer.config import ConfigError
-from trainer.launch.ranks import RankEnv, run_rank
+from trainer.launch.ranks import RankEnv, cpu_threads, run_rank
 from trainer.launch.requeue import record_restart, resume_step
 from trainer.train.hangs import (
     DUMP_SIGNAL,
@@ -113,6 +113,11 @@ def _start_and_supervise(spec: RunSpec, run_dir: Path, meta: dict[str, Any]) -> 
                 proc.start()
             print("started " + ", ".join(f"rank {r} (pid {p.pid})" for r, p in enumerate(procs)),
                   flush=True)
+            threads = cpu_threads(spec.config.cluster.procs_per_node)
+            if threads is not None:
+                print(f"each rank computes with {threads} CPU thread(s): {len(procs)} "
+                      f"ranks share this machine's {len(os.sched_getaffinity(0))} CPUs "
+                      f"(OMP_NUM_THREADS sets another count)", flush=True)
             _supervise(procs, errors, run_dir)
         finally:
             for signum, handler in previous.items():

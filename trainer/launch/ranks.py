@@ -71,6 +71,19 @@ def launched_rank() -> RankEnv | None:
                    int(os.environ.get("LOCAL_RANK", 0)), "env://", "torchrun")
 
 
+def cpu_threads(procs_per_node: int) -> int | None:
+    """Intra-op CPU threads for each of this machine's ranks, or None to keep torch's choice.
+    torch gives every process a thread per core, so N ranks on one machine run N times as many
+    threads as there are cores, and on CPU they spend the step waking one another (8 gloo
+    ranks on 2 cores: 9x slower). torchrun sets OMP_NUM_THREADS=1 for the same reason; here
+    each rank gets its share of the CPUs it may use (SLURM's cpus per task where set). A
+    person's OMP_NUM_THREADS wins."""
+    if "OMP_NUM_THREADS" in os.environ or procs_per_node <= 1:
+        return None
+    per_task = int(os.environ.get("SLURM_CPUS_PER_TASK", "0") or 0)
+    return max(1, per_task or len(os.sched_getaffinity(0)) // procs_per_node)
+
+
 def check_world(env: RankEnv, spec: RunSpec) -> None:
     """The launcher started the config's world. Every rank finds a mismatch; rank 0 says it, the
     others exit quietly with the same failure (one line, not one a rank). They wait first:
@@ -113,6 +126,9 @@ def run_rank(env: RankEnv, spec: RunSpec, run_dir: Path, meta: dict[str, Any],
 
     from trainer.train.loop import Preempted, Trainer
 
+    threads = cpu_threads(spec.config.cluster.procs_per_node)
+    if threads is not None:
+        torch.set_num_threads(threads)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", env.local_rank) if cuda else torch.device("cpu")
     if cuda:
