@@ -113,7 +113,7 @@ def _calibrate(rank: int, world: int) -> dict:
         dist.barrier()
         started = time.perf_counter()
         for _ in range(20):
-            dist.all_gather_into_tensor(out, shard)
+            dist.all_gather_single(out, shard)  # torch 2.13 deprecates all_gather_into_tensor
         times[size] = (time.perf_counter() - started) / 20
     return {"flops": flops, "small_s": times[2], "large_s": times[1 << 20]}
 

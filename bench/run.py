@@ -5,7 +5,7 @@ its goal and whether this run met it (bench/table.py), prints that table and wri
 README.md. results.json is this one run's output: a figure that changes is measured again.
 
     python bench/run.py           # quick mode for this machine
-    python bench/run.py --full    # longer runs, more repetitions, and the soak (bench/soak.py)
+    python bench/run.py --full    # longer runs, more repetitions
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -52,41 +53,81 @@ def commit() -> str:
     return git("rev-parse", "--short=12", "HEAD") + (" (with uncommitted changes)" if dirty else "")
 
 
+def sections(quick: bool) -> list[tuple[str, Callable[[dict], dict]]]:
+    """The measurements in the order they run: (name, measure(figures so far) -> figures)."""
+    def overhead_and_fsdp2(_: dict) -> dict:
+        return {"overhead_vs_plain_loop": overhead.measure(quick),
+                **{f"step_time_vs_fsdp2_w{w}": fsdp2.measure(w, quick) for w in (2, 4)}}
+
+    def comm(_: dict) -> dict:
+        found = comm_memory.measure(quick)
+        return {"comm_bytes_vs_analytic": {k: r["ratio_by_op"] for k, r in found.items()},
+                "memory_vs_analytic": {k: r["memory_ratio"] for k, r in found.items()},
+                "comm_memory_details": found}
+
+    def loader_headroom(f: dict) -> dict:
+        times = sorted(f["overhead_vs_plain_loop"]["step_s_ours"])
+        step_s = times[len(times) // 2]
+        return {"loader_headroom": loader.measure(step_s, overhead.MICRO, overhead.SEQ, quick)}
+
+    def one(key: str, measure: Callable[[], dict]) -> Callable[[dict], dict]:
+        return lambda _: {key: measure()}
+
+    return [
+        ("overhead and FSDP2", overhead_and_fsdp2),
+        ("communication and memory against the analytic counts", comm),
+        ("composing a config", one("compose_vs_bare_hydra", lambda: compose.measure(quick))),
+        ("the loader's headroom", loader_headroom),
+        ("memory follows the layout", one("memory_follows_layout",
+                                          lambda: memory.measure(quick))),
+        ("overlap", one("overlap", lambda: overlap.measure(3 if quick else 5))),
+        ("context parallel", one("context_parallel", lambda: context.measure(quick))),
+        ("pipeline", one("pipeline", lambda: pipeline.measure(quick))),
+        ("parallel=auto", one("auto", lambda: auto.measure(quick))),
+        ("trainer.prepare", one("prepare", lambda: prepare_speed.measure(quick))),
+        ("Hugging Face import and export", one("hf_interop", lambda: hf_interop.measure(quick))),
+        ("checkpoint checksums", one("checkpoint_checksums", lambda: checksum.measure(quick))),
+        ("mixture of experts", one("moe", lambda: moe.measure(quick))),
+        ("documents", one("documents", lambda: documents.measure(quick))),
+        ("compiled blocks", one("compile", lambda: compile_blocks.measure(quick))),
+        ("soak (2 x 4,096 steps of 8 ranks)", one("soak", lambda: soak.measure(quick))),
+    ]
+
+
+def _clock(seconds: float) -> str:
+    return f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
+
+
 def run(quick: bool) -> dict:
+    """Every section in turn, a line before each (its number, the time so far, and the time
+    left by the last run of this mode's section times, where results.json has them)."""
     started, at_start = time.perf_counter(), commit()  # the code the run starts with
+    mode = "quick" if quick else "full"
+    try:
+        before = json.loads((HERE / "results.json").read_text())
+        last = before["section_s"] if before.get("mode") == mode else {}
+    except (OSError, ValueError, KeyError):
+        last = {}
+    todo = sections(quick)
     figures: dict = {}
-    over = overhead.measure(quick)
-    figures["overhead_vs_plain_loop"] = over
-    for world in (2, 4):
-        figures[f"step_time_vs_fsdp2_w{world}"] = fsdp2.measure(world, quick)
-    comm = comm_memory.measure(quick)
-    figures["comm_bytes_vs_analytic"] = {name: r["ratio_by_op"] for name, r in comm.items()}
-    figures["memory_vs_analytic"] = {name: r["memory_ratio"] for name, r in comm.items()}
-    figures["comm_memory_details"] = comm
-    figures["compose_vs_bare_hydra"] = compose.measure(quick)
-    step_s = sorted(over["step_s_ours"])[len(over["step_s_ours"]) // 2]
-    figures["loader_headroom"] = loader.measure(step_s, overhead.MICRO, overhead.SEQ, quick)
-    figures["memory_follows_layout"] = memory.measure(quick)
-    figures["overlap"] = overlap.measure(3 if quick else 5)
-    figures["context_parallel"] = context.measure(quick)
-    figures["pipeline"] = pipeline.measure(quick)
-    figures["auto"] = auto.measure(quick)
-    figures["prepare"] = prepare_speed.measure(quick)
-    figures["hf_interop"] = hf_interop.measure(quick)
-    figures["checkpoint_checksums"] = checksum.measure(quick)
-    figures["moe"] = moe.measure(quick)
-    figures["documents"] = documents.measure(quick)
-    figures["compile"] = compile_blocks.measure(quick)
-    if not quick:  # 2 x 4,096 steps of 8 ranks: about 3 h on a 2-core machine
-        figures["soak"] = soak.measure(quick)
+    took: dict[str, float] = {}
+    for number, (name, measure) in enumerate(todo, 1):
+        left = [last.get(later) for later, _ in todo[number - 1:]]
+        eta = f", about {_clock(sum(left))} left by the last run" if None not in left else ""
+        print(f"bench [{number}/{len(todo)}] {name} ({_clock(time.perf_counter() - started)} "
+              f"so far{eta})", flush=True)
+        began = time.perf_counter()
+        figures.update(measure(figures))
+        took[name] = round(time.perf_counter() - began, 1)
     return {
         "measured": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": at_start + ("" if commit() == at_start else
                               f" (the tree changed during the run: {commit()} at its end)"),
-        "mode": "quick" if quick else "full",
+        "mode": mode,
         "machine": f"{platform.machine()}, {platform.python_version()}, "
                    f"{__import__('os').cpu_count()} CPUs",
         "wall_s": round(time.perf_counter() - started, 1),
+        "section_s": took,
         "figures": figures,
     }
 

@@ -12,7 +12,7 @@ second. Then the same run with one rank killed (SIGKILL) mid-way under cluster.m
 - restarted: the run with a kill -9 ends with exit code 0, one restart recorded in
   restarts.jsonl, every step logged once, nothing left running.
 
-    python bench/soak.py            # 4,096 steps, then 4,096 with a kill
+    python bench/soak.py            # 4,096 steps, then 4,096 with a kill (~20 min here)
 """
 from __future__ import annotations
 
@@ -105,6 +105,9 @@ def soak(steps: int, kill_at: int | None = None) -> dict:
             if line.startswith("saved ") and "in the background" in line:
                 state["warm"] = True  # the writer thread and its group exist
             step = re.match(r"step\s+(\d+)/", line)
+            if step and int(step.group(1)) % 1024 == 0:
+                print(f"  soak{'' if kill_at is None else ' with a kill'}: step "
+                      f"{step.group(1)}/{steps} ({time.perf_counter() - began:.0f} s)", flush=True)
             if kill_at is not None and step and int(step.group(1)) >= kill_at and \
                     not state["restarted"]:
                 state["restarted"] = True
