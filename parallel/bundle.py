@@ -3,9 +3,17 @@ together (one message for all of them instead of one each), optionally overlappe
 the next block's gather runs while this block computes, and a block's gradient reduce-scatter
 runs while the blocks before it run their backward. Only the messages and their timing change:
 the shards, their gradients' sums (values and order), the optimizer and checkpoints do not.
+
+A bundled linear is a pair of torch.library operators (forward, and backward through
+register_autograd) rather than an autograd.Function, so torch.compile keeps a block whole
+around it: the compiled graph calls the operator, which runs the bundle's Python eagerly
+inside. torch's operators take tensors and numbers only, so a bundle is named by a key (a
+0-dim tensor: a number would be baked into the graph, and each block would compile its own).
 """
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections import deque
 from typing import Callable
 
@@ -54,7 +62,10 @@ class _Pass:
     """One forward pass through a bundle's block: its recorded uses whose backward has not run
     yet, and the gradient message their backwards fill. A pipeline runs several passes
     (micro-batches) forward before their backwards, so each pass's gradients are reduced, and
-    the weights its backward gathered freed, when that pass's own backward is done."""
+    the weights its backward gathered freed, when that pass's own backward is done. Backwards
+    run in the order of their forwards (every schedule here), so a backward use belongs to the
+    oldest pass with uses left; were one out of order, a message would carry another pass's
+    gradients, and each would still be reduced once: the sums do not change."""
 
     def __init__(self) -> None:
         self.pending = 0
@@ -119,10 +130,17 @@ class ShardBundle:
         self._forward: _Gathered | None = None
         self._backward: _Gathered | None = None
         self._pending = 0  # recorded uses whose backward has not run yet, over all passes
+        self._passes: deque[_Pass] = deque()  # passes with uses left, oldest first
+        self.key = torch.tensor(next(_KEYS), device="cpu")  # how its operators find it
+        _BUNDLES[int(self.key)] = self
 
     def add(self, shard: torch.nn.Parameter, rows: int) -> int:
         self.members.append((shard, rows))
         return len(self.members) - 1
+
+    def uses_owed(self) -> int:
+        """Recorded forward uses whose backward has not run (0 once a step's backward ends)."""
+        return self._pending
 
     def live_gathers(self) -> int:
         """Gathered weight sets this bundle holds (in flight or not): 0, 1 or 2."""
@@ -145,21 +163,24 @@ class ShardBundle:
         if self._backward is None:
             self._backward = self._gather(early=True)
 
-    def forward_weight(self, index: int, needs_grad: bool
-                       ) -> tuple[torch.Tensor, _Pass | None]:
+    def forward_weight(self, index: int, needs_grad: bool) -> torch.Tensor:
         """`needs_grad`: this use enters the autograd graph, so (outside a recompute) its
-        backward will come. Returns the weight and the pass its backward belongs to."""
+        backward will come, and is counted in this forward's pass."""
         if _in_backward():  # recompute: the original forward counted this use
-            return self._backward_weights()[index], None
+            return self._backward_weights()[index]
         if self._forward is None:
             self._forward = self._gather()
         if not self._forward.used:
             self._forward.used = True
             if self.next is not None:
                 self.next.prefetch_forward()
-        self._pending += needs_grad
-        self._forward.forward_pass.pending += needs_grad
-        return self._forward.weights()[index], self._forward.forward_pass
+        if needs_grad:
+            this = self._forward.forward_pass
+            if this.pending == 0:
+                self._passes.append(this)
+            this.pending += 1
+            self._pending += 1
+        return self._forward.weights()[index]
 
     def release_forward(self) -> None:
         if self._forward is not None:
@@ -179,8 +200,11 @@ class ShardBundle:
                 self.previous.prefetch_backward()
         return self._backward.weights()
 
-    def add_grad(self, index: int, grad_full: torch.Tensor, forward_pass: _Pass) -> None:
-        size = self.group.size
+    def add_grad(self, index: int, grad_full: torch.Tensor) -> None:
+        if not self._passes:
+            raise RuntimeError("a bundled linear's backward ran with no forward use left to "
+                               "account for: its gradient would be lost")
+        forward_pass, size = self._passes[0], self.group.size
         if forward_pass.message is None:
             total = sum(shard.numel() for shard, _ in self.members)
             forward_pass.message = grad_full.new_zeros((size, total))
@@ -197,6 +221,7 @@ class ShardBundle:
         forward_pass.pending -= 1
         if forward_pass.pending > 0:
             return
+        self._passes.popleft()
         self._backward = None  # the pass's backward is done: its weights go
         flat, forward_pass.message = forward_pass.message.view(-1), None
         if self.dtypes.reduce is not None:
@@ -224,36 +249,73 @@ def link(bundles: list[ShardBundle]) -> None:
         before.next, after.previous = after, before
 
 
-class _BundledLinear(torch.autograd.Function):
-    """y = x @ W^T with W from its bundle; the shard's gradient goes through the bundle."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, shard: torch.Tensor, bundle: ShardBundle, index: int,
-                needs_grad: bool):
-        ctx.bundle, ctx.index = bundle, index
-        x = autocast_input(x)
-        ctx.save_for_backward(x)
-        weight, ctx.forward_pass = bundle.forward_weight(index, needs_grad)
-        return F.linear(x, weight)
-
-    @staticmethod
-    def backward(ctx, grad_y: torch.Tensor):
-        (x,) = ctx.saved_tensors
-        bundle, index = ctx.bundle, ctx.index
-        weight = bundle.backward_weight(index).to(grad_y.dtype)
-        grad_x = grad_y @ weight if ctx.needs_input_grad[0] else None
-        grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(
-            grad_y.dtype)
-        bundle.add_grad(index, grad_w.to(bundle.members[index][0].dtype), ctx.forward_pass)
-        return grad_x, None, None, None, None  # the shard's gradient was added by the bundle
+# key -> bundle, for the operators below (weak: a dropped model's bundles go with it)
+_BUNDLES: weakref.WeakValueDictionary[int, ShardBundle] = weakref.WeakValueDictionary()
+_KEYS = itertools.count()
 
 
-def bundled_linear(x: torch.Tensor, shard: torch.Tensor, bundle: ShardBundle,
-                   index: int) -> torch.Tensor:
-    # Autograd records the node (and will run its backward) only under grad mode with an input
-    # that needs a gradient; inside Function.forward grad mode is always off, so decide here.
+@torch.library.custom_op("gtp::bundled_linear", mutates_args=())
+def _forward(x: torch.Tensor, shard: torch.Tensor, key: torch.Tensor, index: int, rows: int,
+             needs_grad: bool) -> torch.Tensor:
+    """y = x @ W^T with W (rows x in) the bundle's gathered member `index`, in x's dtype.
+    `shard` is the parameter whose gradient the bundle forms: an input, so that autograd
+    records the backward even when x needs no gradient."""
+    weight = _BUNDLES[int(key)].forward_weight(index, needs_grad)
+    return F.linear(x, weight.to(x.dtype))
+
+
+@_forward.register_fake
+def _(x, shard, key, index, rows, needs_grad):
+    return x.new_empty(*x.shape[:-1], rows)
+
+
+@torch.library.custom_op("gtp::bundled_linear_backward", mutates_args=())
+def _backward(grad_y: torch.Tensor, x: torch.Tensor, key: torch.Tensor, index: int
+              ) -> torch.Tensor:
+    """x's gradient; the member's weight gradient goes into the bundle's message."""
+    bundle = _BUNDLES[int(key)]
+    weight = bundle.backward_weight(index).to(grad_y.dtype)
+    grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(
+        grad_y.dtype)
+    bundle.add_grad(index, grad_w.to(bundle.members[index][0].dtype))
+    return grad_y @ weight
+
+
+@_backward.register_fake
+def _(grad_y, x, key, index):
+    return grad_y.new_empty(*grad_y.shape[:-1], x.shape[-1])
+
+
+def _save(ctx, inputs, output) -> None:
+    x, _, key, ctx.index, _, _ = inputs
+    ctx.save_for_backward(x, key)
+
+
+def _grads(ctx, grad_y):
+    x, key = ctx.saved_tensors
+    # the shard's gradient was added by the bundle
+    return _backward(grad_y, x, key, ctx.index), None, None, None, None, None
+
+
+torch.library.register_autograd("gtp::bundled_linear", _grads, setup_context=_save)
+
+
+@torch.compiler.disable
+def _forward_eagerly(*args) -> torch.Tensor:
+    return _forward(*args)
+
+
+def bundled_linear(x: torch.Tensor, shard: torch.Tensor, key: torch.Tensor, index: int,
+                   rows: int) -> torch.Tensor:
+    """x @ W^T for member `index` (TP-local `rows`) of the bundle named by `key`."""
+    # Autograd runs the backward only under grad mode with an input that needs a gradient.
     needs_grad = torch.is_grad_enabled() and (x.requires_grad or shard.requires_grad)
-    return _BundledLinear.apply(x, shard, bundle, index, needs_grad)
+    x = autocast_input(x)  # saved for backward in the matmul's dtype
+    if needs_grad and not x.requires_grad and torch.compiler.is_compiling():
+        # A compiled backward would drop an operator whose output (x's gradient) nobody
+        # uses, and the bundle would never get this use's gradient: run this one eagerly.
+        return _forward_eagerly(x, shard, key, index, rows, needs_grad)
+    return _forward(x, shard, key, index, rows, needs_grad)
 
 
 def bundle_blocks(build: Build) -> None:

@@ -173,6 +173,10 @@ class ParallelModel(nn.Module):
         self.wait_grad_reduces()
         # A gathered weight kept past the step would be stale after the update.
         assert not any(b.live_gathers() for b in self.bundles), "gathered weights outlived use"
+        owed = sum(b.uses_owed() for b in self.bundles)
+        if owed:  # the step would update with part of its gradients
+            raise RuntimeError(f"{owed} bundled linear use(s) of this step's forward got no "
+                               f"backward: their weight gradients were never reduced")
 
     def reduce_replicated_grads(self) -> None:
         """Coalesced: one all-reduce per group for all small tensors."""

@@ -70,10 +70,12 @@ class ParallelLinear(nn.Module):
         self.weight = _shard_of(full.weight, self, (shard_rows(self.rows, gtp), local_cols))
         self.bundle: ShardBundle | None = None  # set by join_bundle
         self.bundle_index = -1
+        self.bundle_key: torch.Tensor | None = None  # the bundle's, read by its operators
 
     def join_bundle(self, bundle: ShardBundle) -> None:
         """Gather and reduce-scatter together with the bundle's other layers."""
         self.bundle, self.bundle_index = bundle, bundle.add(self.weight, self.rows)
+        self.bundle_key = bundle.key
 
     def full_weight(self) -> torch.Tensor:
         """The single-device weight (collective over gtp_remat and tp)."""
@@ -89,8 +91,8 @@ class ParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.style == "column":
             x = gather_along(x, self.tp, SEQ_DIM) if self.sequence_parallel else copy_to(x, self.tp)
-        if self.bundle is not None:
-            y = bundled_linear(x, self.weight, self.bundle, self.bundle_index)
+        if self.bundle_key is not None:  # (not the bundle: compiled, each would be a guard)
+            y = bundled_linear(x, self.weight, self.bundle_key, self.bundle_index, self.rows)
         else:
             y = sharded_linear(x, self.weight, self.gtp, self.rows, self.dtypes)
         if self.style == "row":

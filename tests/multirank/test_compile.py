@@ -9,7 +9,8 @@ float work, so fp32 agrees to rounding, not bit for bit.
 
 No recompile: every rank has compiled the same number of graphs after the first step as after
 the last. Graph breaks: only where the block communicates (parallel.comm's collectives kept
-eager, and a GTP_remat bundle's linear, which gathers); any other break in our code fails.
+eager); a GTP_remat bundle's linear is an operator the graph calls, so weight shards alone
+leave one graph, which every block runs (the ws2 case); any other break in our code fails.
 
 The ranks share one inductor cache (a graph compiled by one case is found by the next), as the
 run folder's compile_cache does across a resume.
@@ -51,9 +52,9 @@ CASES = {
     "pp2": (2, dict(pipeline_model_parallel_size=2), COMPILED, 4),
 }
 # Where a compiled block may break its graph: a collective or waiting for one (parallel.comm's
-# Group and Pending, kept eager), or a GTP_remat bundle's linear (its
-# torch._C._current_graph_task_id() tells a recompute from a forward).
-COLLECTIVES, BUNDLE = ("Group.", "Pending."), "_current_graph_task_id"
+# Group and Pending, kept eager). A GTP_remat bundle's linear is a torch.library operator,
+# so it does not break one.
+COLLECTIVES = ("Group.", "Pending.")
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +78,12 @@ def compiled_rank(rank, layout, batches, dtype, options, model=TINY) -> dict:
     return result | {"breaks": set(graph_breaks())}
 
 
-# A mixture of experts' routing also breaks where shapes follow the data (tokens per expert).
-ROUTING_BREAKS = frozenset({"Dynamic shape operator", "Data dependent operator",
-                            "Unsupported Tensor.item() call with capture_scalar_outputs=False"})
+# A mixture of experts also breaks where its routing is recorded (once a micro-batch, in
+# backward: Python state, so that a recomputed forward is not counted twice), and, under expert
+# parallelism, where the dispatch's all-to-all needs each rank's row counts on the host
+# (parallel.experts: the shapes that follow are the data's).
+ROUTING_BREAKS = frozenset({"HOP: Unsafe side effect", "Dynamic shape operator",
+                            "Data dependent operator"})
 
 
 def assert_compiled_once(results: list[dict], also: frozenset[str] = frozenset()) -> None:
@@ -87,7 +91,7 @@ def assert_compiled_once(results: list[dict], also: frozenset[str] = frozenset()
         assert result["graphs"][0] > 0  # the blocks really compiled
         assert result["graphs"][-1] == result["graphs"][0], result["graphs"]  # no recompile
         unexpected = {b for b in result["breaks"]
-                      if not b.startswith(COLLECTIVES) and b != BUNDLE and b not in also}
+                      if not b.startswith(COLLECTIVES) and b not in also}
         assert not unexpected, unexpected
 
 
@@ -99,6 +103,8 @@ def test_compiled_blocks_match_one_process(name, references):
     results = run_ranks(world, compiled_rank, layout, batches, torch.float32, options,
                         timeout=300)
     assert_compiled_once(results)
+    if name == "ws2_full_recompute":  # nothing in the block communicates but the bundle
+        assert all(r["graphs"][0] == 1 and not r["breaks"] for r in results), results
     assert_parity(results, ref, torch.float32, f"{name} compiled (world {world})")
 
 
