@@ -45,8 +45,10 @@ class Routed:
     """What one micro-batch's forward through a router decided, as its backward records it."""
 
     counts: torch.Tensor  # [E] tokens routed to each expert, over the whole micro-batch
-    loss: float  # this rank's part of the balance losses (summed over ranks: the loss)
-    dropped: float = 0.0  # (token, expert) pairs beyond their expert's capacity, micro-batch's
+    # Tensors, read by the step when it logs (a number read here would stop the device, and
+    # end a compiled graph, once a micro-batch):
+    loss: torch.Tensor  # this rank's part of the balance losses (summed over ranks: the loss)
+    dropped: torch.Tensor  # (token, expert) pairs beyond their expert's capacity, micro-batch's
 
 
 class Router(nn.Module):
@@ -66,6 +68,7 @@ class Router(nn.Module):
                              if cfg.moe_router_enable_expert_bias else None)
         # Pairs an expert may run at most of a micro-batch's tokens (None: dropless)
         self.capacity = cfg.expert_capacity
+        self.dropless = cfg.moe_expert_capacity_factor is None
         self.token_sum: Sum = _unchanged
         self.sequence_sum: Sum = _unchanged
         self.loss_scale = 1.0
@@ -83,12 +86,14 @@ class Router(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             logits = F.linear(x.reshape(b * s, -1).to(dtype), self.weight.to(dtype))
         weights, experts = self._route(logits)
-        counts = torch.bincount(experts.reshape(-1), minlength=self.experts)
+        counts = expert_counts(experts.reshape(-1), self.experts)
         # One collective for the micro-batch's counts and its tokens, summed over the ranks.
         totals = self.token_sum(torch.cat([counts, counts.new_tensor([b * s])]).double())
         counts, tokens = totals[:-1], totals[-1]
         loss = self._balance_loss(logits, experts, counts, tokens, b, s)
-        keep, dropped, limit = None, totals.new_zeros(()), self.capacity(float(tokens))
+        keep, dropped = None, totals.new_zeros(())
+        # dropless needs no token count on the host (reading one would end a compiled graph)
+        limit = None if self.dropless else self.capacity(float(tokens))
         if limit is not None:
             keep, dropped = keep_within_capacity(weights, experts, counts, limit, self.token_sum)
         return weights, experts, loss, counts, keep, dropped
@@ -150,8 +155,9 @@ class _RecordRouting(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: torch.Tensor, loss: torch.Tensor, router: Router,
                 counts: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
-        ctx.router, ctx.routed = router, Routed(counts, float(loss), float(dropped))
-        ctx.scale, ctx.loss_meta = router.loss_scale, (loss.dtype, loss.device)
+        ctx.router, ctx.scale = router, router.loss_scale
+        ctx.routed = Routed(counts, loss.detach(), dropped)
+        ctx.loss_meta = (loss.dtype, loss.device)
         return out.view_as(out)
 
     @staticmethod
@@ -182,7 +188,7 @@ class Experts(nn.Module):
         else:
             pairs = keep.reshape(-1).nonzero().squeeze(1)
             order = pairs[chosen[pairs].argsort(stable=True)]
-        counts = torch.bincount(chosen[order], minlength=self.num_experts)
+        counts = expert_counts(chosen[order], self.num_experts)
         tokens = order // k
         dtype = (torch.get_autocast_dtype(x.device.type)
                  if torch.is_autocast_enabled(x.device.type) else x.dtype)
@@ -204,6 +210,12 @@ Dispatch = Callable[[torch.Tensor, torch.Tensor, Callable], torch.Tensor]
 
 def _here(rows: torch.Tensor, counts: torch.Tensor, run: Callable) -> torch.Tensor:
     return run(rows, counts)  # every expert on this device
+
+
+def expert_counts(chosen: torch.Tensor, experts: int) -> torch.Tensor:
+    """How many of `chosen` (expert indices) go to each expert: bincount's answer with a shape
+    known in advance (bincount's depends on the largest index, so compiling breaks there)."""
+    return chosen.new_zeros(experts).index_add_(0, chosen, torch.ones_like(chosen))
 
 
 def grouped(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

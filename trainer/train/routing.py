@@ -66,8 +66,8 @@ def finish(model: nn.Module, groups: Groups, stages: Group | None = None,
     losses, imbalance, dropped, pairs = [], {}, 0.0, 0.0
     for name, router in found:
         counts = torch.stack([r.counts for r in router.records]).sum(0)
-        losses.append(sum(r.loss for r in router.records) * router.loss_scale)
-        dropped += sum(r.dropped for r in router.records)  # the micro-batches' (global)
+        losses.append(sum(float(r.loss) for r in router.records) * router.loss_scale)
+        dropped += sum(float(r.dropped) for r in router.records)  # the micro-batches' (global)
         pairs += float(counts.sum())
         imbalance[_block(name)] = float(counts.max() / counts.mean())
         if router.expert_bias is not None:
