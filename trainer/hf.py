@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -52,6 +53,9 @@ def main(argv: list[str] | None = None) -> None:
     from trainer.checkpoint.hf import copy_tokenizer, export_hf, import_hf, read_model_config
     from trainer.checkpoint.integrity import resolve
 
+    def progress(line: str) -> None:  # beside the result lines, which go to stdout
+        print(line, file=sys.stderr, flush=True)
+
     try:
         if args.command == "standin":
             from trainer.checkpoint.hf_standin import write_standin
@@ -60,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"wrote {args.hf_dir} (a random Llama, vocabulary {vocab}, with a ChatML "
                   f"tokenizer) and {args.chats} (chats)")
         elif args.command == "import":
-            model = import_hf(args.hf_dir, args.out_dir)
+            model = import_hf(args.hf_dir, args.out_dir, say=progress)
             print(f"wrote {args.out_dir}: a weights-only checkpoint of {model.num_layers} layers "
                   f"x hidden {model.hidden_size} (vocabulary {model.vocab_size}) and model.yaml."
                   f"\n  fine-tune: python launch.py --config-dir {args.out_dir} model=../model "
@@ -69,7 +73,7 @@ def main(argv: list[str] | None = None) -> None:
             ckpt = resolve(args.ckpt_dir, print, key="CKPT_DIR")
             model = read_model_config(ckpt, args.model)
             files = export_hf(ckpt, args.hf_dir, model, getattr(torch, args.dtype),
-                              max(int(args.max_shard_gb * 2**30), 1))
+                              max(int(args.max_shard_gb * 2**30), 1), say=progress)
             kept = copy_tokenizer(ckpt, args.hf_dir)
             print(f"wrote {args.hf_dir}: config.json and {len(files)} safetensors file(s) from "
                   f"{ckpt}{f', and the tokenizer of {kept}' if kept else ''}")

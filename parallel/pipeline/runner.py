@@ -60,6 +60,9 @@ class PipelineRunner:
         # Seconds of the last run: all of it, and computing (forwards, loss, backwards; not
         # waiting for messages). 1 - busy / total is the bubble this stage saw.
         self.run_s = self.busy_s = 0.0
+        # Told (actions done, actions of the run, the action) after each action, where set
+        # (the measured dry run's progress lines).
+        self.progress: Callable[[int, int, Action], None] | None = None
 
     def run(self, inputs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
             last: LastStage, train: bool = True) -> None:
@@ -85,6 +88,8 @@ class PipelineRunner:
             else:
                 self._backward(action, flight)
             flight.sends = [s for s in flight.sends if not s.completed()]  # let buffers go
+            if self.progress is not None:
+                self.progress(i + 1, len(actions), action)
         for send in flight.sends:
             send.wait()
         self.run_s = time.perf_counter() - started

@@ -1,6 +1,7 @@
 """Every experiment preset dry-runs (in process, through launch.settle like a real run)."""
 from __future__ import annotations
 
+import builtins
 import json
 
 import pytest
@@ -40,3 +41,57 @@ def test_seed_presets_give_the_seed_numbers():
     big = settle(compose_config("experiment=seed_128rank_cp2")).layout
     assert (big.world_size, big.data_parallel_size, big.batch_parallel_size,
             big.runtime_context_parallel_size, big.num_weight_replicas) == (128, 1, 1, 128, 2)
+
+
+def test_the_measured_dry_run_says_its_plan_first_and_then_what_it_measures(tmp_path, capsys,
+                                                                            monkeypatch):
+    """The plan is printed and layout.json written before the measurement starts (a person sees
+    it at once, a killed run leaves it); then a line per phase: the build, the first forward's
+    pace with the time the whole measurement takes, the passes, the update, the measured table,
+    and layout.json again with "measured"."""
+    spec = settle(compose_config("cluster.procs_per_node=2",
+                                 "parallel.tensor_parallel_num_weight_shards=2", "dry_run=true",
+                                 "dry_run_rank=1", "train.precision=fp32"))
+    written = []
+    real_print = print
+
+    def watching_print(*args, **kwargs):  # whether layout.json exists as measuring begins
+        if args and str(args[0]).startswith("measuring rank"):
+            written.append((tmp_path / "layout.json").exists())
+        real_print(*args, **kwargs)
+
+    monkeypatch.setattr(builtins, "print", watching_print)
+    record = dry_run(spec, tmp_path)
+    monkeypatch.undo()
+    out = capsys.readouterr().out
+    order = ["gtp-trainer dry run", f"wrote {tmp_path / 'layout.json'}\n",
+             "measuring rank 1 of a simulated world of 2 on cpu: building its engine",
+             "  built in ", "  step 1: the first forward took ", "  step 1: 2/2 passes done",
+             "  step 1: optimizer update", "  step 2 (counted by the allocator): optimizer update",
+             "measured (rank 1 of a simulated world of 2, cpu)",
+             f"wrote {tmp_path / 'layout.json'} (with what was measured)"]
+    places = [out.find(text) for text in order]
+    assert -1 not in places and places == sorted(places), list(zip(order, places))
+    assert written == [True]
+    assert json.loads((tmp_path / "layout.json").read_text())["measured"] == record["measured"]
+
+
+def test_a_slow_measured_step_is_announced_with_the_fix(monkeypatch):
+    """The README's measured example on a CPU whose bf16 matrix products run at 4 GFLOP/s and
+    fp32 at 100 (as on the machine the issue was found on; this one's AMX runs bf16 at ~700):
+    one line with the rate, at least how long, and the fp32 fix. In fp32 at that rate, or
+    small, nothing is said."""
+    from trainer.config import Precision
+    from trainer.report import measure
+
+    rates = {Precision.bf16: 4e9, Precision.fp32: 1e11}
+    monkeypatch.setattr(measure, "matmul_flops", lambda precision: rates[precision])
+    example = ["experiment=seed_128rank_cp2", "model.num_layers=2", "train.seq_length=8192"]
+    line = measure.slow_step_warning(settle(compose_config(*example)))
+    assert line is not None and line.startswith(
+        "bf16 matrix products run at 4.0 GFLOP/s on this CPU: measuring this rank's step "
+        "(twice on CPU) will take at least "), line
+    assert "; train.precision=fp32 measures the same sizes in about " in line
+    assert measure.slow_step_warning(settle(compose_config(*example, "train.precision=fp32",
+                                                           "train.seq_length=2048"))) is None
+    assert measure.slow_step_warning(settle(compose_config("model=tiny"))) is None

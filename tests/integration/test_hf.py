@@ -121,12 +121,16 @@ def test_import_matches_transformers_and_export_is_bit_exact(name, tmp_path):
     theirs = hf_model(name, tmp_path / "hf")
     if MODELS[name][1]:
         assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
-    cli("-m", "trainer.hf", "import", str(tmp_path / "hf"), str(tmp_path / "ours"))
+    imported = cli("-m", "trainer.hf", "import", str(tmp_path / "hf"), str(tmp_path / "ours"))
     model = ModelConfig(**yaml.safe_load((tmp_path / "ours" / "model.yaml").read_text()))
     assert model.vocab_size == theirs.config.vocab_size
     assert model.query_groups == theirs.config.num_key_value_heads
     assert model.use_rope_scaling == (theirs.config.rope_parameters["rope_type"] == "llama3")
     ours = our_model(tmp_path / "ours", model)
+    # It said what it copies (every fp32 parameter, padded vocabulary included) and how far.
+    weights = sum(p.numel() for p in ours.parameters()) * 4 / 2**20
+    assert f"(fp32): {weights:.1f} MiB of weights" in imported.stderr, imported.stderr
+    assert " 100% (" in imported.stderr
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, model.vocab_size, (2, 1024), generator=gen)  # positions to 1023
     with torch.no_grad():
@@ -157,8 +161,10 @@ def test_import_matches_transformers_and_export_is_bit_exact(name, tmp_path):
         print(f"{name}: with layer 0's q_norm weights reversed: {off:.2e}")
         assert off > 100 * TOLERANCE
 
-    cli("-m", "trainer.hf", "export", str(tmp_path / "ours"), str(tmp_path / "back"),
-        "--model", str(tmp_path / "ours" / "model.yaml"))
+    exported = cli("-m", "trainer.hf", "export", str(tmp_path / "ours"), str(tmp_path / "back"),
+                   "--model", str(tmp_path / "ours" / "model.yaml"))
+    assert f"(float32): {weights:.1f} MiB of weights" in exported.stderr, exported.stderr
+    assert " 100% (" in exported.stderr
     before = {k: v for file in (tmp_path / "hf").glob("*.safetensors")
               for k, v in load_file(file).items()}
     after = load_file(tmp_path / "back" / "model.safetensors")

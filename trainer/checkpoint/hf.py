@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import shutil
+import time
 import uuid
 import warnings
 from dataclasses import asdict, fields
@@ -46,9 +47,38 @@ FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names of what we im
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
-def import_hf(hf_dir: Path, out_dir: Path) -> ModelConfig:
+class Paced:
+    """Progress of a copy whose total is known: a line when it starts, then at most one every
+    `every` seconds with the share done and the time left at this pace, and one at the end."""
+
+    def __init__(self, what: str, total_bytes: int, say: Callable[[str], None] | None,
+                 every: float = 2.0):
+        self.what, self.total, self.say, self.every = what, max(total_bytes, 1), say, every
+        self.done, self.started = 0, time.perf_counter()
+        self.said = self.started
+        if say is not None:
+            say(f"{what}: {_size(total_bytes)} of weights")
+
+    def advance(self, nbytes: int) -> None:
+        self.done += nbytes
+        now = time.perf_counter()
+        if self.say is None or (now - self.said < self.every and self.done < self.total):
+            return
+        self.said, elapsed, share = now, now - self.started, self.done / self.total
+        left = elapsed / share * (1 - share)
+        self.say(f"  {share:4.0%} ({_size(self.done)}) in {elapsed:.0f} s, "
+                 f"{int(left) // 60}m{int(left) % 60:02d}s left")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def import_hf(hf_dir: Path, out_dir: Path, say: Callable[[str], None] | None = None
+              ) -> ModelConfig:
     """HF_DIR (config.json + safetensors) -> OUT_DIR: a weights-only DCP checkpoint in fp32
-    (the trainer's master weights) and model.yaml."""
+    (the trainer's master weights) and model.yaml. say: told the progress (python -m
+    trainer.hf prints it)."""
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} does not exist. Fix: point at a Hugging Face "
@@ -57,11 +87,14 @@ def import_hf(hf_dir: Path, out_dir: Path) -> ModelConfig:
                                        "save_pretrained wrote for the model"), config_path)
     reader, shapes, parts = SafetensorsReader(hf_dir), parameter_shapes(model), hf_parts(model)
     _check_weights(reader, model, shapes, parts, config_path)
+    paced = Paced(f"importing {hf_dir} into {out_dir} (fp32)",
+                  sum(4 * torch.Size(shape).numel() for shape in shapes.values()), say)
 
     def value(name: str) -> torch.Tensor:  # asked by DCP one tensor at a time, while writing
         pieces = [reader.get(hf_name).to(torch.float32) for hf_name, _ in parts[name]]
         full = torch.zeros(shapes[name], dtype=torch.float32)  # padding rows stay zero
         torch.cat(pieces, out=_rows(full)[:sum(rows for _, rows in parts[name])])
+        paced.advance(full.nbytes)
         return full
 
     with _new_folder(out_dir) as tmp:
@@ -235,20 +268,25 @@ def copy_tokenizer(ckpt: Path, hf_dir: Path) -> Path | None:
 
 
 def export_hf(ckpt: Path, hf_dir: Path, model: ModelConfig, dtype: torch.dtype = torch.float32,
-              max_shard_bytes: int = 5 * 2**30) -> list[Path]:
+              max_shard_bytes: int = 5 * 2**30, say: Callable[[str], None] | None = None
+              ) -> list[Path]:
     """A checkpoint (any layout wrote it) -> HF_DIR with config.json and safetensors that
     transformers loads (the family: hf_families.architecture_of); one tensor in memory at a
-    time."""
+    time. say: told the progress."""
     shapes, parts = parameter_shapes(model), hf_parts(model)
     hf_config(model, dtype)  # a router no family has is refused before anything is written
     specs = [(hf_name, (rows, *shapes[name][1:][-1:]))
              for name in parts for hf_name, rows in parts[name]]
+
+    paced = Paced(f"exporting {ckpt} to {hf_dir} ({str(dtype).removeprefix('torch.')})",
+                  sum(4 * torch.Size(shapes[name]).numel() for name in parts), say)
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for name, pieces in parts.items():
             full = torch.empty(shapes[name], dtype=torch.float32)
             with one_process():
                 dcp.load({f"model.{name}": full}, checkpoint_id=ckpt, no_dist=True)
+            paced.advance(full.nbytes)
             yield from zip((n for n, _ in pieces),
                            _rows(full)[:sum(r for _, r in pieces)].split([r for _, r in pieces]))
 

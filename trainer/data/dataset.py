@@ -97,6 +97,9 @@ def prepare(sources: list[Path] | Path, out_dir: Path, valid_fraction: float,
     tmp.mkdir()
     try:
         if train_vocab_size is not None:
+            if progress:
+                print(f"training a byte-level BPE of {train_vocab_size:,} tokens on "
+                      f"{len(files)} file(s)", file=sys.stderr, flush=True)
             texts = (d.value for d in Reader(files, json_key) if d.value)
             tok: Tokenizer = HFTokenizer.train(texts, train_vocab_size, tmp / "tokenizer.json",
                                                eod_token)
@@ -145,7 +148,10 @@ def write_dataset(reader: Reader, folder: Path, tok: Tokenizer, valid_fraction: 
     dtype_name = token_dtype(tok.vocab_size)
     sha, mask_sha, doc_starts, num_tokens = hashlib.sha256(), hashlib.sha256(), [], 0
     started, counted = time.perf_counter(), 0
-    progress = progress and reader.total >= PROGRESS_BYTES
+    if progress:
+        print(f"tokenizing {len(reader.files)} file(s), {reader.total / 2**20:,.1f} MiB, with "
+              f"{tok.name}", file=sys.stderr, flush=True)
+    progress = progress and reader.total >= PROGRESS_BYTES  # then a line as it goes
     masks = open(folder / LOSS_MASK, "wb") if chat else None
     with open(folder / "tokens.bin", "wb") as f:
         for batch in _batches(reader):

@@ -227,17 +227,24 @@ def format_measured(measured: dict[str, Any], planned: dict[str, int]) -> str:
 
 
 def dry_run(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
+    """The plan, printed and written to layout.json at once; with dry_run_rank, then that
+    rank measured (saying what it does as it goes), beside the plan, and layout.json again."""
     record = layout_record(spec)
-    report = format_report(spec, record)
-    rank = spec.config.dry_run_rank
-    if rank is not None:
-        from trainer.report.measure import measure_rank  # torch, only when asked
-
-        record["measured"] = measure_rank(spec, rank)
-        stage = spec.layout.coords(rank).pp
-        report += format_measured(record["measured"], record["memory"]["per_stage"][stage])
-    print(report, flush=True)
+    print(format_report(spec, record), flush=True)
     for warning in record["warnings"]:
         log.warning(warning)
-    print(f"\nwrote {write_layout_json(record, run_dir)}")
+    print(f"\nwrote {write_layout_json(record, run_dir)}", flush=True)
+    rank = spec.config.dry_run_rank
+    if rank is not None:
+        from trainer.report.measure import measure_rank, slow_step_warning  # torch, if asked
+
+        print("", flush=True)
+        slow = slow_step_warning(spec)
+        if slow is not None:
+            log.warning(slow)
+        record["measured"] = measure_rank(spec, rank, say=lambda line: print(line, flush=True))
+        stage = spec.layout.coords(rank).pp
+        print(format_measured(record["measured"], record["memory"]["per_stage"][stage]),
+              flush=True)
+        print(f"\nwrote {write_layout_json(record, run_dir)} (with what was measured)")
     return record

@@ -19,24 +19,31 @@ transients of its micro-batches and of its optimizer update, beside the plan's t
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch._dynamo  # noqa: F401  (see measure_rank: imported before the baseline)
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from parallel.pipeline.schedules import FORWARD, Action
 from trainer.compose.runspec import RunSpec
+from trainer.config import Precision
 from trainer.data.batch import rank_micro_batches
+from trainer.plan.cost import estimate
+from trainer.plan.hardware import Hardware
 from trainer.plan.options import EngineOptions
 from trainer.report.allocations import Allocations
 from trainer.train.engine import Engine, build_engine
 from trainer.train.step import train_step
 
 _STATUS = Path("/proc/self/status")
+SLOW_STEP_S = 60.0  # a measured step estimated to take longer is announced, with the fix
+Say = Callable[[str], None]
 
 
 @dataclass
@@ -92,9 +99,10 @@ def state_bytes(engine: Engine) -> int:
     return total
 
 
-def measure_rank(spec: RunSpec, rank: int, step: bool = True) -> dict[str, Any]:
+def measure_rank(spec: RunSpec, rank: int, step: bool = True,
+                 say: Say = lambda line: None) -> dict[str, Any]:
     """Build rank `rank`'s engine against a simulated world and run one training step (with
-    step=False: the build only)."""
+    step=False: the build only). say: told a line as each part begins and as the step goes."""
     config, layout = spec.config, spec.layout
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=layout.world_size)
@@ -110,17 +118,24 @@ def measure_rank(spec: RunSpec, rank: int, step: bool = True) -> dict[str, Any]:
         if device.type == "cpu":
             peak.fix_mmap_threshold()
         peak.reset()
+        say(f"measuring rank {rank} of a simulated world of {layout.world_size} on "
+            f"{device.type}: building its engine")
         start = time.perf_counter()
         engine = build_engine(config.model, config.optim, config.train.seed, layout,
                               device, EngineOptions.from_config(config))
         build_s = time.perf_counter() - start
         figures = {"rank": rank, "world_size": layout.world_size, "device": device.type,
                    "build_s": round(build_s, 3), "build_peak_bytes": peak.above_baseline()}
+        say(f"  built in {build_s:.1f} s ({figures['build_peak_bytes'] / 2**30:.3f} GiB above "
+            f"the start)")
         if not step:
             return figures
         start = time.perf_counter()
         engine.model.runner.measure = True  # the activations the schedule keeps at once
-        train_step(engine.model, engine.optimizer, micro_batches, spec.schedule.lr(0))
+        steps = 2 if device.type == "cpu" else 1  # on CPU the allocator counts a second
+        engine.model.runner.progress = _Progress("step 1", say, steps)
+        train_step(engine.model, engine.optimizer, micro_batches, spec.schedule.lr(0),
+                   engine.model.runner.progress.mark)
         figures.update(step_s=round(time.perf_counter() - start, 3),
                        step_peak_bytes=peak.above_baseline(), state_bytes=state_bytes(engine),
                        activation_bytes=engine.model.runner.peak_saved_bytes,
@@ -129,11 +144,88 @@ def measure_rank(spec: RunSpec, rank: int, step: bool = True) -> dict[str, Any]:
         if device.type == "cpu":
             # A second step counted by the allocator, above the state the first one made (the
             # profiler's own buffers would show in the first step's resident memory).
+            progress = engine.model.runner.progress = _Progress(
+                "step 2 (counted by the allocator)", say)
             with Allocations() as counted:
                 train_step(engine.model, engine.optimizer, micro_batches, spec.schedule.lr(1),
-                           counted.mark)
+                           lambda phase: (counted.mark(phase), progress.mark(phase)))
             figures.update(step_transient_bytes=counted.phase("micro_batches").transient_bytes,
                            update_transient_bytes=counted.phase("update").transient_bytes)
         return figures
     finally:
         dist.destroy_process_group()
+
+
+class _Progress:
+    """A step's progress lines: each forward or backward of the schedule, at most one a second
+    (and the last), then the optimizer update."""
+
+    def __init__(self, step: str, say: Say, steps: int = 1):
+        self.step, self.say, self.steps = step, say, steps
+        self.started = self.said = time.perf_counter()
+
+    def __call__(self, done: int, total: int, action: Action) -> None:
+        now = time.perf_counter()
+        if done == 1 and action.kind == FORWARD:  # a backward costs about two forwards
+            left = (now - self.started) * 3 * (total // 2) * self.steps
+            self.say(f"  {self.step}: the first forward took {now - self.started:.1f} s: at "
+                     f"this pace the measurement takes about {_duration(left)} in all")
+        if done == total or now - self.said >= 1.0:
+            self.said = now
+            kind = "forward" if action.kind == FORWARD else "backward"
+            self.say(f"  {self.step}: {done}/{total} passes done ({kind} of micro-batch "
+                     f"{action.microbatch + 1}, chunk {action.chunk}), "
+                     f"{now - self.started:.1f} s")
+
+    def mark(self, phase: str) -> None:
+        if phase == "update":
+            self.say(f"  {self.step}: optimizer update, "
+                     f"{time.perf_counter() - self.started:.1f} s")
+
+
+def matmul_flops(precision: Precision, seconds: float = 0.25) -> float:
+    """FLOP/s of this CPU's matrix products in the precision's dtype (timed for `seconds`)."""
+    dtype = torch.bfloat16 if precision is Precision.bf16 else torch.float32
+    a = torch.randn(512, 512).to(dtype)
+    a @ a  # first call: thread pool and kernel selection
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ a
+        count += 1
+    return 2 * 512**3 * count / (time.perf_counter() - start)
+
+
+def slow_step_warning(spec: RunSpec) -> str | None:
+    """One line when the measured dry run's steps will take more than SLOW_STEP_S on this CPU,
+    with the fix; None on GPU or when quick. A lower bound: the plan's model FLOPs of the
+    slowest stage at this CPU's measured matmul rate (copies and fills of gathered weights
+    come on top; the first forward's pace gives the real figure, _Progress)."""
+    if torch.cuda.is_available():
+        return None
+    config = spec.config
+    options = EngineOptions.from_config(config)
+    rates = {p: matmul_flops(p) for p in {options.precision, Precision.fp32}}
+
+    def steps_s(precision: Precision) -> float:
+        here = dataclasses.replace(  # this CPU: its measured rate, and every rank's to itself
+            Hardware.from_cluster(config.cluster), peak_bf16_tflops=rates[precision] / 1e12,
+            peak_fp32_tflops=rates[precision] / 1e12, compute_efficiency=1.0,
+            ranks_per_core=1.0)
+        chosen = dataclasses.replace(options, precision=precision)
+        return 2 * estimate(config.model, spec.layout, chosen, here).seconds["compute"]
+
+    took = steps_s(options.precision)
+    if took <= SLOW_STEP_S:
+        return None
+    name = options.precision.value
+    fix = (f"train.precision=fp32 measures the same sizes in about "
+           f"{_duration(steps_s(Precision.fp32))}" if options.precision is not Precision.fp32
+           else "fewer layers (model.num_layers) or a shorter train.seq_length measure a "
+                "smaller step")
+    return (f"{name} matrix products run at {rates[options.precision] / 1e9:.1f} GFLOP/s on "
+            f"this CPU: measuring this rank's step (twice on CPU) will take at least "
+            f"{_duration(took)}; {fix}")
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"
