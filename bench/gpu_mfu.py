@@ -18,6 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+import stamp  # noqa: E402  (bench/, beside this file)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
@@ -227,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         params = count_params(Transformer(cfg))
     flops_tok = flops_per_token(cfg, args.seq_length, params["non_embedding"])
     result = {
+        # its own file: a GPU's figures, stamped, never part of bench/run.py's results.json
+        "measured": stamp.now(), "commit": stamp.commit(), "machine": stamp.machine(),
         "device": name or "cpu", "torch": torch.__version__, "cpu_smoke": args.cpu_smoke,
         "model": {**vars(cfg), "params": params},
         "micro_batch_size": args.micro_batch_size, "seq_length": args.seq_length,

@@ -10,10 +10,7 @@ README.md. results.json is this one run's output: a figure that changes is measu
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,17 +37,8 @@ import overlap  # noqa: E402
 import pipeline  # noqa: E402
 import prepare_speed  # noqa: E402
 import soak  # noqa: E402
+import stamp  # noqa: E402
 import table  # noqa: E402
-
-
-def commit() -> str:
-    """HEAD's commit, marked when the working tree differs from it (then the figures are of
-    code that no commit holds)."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=HERE.parent, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    dirty = git("status", "--porcelain", "--untracked-files=no")
-    return git("rev-parse", "--short=12", "HEAD") + (" (with uncommitted changes)" if dirty else "")
 
 
 def sections(quick: bool) -> list[tuple[str, Callable[[dict], dict]]]:
@@ -101,7 +89,7 @@ def _clock(seconds: float) -> str:
 def run(quick: bool) -> dict:
     """Every section in turn, a line before each (its number, the time so far, and the time
     left by the last run of this mode's section times, where results.json has them)."""
-    started, at_start = time.perf_counter(), commit()  # the code the run starts with
+    started, at_start = time.perf_counter(), stamp.commit()  # the code the run starts with
     mode = "quick" if quick else "full"
     try:
         before = json.loads((HERE / "results.json").read_text())
@@ -120,12 +108,11 @@ def run(quick: bool) -> dict:
         figures.update(measure(figures))
         took[name] = round(time.perf_counter() - began, 1)
     return {
-        "measured": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": at_start + ("" if commit() == at_start else
-                              f" (the tree changed during the run: {commit()} at its end)"),
+        "measured": stamp.now(),
+        "commit": at_start + ("" if stamp.commit() == at_start else
+                              f" (the tree changed during the run: {stamp.commit()} at its end)"),
         "mode": mode,
-        "machine": f"{platform.machine()}, {platform.python_version()}, "
-                   f"{__import__('os').cpu_count()} CPUs",
+        "machine": stamp.machine(),
         "wall_s": round(time.perf_counter() - started, 1),
         "section_s": took,
         "figures": figures,
