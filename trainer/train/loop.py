@@ -133,6 +133,8 @@ class Trainer:
                       "empty_samples": result.empty_samples, **speed.as_dict(),
                       "comm_bytes": self.engine.groups.stats.by_op(),  # this rank, this step
                       **result.moe}
+            if not records:  # this start's first step
+                logger.first_step(state.step, time.perf_counter() - started)
             records.append({"step": state.step, **record})
             logger.log(state.step, record)
             if plan.eval_interval and (state.step % plan.eval_interval == 0 or last):

@@ -13,6 +13,7 @@ from typing import Any
 from trainer.config import LoggerConfig, LoggerName
 
 TENSORBOARD = "tensorboard"  # the run folder's event files
+SLOW_FIRST_STEP_S = 5.0  # a first step this slow, with progress lines far apart, is announced
 
 
 def _duration(seconds: float) -> str:
@@ -90,6 +91,19 @@ class MetricsLogger:
               f"mem {record['peak_memory_bytes'] / 2**30:.2f} GiB | "
               f"data {record['data_wait_share']:.1%} | left {_duration(left)}", flush=True)
         self._write({"step": step, **record})
+
+    def first_step(self, step: int, seconds: float) -> None:
+        """After this start's first step: when it was slow and the next progress line is more
+        than a step away, say when that line comes (a person would otherwise wait
+        log_interval steps on a silent console)."""
+        interval = self.cfg.log_interval
+        if not self.writer or seconds < SLOW_FIRST_STEP_S or step % interval == 0 \
+                or step == self.total_steps:
+            return
+        after = min(self.total_steps, step + interval - step % interval)
+        self.note(f"step {step} took {seconds:.1f} s; progress lines come every {interval} steps "
+                  f"(logger.log_interval), the next at step {after}, in about "
+                  f"{_duration(seconds * (after - step))} at this pace")
 
     def log_eval(self, step: int, record: dict[str, Any]) -> None:
         if not self.writer:
