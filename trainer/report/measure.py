@@ -160,13 +160,15 @@ class _Progress:
     """A step's progress lines: each forward or backward of the schedule, at most one a second
     (and the last), then the optimizer update."""
 
-    def __init__(self, step: str, say: Say, steps: int = 1):
+    def __init__(self, step: str, say: Say, steps: int = 0):
+        """steps: how many steps the measurement runs, for the time it takes in all (said
+        after the first forward of the first step; 0: not said)."""
         self.step, self.say, self.steps = step, say, steps
         self.started = self.said = time.perf_counter()
 
     def __call__(self, done: int, total: int, action: Action) -> None:
         now = time.perf_counter()
-        if done == 1 and action.kind == FORWARD:  # a backward costs about two forwards
+        if done == 1 and action.kind == FORWARD and self.steps:  # a backward: two forwards
             left = (now - self.started) * 3 * (total // 2) * self.steps
             self.say(f"  {self.step}: the first forward took {now - self.started:.1f} s: at "
                      f"this pace the measurement takes about {_duration(left)} in all")
