@@ -21,6 +21,8 @@ forward records nothing): Router.records, read and cleared by the step.
 """
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Callable
 
@@ -73,6 +75,8 @@ class Router(nn.Module):
         self.sequence_sum: Sum = _unchanged
         self.loss_scale = 1.0
         self.records: list[Routed] = []
+        self.key = torch.tensor(next(_ROUTER_KEYS), device="cpu")  # for _record_routing
+        _ROUTERS[int(self.key)] = self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """x [b, s, h] -> (weights [b*s, k], experts [b*s, k], this rank's part of the balance
@@ -146,6 +150,27 @@ class Router(nn.Module):
         return loss
 
 
+# key -> router, for the operator that records routing (weak: a dropped model's go with it)
+_ROUTERS: weakref.WeakValueDictionary[int, Router] = weakref.WeakValueDictionary()
+_ROUTER_KEYS = itertools.count()
+
+
+@torch.library.custom_op("gtp::record_routing", mutates_args=())
+def _record_routing(grad: torch.Tensor, key: torch.Tensor, counts: torch.Tensor,
+                    loss: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
+    """grad, unchanged (a copy: an operator's output is its own), and the micro-batch's routing
+    appended to its router's records. An operator, so that a compiled block calls it where
+    appending to a list would end its graph; copies, as a compiled graph may reuse its
+    inputs' memory."""
+    _ROUTERS[int(key)].records.append(Routed(counts.clone(), loss.clone(), dropped.clone()))
+    return grad.clone()
+
+
+@_record_routing.register_fake
+def _(grad, key, counts, loss, dropped):
+    return torch.empty_like(grad)
+
+
 class _RecordRouting(torch.autograd.Function):
     """The MoE's output, unchanged; in backward the balance losses get their gradient (their
     weight in the step, Router.loss_scale) at the router's place (Megatron's
@@ -155,14 +180,13 @@ class _RecordRouting(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out: torch.Tensor, loss: torch.Tensor, router: Router,
                 counts: torch.Tensor, dropped: torch.Tensor) -> torch.Tensor:
-        ctx.router, ctx.scale = router, router.loss_scale
-        ctx.routed = Routed(counts, loss.detach(), dropped)
-        ctx.loss_meta = (loss.dtype, loss.device)
+        ctx.scale, ctx.loss_meta = router.loss_scale, (loss.dtype, loss.device)
+        ctx.save_for_backward(router.key, counts, loss.detach(), dropped)
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        ctx.router.records.append(ctx.routed)
+        grad = _record_routing(grad, *ctx.saved_tensors)
         dtype, device = ctx.loss_meta
         return grad, torch.full((), ctx.scale, dtype=dtype, device=device), None, None, None
 

@@ -28,7 +28,11 @@ def token_groups(groups: Groups, sequence_parallel: bool) -> tuple[Group, ...]:
 
 
 def sum_over(over: tuple[Group, ...]):
-    """An all-reduce over the product of groups of different axes, one group after another."""
+    """An all-reduce over the product of groups of different axes, one group after another
+    (one of a single rank is nothing to do, and left out: compiled, each call of a collective
+    ends a graph, even one that returns at once)."""
+    over = tuple(group for group in over if group.size > 1)
+
     def total(tensor: torch.Tensor) -> torch.Tensor:
         for group in over:
             tensor = group.all_reduce(tensor)
