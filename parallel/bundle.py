@@ -300,9 +300,14 @@ def _grads(ctx, grad_y):
 torch.library.register_autograd("gtp::bundled_linear", _grads, setup_context=_save)
 
 
-@torch.compiler.disable
-def _forward_eagerly(*args) -> torch.Tensor:
-    return _forward(*args)
+_EAGER: dict[str, Callable] = {}  # the forward operator kept out of compiled graphs
+
+
+def compile_ready() -> None:
+    """Before blocks are compiled (trainer.train.compile): the forward operator's twin that a
+    compiled graph runs eagerly (bundled_linear's one case). Made here, not at import:
+    torch.compiler.disable imports dynamo, about a second of every rank's start."""
+    _EAGER.setdefault("forward", torch.compiler.disable(_forward))
 
 
 def bundled_linear(x: torch.Tensor, shard: torch.Tensor, key: torch.Tensor, index: int,
@@ -314,7 +319,10 @@ def bundled_linear(x: torch.Tensor, shard: torch.Tensor, key: torch.Tensor, inde
     if needs_grad and not x.requires_grad and torch.compiler.is_compiling():
         # A compiled backward would drop an operator whose output (x's gradient) nobody
         # uses, and the bundle would never get this use's gradient: run this one eagerly.
-        return _forward_eagerly(x, shard, key, index, rows, needs_grad)
+        if "forward" not in _EAGER:
+            raise RuntimeError("blocks with bundled linears compiled without "
+                               "parallel.bundle.compile_ready()")
+        return _EAGER["forward"](x, shard, key, index, rows, needs_grad)
     return _forward(x, shard, key, index, rows, needs_grad)
 
 

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from parallel.bundle import GradReduceQueue, ShardBundle, link
+from parallel.bundle import GradReduceQueue, ShardBundle, compile_ready, link
 from parallel.comm import CommStats, keep_collectives_eager
 from parallel.groups import build_groups
 from parallel.layout import Layout
@@ -80,6 +80,7 @@ def run_chain(rank: int, recompute: str | None, overlap: bool) -> dict:
             override_forward(block)
         if recompute == "compiled":
             keep_collectives_eager()
+            compile_ready()
             block.compile()
 
         def census(early=False, gather=bundle._gather):  # weight sets alive with the new one

@@ -23,6 +23,7 @@ from collections import Counter
 
 from torch import nn
 
+from parallel import bundle
 from parallel.comm import keep_collectives_eager
 from parallel.plan import ParallelPlan
 
@@ -31,6 +32,7 @@ def compile_blocks(model: nn.Module, plan: ParallelPlan, chunks: list[range]) ->
     """Compile each block this rank runs, in place. Compiling is lazy: the first forward pays
     for it."""
     keep_collectives_eager()
+    bundle.compile_ready()
     blocks = model.get_submodule(plan.blocks)
     for chunk in chunks:
         for index in chunk:
