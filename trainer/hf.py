@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -53,8 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     from trainer.checkpoint.hf import copy_tokenizer, export_hf, import_hf, read_model_config
     from trainer.checkpoint.integrity import resolve
 
-    def progress(line: str) -> None:  # beside the result lines, which go to stdout
-        print(line, file=sys.stderr, flush=True)
+    def progress(line: str) -> None:  # with the result lines: stderr is for errors
+        print(line, flush=True)
 
     try:
         if args.command == "standin":

@@ -129,8 +129,8 @@ def test_import_matches_transformers_and_export_is_bit_exact(name, tmp_path):
     ours = our_model(tmp_path / "ours", model)
     # It said what it copies (every fp32 parameter, padded vocabulary included) and how far.
     weights = sum(p.numel() for p in ours.parameters()) * 4 / 2**20
-    assert f"(fp32): {weights:.1f} MiB of weights" in imported.stderr, imported.stderr
-    assert " 100% (" in imported.stderr
+    assert f"(fp32): {weights:.1f} MiB of weights" in imported.stdout, imported.stdout
+    assert " 100% (" in imported.stdout
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, model.vocab_size, (2, 1024), generator=gen)  # positions to 1023
     with torch.no_grad():
@@ -163,8 +163,8 @@ def test_import_matches_transformers_and_export_is_bit_exact(name, tmp_path):
 
     exported = cli("-m", "trainer.hf", "export", str(tmp_path / "ours"), str(tmp_path / "back"),
                    "--model", str(tmp_path / "ours" / "model.yaml"))
-    assert f"(float32): {weights:.1f} MiB of weights" in exported.stderr, exported.stderr
-    assert " 100% (" in exported.stderr
+    assert f"(float32): {weights:.1f} MiB of weights" in exported.stdout, exported.stdout
+    assert " 100% (" in exported.stdout
     before = {k: v for file in (tmp_path / "hf").glob("*.safetensors")
               for k, v in load_file(file).items()}
     after = load_file(tmp_path / "back" / "model.safetensors")

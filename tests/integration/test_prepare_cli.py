@@ -76,9 +76,9 @@ def test_a_trained_vocabulary_smaller_than_asked_is_said(src, tmp_path):
     assert len(warning) == 1 and "--train-tokenizer 100000" in warning[0]
     assert f"supports only {vocab} tokens" in warning[0]
     assert f"(vocab {vocab}," in out.stdout
-    # It said what it does first: the tokenizer's training, then (after the warning) what it
-    # tokenizes.
-    said = out.stderr.splitlines()
+    # It said what it does first (on stdout, with the result): the tokenizer's training, then
+    # what it tokenizes.
+    said = out.stdout.splitlines()
     size = sum(f.stat().st_size for f in src.iterdir()) / 2**20
     assert said[0] == "training a byte-level BPE of 100,000 tokens on 3 file(s)", said
-    assert said[2].startswith(f"tokenizing 3 file(s), {size:,.1f} MiB, with "), said
+    assert said[1].startswith(f"tokenizing 3 file(s), {size:,.1f} MiB, with "), said

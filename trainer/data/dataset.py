@@ -99,7 +99,7 @@ def prepare(sources: list[Path] | Path, out_dir: Path, valid_fraction: float,
         if train_vocab_size is not None:
             if progress:
                 print(f"training a byte-level BPE of {train_vocab_size:,} tokens on "
-                      f"{len(files)} file(s)", file=sys.stderr, flush=True)
+                      f"{len(files)} file(s)", flush=True)
             texts = (d.value for d in Reader(files, json_key) if d.value)
             tok: Tokenizer = HFTokenizer.train(texts, train_vocab_size, tmp / "tokenizer.json",
                                                eod_token)
@@ -150,7 +150,7 @@ def write_dataset(reader: Reader, folder: Path, tok: Tokenizer, valid_fraction: 
     started, counted = time.perf_counter(), 0
     if progress:
         print(f"tokenizing {len(reader.files)} file(s), {reader.total / 2**20:,.1f} MiB, with "
-              f"{tok.name}", file=sys.stderr, flush=True)
+              f"{tok.name}", flush=True)  # stdout, with the result: stderr is for errors
     progress = progress and reader.total >= PROGRESS_BYTES  # then a line as it goes
     masks = open(folder / LOSS_MASK, "wb") if chat else None
     with open(folder / "tokens.bin", "wb") as f:
