@@ -39,7 +39,7 @@ def job_finetune(rank: int, spec, run_dir: Path) -> dict:
     trainer = Trainer(spec, run_dir, torch.device("cpu"))
     start = {"state": state_chunks(trainer.engine), "step": trainer.state.step,
              "optim_step": trainer.engine.optimizer.gather_moments().step}
-    return {**start, "records": trainer.run()}
+    return {**start, "records": trainer.run(keep_records=True)}
 
 
 @pytest.fixture(scope="module")

@@ -146,7 +146,7 @@ def assemble(results: list[dict]) -> dict[tuple[str, str], torch.Tensor]:
 
 def job_train_and_save(rank, spec, run_dir):
     trainer = Trainer(spec, run_dir, torch.device("cpu"))
-    records = trainer.run()  # saves at its last step
+    records = trainer.run(keep_records=True)  # saves at its last step
     return {"records": records, "state": state_chunks(trainer.engine)}
 
 
@@ -159,7 +159,7 @@ def job_load(rank, spec, path):
 
 
 def job_run(rank, spec, run_dir):
-    return Trainer(spec, run_dir, torch.device("cpu")).run()
+    return Trainer(spec, run_dir, torch.device("cpu")).run(keep_records=True)
 
 
 @pytest.mark.parametrize("change", list(CHANGES))

@@ -84,16 +84,17 @@ class Trainer:
                                     (self.state.consumed_samples, self.plan.train_samples))
         self.logger.forget_after(self.state.step)  # steps logged after the checkpoint run again
 
-    def run(self) -> list[dict[str, Any]]:
-        """Collective. Returns the records this rank computed (every rank computes the same).
-        Steps run until train.train_samples are consumed; the step counter only numbers them
-        (a resume under another global batch size continues both). A hang watch runs beside
-        (trainer.train.hangs)."""
+    def run(self, keep_records: bool = False) -> list[dict[str, Any]]:
+        """Collective. Steps run until train.train_samples are consumed; the step counter only
+        numbers them (a resume under another global batch size continues both). A hang watch
+        runs beside (trainer.train.hangs). keep_records: return every step's record as this
+        rank computed it (every rank computes the same), for tests; a run does not keep them,
+        as each holds ~1.6 KiB for the rest of the run (the soak's resident set grew by it)."""
         with HangWatch(self.engine.groups.stats, self.rank, self.layout.world_size,
                        self.run_dir, self.timeout_s):
-            return self._run()
+            return self._run(keep_records)
 
-    def _run(self) -> list[dict[str, Any]]:
+    def _run(self, keep_records: bool) -> list[dict[str, Any]]:
         plan, state, layout, logger = self.plan, self.state, self.layout, self.logger
         logger.note(f"{layout.world_size} rank(s), global batch {plan.global_batch_size} "
                     f"samples, {self.total_steps} steps from step {state.step} (samples "
@@ -101,7 +102,7 @@ class Trainer:
                     f"{self.schedule.describe()}")
         for line in self.train_stream.describe_packing():
             logger.note(line)
-        records = []
+        records, steps = [], 0  # steps: taken in this start
         if state.consumed_samples >= plan.train_samples:
             logger.note(f"nothing to train: the checkpoint has consumed {state.consumed_samples:,}"
                         f" of train.train_samples={plan.train_samples:,}")
@@ -133,13 +134,17 @@ class Trainer:
                       "empty_samples": result.empty_samples, **speed.as_dict(),
                       "comm_bytes": self.engine.groups.stats.by_op(),  # this rank, this step
                       **result.moe}
-            if not records:  # this start's first step
+            steps += 1
+            if steps == 1:
                 logger.first_step(state.step, time.perf_counter() - started)
-            records.append({"step": state.step, **record})
+            if keep_records:
+                records.append({"step": state.step, **record})
             logger.log(state.step, record)
             if plan.eval_interval and (state.step % plan.eval_interval == 0 or last):
-                records.append({"step": state.step, "eval_loss": self.evaluate()})
-                logger.log_eval(state.step, {"eval_loss": records[-1]["eval_loss"],
+                eval_loss = self.evaluate()
+                if keep_records:
+                    records.append({"step": state.step, "eval_loss": eval_loss})
+                logger.log_eval(state.step, {"eval_loss": eval_loss,
                                              "eval_samples": plan.eval_layout.global_batch_size})
                 if self.sampler is not None:
                     logger.log_samples(state.step,
@@ -152,9 +157,9 @@ class Trainer:
             if signum is not None:
                 self.stop(signum, saved)
         self.finish_saves()
-        if records:
+        if steps:
             self.report_memory()
-        if self.compiles and records:
+        if self.compiles and steps:
             logger.note(self.compiles.summary())
         logger.close()
         return records
@@ -211,9 +216,3 @@ class Trainer:
         micro_batches = rank_micro_batches(self.valid_stream, self.plan.eval_layout,
                                            self.rank, self.device, self.documents)
         return evaluate(self.engine.model, micro_batches)
-
-
-def train(spec: RunSpec, run_dir: Path, device: torch.device,
-          meta: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Collective: build this rank's trainer and run it."""
-    return Trainer(spec, run_dir, device, meta).run()
