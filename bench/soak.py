@@ -5,7 +5,8 @@ second. Then the same run with one rank killed (SIGKILL) mid-way under cluster.m
 
 - rss_growth: each rank's resident set at the end over its resident set after warm-up (the
   first checkpoint written: by then every buffer, the writer thread and its gloo group exist),
-  the worst rank. Goal < 1.02.
+  the worst rank. Goal < 1.02. worst_rank_rss_mib_by_step: that rank's resident set every 512
+  steps, to tell a leak (climbs to the end) from an allocator settling (flattens out).
 - fds_growth: open file descriptors at the end less after warm-up, the worst rank. Goal 0.
 - left_running: processes of the run alive once launch.py has exited (the ranks, and anything
   they started). Goal 0.
@@ -79,7 +80,8 @@ def soak(steps: int, kill_at: int | None = None) -> dict:
         ranks: dict[int, int] = {}  # rank -> pid, the newest start's
         warm: dict[int, tuple[int, int]] = {}
         last: dict[int, tuple[int, int]] = {}
-        state = {"warm": False, "restarted": False, "pids": set()}
+        by_step: dict[int, dict[int, int]] = {}  # logged step -> rank -> largest RSS since
+        state = {"warm": False, "restarted": False, "pids": set(), "step": 0}
 
         def sample() -> None:
             while process.poll() is None:
@@ -89,6 +91,8 @@ def soak(steps: int, kill_at: int | None = None) -> dict:
                         last[rank] = got
                         if state["warm"] and rank not in warm:
                             warm[rank] = got
+                        seen = by_step.setdefault(state["step"], {})
+                        seen[rank] = max(seen.get(rank, 0), got[0])
                 time.sleep(1.0)
 
         sampler = threading.Thread(target=sample, daemon=True)
@@ -105,6 +109,8 @@ def soak(steps: int, kill_at: int | None = None) -> dict:
             if line.startswith("saved ") and "in the background" in line:
                 state["warm"] = True  # the writer thread and its group exist
             step = re.match(r"step\s+(\d+)/", line)
+            if step:
+                state["step"] = int(step.group(1))
             if step and int(step.group(1)) % 1024 == 0:
                 print(f"  soak{'' if kill_at is None else ' with a kill'}: step "
                       f"{step.group(1)}/{steps} ({time.perf_counter() - began:.0f} s)", flush=True)
@@ -122,8 +128,15 @@ def soak(steps: int, kill_at: int | None = None) -> dict:
         logged = [m["step"] for m in metrics if "loss" in m]
         restarts = (run_dir / "restarts.jsonl").read_text().splitlines() \
             if (run_dir / "restarts.jsonl").exists() else []
+        worst = max(warm, key=lambda r: last[r][0] / warm[r][0])
         out = {"exit_code": code, "steps": steps, "seconds": round(seconds, 1),
-               "rss_growth": max(last[r][0] / warm[r][0] for r in warm),
+               "rss_growth": last[worst][0] / warm[worst][0],
+               # the worst rank's largest resident set between logged steps: a leak climbs
+               # to the end, an allocator that settles flattens out
+               "worst_rank": worst,
+               "worst_rank_rss_mib_by_step": {step: round(seen[worst] / 2**20, 1)
+                                              for step, seen in sorted(by_step.items())
+                                              if worst in seen and step % 512 == 0},
                "fds_growth": max(last[r][1] - warm[r][1] for r in warm),
                "rss_after_warmup_mib": {r: round(warm[r][0] / 2**20, 1) for r in sorted(warm)},
                "left_running": len(alive), "restarts": len(restarts),
