@@ -40,6 +40,8 @@ import soak  # noqa: E402
 import stamp  # noqa: E402
 import table  # noqa: E402
 
+from trainer.units import duration  # noqa: E402
+
 
 def sections(quick: bool) -> list[tuple[str, Callable[[dict], dict]]]:
     """The measurements in the order they run: (name, measure(figures so far) -> figures)."""
@@ -82,10 +84,6 @@ def sections(quick: bool) -> list[tuple[str, Callable[[dict], dict]]]:
     ]
 
 
-def _clock(seconds: float) -> str:
-    return f"{int(seconds) // 60}m{int(seconds) % 60:02d}s"
-
-
 def run(quick: bool) -> dict:
     """Every section in turn, a line before each (its number, the time so far, and the time
     left by the last run of this mode's section times, where results.json has them)."""
@@ -101,8 +99,8 @@ def run(quick: bool) -> dict:
     took: dict[str, float] = {}
     for number, (name, measure) in enumerate(todo, 1):
         left = [last.get(later) for later, _ in todo[number - 1:]]
-        eta = f", about {_clock(sum(left))} left by the last run" if None not in left else ""
-        print(f"bench [{number}/{len(todo)}] {name} ({_clock(time.perf_counter() - started)} "
+        eta = f", about {duration(sum(left))} left by the last run" if None not in left else ""
+        print(f"bench [{number}/{len(todo)}] {name} ({duration(time.perf_counter() - started)} "
               f"so far{eta})", flush=True)
         began = time.perf_counter()
         figures.update(measure(figures))

@@ -124,8 +124,8 @@ def test_launching_sits_on_top():
 
 # The rooms of trainer/, lowest first (ARCHITECTURE.md): each imports only rooms below it, so
 # no two rooms import each other. The entry points people type sit on top.
-ROOMS = ("config", "checks", "model", "plan", "data", "auto", "compose", "checkpoint", "train",
-         "report", "launch", "hf", "prepare", "generate", "plot")
+ROOMS = ("units", "config", "checks", "model", "plan", "data", "auto", "compose", "checkpoint",
+         "train", "report", "launch", "hf", "prepare", "generate", "plot")
 
 
 def room_of(module: str) -> str | None:

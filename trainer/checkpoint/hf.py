@@ -41,6 +41,7 @@ from trainer.checkpoint.safetensors_io import SafetensorsReader, write_streamed
 from trainer.checks import check_model
 from trainer.config import ModelConfig
 from trainer.model.plan import parameter_shapes
+from trainer.units import duration, size
 
 WEIGHTS_ONLY = "weights_only"  # meta.json key of an imported checkpoint
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # safetensors' names of what we import
@@ -57,7 +58,7 @@ class Paced:
         self.done, self.started = 0, time.perf_counter()
         self.said = self.started
         if say is not None:
-            say(f"{what}: {_size(total_bytes)} of weights")
+            say(f"{what}: {size(total_bytes)} of weights")
 
     def advance(self, nbytes: int) -> None:
         self.done += nbytes
@@ -66,12 +67,8 @@ class Paced:
             return
         self.said, elapsed, share = now, now - self.started, self.done / self.total
         left = elapsed / share * (1 - share)
-        self.say(f"  {share:4.0%} ({_size(self.done)}) in {elapsed:.0f} s, "
-                 f"{int(left) // 60}m{int(left) % 60:02d}s left")
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+        self.say(f"  {share:4.0%} ({size(self.done)}) in {elapsed:.0f} s, "
+                 f"{duration(left)} left")
 
 
 def import_hf(hf_dir: Path, out_dir: Path, say: Callable[[str], None] | None = None

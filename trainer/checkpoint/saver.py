@@ -22,12 +22,7 @@ from typing import Any
 import torch.distributed as dist
 
 from trainer.checkpoint.dcp import Engine, TrainState, folder_of, stage, write
-
-MiB, GiB = 2**20, 2**30
-
-
-def _size(nbytes: int) -> str:
-    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB else f"{nbytes / MiB:.1f} MiB"
+from trainer.units import size
 
 
 class Saver:
@@ -57,7 +52,7 @@ class Saver:
         future = self.writer.submit(write, staged, state, self.directory, self.meta, self.group)
         self.pending = future, time.perf_counter()
         return lines + [f"saving {folder_of(self.directory, state.step)} in the background "
-                        f"({_size(self.staged_bytes)} staged in host memory)"]
+                        f"({size(self.staged_bytes)} staged in host memory)"]
 
     def poll(self) -> list[str]:
         """The finished background save's line, without waiting (raises its failure)."""

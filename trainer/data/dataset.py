@@ -17,6 +17,7 @@ import numpy as np
 
 from trainer.data.inputs import Reader, collect, find_files
 from trainer.data.tokenizer import ByteTokenizer, HFTokenizer
+from trainer.units import duration
 
 FORMAT_VERSION = 1
 DTYPES = {"uint8": np.dtype("<u1"), "uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
@@ -197,7 +198,7 @@ def _show_progress(reader: Reader, num_tokens: int, started: float) -> None:
     share = reader.done / max(reader.total, 1)
     left = elapsed / max(share, 1e-9) * (1 - share)
     print(f"\rtokenized {share:4.0%} ({reader.done >> 20:,} of {reader.total >> 20:,} MiB), "
-          f"{num_tokens / elapsed:,.0f} tokens/s, {int(left) // 60}m{int(left) % 60:02d}s left",
+          f"{num_tokens / elapsed:,.0f} tokens/s, {duration(left)} left",
           end="", file=sys.stderr, flush=True)
 
 

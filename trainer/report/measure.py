@@ -40,6 +40,7 @@ from trainer.plan.options import EngineOptions
 from trainer.report.allocations import Allocations
 from trainer.train.engine import Engine, build_engine
 from trainer.train.step import train_step
+from trainer.units import duration
 
 _STATUS = Path("/proc/self/status")
 SLOW_STEP_S = 60.0  # a measured step estimated to take longer is announced, with the fix
@@ -171,7 +172,7 @@ class _Progress:
         if done == 1 and action.kind == FORWARD and self.steps:  # a backward: two forwards
             left = (now - self.started) * 3 * (total // 2) * self.steps
             self.say(f"  {self.step}: the first forward took {now - self.started:.1f} s: at "
-                     f"this pace the measurement takes about {_duration(left)} in all")
+                     f"this pace the measurement takes about {duration(left)} in all")
         if done == total or now - self.said >= 1.0:
             self.said = now
             kind = "forward" if action.kind == FORWARD else "backward"
@@ -221,13 +222,10 @@ def slow_step_warning(spec: RunSpec) -> str | None:
         return None
     name = options.precision.value
     fix = (f"train.precision=fp32 measures the same sizes in about "
-           f"{_duration(steps_s(Precision.fp32))}" if options.precision is not Precision.fp32
+           f"{duration(steps_s(Precision.fp32))}" if options.precision is not Precision.fp32
            else "fewer layers (model.num_layers) or a shorter train.seq_length measure a "
                 "smaller step")
     return (f"{name} matrix products run at {rates[options.precision] / 1e9:.1f} GFLOP/s on "
             f"this CPU: measuring this rank's step (twice on CPU) will take at least "
-            f"{_duration(took)}; {fix}")
+            f"{duration(took)}; {fix}")
 
-
-def _duration(seconds: float) -> str:
-    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.0f} min"

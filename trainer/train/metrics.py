@@ -11,15 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from trainer.config import LoggerConfig, LoggerName
+from trainer.units import duration
 
 TENSORBOARD = "tensorboard"  # the run folder's event files
 SLOW_FIRST_STEP_S = 5.0  # a first step this slow, with progress lines far apart, is announced
-
-
-def _duration(seconds: float) -> str:
-    seconds = int(seconds)
-    hours, rest = divmod(seconds, 3600)
-    return f"{hours}h{rest // 60:02d}m" if hours else f"{rest // 60}m{rest % 60:02d}s"
 
 
 def _step_of(line: str) -> float:
@@ -89,7 +84,7 @@ class MetricsLogger:
               f"grad norm {record['grad_norm']:.3f} | {extra}{record['tokens_per_s']:>9,.0f} tok/s "
               f"| {record['tflops_per_rank']:.3g} TFLOP/s/rank (MFU {record['mfu']:.1%}) | "
               f"mem {record['peak_memory_bytes'] / 2**30:.2f} GiB | "
-              f"data {record['data_wait_share']:.1%} | left {_duration(left)}", flush=True)
+              f"data {record['data_wait_share']:.1%} | left {duration(left)}", flush=True)
         self._write({"step": step, **record})
 
     def first_step(self, step: int, seconds: float) -> None:
@@ -103,7 +98,7 @@ class MetricsLogger:
         after = min(self.total_steps, step + interval - step % interval)
         self.note(f"step {step} took {seconds:.1f} s; progress lines come every {interval} steps "
                   f"(logger.log_interval), the next at step {after}, in about "
-                  f"{_duration(seconds * (after - step))} at this pace")
+                  f"{duration(seconds * (after - step))} at this pace")
 
     def log_eval(self, step: int, record: dict[str, Any]) -> None:
         if not self.writer:
