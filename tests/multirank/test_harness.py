@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -82,10 +83,12 @@ def test_raising_rank_is_reported_quickly():
     assert "rank 1 " in str(e) and "ValueError: boom from rank one" in str(e)
     assert "boom from rank one" in e.errors[1] and e.exitcodes[1] == 1
     # Each other rank was killed, or gloo noticed the closed connection first and it failed
-    # right after rank 1; then it is reported too, after rank 1.
+    # right after rank 1; then it is reported too, after rank 1. gloo words a dead peer as
+    # "closed" (an orderly end of stream) or "reset" (a read that met the reset: 1 run in ~12).
     for r in (0, 2, 3):
         if e.exitcodes[r] != -signal.SIGKILL:
-            assert r in e.ranks[1:] and "Connection closed by peer" in e.errors[r]
+            assert r in e.ranks[1:]
+            assert re.search(r"Connection (closed|reset) by peer", e.errors[r]), e.errors[r]
 
 
 def _raise_on_1_others_blocked(rank):
