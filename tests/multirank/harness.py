@@ -231,7 +231,8 @@ def _raise_failure(procs, running, failed, tmp) -> None:
     for p in running.values():
         p.join()
     # A rank may have ended on its own between the first failure and the kill (typically gloo's
-    # "Connection closed (or reset) by peer" after the failed rank's exit): report it too, after the first.
+    # "Connection closed by peer", or "reset", after the failed rank's exit): report it too,
+    # after the first.
     killed = [r for r in sorted(running) if procs[r].exitcode == -signal.SIGKILL]
     later = [r for r in sorted(running) if r not in killed and (
         procs[r].exitcode != 0 or not os.path.exists(os.path.join(tmp, f"result{r}.pt")))]
