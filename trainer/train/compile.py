@@ -11,8 +11,9 @@ not trace our counted collectives (parallel.comm.keep_collectives_eager), which 
 between the compiled regions, and a GTP_remat bundle's linear, which decides at run time
 whether a forward is a recompute, ends one too. graph_breaks() names where the breaks are.
 
-Counting: CompileWatch counts the graphs each training step compiles; any after the first step
-is a recompile, printed as it happens and summed at the end.
+Counting: CompileWatch counts the graphs each training step compiles and the seconds dynamo and
+inductor spent on them; any graph after the first step is a recompile, printed as it happens
+and summed at the end.
 """
 from __future__ import annotations
 
@@ -43,6 +44,13 @@ def graphs() -> int:
     """Graphs dynamo compiled in this process so far (a recompile adds one)."""
     from torch._dynamo.utils import counters
     return int(counters["stats"]["unique_graphs"])
+
+
+def compile_seconds() -> float:
+    """Seconds dynamo and inductor spent compiling in this process so far: forward and backward
+    graphs, waiting for inductor's compile workers included (dynamo's own timers)."""
+    from torch._dynamo.utils import calculate_time_spent
+    return float(calculate_time_spent()["total_wall_time"])
 
 
 def cache_hits() -> tuple[int, int]:
@@ -76,32 +84,37 @@ def use_cache(folder: os.PathLike | str) -> None:
 
 class CompileWatch:
     """What compiling costs a run, measured around each training step: the graphs the first
-    step compiled and its time, then any graph a later step compiles (a recompile: a guard
-    failed, e.g. a new shape). Evaluation's graphs (no autograd) are not training steps."""
+    step compiled, the seconds compiling took and the step's, then any graph a later step
+    compiles (a recompile: a guard failed, e.g. a new shape). Evaluation's graphs (no autograd)
+    are not training steps."""
 
     def __init__(self) -> None:
         self.first_done = False
         self.recompiles = 0
-        self._before, self._started = 0, 0.0
+        self.seconds = 0.0  # compiling, in the training steps so far
+        self._before, self._compiling, self._started = 0, 0.0, 0.0
 
     def start(self) -> None:
-        self._before, self._started = graphs(), time.perf_counter()
+        self._before, self._compiling = graphs(), compile_seconds()
+        self._started = time.perf_counter()
 
     def end(self, step: int) -> str | None:
         """A line to print, or None."""
-        new = graphs() - self._before
+        new, spent = graphs() - self._before, compile_seconds() - self._compiling
+        self.seconds += spent
         if not self.first_done:
             self.first_done = True
             found, compiled = cache_hits()
-            return (f"train.compile=blocks: step {step} compiled {new} graph(s) in "
-                    f"{time.perf_counter() - self._started:.1f} s (the step included); "
+            return (f"train.compile=blocks: step {step} compiled {new} graph(s) in {spent:.1f} s "
+                    f"of its {time.perf_counter() - self._started:.1f} s; "
                     f"inductor: {found} found in the cache, {compiled} compiled")
         self.recompiles += new
         if new:
-            return (f"warning: train.compile=blocks recompiled {new} graph(s) in step {step} "
-                    f"(a guard failed: TORCH_LOGS=recompiles says which)")
+            return (f"warning: train.compile=blocks recompiled {new} graph(s) in step {step}, "
+                    f"{spent:.1f} s (a guard failed: TORCH_LOGS=recompiles says which)")
         return None
 
     def summary(self) -> str:
         return (f"train.compile=blocks: {self.recompiles} recompile(s) after the first step; "
+                f"{self.seconds:.1f} s compiling in all; "
                 f"graph breaks at {dict(graph_breaks()) or 'none'}")
