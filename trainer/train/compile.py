@@ -116,5 +116,5 @@ class CompileWatch:
 
     def summary(self) -> str:
         return (f"train.compile=blocks: {self.recompiles} recompile(s) after the first step; "
-                f"{self.seconds:.1f} s compiling in all; "
+                f"{self.seconds:.1f} s compiling in training steps; "
                 f"graph breaks at {dict(graph_breaks()) or 'none'}")
