@@ -165,6 +165,7 @@ def test_compiled_blocks_train_as_eager_and_a_resume_finds_their_kernels(base, d
     first = train_run(base / "home", dataset, run_dir, "train.compile=blocks",
                       f"train.train_samples={STEPS * MICRO}", "checkpoint.save_interval=4")
     assert first.returncode == 0, first.stderr
+    assert "; train.compile=blocks: the first step compiles the blocks\n" in first.stdout
     line = re.search(r"step 1 compiled [1-9]\d* graph\(s\) in ([\d.]+) s of its ([\d.]+) s; "
                      r"inductor: 0 found in the cache, [1-9]", first.stdout)
     assert line and 0 < float(line[1]) <= float(line[2]), first.stdout  # compiling is in the step

@@ -96,10 +96,13 @@ class Trainer:
 
     def _run(self, keep_records: bool) -> list[dict[str, Any]]:
         plan, state, layout, logger = self.plan, self.state, self.layout, self.logger
-        logger.note(f"{layout.world_size} rank(s), global batch {plan.global_batch_size} "
-                    f"samples, {self.total_steps} steps from step {state.step} (samples "
-                    f"{state.consumed_samples:,} to {plan.train_samples:,}); "
-                    f"{self.schedule.describe()}")
+        start = (f"{layout.world_size} rank(s), global batch {plan.global_batch_size} samples, "
+                 f"{self.total_steps} steps from step {state.step} (samples "
+                 f"{state.consumed_samples:,} to {plan.train_samples:,}); "
+                 f"{self.schedule.describe()}")
+        if self.compiles:  # torch compiles on the first call, which CompileWatch times
+            start += "; train.compile=blocks: the first step compiles the blocks"
+        logger.note(start)
         for line in self.train_stream.describe_packing():
             logger.note(line)
         records, steps = [], 0  # steps: taken in this start
