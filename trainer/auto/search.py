@@ -27,8 +27,9 @@ from trainer.model.plan import parameter_shapes
 from trainer.plan.axes.context import check_comm_type
 from trainer.plan.cost import Estimate, estimate, floor_s
 from trainer.plan.fit import PeakPlanner
-from trainer.plan.hardware import GiB, Hardware
+from trainer.plan.hardware import Hardware
 from trainer.plan.options import EngineOptions
+from trainer.units import GiB
 
 # The keys the search sets, by config path: the axes' degrees it chooses (parallel.axes), then
 # the options it tries for each layout; the rest of parallel.* are inputs.

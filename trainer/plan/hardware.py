@@ -19,8 +19,7 @@ from typing import Any
 
 from parallel.layout import Layout
 from trainer.config import Precision
-
-GiB = 2**30
+from trainer.units import GiB
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,7 @@ from trainer.plan.cost import TokenFlops
 from trainer.plan.hardware import Hardware
 from trainer.plan.memory import memory_plan
 from trainer.plan.options import EngineOptions
-
-GiB = 2**30
+from trainer.units import GiB
 
 
 def resident_bytes() -> int:
