@@ -1,4 +1,4 @@
-"""The parallel layout: every derived size and every rank group (contract: shared/design/layout.md).
+"""The parallel layout: every derived size and every rank group (contract: docs/layout.md).
 
 Pure integer arithmetic over the rank axes of parallel.axes (tp, seq, batch, cp, dp, pp; and in
 the expert view etp, ep, edp, pp), no torch and no config library. Its inputs, and the rules

@@ -1,4 +1,4 @@
-"""Property tests for parallel/layout.py against the contract in shared/design/layout.md.
+"""Property tests for parallel/layout.py against the contract in docs/layout.md.
 
 Valid layouts are built from their factors (TP, SP, G, ns, CP, DP, PP), so every expected size,
 coordinate and group below is computed here from those factors, not read back from Layout. A
@@ -347,7 +347,7 @@ def test_embedding_groups(f: Factors) -> None:
 
 
 def test_contract_worked_group_example() -> None:
-    """world=16, TP=2 with SP, CP=2, weight shards 8, sequence shards 4 (shared/design)."""
+    """world=16, TP=2 with SP, CP=2, weight shards 8, sequence shards 4 (docs/layout.md)."""
     lay = Layout(16, 2, True, 8, 4, 2, 1)
     assert lay.groups("context") == [[0, 2, 8, 10], [1, 3, 9, 11], [4, 6, 12, 14],
                                      [5, 7, 13, 15]]
