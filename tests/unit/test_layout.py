@@ -151,14 +151,32 @@ def test_every_rule_raises_one_clear_error(inputs, phrases):
         assert phrase in str(error.value), (phrase, str(error.value))
 
 
-@pytest.mark.parametrize("inputs", [
-    dict(world_size=4, context_parallel_size=2, seq_length=128),
-    dict(world_size=8, tensor_model_parallel_size=2, sequence_parallel=True,
-         context_parallel_size=2, seq_length=136),  # 136 = 8 x 17: chunks of 17, halves of 34
-    dict(world_size=4, tensor_model_parallel_size=2, tensor_parallel_num_weight_shards=4),
-])
-def test_valid_edge_cases_pass(inputs):
-    Layout(**inputs)
+# Layouts at the edge of a rule, accepted, with their sizes worked from the contract's formulas
+# by hand: (DP, BPS, runtime CP, weight replicas, weight tile, rank 0's zigzag chunks, the
+# tokens a rank's residual stream holds).
+EDGES = [
+    # CP 2: DP = 4 / 2, BPS = DP, replicas = CP x DP; 4 chunks of 32, rank 0 has the 1st and 4th
+    (dict(world_size=4, context_parallel_size=2, seq_length=128),
+     (2, 2, 2, 4, 1, [range(0, 32), range(96, 128)], 64)),
+    # 136 = 8 x 17: 4 chunks of 34, CP-local 68 split again over TP 2 with SP: 34 (the rule
+    # wants both to divide)
+    (dict(world_size=8, tensor_model_parallel_size=2, sequence_parallel=True,
+          context_parallel_size=2, seq_length=136),
+     (2, 2, 2, 4, 2, [range(0, 34), range(102, 136)], 34)),
+    # WS 4 over TP 2: G = 2 batch shards (no SP, so ns = 1), DP = 4 / (2 x 2) = 1, BPS = 2
+    (dict(world_size=4, tensor_model_parallel_size=2, tensor_parallel_num_weight_shards=4,
+          seq_length=64),
+     (1, 2, 1, 1, 4, [range(0, 64)], 64)),
+]
+
+
+@pytest.mark.parametrize("inputs,sizes", EDGES)
+def test_valid_edge_cases_pass_with_their_sizes(inputs, sizes):
+    layout = Layout(**inputs)
+    assert (layout.data_parallel_size, layout.batch_parallel_size,
+            layout.runtime_context_parallel_size, layout.num_weight_replicas,
+            layout.weight_tile_size, layout.context_chunks(0),
+            layout.residual_local_length) == sizes
 
 
 def test_from_config_names_the_cluster_key():
