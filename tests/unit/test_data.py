@@ -24,7 +24,6 @@ def src(tmp_path: Path) -> Path:
     for name, body in DOCS.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_bytes(body)
-    (root / "image.bin").write_bytes(b"\x89PNG\x00\x01")  # binary: skipped
     (root / ".hidden.txt").write_bytes(b"hidden")  # hidden: skipped
     (root / "empty.txt").write_bytes(b"")  # no tokens: no document
     return root
@@ -78,14 +77,15 @@ def test_decode_replaces_what_is_not_text() -> None:
 
 def test_prepare_user_errors_name_the_path_or_value(tmp_path: Path, src: Path) -> None:
     (tmp_path / "void").mkdir()
-    with pytest.raises(ValueError, match=r"no text, JSON-lines or Parquet files found in .*void"):
+    with pytest.raises(ValueError, match=r"no files found in .*void"):
         prepare(tmp_path / "void", tmp_path / "out", 0.1)
     with pytest.raises(ValueError, match=r"missing.* does not exist"):
         prepare(tmp_path / "missing", tmp_path / "out", 0.1)
     with pytest.raises(ValueError, match=r"--tokenizer gpt2: no tokenizer.json there; pass byte"):
         prepare(src, tmp_path / "out", 0.1, tokenizer="gpt2")
+    (tmp_path / "image.bin").write_bytes(b"\x89PNG\x00\x01")  # in a folder: test_inputs.py
     with pytest.raises(ValueError, match=r"image.bin is not a text file"):
-        prepare([src / "a.txt", src / "image.bin"], tmp_path / "out", 0.1)
+        prepare([src / "a.txt", tmp_path / "image.bin"], tmp_path / "out", 0.1)
     with pytest.raises(ValueError, match=r"valid_fraction=1.5"):
         prepare(src, tmp_path / "out", 1.5)
     assert not (tmp_path / "out").exists()

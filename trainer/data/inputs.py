@@ -1,25 +1,37 @@
 """What trainer.prepare reads, as documents with where each came from.
 
-    text files          one document a file (a folder: every text file under it)
-    .jsonl, .jsonl.gz,  one document a line: the --json-key field (Megatron's preprocess_data
-    .jsonl.zst          flag; default "text"), or with --chat its "messages"
-    .parquet            one document a row: the --json-key column (a folder of them: every
-                        .parquet under it, sorted)
+    text files          one document a file
+    .jsonl              one document a line: the --json-key field (Megatron's preprocess_data
+                        flag; default "text"), or with --chat its "messages"
+    .json               a JSON array of such records, one document each, or one record a line
+    .parquet            one document a row: the --json-key column
+    folders             every such file under them, sorted by path (hidden ones left out)
 
-A problem is one line naming the file and the line (or row): a malformed line, a missing key,
-a value of the wrong type, an empty JSON-lines or Parquet file, a binary file named as text.
-Reading is streamed (a file is never read whole), and `done` reports the bytes of the sources
-read so far, for the progress line.
+JSON and JSON lines may be compressed: .gz, .bz2, .xz, .zst (trainer.data.containers).
+A file that is none of these (a binary file, or a compressed one that is not JSON), named or
+found in a folder, is one line naming it, as is a folder that holds a prepared dataset (its
+files would be read back as text); so are a malformed line or element, a missing key, a value
+of the wrong type or with a lone surrogate escape, an empty file. Reading is streamed (a file
+is never read whole), and `done` reports the bytes of the sources read so far, for the
+progress line.
 """
 from __future__ import annotations
 
-import gzip
 import io
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
+
+from trainer.data.containers import (
+    COMPRESSED,
+    ArrayError,
+    array_elements,
+    compression,
+    damaged_stream_errors,
+    decompressed,
+)
 
 
 def looks_like_text(path: Path) -> bool:
@@ -38,8 +50,8 @@ def find_files(folder: Path, suffix: str = "", skip_dirs: frozenset = frozenset(
     return sorted(found, key=lambda p: p.parts)
 
 
-JSON_LINES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
-PARQUET = ".parquet"
+READ = ("text, JSON lines (.jsonl), JSON (.json), either compressed (" + ", ".join(COMPRESSED)
+        + "), or Parquet (.parquet)")
 
 
 @dataclass
@@ -49,33 +61,62 @@ class Document:
 
 
 def kind(path: Path) -> str:
-    """"jsonl", "parquet" or "text", by the file's name."""
+    """"jsonl", "json", "parquet" or "text" by the file's name; "compressed" for a compressed
+    file that is not JSON, which is not read."""
     name = path.name.lower()
-    if name.endswith(JSON_LINES):
+    base = name[:len(name) - len(compression(path))]
+    if base.endswith(".jsonl"):
         return "jsonl"
-    return "parquet" if name.endswith(PARQUET) else "text"
+    if base.endswith(".json"):
+        return "json"
+    if base != name:
+        return "compressed"
+    return "parquet" if name.endswith(".parquet") else "text"
 
 
 def collect(sources: list[Path]) -> list[Path]:
-    """Every named file, and every file under each named folder that is JSON lines, Parquet or
-    text, sorted by path. A named file that is none of them (binary) is one line."""
+    """Every named file, and every file under each named folder, sorted by path. A file that
+    cannot be read, or a prepared dataset among the sources, is one line (unreadable())."""
     files = set()
     for src in sources:
         if src.is_dir():
-            files |= {p for p in find_files(src) if kind(p) != "text" or looks_like_text(p)}
+            found = find_files(src)
+            dataset = next((p.parent for p in found if p.name == "tokens.bin"
+                            and (p.parent / "meta.json").is_file()), None)
+            if dataset is not None:
+                inside = "" if dataset == src else f" inside the source folder {src}"
+                raise ValueError(
+                    f"{dataset} is a dataset trainer.prepare wrote (tokens.bin, meta.json)"
+                    f"{inside}: its files would be read back as text. Fix: pass the text it was "
+                    f"prepared from{', or move it out of ' + str(src) if inside else ''} "
+                    f"(launch.py reads it as it is: data.path={dataset})")
+            for path in found:
+                unreadable(path, src)
+            files.update(found)
         elif src.is_file():
-            if kind(src) == "text" and not looks_like_text(src):
-                raise ValueError(f"{src} is not a text file (it holds a NUL byte), nor JSON lines "
-                                 f"({', '.join(JSON_LINES)}) or Parquet ({PARQUET}) by its name; "
-                                 f"remove it from the sources")
+            unreadable(src, None)
             files.add(src)
         else:
-            raise ValueError(f"source {src} does not exist; pass text, JSON-lines or Parquet "
-                             f"files, or folders of them")
+            raise ValueError(f"source {src} does not exist. Fix: pass {READ} files, or folders "
+                             f"of them")
     if not files:
-        raise ValueError(f"no text, JSON-lines or Parquet files found in "
-                         f"{', '.join(map(str, sources))}")
+        raise ValueError(f"no files found in {', '.join(map(str, sources))}. Fix: pass {READ} "
+                         f"files, or folders of them")
     return sorted(files, key=lambda p: p.parts)
+
+
+def unreadable(path: Path, folder: Path | None) -> None:
+    """One line when `path` (named, or found in `folder`) is a file prepare cannot read."""
+    where = f"{path} (in the source folder {folder})" if folder else str(path)
+    remove = f"remove it from {folder}, or name the files to read" if folder else \
+        "remove it from the sources"
+    if kind(path) == "compressed":
+        raise ValueError(f"{where} is compressed ({compression(path)}) but not JSON (.json or "
+                         f".jsonl before the {compression(path)}), and prepare reads only JSON "
+                         f"compressed. Fix: decompress it, or {remove}")
+    if kind(path) == "text" and not looks_like_text(path):
+        raise ValueError(f"{where} is not a text file (it holds a NUL byte), nor by its name "
+                         f"JSON lines, JSON or Parquet. Fix: {remove}")
 
 
 class Reader:
@@ -91,39 +132,57 @@ class Reader:
             before = self._file_base = self.done
             if kind(path) == "text":
                 if self.chat:
-                    raise ValueError(f"{path}: --chat reads JSON lines of {{\"messages\": "
-                                     f"[...]}}, not text files; pass .jsonl files")
+                    raise ValueError(f"{path}: --chat reads JSON records of {{\"messages\": "
+                                     f"[...]}}, not text files; pass .jsonl or .json files")
                 self.done += path.stat().st_size
                 yield Document(path.read_bytes(), str(path))
-            elif kind(path) == "jsonl":
-                yield from self._json_lines(path)
+            elif kind(path) in ("jsonl", "json"):
+                yield from self._json(path)
             else:
                 yield from self._parquet(path)
             self.done = before + path.stat().st_size
 
-    def _json_lines(self, path: Path) -> Iterator[Document]:
+    def _json(self, path: Path) -> Iterator[Document]:
+        """JSON lines, or (a .json file whose first character is "[") a JSON array."""
         raw = open(path, "rb")
         try:
-            stream = _decompressed(raw, path)
             count = 0
-            for number, line in enumerate(io.TextIOWrapper(stream, encoding="utf-8",
-                                                           errors="strict"), 1):
-                self.done = self._file_base + raw.tell()
-                if not line.strip():
-                    continue
+            text = io.TextIOWrapper(decompressed(raw, path), encoding="utf-8", errors="strict")
+            for where, record in self._records(path, text, raw):
                 count += 1
-                yield Document(self._field(_parse(line, path, number), f"{path}:{number}"),
-                               f"{path}:{number}")
+                yield Document(self._field(record, where), where)
         except UnicodeDecodeError as error:
             raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start} of "
-                             f"a line): JSON lines are UTF-8") from None
-        except (OSError, EOFError) as error:  # a damaged gzip or zstd stream
-            raise ValueError(f"{path}: cannot be decompressed ({error})") from None
+                             f"a line): JSON is UTF-8") from None
+        except damaged_stream_errors(path) as error:
+            raise ValueError(f"{path}: cannot be decompressed ({error}). Fix: check the file "
+                             f"(it may be cut short or not {compression(path)}), or remove it "
+                             f"from the sources") from None
         finally:
             raw.close()
         if count == 0:
-            raise ValueError(f"{path} holds no JSON lines (an empty file); remove it from the "
-                             f"sources")
+            what = "JSON lines (an empty file)" if kind(path) == "jsonl" else \
+                "records (an empty file or array)"
+            raise ValueError(f"{path} holds no {what}. Fix: remove it from the sources")
+
+    def _records(self, path: Path, text, raw) -> Iterator[tuple[str, Any]]:
+        array = kind(path) == "json" or None  # a .json file may hold one array; .jsonl never
+        for number, line in enumerate(text, 1):
+            self.done = self._file_base + raw.tell()
+            if not line.strip():
+                continue
+            if array and line.lstrip().startswith("["):
+                try:
+                    for i, record in enumerate(array_elements(text, line), 1):
+                        self.done = self._file_base + raw.tell()
+                        yield f"{path}:record {i}", record
+                except ArrayError as error:
+                    raise ValueError(f"{path}:{number + error.line - 1}: not a JSON array "
+                                     f"({error} at column {error.column}). Fix: repair it "
+                                     f"there, or remove the file from the sources") from None
+                return
+            yield f"{path}:{number}", _parse(line, path, number, array is not None)
+            array = None  # JSON lines (in a .json file: the array would have come first)
 
     def _parquet(self, path: Path) -> Iterator[Document]:
         pq = _pyarrow_parquet()
@@ -160,15 +219,17 @@ class Reader:
             return _messages(value, where)
         if not isinstance(value, str):
             raise ValueError(f"{where}: {key!r} is a {type(value).__name__}, not text")
-        return value
+        return _unicode(value, where, key)
 
 
-def _parse(line: str, path: Path, number: int) -> Any:
+def _parse(line: str, path: Path, number: int, first_of_json: bool = False) -> Any:
     try:
         return json.loads(line)
     except json.JSONDecodeError as error:
+        how = (". Fix: a .json file is read as a JSON array of records, or as one record a "
+               "line" if first_of_json else "")
         raise ValueError(f"{path}:{number}: not a JSON line ({error.msg} at column "
-                         f"{error.colno})") from None
+                         f"{error.colno}){how}") from None
 
 
 def _messages(value: Any, where: str) -> list[dict]:
@@ -179,21 +240,23 @@ def _messages(value: Any, where: str) -> list[dict]:
     if not ok:
         raise ValueError(f"{where}: \"messages\" must be a non-empty list of {{\"role\": ..., "
                          f"\"content\": ...}} (strings)")
+    for m in value:
+        _unicode(m["role"], where, "role")
+        _unicode(m["content"], where, "content")
     return value
 
 
-def _decompressed(raw, path: Path):
-    name = path.name.lower()
-    if name.endswith(".gz"):
-        return gzip.GzipFile(fileobj=raw)
-    if name.endswith(".zst"):
-        try:
-            import zstandard
-        except ImportError:
-            raise ValueError(f"{path}: reading .zst needs the zstandard package. Fix: pip install "
-                             f"'gtp-trainer[data]'") from None
-        return zstandard.ZstdDecompressor().stream_reader(raw)
-    return raw
+def _unicode(text: str, where: str, key: str) -> str:
+    """JSON's \\u escapes can write half a surrogate pair, which is no character: no tokenizer
+    encodes it (one traceback deep in the encoder otherwise)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"{where}: {key!r} holds a lone surrogate {text[error.start]!r} at "
+                         f"character {error.start} (half of a \\u escape pair), which is no "
+                         f"Unicode character. Fix: write the whole pair or the character "
+                         f"itself, or drop that record") from None
+    return text
 
 
 def _pyarrow_parquet():
