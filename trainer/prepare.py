@@ -5,10 +5,11 @@
         [--eod-token TOKEN] [--json-key KEY] [--chat [--loss-on assistant|all]]
         [--seq-length N] [--workers N] [--megatron PREFIX]
 
-SRC: text files (one document each), .jsonl / .jsonl.gz / .jsonl.zst (one document a line, its
---json-key field), .parquet (its --json-key column), or folders of them (trainer.data.inputs).
---chat: JSON lines of {"messages": [...]}, rendered with the tokenizer's chat template, and a
-loss mask on the assistant's turns (trainer.data.chat).
+SRC: text files (one document each), .jsonl (one document a line, its --json-key field), .json
+(an array of such records, or one a line), either compressed (.gz, .bz2, .xz, .zst), .parquet
+(its --json-key column), or folders of them (trainer.data.inputs); a file it cannot read, or a
+prepared dataset among them, is refused. --chat: JSON records of {"messages": [...]}, rendered
+with the tokenizer's chat template, and a loss mask on the assistant's turns (trainer.data.chat).
 """
 from __future__ import annotations
 
@@ -26,7 +27,8 @@ from trainer.data.packing import Packs
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m trainer.prepare", description=__doc__)
     parser.add_argument("src", type=Path, nargs="+",
-                        help="text, JSON-lines (.jsonl[.gz|.zst]) or Parquet files, or folders")
+                        help="text, JSON lines (.jsonl), JSON (.json), either compressed "
+                             "(.gz|.bz2|.xz|.zst), or Parquet files, or folders")
     parser.add_argument("out_dir", type=Path, help="the dataset folder to write")
     parser.add_argument("--valid-fraction", type=float, default=0.01,
                         help="share of tokens held out as whole documents at the end (0.01)")
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="the field of each JSON line, or the Parquet column, that holds "
                              "the text (Megatron's preprocess_data flag; default text)")
     parser.add_argument("--chat", action="store_true",
-                        help="JSON lines of {\"messages\": [...]}: rendered with the "
+                        help="JSON records of {\"messages\": [...]}: rendered with the "
                              "tokenizer's chat template, with a loss mask")
     parser.add_argument("--loss-on", choices=("assistant", "all"), default="assistant",
                         help="with --chat: which tokens the loss counts (assistant turns)")
@@ -60,6 +62,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.exit(2, f"error: --tokenizer {args.tokenizer} with --train-tokenizer "
                        f"{args.train_tokenizer}: both choose the tokenizer. Fix: pass one of "
                        f"them.\n")
+    if args.seq_length is not None and args.seq_length < 1:
+        parser.exit(2, f"error: --seq-length {args.seq_length}: a sample holds at least one "
+                       f"token. Fix: pass train.seq_length, or leave --seq-length out\n")
     if args.workers is not None:
         if args.workers < 1:
             parser.exit(2, f"error: --workers {args.workers}: at least 1\n")

@@ -1,7 +1,8 @@
 """python -m trainer.prepare refuses bad input in one line with a Fix, before OUT_DIR is
 written: a Megatron PREFIX that exists or cannot be written, --eod-token with the byte
-tokenizer, --tokenizer with --train-tokenizer; and it says when a trained tokenizer's vocabulary
-is smaller than asked for."""
+tokenizer, --tokenizer with --train-tokenizer, --seq-length below 1; and it says when a trained
+tokenizer's vocabulary is smaller than asked for. (What it reads: tests/unit/test_inputs.py;
+chats: tests/unit/test_chat.py.)"""
 from __future__ import annotations
 
 import json
@@ -63,6 +64,15 @@ def test_an_end_of_document_token_for_the_byte_tokenizer_is_refused(src, tmp_pat
             names=("--eod-token </s>", "byte tokenizer"))
     refused(str(src), str(tmp_path / "out"), "--tokenizer", "x.json", "--train-tokenizer",
             "300", names=("--tokenizer x.json", "--train-tokenizer 300"))
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sample_length_below_one_is_refused(src, tmp_path):
+    """It was accepted, and the pack report then said "samples of -4 tokens, -79200.0% of
+    them data"."""
+    for bad in ("0", "-5"):
+        refused(str(src), str(tmp_path / "out"), "--seq-length", bad,
+                names=(f"--seq-length {bad}", "at least one token"))
     assert not (tmp_path / "out").exists()
 
 
