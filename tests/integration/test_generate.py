@@ -1,6 +1,7 @@
 """python -m trainer.generate: greedy decoding with our KV cache gives the tokens transformers'
 own generate gives on the same weights (random tiny Llama with GQA and rope scaling, Qwen3 and
-Mixtral, imported with trainer.hf), and the command finds the checkpoint and its tokenizer."""
+Mixtral, imported with trainer.hf), sampling draws from the distribution transformers' logits
+warpers give on the same logits, and the command finds the checkpoint and its tokenizer."""
 from __future__ import annotations
 
 import subprocess
@@ -13,7 +14,7 @@ from test_hf import hf_model
 
 from trainer.checkpoint.hf import import_hf
 from trainer.checkpoint.whole import load_model
-from trainer.model.generate import generate
+from trainer.model.generate import distribution, generate, next_token
 
 ROOT = Path(__file__).parents[2]
 PROMPT = [5, 17, 99, 3, 42, 7, 7, 120]
@@ -30,10 +31,39 @@ def test_greedy_tokens_are_transformers_generate(name, tmp_path):
     want = theirs.generate(torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False,
                            pad_token_id=0)[0, len(PROMPT):].tolist()
     assert got == want
-    # sampling: seeded, so repeatable; other seeds, other tokens
+    # sampling: seeded, so repeatable; other seeds, other tokens (what is drawn: below)
     one = generate(ours, PROMPT, 24, temperature=1.0, top_p=0.9, seed=1)
     assert one == generate(ours, PROMPT, 24, temperature=1.0, top_p=0.9, seed=1)
     assert one != generate(ours, PROMPT, 24, temperature=1.0, top_p=0.9, seed=2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("temperature, top_p", [  # they keep 1000, 453, 259, 38, 17, 1, 1
+    (1.0, 1.0), (0.7, 0.9), (1.5, 0.5), (0.3, 0.95), (2.0, 0.05), (0.2, 0.3), (1e-40, 0.8)])
+def test_sampling_is_transformers_logits_warpers(temperature, top_p, dtype):
+    """The distribution a token is drawn from is transformers' (5.24) TemperatureLogitsWarper
+    then TopPLogitsWarper (the order of its generate) on the same logits, softmaxed: the same
+    tokens kept, the same probabilities; and next_token draws from it as torch.multinomial
+    draws from theirs with the same seed."""
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
+
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(7)).to(dtype)
+    warped = TemperatureLogitsWarper(temperature)(None, logits[None].clone())
+    if top_p < 1:
+        warped = TopPLogitsWarper(top_p)(None, warped)
+    theirs = torch.softmax(warped[0], dim=-1)
+    ours = distribution(logits, temperature, top_p)
+    if temperature > 1e-3:  # theirs overflows below (float32 logits / 1e-40 = inf): nan
+        assert torch.equal(ours > 0, theirs > 0)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6 if dtype == torch.float32
+                                   else 1e-15)
+    else:  # the limit: all on the highest logit, as greedy
+        theirs = (logits == logits.max()).to(dtype)
+        assert torch.equal(ours, theirs)
+    mine, reference = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+    drawn = [next_token(logits, temperature, top_p, mine) for _ in range(300)]
+    assert drawn == [int(torch.multinomial(theirs, 1, generator=reference))
+                     for _ in range(300)]
 
 
 def test_the_command_uses_the_tokenizer_an_import_kept(tmp_path):

@@ -7,9 +7,10 @@ everything). The rest of the model runs as in training, on the new tokens only, 
 positions.
 
 Decoding: temperature 0 is greedy (the highest logit; transformers' do_sample=False picks the
-same tokens, tests/integration/test_generate.py), otherwise the softmax of logits / temperature
-restricted to the smallest set of tokens whose probability reaches top_p (nucleus sampling),
-drawn with a seeded generator. Padding rows of the vocabulary are never chosen.
+same tokens), otherwise the softmax of logits / temperature restricted to the smallest set of
+tokens whose probability reaches top_p (nucleus sampling), drawn with a seeded generator: the
+distribution transformers' TemperatureLogitsWarper and TopPLogitsWarper give on the same logits
+(tests/integration/test_generate.py). Padding rows of the vocabulary are never chosen.
 """
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int,
         positions = torch.arange(len(prompt), device=device)[None]
         for _ in range(max_new_tokens):
             logits = model(tokens, positions)[0, -1, :model.vocab_size].float()
-            token = _choose(logits, temperature, top_p, generator)
+            token = next_token(logits, temperature, top_p, generator)
             out.append(token)
             if token == stop:
                 break
@@ -78,14 +79,24 @@ def generate(model: Transformer, prompt: list[int], max_new_tokens: int,
     return out
 
 
-def _choose(logits: torch.Tensor, temperature: float, top_p: float,
-            generator: torch.Generator) -> int:
+def next_token(logits: torch.Tensor, temperature: float, top_p: float,
+               generator: torch.Generator) -> int:
+    """The token after `logits` (one position's, [vocab]): greedy at temperature 0, else drawn
+    from `distribution` with `generator`."""
     if temperature == 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits / temperature, dim=-1).cpu()
+    return int(torch.multinomial(distribution(logits, temperature, top_p).cpu(), 1,
+                                 generator=generator))
+
+
+def distribution(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """The probabilities a sampled token is drawn from (temperature > 0, 0 < top_p <= 1)."""
+    # Shifted by the largest logit first: the same softmax, but a tiny temperature cannot turn
+    # a logit into inf (and the softmax into nan).
+    probs = torch.softmax((logits - logits.max()) / temperature, dim=-1)
     if top_p < 1:
         ordered, order = probs.sort(descending=True)
         # keep a token while the probability before it is below top_p (the first always)
         keep = ordered.cumsum(0) - ordered < top_p
         probs = torch.zeros_like(probs).scatter_(0, order[keep], ordered[keep])
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return probs / probs.sum()
