@@ -38,11 +38,11 @@ from trainer.plan.cost import estimate
 from trainer.plan.hardware import Hardware
 from trainer.plan.options import EngineOptions
 from trainer.report.allocations import Allocations
-from trainer.train.engine import Engine, build_engine
+from trainer.train.engine import build_engine
 from trainer.train.step import train_step
+from trainer.train.throughput import state_bytes, status_bytes
 from trainer.units import duration
 
-_STATUS = Path("/proc/self/status")
 SLOW_STEP_S = 60.0  # a measured step estimated to take longer is announced, with the fix
 Say = Callable[[str], None]
 
@@ -72,32 +72,13 @@ class PeakMemory:
             return
         # Writing 5 to clear_refs resets the kernel's peak RSS to the current RSS (Linux >= 4.0).
         Path("/proc/self/clear_refs").write_text("5")
-        self.baseline = self._status("VmHWM")
+        self.baseline = status_bytes("VmHWM")
 
     def above_baseline(self) -> int:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() - self.baseline
-        return self._status("VmHWM") - self.baseline
-
-    @staticmethod
-    def _status(field: str) -> int:
-        for line in _STATUS.read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024  # kB
-        raise RuntimeError(f"{_STATUS} has no {field}: cannot measure resident memory here")
-
-
-def state_bytes(engine: Engine) -> int:
-    """Parameters, gradients and optimizer state this rank really allocated."""
-    optimizer, model = engine.optimizer, engine.model
-    total = sum(b.params.nbytes + b.grads.nbytes for b in optimizer.buffers)
-    for name in model.stage_copies:  # tied embeddings: the last stage's copy and its gradient
-        param = model.module.get_parameter(name)
-        total += param.nbytes + (param.grad.nbytes if param.grad is not None else 0)
-    for state in optimizer.adam.state.values():
-        total += sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor) and v.ndim)
-    return total
+        return status_bytes("VmHWM") - self.baseline
 
 
 def measure_rank(spec: RunSpec, rank: int, step: bool = True,

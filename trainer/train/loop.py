@@ -174,8 +174,8 @@ class Trainer:
         self.saver.close()
 
     def report_memory(self) -> None:
-        """Collective: each stage's measured peak beside the plan's, printed by rank 0."""
-        mine = torch.tensor([self.throughput.measured_bytes()], dtype=torch.int64,
+        """Collective: each stage's state and peak beside the plan's, printed by rank 0."""
+        mine = torch.tensor([self.throughput.measured_bytes(self.engine)], dtype=torch.int64,
                             device=self.device)
         every = self.engine.groups.world.all_gather(mine).tolist()
         for line in self.throughput.memory_table(every):

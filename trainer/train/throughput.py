@@ -8,15 +8,16 @@ useful work. MFU divides a rank's model FLOP/s by the cluster preset's peak for 
 (cluster.peak_bf16_tflops or peak_fp32_tflops; `local`'s were measured on this CPU).
 
 Peak memory is the allocator's high-water mark on a GPU (torch.cuda.max_memory_allocated) and
-the process's peak resident set on CPU (getrusage's ru_maxrss). The plan counts tensors only,
-so on CPU the end-of-run table holds it against the peak resident set above what the rank held
-before its model was built (the interpreter and libraries are not the plan's); the allocator's
-own count is the measured dry run's (trainer/report/allocations.py)."""
+the process's own peak resident set on CPU (the kernel's VmHWM: getrusage's ru_maxrss of a rank
+that a larger process spawned starts at that process's peak, carried across exec). The plan
+counts tensors only, so the end-of-run table holds like with like: the state each rank holds,
+counted tensor by tensor, against the plan's state; the peak against the plan's peak on a GPU,
+and on CPU the resident set's growth is printed beside it, with what it holds beyond tensors
+(the allocator's count of a step is the measured dry run's: trainer/report/allocations.py)."""
 from __future__ import annotations
 
-import os
-import resource
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -26,19 +27,41 @@ from trainer.plan.cost import TokenFlops
 from trainer.plan.hardware import Hardware
 from trainer.plan.memory import memory_plan
 from trainer.plan.options import EngineOptions
-from trainer.units import GiB
+from trainer.train.engine import Engine
+from trainer.units import size
+
+_STATUS = Path("/proc/self/status")
+
+
+def status_bytes(field: str) -> int:
+    """A size of /proc/self/status (Linux), such as VmRSS or VmHWM, in bytes."""
+    for line in _STATUS.read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024  # kB
+    raise RuntimeError(f"{_STATUS} has no {field}: cannot measure resident memory here")
 
 
 def resident_bytes() -> int:
     """The process's resident set now (Linux)."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return status_bytes("VmRSS")
 
 
 def peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
+    return status_bytes("VmHWM")  # this process's own (see the module's note)
+
+
+def state_bytes(engine: Engine) -> int:
+    """Parameters, gradients and optimizer state a rank's engine really allocated."""
+    optimizer, model = engine.optimizer, engine.model
+    total = sum(b.params.nbytes + b.grads.nbytes for b in optimizer.buffers)
+    for name in model.stage_copies:  # tied embeddings: the last stage's copy and its gradient
+        param = model.module.get_parameter(name)
+        total += param.nbytes + (param.grad.nbytes if param.grad is not None else 0)
+    for state in optimizer.adam.state.values():
+        total += sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor) and v.ndim)
+    return total
 
 
 @dataclass(frozen=True)
@@ -73,24 +96,32 @@ class Throughput:
         return StepSpeed(tokens_per_s, flops / 1e12, flops / self.peak_flops,
                          peak_memory_bytes(self.device), data_seconds / seconds)
 
-    def measured_bytes(self) -> int:
-        """This rank's figure to hold against the plan's peak (see the module's note)."""
-        return max(0, peak_memory_bytes(self.device) - self.baseline)
+    def measured_bytes(self, engine: Engine) -> list[int]:
+        """This rank's [state it holds, peak above the baseline] (see the module's note)."""
+        return [state_bytes(engine), max(0, peak_memory_bytes(self.device) - self.baseline)]
 
-    def memory_table(self, measured: list[int]) -> list[str]:
+    def memory_table(self, measured: list[list[int]]) -> list[str]:
         """measured: measured_bytes() of every rank, by rank. One line a pipeline stage: the
-        plan's peak, the most any of the stage's ranks measured, and their ratio."""
+        plan's state and peak, each beside the most any of the stage's ranks measured."""
         options = EngineOptions.from_config(self.config)
-        planned = [s["peak_bytes"] for s in
-                   memory_plan(self.config.model, self.layout, options)["per_stage"]]
-        worst = [0] * len(planned)
-        for rank, value in enumerate(measured):
-            stage = self.layout.coords(rank).pp
-            worst[stage] = max(worst[stage], value)
-        what = ("CUDA max allocated" if self.device.type == "cuda" else
-                "peak RSS above the rank's RSS before its model was built")
-        lines = [f"memory per rank, planned vs measured ({what}):"]
-        for stage, (plan, got) in enumerate(zip(planned, worst)):
-            lines.append(f"  stage {stage}: planned {plan / GiB:.3f} GiB, measured "
-                         f"{got / GiB:.3f} GiB ({got / plan:.2f}x)")
+        planned = memory_plan(self.config.model, self.layout, options)["per_stage"]
+        worst = [[0, 0] for _ in planned]
+        for rank, values in enumerate(measured):
+            stage = worst[self.layout.coords(rank).pp]
+            stage[:] = [max(a, b) for a, b in zip(stage, values)]
+        cuda = self.device.type == "cuda"
+        lines = ["memory per rank, planned (layout.json's memory.per_stage: tensors) vs this run:"]
+        for plan, (state, peak) in zip(planned, worst):
+            measured_peak = (f"CUDA max allocated {size(peak)} ({peak / plan['peak_bytes']:.2f}x)"
+                             if cuda else f"resident set grew {size(peak)}")
+            lines.append(f"  stage {plan['stage']}: state planned {size(plan['total_bytes'])}, "
+                         f"held {size(state)} ({state / plan['total_bytes']:.2f}x); peak "
+                         f"planned {size(plan['peak_bytes'])}, {measured_peak}")
+        lines.append(
+            "  (held: the weights, gradients and optimizer state each rank holds, counted tensor "
+            "by tensor; " + ("max allocated counts tensors too)" if cuda else
+                             "resident set: the rank's process since before its model was built, "
+                             "the tensors and the interpreter's, libraries' and C allocator's "
+                             "growth, which the plan does not count; dry_run_rank=R counts a "
+                             "step's tensors by the allocator)"))
         return lines
