@@ -1,15 +1,19 @@
 """python -m trainer.generate: greedy decoding with our KV cache gives the tokens transformers'
 own generate gives on the same weights (random tiny Llama with GQA and rope scaling, Qwen3 and
 Mixtral, imported with trainer.hf), sampling draws from the distribution transformers' logits
-warpers give on the same logits, and the command finds the checkpoint and its tokenizer."""
+warpers give on the same logits, and the command finds the checkpoint and its tokenizer (and
+refuses another: tests/integration/test_generate_cli.py holds the other refusals)."""
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from test_generate_cli import generate as run_main
+from test_generate_cli import refused
 from test_hf import hf_model
 
 from trainer.checkpoint.hf import import_hf
@@ -66,7 +70,7 @@ def test_sampling_is_transformers_logits_warpers(temperature, top_p, dtype):
                      for _ in range(300)]
 
 
-def test_the_command_uses_the_tokenizer_an_import_kept(tmp_path):
+def test_the_command_uses_the_tokenizer_an_import_kept(tmp_path, capsys):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     hf_model("mha_tied_sharded", tmp_path / "hf")  # vocabulary 256
@@ -76,6 +80,7 @@ def test_the_command_uses_the_tokenizer_an_import_kept(tmp_path):
     tok.train_from_iterator(["hello world"] * 3, trainers.BpeTrainer(
         vocab_size=256, special_tokens=["<|endoftext|>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.add_tokens(["<|extra|>"])  # id 257: a token past the model's 256 rows
     tok.save(str(tmp_path / "hf" / "tokenizer.json"))
     import_hf(tmp_path / "hf", tmp_path / "imported")
     done = subprocess.run([sys.executable, "-m", "trainer.generate", str(tmp_path / "imported"),
@@ -83,6 +88,19 @@ def test_the_command_uses_the_tokenizer_an_import_kept(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "(kept by trainer.hf import); prompt" in done.stderr and done.stdout.strip()
+    # another tokenizer is refused (the byte one would decode this BPE model's ids as garbage);
+    # a copy of the model's is taken
+    imported = tmp_path / "imported"
+    refused(capsys, imported, "--prompt", "hello", "--tokenizer", "byte",
+            names=("--tokenizer byte is not the tokenizer this model was trained with",
+                   "kept by trainer.hf import", "256 tokens against its 258"))
+    shutil.copytree(tmp_path / "hf", tmp_path / "copy")
+    code, _, err = run_main(capsys, imported, "--prompt", "hello", "--max-new-tokens", 2,
+                            "--tokenizer", tmp_path / "copy")
+    assert code == 0 and "(--tokenizer, the model's: kept by trainer.hf import)" in err, err
+    # the model's own tokenizer has tokens the model has no row for: a prompt of one
+    refused(capsys, imported, "--prompt", "hello <|extra|>",
+            names=("--prompt encodes to id 257", "vocabulary of 256"))
     bad = subprocess.run([sys.executable, "-m", "trainer.generate", str(tmp_path / "nowhere"),
                           "--prompt", "x"], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1
