@@ -15,10 +15,15 @@ messages[:i + 1]. Each must extend the one before; a template that renders earli
 differently once later ones follow (some drop earlier reasoning) is one line naming the
 conversation, and --loss-on all trains on it as it is. A token counts when it starts inside an
 assistant span (its end-of-turn marker included, so the model learns to stop).
+
+A template is the user's code: one that Jinja cannot read (a syntax error, an unknown filter),
+that is empty, that fails on a conversation or loops without end (MAX_LOOP_STEPS) is one line
+naming it, for trainer.prepare --chat and trainer.generate --chat alike.
 """
 from __future__ import annotations
 
 import json
+import time
 from datetime import datetime
 from typing import Any
 
@@ -36,24 +41,42 @@ class ChatEncoder:
         if isinstance(template, list):  # named templates: the default one
             template = next((t["template"] for t in template if t.get("name") == "default"),
                             None)
+        fix = ("Fix: pass --tokenizer with the folder of a chat model's tokenizer "
+               "(tokenizer.json + tokenizer_config.json)")
         if not isinstance(template, str):
             raise ValueError(f"--chat: the tokenizer {tok.name} has no chat_template in its "
-                             f"tokenizer_config.json. Fix: pass --tokenizer with the folder of a "
-                             f"chat model's tokenizer (tokenizer.json + tokenizer_config.json)")
+                             f"tokenizer_config.json. {fix}")
+        if not template.strip():
+            raise ValueError(f"--chat: the chat_template in the tokenizer_config.json of "
+                             f"{tok.name} is empty: it would render every conversation as "
+                             f"nothing. {fix}")
+        import jinja2
+
         self.tok, self.loss_on, self.source = tok, loss_on, tok.name
-        self.template = _environment().from_string(template)
+        try:
+            self.template = _environment().from_string(template)
+        except jinja2.TemplateSyntaxError as error:  # unknown filters and tests too
+            said = (error.message or "").rstrip(".")
+            raise ValueError(f"--chat: the chat_template in the tokenizer_config.json of "
+                             f"{tok.name} is not a template Jinja reads ({said}, line "
+                             f"{error.lineno}). Fix: correct it there, or pass --tokenizer with "
+                             f"another chat model's tokenizer folder") from None
         self.special = {key: _content(value) for key, value in tok.config.items()
                         if key.endswith("_token") and _content(value) is not None}
 
     def render(self, messages: list[dict], where: str, generation_prompt: bool = False) -> str:
         import jinja2
 
+        self.template.environment.start_render()
         try:
             return self.template.render(messages=messages, tools=None, documents=None,
                                         add_generation_prompt=generation_prompt, **self.special)
-        except jinja2.TemplateError as error:
+        except Exception as error:  # noqa: BLE001  (the template is code: anything it raises)
+            what = str(error) if isinstance(error, jinja2.TemplateError) else \
+                f"{type(error).__name__}: {error}"
             raise ValueError(f"{where}: the chat template of {self.source} fails to render this "
-                             f"conversation ({error})") from None
+                             f"conversation ({what}). Fix: correct the conversation or the "
+                             f"template, or pass --tokenizer with another") from None
 
     def encode(self, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
         """(ids with the end-of-document id, loss mask: 1 where the token is a target)."""
@@ -86,10 +109,52 @@ class ChatEncoder:
         return spans
 
 
+# Jinja's sandbox caps one range() at 100,000 numbers but not the loops a template nests, so
+# two nested loops over range(100000) run 10^10 steps: hours. A template loops over the messages
+# (a few times: Qwen3's walks them backwards too) and their tool calls, so a million steps in
+# one render is far beyond any real one and stops a runaway one in a few seconds. Steps are
+# counted rather than seconds so that a conversation passes or fails alike on every machine;
+# the time limit, checked at each step too, is the backstop for a loop of few steps whose body
+# is slow (a filter over a long sequence each time), at a bound no real template comes near
+# (they render in milliseconds).
+MAX_LOOP_STEPS = 1_000_000
+MAX_RENDER_SECONDS = 20.0
+
+
 def _environment():
     from jinja2 import nodes
+    from jinja2.compiler import CodeGenerator
+    from jinja2.exceptions import TemplateRuntimeError
     from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    class CountedLoops(CodeGenerator):
+        """Every {% for %} body, and its `if` filter (which skips items without entering the
+        body), counts a step first (environment.loop_step)."""
+
+        def visit_For(self, node, frame):
+            def step():
+                return nodes.Call(nodes.EnvironmentAttribute("loop_step"), [], [], None, None)
+
+            node.body = [nodes.ExprStmt(step()), *node.body]
+            if node.test is not None:
+                node.test = nodes.And(step(), node.test)
+            super().visit_For(node, frame)
+
+    class Sandbox(ImmutableSandboxedEnvironment):
+        code_generator_class = CountedLoops
+
+        def start_render(self):
+            self.loop_steps, self.deadline = 0, time.monotonic() + MAX_RENDER_SECONDS
+
+        def loop_step(self) -> bool:
+            self.loop_steps += 1
+            if self.loop_steps > MAX_LOOP_STEPS:
+                raise TemplateRuntimeError(f"it runs more than {MAX_LOOP_STEPS:,} loop steps, "
+                                           f"a loop that would not end in reasonable time")
+            if time.monotonic() > self.deadline:
+                raise TemplateRuntimeError(f"it loops for more than {MAX_RENDER_SECONDS:.0f} s")
+            return True
 
     class Generation(Extension):
         """{% generation %}...{% endgeneration %}, which some templates wrap the assistant's
@@ -106,8 +171,7 @@ def _environment():
         def _body(self, caller):
             return caller()
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[Generation, loopcontrols])
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)

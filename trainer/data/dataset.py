@@ -182,6 +182,11 @@ def write_dataset(reader: Reader, folder: Path, tok: Tokenizer, valid_fraction: 
     if num_tokens == 0:
         raise ValueError(f"the sources ({len(reader.files)} files) hold no tokens: every "
                          f"document is empty")
+    if chat is not None and counted == 0:
+        raise ValueError(f"--chat --loss-on {chat.loss_on}: not one token of the "
+                         f"{len(doc_starts):,} conversations is a target (none has an "
+                         f"assistant turn that {chat.source}'s chat template writes), so nothing "
+                         f"would train. Fix: add the assistant's answers, or pass --loss-on all")
     start = split_point(doc_starts, num_tokens, valid_fraction)
     meta = {"format_version": FORMAT_VERSION, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
             "eod_id": tok.eod_id, "dtype": dtype_name, "num_tokens": num_tokens,
