@@ -21,6 +21,7 @@ torch-free (a check that leaked to a later stage would fail the row with an Impo
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -45,7 +46,7 @@ PP2 = "cluster.procs_per_node=2 parallel.pipeline_model_parallel_size=2"
 
 @dataclass(frozen=True)
 class Row:
-    overrides: str  # {ds} {notds} {trunc} {empty} {file}: folders the `paths` fixture makes
+    overrides: str  # {ds} {notds} {trunc} {empty} {file} {chat...}: what `paths` makes
     named: tuple[str, ...]  # must appear in the message line: the key and its value
     kind: str = OURS
     start: bool = False  # a real start (no dry_run=true)
@@ -278,6 +279,13 @@ TABLE = [
     R("data.path={file}", ("data.path=", "is a file")),
     R(f"data.path={{notds}} {SHORT}", ("data.path=", "meta.json"), start=True),
     R(f"data.path={{trunc}} {SHORT}", ("data.path=", "tokens.bin", "truncated"), start=True),
+    # a loss mask that trains nothing: ranks started, then "no loss tokens" in 18 lines
+    R(f"data.path={{chatcut}} data.pack=true train.seq_length=32 train.eval_interval=null {SHORT}",
+      ("data.path=", "no target in the train split", "train.seq_length + 1 = 33"), start=True,
+      torch=True),
+    R(f"data.path={{chatnone}} train.seq_length=32 train.eval_interval=null {SHORT}",
+      ("data.path=", "no target in the train split, so", "--loss-on all"), start=True,
+      torch=True),
     R("data.path={ds} data.tokenizer=byte", ("data.tokenizer='byte'", "data.path=")),
     R("data.path={ds} data.valid_fraction=0.1", ("data.valid_fraction=0.1", "data.path=")),
     R("data.path={ds} data.cache_dir=/tmp", ("data.cache_dir='/tmp'",)),
@@ -330,7 +338,8 @@ TABLE = [
 
 @pytest.fixture(scope="module")
 def paths(tmp_path_factory) -> dict[str, Path]:
-    """A prepared dataset ({ds}, ~100k byte tokens, a tenth valid), a truncated copy, a folder
+    """A prepared dataset ({ds}, ~100k byte tokens, a tenth valid), a truncated copy, chats
+    (chat_datasets), a folder
     that is no dataset, a plain file, an empty folder (no checkpoints) and a torch blocker."""
     from trainer.data.dataset import prepare
 
@@ -348,7 +357,38 @@ def paths(tmp_path_factory) -> dict[str, Path]:
     block.mkdir(parents=True)
     (block / "__init__.py").write_text("raise ImportError('torch imported before refusing')\n")
     return {"ds": ds, "trunc": trunc, "notds": src, "file": ds / "meta.json",
-            "empty": root / "empty", "root": root, "no_torch": block.parent}
+            "empty": root / "empty", "root": root, "no_torch": block.parent,
+            **chat_datasets(root)}
+
+
+def chat_datasets(root: Path) -> dict[str, Path]:
+    """Chats (a BPE of 64 ids, ChatML) whose loss mask trains nothing: {chatcut}, every answer
+    after a prompt longer than a packed sample of 33 tokens; {chatnone}, its mask all 0, as a
+    dataset from before trainer.prepare refused chats without a target."""
+    import json
+
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from trainer.data.dataset import prepare
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["what is two and two? it is four."] * 4, trainers.BpeTrainer(
+        vocab_size=64, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        show_progress=False))
+    folder = root / "chat_tokenizer"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    shutil.copy(ROOT / "tests" / "data" / "chat_templates" / "chatml.json",
+                folder / "tokenizer_config.json")
+    chat = [{"role": "user", "content": "what is two and two? " * 8},
+            {"role": "assistant", "content": "it is four."}]
+    (root / "chats.jsonl").write_text((json.dumps({"messages": chat}) + "\n") * 40)
+    out = {name: prepare(root / "chats.jsonl", root / name, 0.1, folder, chat=True)
+           for name in ("chatcut", "chatnone")}
+    (out["chatnone"] / "loss_mask.bin").write_bytes(
+        bytes((out["chatnone"] / "loss_mask.bin").stat().st_size))
+    return out
 
 
 def run_row(index: int, row: Row, paths: dict[str, Path]) -> subprocess.CompletedProcess:

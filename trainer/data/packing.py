@@ -24,11 +24,7 @@ class Packs:
     padding."""
 
     def __init__(self, doc_starts: np.ndarray, start: int, end: int, length: int):
-        inside = doc_starts[(doc_starts > start) & (doc_starts < end)]
-        edges = np.concatenate(([start], inside, [end]))  # a split may start inside a document
-        self.begins = edges[:-1].astype(np.int64)
-        self.sizes = np.minimum(np.diff(edges), length).astype(np.int64)
-        self.truncated = int((np.diff(edges) > length).sum())
+        self.begins, self.sizes, self.truncated = examples(doc_starts, start, end, length)
         self.length, self.examples = length, len(self.begins)
         bins = _best_fit_decreasing(self.sizes.tolist(), length)
         bins = sorted(sorted(b) for b in bins)  # documents in data order, packs by the first
@@ -81,6 +77,17 @@ class Packs:
                 end = at + size
             out[row, end:] = end
         return out
+
+
+def examples(doc_starts: np.ndarray, start: int, end: int, length: int
+             ) -> tuple[np.ndarray, np.ndarray, int]:
+    """The documents of [start, end) as packing keeps them: (first tokens, sizes cut to
+    `length`, how many were cut)."""
+    inside = doc_starts[(doc_starts > start) & (doc_starts < end)]
+    edges = np.concatenate(([start], inside, [end]))  # a split may start inside a document
+    sizes = np.diff(edges)
+    return (edges[:-1].astype(np.int64), np.minimum(sizes, length).astype(np.int64),
+            int((sizes > length).sum()))
 
 
 def _best_fit_decreasing(sizes: list[int], capacity: int) -> list[list[int]]:

@@ -9,11 +9,14 @@ import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from trainer.checks import check_writable
 from trainer.config import DataConfig, ModelConfig, TrainConfig
 from trainer.data.blend import parse_blend, samples_per_part
 from trainer.data.dataset import TOKENIZERS, TokenDataset, builtin_corpus, builtin_location
 from trainer.data.megatron import is_indexed, largest_token, open_indexed
+from trainer.data.packing import examples
 
 BUILTIN_VALID_FRACTION = 0.01  # data.valid_fraction=null with the built-in corpus
 PREPARE_FIX = ("point data.path at a folder made by `python -m trainer.prepare SRC_FOLDER "
@@ -129,14 +132,17 @@ class DataSource:
                         f"samples. Fix: lower train.eval_samples, or hold out more of it.")
         return cls(Path(f"blend of {len(parts)}"), False, float("nan"), blend=tuple(parts))
 
-    def prepare(self, train: TrainConfig) -> None:
+    def prepare(self, train: TrainConfig, pack: bool = False) -> None:
         """Before any rank starts: the built-in corpus is prepared once, or checked if it is there
         (a data.path was checked when the spec was settled), and its splits against `train`; a
         Megatron dataset, whose index records no vocabulary, has its tokens read for the largest
         id (all of them up to 64M tokens, else evenly spread blocks of that many: the stream
-        checks every sample it reads, so an id past the vocabulary never trains)."""
+        checks every sample it reads, so an id past the vocabulary never trains); a dataset
+        with a loss mask must leave a target in the splits the run reads (_check_targets)."""
         for _, part in self.blend:
-            part.prepare(train)
+            part.prepare(train, pack)
+        if not (self.blend or self.builtin or self.megatron):
+            _check_targets(self.open(), train, pack)
         if self.builtin:
             builtin_corpus(self.path.parent, self.valid_fraction)
             _check_splits(self.open().meta["splits"], f"null (the built-in corpus, {self.path})",
@@ -206,6 +212,48 @@ def _check_splits(splits: dict, where: str, train: TrainConfig) -> None:
             f"evaluation would repeat samples. Fix: lower train.eval_samples, or hold out more "
             f"(data.valid_fraction for the built-in corpus or a Megatron dataset, "
             f"`python -m trainer.prepare --valid-fraction` for a prepared one).")
+
+
+def _check_targets(dataset: TokenDataset, train: TrainConfig, pack: bool) -> None:
+    """A loss mask (trainer.prepare --chat) that leaves no target in a split the run reads
+    would fail the first step ("no loss tokens") after every rank started: say it first. Its
+    mask is read until a target turns up (at once, for any real chat data; the whole split's
+    mask, a byte a token, when there is none). Without data.pack the windows' targets are the
+    split's tokens but its first; with it, each example is cut to seq_length + 1 tokens."""
+    if dataset.loss_mask is None:
+        return
+    mask, length = dataset.loss_mask, train.seq_length + 1
+    doc_starts = np.asarray(dataset.meta["doc_starts"], dtype=np.int64)
+    for split in ("train", "valid") if train.eval_interval is not None else ("train",):
+        start, end = dataset.split(split)
+        if pack:
+            begins, sizes, _ = examples(doc_starts, start, end, length)
+        else:  # the windows' targets: every token of theirs but the split's first
+            windows = (end - start - 1) // train.seq_length
+            begins, sizes = np.asarray([start + 1]), np.asarray([windows * train.seq_length])
+        if _any_target(mask, begins, begins + sizes):
+            continue
+        if _any_target(mask, np.asarray([start]), np.asarray([end])):
+            why = (f" once data.pack cuts each example to train.seq_length + 1 = {length} tokens "
+                   f"(its answer comes after its prompt)")
+            fix = "raise train.seq_length above the prompts, or prepare shorter examples"
+        else:
+            why, fix = "", ("prepare the data again (python -m trainer.prepare --chat refuses "
+                            "data with no target), or with --loss-on all")
+        raise ValueError(f"data.path={dataset.path}: its loss mask leaves no target in the "
+                         f"{split} split{why}, so a step would have no loss tokens. Fix: {fix}.")
+
+
+def _any_target(mask: np.ndarray, begins: np.ndarray, ends: np.ndarray) -> bool:
+    """Whether mask is nonzero in any of the ordered, disjoint ranges [begins, ends), read a
+    block at a time until it is."""
+    last, block = int(ends[-1]), 1 << 22
+    for at in range(int(begins[0]), last, block):
+        hits = np.flatnonzero(mask[at:min(at + block, last)]) + at
+        inside = np.searchsorted(begins, hits, side="right") - 1  # the range each hit is past
+        if (hits < ends[inside]).any():
+            return True
+    return False
 
 
 def _check_one_tokenizer(parts: list[tuple[float, DataSource]]) -> None:

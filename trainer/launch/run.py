@@ -28,7 +28,7 @@ def check_inputs(spec: RunSpec, run_dir: Path) -> None:
     """Before any rank starts; a problem is one line naming the key or the file. The checkpoint
     the run starts from is checked from its metadata (the ranks verify its checksums)."""
     try:
-        spec.data.prepare(spec.config.train)
+        spec.data.prepare(spec.config.train, spec.config.data.pack)
         save_dir = resume.save_folder(spec.config.checkpoint, run_dir)
         point = resume.find(spec.config.checkpoint, save_dir, None, lambda p: verify(p, None))
         if point is not None:
