@@ -1,7 +1,8 @@
 """Pipeline parallel trains the same model as one process (test_parity's method and
-tolerances), under each schedule and combined with the other axes, with 4 micro-batches per
-batch lane so every schedule reaches its steady state; and a checkpoint written under one
-pipeline layout loads under another (tests/multirank/test_layout_changes.py has the rest).
+tolerances), under each schedule, with uneven stages (num_layers_in_first/last_pipeline_stage)
+and combined with the other axes, with 4 micro-batches per batch lane so every schedule reaches
+its steady state; and a checkpoint written under one pipeline layout loads under another
+(tests/multirank/test_layout_changes.py has the rest).
 
 The full parameters are put together from the first rank of every stage: a stage holds its
 blocks only, so the comparison also shows each block trained on exactly one stage.
@@ -28,6 +29,7 @@ from test_parity import (
 )
 
 FOUR_LAYERS = replace(TINY, num_layers=4)
+FIVE_LAYERS = replace(TINY, num_layers=5)
 TIED = replace(TINY, tie_word_embeddings=True)
 MICRO_BATCHES = 4
 ONE_F_ONE_B, INTERLEAVED, GPIPE = (EngineOptions(pipeline_schedule=s) for s in SCHEDULES)
@@ -52,8 +54,18 @@ CASES = {
         tensor_parallel_num_sequence_shards=2), replace(
         ONE_F_ONE_B, cp_comm_type=CPCommType.a2a,
         recompute_granularity=RecomputeGranularity.selective), TINY),
+    # uneven stages (num_layers_in_first/last_pipeline_stage): 1 + 3 and 3 + 1 blocks; PP 3 with
+    # both ends set, 1 + 2 + 2 blocks of 5
+    "pp2_first1": (2, dict(pipeline_model_parallel_size=2, num_layers_in_first_pipeline_stage=1),
+                   ONE_F_ONE_B, FOUR_LAYERS),
+    "pp2_last1": (2, dict(pipeline_model_parallel_size=2, num_layers_in_last_pipeline_stage=1),
+                  ONE_F_ONE_B, FOUR_LAYERS),
+    "pp3_first1_last2": (3, dict(pipeline_model_parallel_size=3,
+                                 num_layers_in_first_pipeline_stage=1,
+                                 num_layers_in_last_pipeline_stage=2), ONE_F_ONE_B, FIVE_LAYERS),
 }
-FP64 = {"pp2_ws2_cp2", "pp2_virtual2"}
+UNEVEN = {"pp2_first1": [1, 3], "pp2_last1": [3, 1], "pp3_first1_last2": [1, 2, 2]}
+FP64 = {"pp2_ws2_cp2", "pp2_virtual2", *UNEVEN}
 PARAMS = [pytest.param(name, dtype, id=f"{name}-{label}") for name in CASES
           for dtype, label in ((torch.float32, "fp32"), (torch.float64, "fp64"))
           if dtype == torch.float32 or name in FP64]
@@ -72,6 +84,10 @@ def test_pipeline_layout_matches_one_process(name, dtype, references):
     results = run_ranks(world, train_rank, layout, batches, dtype, options, model, timeout=120)
     if model.tie_word_embeddings:  # held once by the checkpointable state, as embed.weight
         assert "head.weight" not in set().union(*(r["params"] or {} for r in results))
+    if name in UNEVEN:  # each stage trained the blocks the ends asked for
+        blocks = [{k.split(".")[1] for k in r["params"] or {} if k.startswith("layers.")}
+                  for r in results]
+        assert [len(b) for b in blocks] == UNEVEN[name], blocks
     assert_parity(results, ref, dtype, f"{name} {options.pipeline_schedule} (world {world})")
 
 
