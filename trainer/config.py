@@ -44,12 +44,31 @@ class RecomputeGranularity(Enum):
     full = "full"
 
 
-class LrDecayStyle(Enum):
+# Megatron's --lr-decay-style, spelled as Megatron spells it (each member's name is its value,
+# so `--cfg job` prints what Megatron takes); the earlier spellings inverse_sqrt and wsd stay as
+# aliases of the same members. Built by the functional API: a class body cannot name a member
+# "inverse-square-root".
+LrDecayStyle = Enum("LrDecayStyle", [
+    ("constant", "constant"), ("linear", "linear"), ("cosine", "cosine"),
+    ("inverse-square-root", "inverse-square-root"), ("WSD", "WSD"),
+    ("inverse_sqrt", "inverse-square-root"), ("wsd", "WSD")], module=__name__)
+
+
+class WsdDecayStyle(Enum):
+    """Megatron's --lr-wsd-decay-style: the shape of WSD's final anneal from lr to min_lr."""
+
+    linear = "linear"
+    cosine = "cosine"
+    exponential = "exponential"  # 2 x 0.5^r - 1 of the way down, r the share of the anneal
+    minus_sqrt = "minus_sqrt"  # 1 - sqrt(r)
+
+
+class WeightDecayIncrStyle(Enum):
+    """Megatron's --weight-decay-incr-style: weight decay from start to end over the run."""
+
     constant = "constant"
     linear = "linear"
     cosine = "cosine"
-    wsd = "wsd"
-    inverse_sqrt = "inverse_sqrt"
 
 
 class LoggerName(Enum):
@@ -243,7 +262,11 @@ class TrainConfig:
     # false | blocks: torch.compile each transformer block (regional compilation). Any, not an
     # enum: Hydra reads `false` as a boolean (trainer.checks says which values are valid).
     compile: Any = MISSING
-    train_samples: int = MISSING  # the run ends after this many samples (a multiple of the GBS)
+    train_samples: int = MISSING  # the run ends after this many samples (whole steps)
+    # Megatron's --rampup-batch-size [start, increment, samples]: the global batch starts at
+    # `start` and grows by `increment` every samples / ((global - start) / increment) consumed
+    # samples, reaching train.global_batch_size after `samples` (trainer.plan.rampup); null = none
+    rampup_batch_size: Optional[List[int]] = MISSING
     eval_interval: Optional[int] = MISSING  # steps between evaluations; null = never
     eval_samples: int = MISSING  # validation samples per evaluation
 
@@ -267,7 +290,13 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     name: str = MISSING  # the optimizer (trainer.checks.OPTIMIZERS): adamw
-    weight_decay: float = MISSING
+    weight_decay: float = MISSING  # constant weight decay (weight_decay_incr_style=constant)
+    # Megatron's names: weight decay from start to end over train.train_samples, by
+    # weight_decay_incr_style (linear or cosine; both keys then set, end >= start). constant:
+    # both null, weight_decay throughout (trainer.plan.schedule.WeightDecaySchedule)
+    start_weight_decay: Optional[float] = MISSING
+    end_weight_decay: Optional[float] = MISSING
+    weight_decay_incr_style: WeightDecayIncrStyle = MISSING
     beta1: float = MISSING
     beta2: float = MISSING
     eps: float = MISSING
@@ -276,13 +305,19 @@ class OptimConfig:
 
 @dataclass
 class ScheduleConfig:
+    """Megatron's sample-based schedule (trainer.plan.schedule): the step that consumes samples
+    [s, s + global batch) trains at Megatron's OptimizerParamScheduler.get_lr() at s samples."""
+
     lr_decay_style: LrDecayStyle = MISSING
     lr: float = MISSING
     min_lr: float = MISSING
+    lr_warmup_init: float = MISSING  # the lr warmup starts from (Megatron's --lr-warmup-init)
     lr_warmup_samples: Optional[int] = MISSING  # null = use lr_warmup_fraction (or none)
     lr_warmup_fraction: Optional[float] = MISSING  # of the decay span; not with warmup samples
     lr_decay_samples: Optional[int] = MISSING  # null = the whole run (train.train_samples)
-    lr_wsd_decay_samples: Optional[int] = MISSING  # wsd: length of the final anneal
+    lr_wsd_decay_samples: Optional[int] = MISSING  # WSD: length of the final anneal
+    # WSD: the anneal's shape; null = exponential, Megatron's default
+    lr_wsd_decay_style: Optional[WsdDecayStyle] = MISSING
 
 
 @dataclass

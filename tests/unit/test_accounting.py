@@ -18,7 +18,7 @@ from config_helpers import compose_config
 def train_config(**overrides) -> TrainConfig:
     values = dict(micro_batch_size=4, global_batch_size=None, seq_length=32,
                   precision=Precision.fp32, seed=1, train_samples=64, eval_interval=4,
-                  eval_samples=8)
+                  eval_samples=8, rampup_batch_size=None)
     return TrainConfig(**{**values, **overrides})
 
 

@@ -19,7 +19,7 @@ from trainer.data.source import DataSource
 from trainer.plan.accounting import RunPlan
 from trainer.plan.axes import check_model_fits_layout
 from trainer.plan.options import EngineOptions
-from trainer.plan.schedule import LrSchedule
+from trainer.plan.schedule import LrSchedule, WeightDecaySchedule
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class RunSpec:
     layout: Layout
     plan: RunPlan  # steps, evaluation batches, intervals
     schedule: LrSchedule
+    weight_decay: WeightDecaySchedule  # Megatron's get_wd() over consumed samples
     data: DataSource  # where the tokens are, and what is known of them before opening
     auto: Optional[Choice] = None  # parallel=auto: the search that chose the layout
 
@@ -75,6 +76,7 @@ def settle(cfg: DictConfig) -> RunSpec:
         check_model_fits_layout(config.model, layout, EngineOptions.from_config(config))
         plan = RunPlan.from_config(config.train, config.checkpoint, layout)
         schedule = LrSchedule.from_config(config.schedule, config.train.train_samples)
+        weight_decay = WeightDecaySchedule.from_config(config.optim, config.train.train_samples)
         data = DataSource.from_config(config.data, config.model, config.train)
         if config.logger.sample_prompts and data.tokenizer_file() is None:
             raise ValueError(f"logger.sample_prompts={list(config.logger.sample_prompts)} needs "
@@ -83,5 +85,5 @@ def settle(cfg: DictConfig) -> RunSpec:
                              f"sample a checkpoint with python -m trainer.generate --tokenizer.")
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    return RunSpec(config, layout, plan, schedule, data, auto)
+    return RunSpec(config, layout, plan, schedule, weight_decay, data, auto)
 

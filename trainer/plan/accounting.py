@@ -4,9 +4,11 @@ shards and TP change who reads a sample, not how many samples a step consumes.
 
 Progress is samples too: a run ends when it has consumed train.train_samples, so a resume under
 another global batch size continues at the checkpoint's consumed samples and ends exactly
-there. A run from the start is whole steps; after a resume from a count that is not a multiple
-of the new global batch, the last step is the smaller batch that is left, if that is a global
-batch of the layout (whole micro-batches on every batch lane); otherwise the resume is refused.
+there. A step's global batch is a function of the samples consumed before it: the layout's,
+or under train.rampup_batch_size Megatron's ramp (trainer.plan.rampup). A run from the start
+is whole steps; after a resume from a count the new steps do not reach exactly, the last step
+is the smaller batch that is left, if that is a global batch of the layout (whole micro-batches
+on every batch lane); otherwise the resume is refused.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from dataclasses import dataclass, replace
 
 from parallel.layout import Layout, LayoutError, multiples_near
 from trainer.config import CheckpointConfig, TrainConfig
+from trainer.plan.rampup import BatchRamp
 
 
 @dataclass(frozen=True)
@@ -23,17 +26,30 @@ class RunPlan:
     eval_interval: int | None  # steps
     eval_layout: Layout | None  # the layout whose global batch is one evaluation
     train_samples: int  # where the run ends, whatever global batch consumed the samples before
+    ramp: BatchRamp | None = None  # train.rampup_batch_size
 
     @classmethod
     def from_config(cls, train: TrainConfig, checkpoint: CheckpointConfig,
                     layout: Layout) -> RunPlan:
-        gbs = layout.global_batch_size
-        if train.train_samples < 1 or train.train_samples % gbs:
+        gbs, total = layout.global_batch_size, train.train_samples
+        ramp = BatchRamp.from_config(train.rampup_batch_size, layout)
+        ramped = 0  # where the ramp's steps leave the run (0 without a ramp)
+        for ramped, batch in ramp.steps(0, total) if ramp else ():
+            if batch < ramp.global_batch(ramped):  # the run ends inside a ramp step
+                ends = (ramped, ramped + ramp.global_batch(ramped))
+                raise ValueError(
+                    f"train.train_samples={total} ends inside a step of the batch ramp-up "
+                    f"({ramp.describe()}): a run is whole steps. Fix: set train.train_samples "
+                    f"to {ends[0]} or {ends[1]}.")
+            ramped += batch
+        if total < 1 or (total - ramped) % gbs:
+            after = f" after the ramp-up's steps end at {ramped:,} samples" if ramped else ""
+            near = " or ".join(str(ramped + int(n)) for n in
+                               multiples_near(total - ramped, gbs).split(" or "))
             raise ValueError(
-                f"train.train_samples={train.train_samples} is not a positive multiple of the "
-                f"global batch size {gbs} (train.micro_batch_size x batch_parallel_size x "
-                f"micro-batches): a run is whole steps. Fix: set train.train_samples to "
-                f"{multiples_near(train.train_samples, gbs)}.")
+                f"train.train_samples={total} is not a positive multiple of the global batch "
+                f"size {gbs} (train.micro_batch_size x batch_parallel_size x micro-batches)"
+                f"{after}: a run is whole steps. Fix: set train.train_samples to {near}.")
         eval_layout = None
         if train.eval_interval is not None:
             if train.eval_interval < 1:
@@ -53,20 +69,46 @@ class RunPlan:
             raise ValueError(f"checkpoint.save_interval={checkpoint.save_interval} must be >= 1 "
                              f"(steps). Fix: set it to a number of steps, or null to save only "
                              f"at the end.")
-        return cls(gbs, train.train_samples // gbs, train.eval_interval, eval_layout,
-                   train.train_samples)
+        plan = cls(gbs, 0, train.eval_interval, eval_layout, total, ramp)
+        return replace(plan, train_steps=plan.steps_from(0))
+
+    def batch_at(self, consumed: int) -> int:
+        """The global batch of the step that starts at `consumed` samples: the ramp's or the
+        layout's, or for a last step with fewer samples left, what is left."""
+        full = self.ramp.global_batch(consumed) if self.ramp else self.global_batch_size
+        return min(full, self.train_samples - consumed)
+
+    def _ramp_steps(self, consumed: int) -> list[tuple[int, int]]:
+        """(consumed, batch) of the ramp's steps from `consumed` (none without a ramp)."""
+        return list(self.ramp.steps(consumed, self.train_samples)) if self.ramp else []
+
+    def _after_ramp(self, consumed: int) -> tuple[int, int]:
+        """(the ramp's steps from `consumed`, the samples consumed once they are taken)."""
+        ramp = self._ramp_steps(consumed)
+        return len(ramp), sum(ramp[-1]) if ramp else consumed
 
     def steps_from(self, consumed: int) -> int:
         """Steps left once `consumed` samples have been trained (the last may be smaller)."""
-        return max(-(-(self.train_samples - consumed) // self.global_batch_size), 0)
+        steps, consumed = self._after_ramp(consumed)
+        return steps + max(-(-(self.train_samples - consumed) // self.global_batch_size), 0)
 
     def step_layout(self, layout: Layout, consumed: int) -> Layout:
-        """The layout of the step that starts at `consumed` samples: the run's, or for a last
-        step with fewer samples left than a global batch, the same with that global batch (a
-        LayoutError when it is not one: check_resume refuses that before any rank starts)."""
-        left = self.train_samples - consumed
-        return layout if left >= self.global_batch_size else replace(layout,
-                                                                      global_batch_size=left)
+        """The layout of the step that starts at `consumed` samples: the run's with this step's
+        global batch (a LayoutError when a last step's is not one: check_resume refuses that
+        before any rank starts)."""
+        batch = self.batch_at(consumed)
+        return layout if batch == layout.global_batch_size else replace(layout,
+                                                                         global_batch_size=batch)
+
+    def last_step(self, consumed: int) -> int | None:
+        """The samples of the last step from `consumed` when it is cut short (fewer left than
+        the step's global batch), else None."""
+        ramp = self._ramp_steps(consumed)
+        if ramp and sum(ramp[-1]) == self.train_samples:  # the ramp's steps end the run
+            start, batch = ramp[-1]
+            return batch if batch < self.ramp.global_batch(start) else None
+        cut = (self.train_samples - (sum(ramp[-1]) if ramp else consumed)) % self.global_batch_size
+        return cut or None
 
     def check_resume(self, layout: Layout, consumed: int, where: str, saved_gbs: int | None,
                      again_ok: bool) -> None:
@@ -81,11 +123,12 @@ class RunPlan:
                 f"{total}: nothing is left to train. Fix: set train.train_samples above "
                 f"{consumed} (a multiple of the global batch size {self.global_batch_size}) to "
                 f"train on, or start from another checkpoint.")
-        left = total - consumed
-        if left % self.global_batch_size == 0:
+        left, cut = total - consumed, self.last_step(consumed)
+        gbs_key = f"train.global_batch_size={self.global_batch_size}"
+        if cut is None:
             return
         try:
-            self.step_layout(layout, total - left % self.global_batch_size)
+            self.step_layout(layout, total - cut)
         except LayoutError as error:
             # Every global batch of this layout is a multiple of one unit (whole micro-batches on
             # every lane, in groups of PP when interleaved) and the run's is one: so the samples
@@ -96,11 +139,11 @@ class RunPlan:
                     f"{layout.micro_batch_times_batch_parallel_size * groups}")
             saved = (f" (the checkpoint was saved at train.global_batch_size={saved_gbs})"
                      if saved_gbs else "")
+            of = f"the batch ramp-up and of {gbs_key}" if self.ramp else gbs_key
             raise ValueError(
                 f"{where} has consumed {consumed:,} samples: the {left:,} left to "
-                f"train.train_samples={total} are {left // self.global_batch_size} step(s) of "
-                f"train.global_batch_size={self.global_batch_size} and a last one of "
-                f"{left % self.global_batch_size} sample(s), which is no global batch of this "
+                f"train.train_samples={total} are {self.steps_from(consumed) - 1} step(s) of "
+                f"{of} and a last one of {cut} sample(s), which is no global batch of this "
                 f"layout ({str(error).split(' Fix:')[0]}). Fix: resume with a "
                 f"train.micro_batch_size and layout where {unit} divides the {left:,} samples "
                 f"left{saved}.") from None

@@ -52,6 +52,7 @@ def format_report(spec: RunSpec, record: dict[str, Any]) -> str:
         f"CP={p.context_parallel_size} EP={layout.ep_size} ETP={layout.etp_size} "
         f"PP={p.pipeline_model_parallel_size} micro_batch={config.train.micro_batch_size} "
         f"seq_length={config.train.seq_length}",
+        training_line(spec),
         "", "derived (config node `layout`):",
     ]
     lines += [f"  {key:32s} {value}" for key, value in layout.derived().items()]
@@ -147,6 +148,17 @@ def format_report(spec: RunSpec, record: dict[str, Any]) -> str:
     if spec.auto is not None:
         lines += auto_lines(spec.auto)
     return "\n".join(lines)
+
+
+def training_line(spec: RunSpec) -> str:
+    """The steps, their global batch (a ramp-up's sizes) and Megatron's schedule."""
+    plan = spec.plan
+    batch = f"global batch {plan.global_batch_size}"
+    if plan.ramp:  # the memory plan below is the largest batch's (the most micro-batches)
+        batch = (f"{plan.ramp.describe()}, then {plan.global_batch_size}; memory planned at "
+                 f"{plan.global_batch_size} ({spec.layout.num_microbatches} micro-batches)")
+    return (f"training: {plan.train_steps:,} steps, {batch}, to {plan.train_samples:,} samples; "
+            f"{spec.schedule.describe()}; {spec.weight_decay.describe()}")
 
 
 def auto_lines(choice: Choice) -> list[str]:

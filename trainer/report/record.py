@@ -66,10 +66,21 @@ def layout_record(spec: RunSpec) -> dict[str, Any]:
         "pipeline": {"bubble_fraction": ideal_bubble_fraction(
             layout.pp_size, layout.num_microbatches, layout.virtual_pipeline_size)},
         "warnings": nvlink_warnings(layout, config.cluster.gpus_per_nvlink_domain),
+        "training": training_record(spec),
     }
     if spec.auto is not None:
         record["auto"] = spec.auto.as_dict()
     return record
+
+
+def training_record(spec: RunSpec) -> dict[str, Any]:
+    """The sample plan and Megatron's schedule: steps, each step's batch, lr and weight decay."""
+    plan, ramp = spec.plan, spec.plan.ramp
+    return {"train_samples": plan.train_samples, "train_steps": plan.train_steps,
+            "global_batch_size": plan.global_batch_size,
+            "rampup_batch_size": [ramp.start, ramp.increment, ramp.samples] if ramp else None,
+            "lr_schedule": spec.schedule.describe(),
+            "weight_decay": spec.weight_decay.describe()}
 
 
 def write_layout_json(record: dict[str, Any], run_dir: Path) -> Path:

@@ -1,8 +1,9 @@
 """The training loop of one rank: data, schedule, steps, evaluation, checkpoints, logging.
 
 Every rank runs it with the same typed config; the default process group must already exist.
-Counts are samples: step s trains on samples [s x GBS, (s+1) x GBS) of the shuffled stream, and
-the learning rate is the schedule's value at the samples consumed by the end of the step.
+Counts are samples: the step that starts at c consumed samples trains on samples [c, c + its
+global batch) of the shuffled stream (the batch is the plan's at c: a ramp-up's, or the last
+step's remainder), at the learning rate and weight decay of Megatron's scheduler at c.
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class Trainer:
         self.layout, self.device = spec.layout, device
         self.rank, self.meta, self.watch = dist.get_rank(), meta or {}, watch
         self.run_dir, self.timeout_s = run_dir, config.cluster.timeout_s
-        self.plan, self.schedule = spec.plan, spec.schedule
+        self.plan, self.schedule, self.weight_decay = spec.plan, spec.schedule, spec.weight_decay
         self.save_interval = config.checkpoint.save_interval
         self.train_stream, self.valid_stream = open_streams(
             spec.data, self.layout.seq_length, config.data.seed, bool(self.plan.eval_interval),
@@ -81,7 +82,8 @@ class Trainer:
                            backend_timeout_s(config.cluster.timeout_s))
         self.total_steps = self.state.step + self.plan.steps_from(self.state.consumed_samples)
         self.logger = MetricsLogger(run_dir, config.logger, self.rank == 0, self.total_steps,
-                                    (self.state.consumed_samples, self.plan.train_samples))
+                                    (self.state.consumed_samples, self.plan.train_samples),
+                                    ramp=self.plan.ramp is not None)
         self.logger.forget_after(self.state.step)  # steps logged after the checkpoint run again
 
     def run(self, keep_records: bool = False) -> list[dict[str, Any]]:
@@ -96,10 +98,11 @@ class Trainer:
 
     def _run(self, keep_records: bool) -> list[dict[str, Any]]:
         plan, state, layout, logger = self.plan, self.state, self.layout, self.logger
-        start = (f"{layout.world_size} rank(s), global batch {plan.global_batch_size} samples, "
-                 f"{self.total_steps} steps from step {state.step} (samples "
-                 f"{state.consumed_samples:,} to {plan.train_samples:,}); "
-                 f"{self.schedule.describe()}")
+        batch = (plan.ramp.describe() if plan.ramp
+                 else f"global batch {plan.global_batch_size} samples")
+        start = (f"{layout.world_size} rank(s), {batch}, {self.total_steps} steps from step "
+                 f"{state.step} (samples {state.consumed_samples:,} to {plan.train_samples:,}); "
+                 f"{self.schedule.describe()}; {self.weight_decay.describe()}")
         if self.compiles:  # torch compiles on the first call, which CompileWatch times
             start += "; train.compile=blocks: the first step compiles the blocks"
         logger.note(start)
@@ -111,17 +114,20 @@ class Trainer:
                         f" of train.train_samples={plan.train_samples:,}")
         while state.consumed_samples < plan.train_samples:
             started, consumed = time.perf_counter(), state.consumed_samples
-            step_layout = plan.step_layout(layout, consumed)  # smaller only for a last step
+            step_layout = plan.step_layout(layout, consumed)  # a ramp's, or a short last step
             samples = step_layout.global_batch_size
             micro_batches = rank_micro_batches(self.train_stream, step_layout, self.rank,
                                                self.device, self.documents, consumed)
             data_s = time.perf_counter() - started
-            lr = self.schedule.lr(consumed + samples)
+            # Megatron's scheduler is stepped after each update: a step trains at its values
+            # for the samples consumed before it (the first warmup step at lr_warmup_init).
+            lr, weight_decay = self.schedule.lr(consumed), self.weight_decay.weight_decay(consumed)
             self.engine.groups.stats.reset()
             if self.compiles:
                 self.compiles.start()
             try:
-                result = train_step(self.engine.model, self.engine.optimizer, micro_batches, lr)
+                result = train_step(self.engine.model, self.engine.optimizer, micro_batches, lr,
+                                    weight_decay=weight_decay)
             except NonFiniteStep as error:
                 self.finish_saves()
                 logger.close()
@@ -132,7 +138,8 @@ class Trainer:
             last = state.consumed_samples == plan.train_samples
             speed = self.throughput.step(samples * layout.seq_length,
                                          time.perf_counter() - started, data_s)
-            record = {"consumed_samples": state.consumed_samples, "loss": result.loss, "lr": lr,
+            record = {"consumed_samples": state.consumed_samples, "global_batch_size": samples,
+                      "loss": result.loss, "lr": lr, "weight_decay": weight_decay,
                       "grad_norm": result.grad_norm, "loss_tokens": result.loss_tokens,
                       "empty_samples": result.empty_samples, **speed.as_dict(),
                       "comm_bytes": self.engine.groups.stats.by_op(),  # this rank, this step

@@ -29,10 +29,12 @@ class MetricsLogger:
     of a resumed run may hold another global batch than the steps before)."""
 
     def __init__(self, run_dir: Path, cfg: LoggerConfig, writer: bool, total_steps: int,
-                 samples: tuple[int, int], config: dict[str, Any] | None = None):
+                 samples: tuple[int, int], config: dict[str, Any] | None = None,
+                 ramp: bool = False):
         """samples: (consumed when this run starts, train.train_samples); a resumed run times
-        only its own steps."""
+        only its own steps. ramp: a batch ramp-up, whose step's batch each line shows."""
         self.cfg, self.writer, self.total_steps = cfg, writer, total_steps
+        self.ramp = ramp
         self.first_samples, self.total_samples = samples
         self.path = run_dir / "metrics.jsonl"
         self.started = time.perf_counter()
@@ -79,6 +81,8 @@ class MetricsLogger:
             extra += f"dropped {record['moe_dropped']:.2%} | "
         if record.get("empty_samples"):  # a loss mask left samples with no counted token
             extra += f"{record['empty_samples']} sample(s) count no token | "
+        if self.ramp:  # the batch changes from step to step
+            extra = f"batch {record['global_batch_size']} | " + extra
         print(f"step {step:>6d}/{self.total_steps} | samples {record['consumed_samples']:>9,d} | "
               f"loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
               f"grad norm {record['grad_norm']:.3f} | {extra}{record['tokens_per_s']:>9,.0f} tok/s "

@@ -84,15 +84,17 @@ class ShardedAdamW:
         tile_root = groups.tp.rank == 0 and groups.gtp_remat.rank == 0
         replica, expert_replica = groups.weight_replica, groups.expert_data_parallel
         self.buffers, param_groups = [], []
-        for params, decay, counted, group in ((sharded, cfg.weight_decay, True, replica),
-                                              (whole, cfg.weight_decay, tile_root, replica),
-                                              (norms, 0.0, tile_root, replica),
-                                              (experts, cfg.weight_decay, True, expert_replica)):
+        # wd_mult: Megatron's multiplier of the step's weight decay (0: norms, never decayed).
+        for params, wd_mult, counted, group in ((sharded, 1.0, True, replica),
+                                                (whole, 1.0, tile_root, replica),
+                                                (norms, 0.0, tile_root, replica),
+                                                (experts, 1.0, True, expert_replica)):
             if params:
                 buffer = FlatBuffer.build(params, group, layout, counted,
                                           group is expert_replica)
                 self.buffers.append(buffer)
-                param_groups.append({"params": [buffer.part], "weight_decay": decay})
+                param_groups.append({"params": [buffer.part], "wd_mult": wd_mult,
+                                     "weight_decay": cfg.weight_decay * wd_mult})
         # foreach=False: the same per-tensor kernels as a plain single-process AdamW.
         self.adam = torch.optim.AdamW(param_groups, lr=0.0, betas=(cfg.beta1, cfg.beta2),
                                       eps=cfg.eps, foreach=False)
@@ -122,8 +124,9 @@ class ShardedAdamW:
         return self.world.all_reduce(square).sqrt().item()
 
     @torch.no_grad()
-    def update(self, lr: float, grad_norm: float) -> None:
-        """Clip by the global norm, update this rank's parts, all-gather them."""
+    def update(self, lr: float, grad_norm: float, weight_decay: float | None = None) -> None:
+        """Clip by the global norm, update this rank's parts, all-gather them. weight_decay:
+        this step's, for the decayed buffers (None: optim.weight_decay as built)."""
         if self.clip is not None:
             # torch.nn.utils.clip_grad_norm_'s rule, so one process clips identically.
             scale = min(self.clip / (grad_norm + 1e-6), 1.0)
@@ -132,6 +135,8 @@ class ShardedAdamW:
                     buffer.part.grad.mul_(scale)
         for group in self.adam.param_groups:
             group["lr"] = lr
+            if weight_decay is not None:
+                group["weight_decay"] = weight_decay * group["wd_mult"]
         self.adam.step()
         for buffer in self.buffers:  # with one replica the part is the whole buffer, in place
             if buffer.replica.size > 1:

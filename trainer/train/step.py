@@ -41,9 +41,11 @@ class StepResult:
 
 
 def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: list[MicroBatch],
-               lr: float, mark: Callable[[str], None] | None = None) -> StepResult:
+               lr: float, mark: Callable[[str], None] | None = None,
+               weight_decay: float | None = None) -> StepResult:
     """mark: told "micro_batches" and then "update" as each part of the step begins (the
-    measured dry run counts what each allocates)."""
+    measured dry run counts what each allocates). weight_decay: this step's (Megatron's
+    schedule); None keeps optim.weight_decay."""
     mark = mark or (lambda phase: None)
     groups, device = model.groups, next(model.parameters()).device
     # Counted over token_distinct: TP ranks (and pipeline stages) share their tokens.
@@ -76,7 +78,7 @@ def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: lis
     grad_norm = optimizer.reduce_gradients()
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
         raise NonFiniteStep(loss, grad_norm)
-    optimizer.update(lr, grad_norm)
+    optimizer.update(lr, grad_norm, weight_decay)
     model.sync_stage_copies()
     return StepResult(loss=loss, grad_norm=grad_norm, loss_tokens=total_tokens,
                       empty_samples=empty_samples, moe=routing.finish(model.module, groups,
