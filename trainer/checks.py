@@ -170,6 +170,12 @@ def check_moe(model: ModelConfig) -> None:
                 fix="use e.g. 1e-3, or null for no z-loss")
     _finite("model.moe_router_bias_update_rate", model.moe_router_bias_update_rate, 0, False,
             fix="use e.g. 1e-3")
+    rate = model.moe_router_bias_update_rate
+    if not model.moe_router_enable_expert_bias and rate != ModelConfig.moe_router_bias_update_rate:
+        raise ValueError(f"model.moe_router_bias_update_rate={rate} is set but "
+                         "model.moe_router_enable_expert_bias=false: there is no expert bias to "
+                         "move, so nothing would read it. Fix: set "
+                         "model.moe_router_enable_expert_bias=true, or leave the rate out.")
     if model.moe_expert_capacity_factor is not None:
         _finite("model.moe_expert_capacity_factor", model.moe_expert_capacity_factor, 0, False,
                 fix="use e.g. 1.25 (each expert runs at most 1.25 x its even share), or null "

@@ -27,6 +27,11 @@ def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> N
         raise ValueError(
             f"{EP_KEY}={ep} splits a mixture of experts' experts, but the model is dense "
             f"(model.num_moe_experts=null). Fix: set {EP_KEY}=1, or model.num_moe_experts.")
+    if experts is None and layout.expert_tensor_parallel_size is not None:
+        raise ValueError(
+            f"{ETP_KEY}={layout.expert_tensor_parallel_size} splits a mixture of experts' "
+            f"experts, but the model is dense (model.num_moe_experts=null): nothing would read "
+            f"it. Fix: set {ETP_KEY}=null, or model.num_moe_experts.")
     if experts is not None and experts % ep:
         divisors = [d for d in range(1, experts + 1) if experts % d == 0]
         raise ValueError(
