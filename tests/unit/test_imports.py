@@ -186,3 +186,16 @@ def test_the_size_check_finds_a_re_derived_size():
     sizes = layout_sizes()
     assert derived_sizes("tile = step_layout.tp_size * step_layout.gtp_remat_size\n", sizes)
     assert not derived_sizes("rows = layout.tp_size * 2\n", sizes)
+
+
+def test_the_test_oracles_stay_out_of_the_product():
+    """megatron-core (the schedule's and ramp-up's oracle), peft and trl are test tooling (the
+    test extra): no module a run, a command or a benchmark imports names them. (transformers is
+    the test extra's too, but `trainer.hf standin` builds its stand-in model with it and
+    bench/hf_interop.py times against it, both on purpose.)"""
+    oracles = {"megatron", "peft", "trl"}
+    tops = ("trainer", "parallel", "hydra_plugins", "bench")
+    paths = [ROOT / "launch.py"] + [p for top in tops for p in (ROOT / top).rglob("*.py")]
+    for path in paths:
+        found = {m.split(".")[0] for m in imported_modules(path)} & oracles
+        assert not found, f"{path.relative_to(ROOT)} imports {sorted(found)}"
