@@ -170,3 +170,21 @@ def test_compose_time_refusals_name_the_key(overrides, named):
 
 def test_the_shipped_default_has_no_ramp():
     assert settle(compose_config()).plan.ramp is None
+
+
+def test_the_dry_run_says_the_ramp_and_plans_the_largest_batch():
+    from trainer.report.dry_run import format_report
+    from trainer.report.record import layout_record
+
+    spec = settle(compose_config("train.micro_batch_size=4", "train.global_batch_size=32",
+                                 "train.train_samples=424", "train.rampup_batch_size=[4,4,100]"))
+    record = layout_record(spec)
+    assert record["training"] == {
+        "train_samples": 424, "train_steps": len(megatron_steps([4, 4, 100], spec.layout, 424)),
+        "global_batch_size": 32,
+        "rampup_batch_size": [4, 4, 100], "lr_schedule": spec.schedule.describe(),
+        "weight_decay": "weight decay 0.1"}
+    assert record["derived"]["num_microbatches"] == 8  # the plan's: the largest batch's
+    line = format_report(spec, record).splitlines()[3]
+    assert line.startswith("training: 20 steps, batch ramp-up 4 to 32 by 4 every 14.2857 samples")
+    assert "memory planned at 32 (8 micro-batches)" in line
