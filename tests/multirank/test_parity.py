@@ -129,6 +129,20 @@ def reference_update(model: Transformer, opt: torch.optim.AdamW, lr: float) -> f
     return norm
 
 
+def reference_backward(model: Transformer, batch: torch.Tensor, samples: int) -> float:
+    """One global batch's forward and backward in micro-batches of `samples`, the loss summed
+    over its tokens and divided by their count (as the trainer's step); the loss."""
+    inputs, labels = batch[:, :-1].clamp(min=0), batch[:, 1:]
+    count = int((labels != IGNORE).sum())
+    total = 0.0
+    for x, y in zip(inputs.split(samples), labels.split(samples)):
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum",
+                               ignore_index=IGNORE) / count
+        loss.backward()
+        total += loss.item()
+    return total
+
+
 def reference(rank: int, batches: list[torch.Tensor], dtype: torch.dtype,
               model_cfg: ModelConfig = TINY, samples: int = MICRO) -> dict:
     """The plain single-process loop the layouts must match (run in a child process too, so
@@ -139,16 +153,9 @@ def reference(rank: int, batches: list[torch.Tensor], dtype: torch.dtype,
     model, opt, initial_q = reference_model(model_cfg)
     losses, norms, moe = [], [], []
     for batch, lr in zip(batches, LRS):
-        inputs, labels = batch[:, :-1].clamp(min=0), batch[:, 1:]
-        count = int((labels != IGNORE).sum())
         opt.zero_grad()
         routing.begin(model, len(batch) // samples)
-        total = 0.0
-        for x, y in zip(inputs.split(samples), labels.split(samples)):
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum",
-                                   ignore_index=IGNORE) / count
-            loss.backward()
-            total += loss.item()
+        total = reference_backward(model, batch, samples)
         norms.append(reference_update(model, opt, lr))
         moe.append(routing.finish(model, ONE_PROCESS))  # an expert bias moves after the update
         losses.append(total)

@@ -11,7 +11,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from parallel.layout import Layout
 from trainer.config import (
@@ -29,7 +28,7 @@ from trainer.train.engine import build_engine
 from trainer.train.step import IGNORE, train_step
 
 from harness import run_ranks
-from test_parity import OPTIM, SEED, SEQ, TINY, reference_model, relative
+from test_parity import OPTIM, SEED, SEQ, TINY, reference_backward, reference_model, relative
 
 MICRO = 2
 RAMP = [4, 4, 16]  # global batches 4, 4, 8, 12, 12: 2, 2, 4, 6, 6 micro-batches on one lane
@@ -73,15 +72,8 @@ def reference(rank: int, plan: list, batches: list[torch.Tensor], model_cfg) -> 
     model, opt, _ = reference_model(model_cfg)
     losses = []
     for (_, _, lr, wd), batch in zip(plan, batches):
-        inputs, labels = batch[:, :-1].clamp(min=0), batch[:, 1:]
-        count = int((labels != IGNORE).sum())
         opt.zero_grad()
-        total = 0.0
-        for x, y in zip(inputs.split(MICRO), labels.split(MICRO)):
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten(), reduction="sum",
-                                   ignore_index=IGNORE) / count
-            loss.backward()
-            total += loss.item()
+        total = reference_backward(model, batch, MICRO)
         torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM.clip_grad)
         decay, no_decay = opt.param_groups
         decay["weight_decay"], no_decay["weight_decay"] = wd, 0.0
