@@ -87,15 +87,21 @@ def test_the_names_checked_at_compose_time_are_the_implementations_built():
 
 
 @pytest.mark.parametrize("changes", [{}, {"num_query_groups": 2}, {"tie_word_embeddings": True},
-                                     {"vocab_size": 250, "num_layers": 3}])
+                                     {"vocab_size": 250, "num_layers": 3},
+                                     {"num_moe_experts": 4, "moe_layer_freq": [0, 1]},
+                                     {"num_moe_experts": 4, "moe_layer_freq": [1, 0, 1],
+                                      "num_layers": 3, "moe_router_score_function": "sigmoid",
+                                      "moe_router_enable_expert_bias": True}])
 def test_parameter_shapes_from_the_config_are_the_built_models(changes):
-    """The compose-time shapes (no torch) against the Transformer itself, names and order."""
+    """The compose-time shapes (no torch) against the Transformer itself, names and order; its
+    buffers (a router's expert bias) too."""
     from dataclasses import replace
 
-    from trainer.model.plan import parameter_shapes
+    from trainer.model.plan import buffer_shapes, parameter_shapes
 
     cfg = replace(TINY, **changes)
     with torch.device("meta"):
         model = Transformer(cfg)
     built = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     assert list(parameter_shapes(cfg).items()) == built
+    assert buffer_shapes(cfg) == {name: tuple(b.shape) for name, b in model.named_buffers()}

@@ -46,6 +46,7 @@ from trainer.checkpoint.integrity import (
     latest,
     verify,
 )
+from trainer.checkpoint.match import EMBEDDING_WEIGHT, HEAD_WEIGHT
 
 
 class Engine(Protocol):
@@ -304,14 +305,20 @@ def _probe(folder: Path, size: int = 1 << 20) -> OSError | None:
         probe.unlink(missing_ok=True)
 
 
+def saved_entries(path: Path) -> dict[str, Any]:
+    """What a checkpoint holds, by name (DCP's .metadata: tensors' sizes, objects)."""
+    return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+
+
 def check_loadable(path: Path, shapes: dict[str, tuple[int, ...]], finetune: bool,
                    where: str | None = None, fix: str = "use the model config it was saved with "
-                   "(its meta.json records it)") -> None:
+                   "(its meta.json records it)", saved: dict[str, Any] | None = None) -> None:
     """Before any rank starts: the checkpoint has every parameter of this model at its shape
     (`shapes`: the single-device ones), and a train state unless only weights are wanted.
-    `where` names the checkpoint in the message (default: checkpoint.load=PATH)."""
+    `where` names the checkpoint in the message (default: checkpoint.load=PATH); `saved`: its
+    saved_entries, if read already."""
     where = where or f"checkpoint.load={path}"
-    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    saved = saved_entries(path) if saved is None else saved
     for name, shape in shapes.items():
         entry = saved.get(f"model.{name}")
         if not isinstance(entry, TensorStorageMetadata):
@@ -329,14 +336,22 @@ def check_loadable(path: Path, shapes: dict[str, tuple[int, ...]], finetune: boo
 def load_weights(engine: Engine, path: Path) -> None:
     """Collective. Fills this rank's parameters only (checkpoint.finetune): the optimizer's
     moments and step, the train state and the random generators stay as built. `path` is a
-    checkpoint folder the ranks verified (trainer.checkpoint.resume)."""
-    saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
-    model, tensors = engine.model, _buffers(engine, saved)
+    checkpoint folder the ranks verified (trainer.checkpoint.resume). A checkpoint of tied
+    embeddings has no head: an untied model's head starts as its embedding (the function the
+    checkpoint computed; trainer.checkpoint.match allows it to a fine-tune only)."""
+    saved = set(saved_entries(path))
+    model, tensors, head = engine.model, _buffers(engine, saved), {}
     for name, param in model.module.named_parameters():
-        tensors[f"model.{name}"] = Chunked(model.global_shape(name),
-                                          model.global_chunks(name, param.data))
+        chunked = Chunked(model.global_shape(name), model.global_chunks(name, param.data))
+        if f"model.{name}" not in saved and name == HEAD_WEIGHT:
+            head[f"model.{EMBEDDING_WEIGHT}"] = chunked
+        else:
+            tensors[f"model.{name}"] = chunked
     with torch.no_grad():
         dcp.load({}, checkpoint_id=path, planner=_ChunkLoadPlanner(tensors))
+        # Every rank reads again (a collective), also one that holds no head (another stage's).
+        if f"model.{HEAD_WEIGHT}" not in saved and not model.module.cfg.tie_word_embeddings:
+            dcp.load({}, checkpoint_id=path, planner=_ChunkLoadPlanner(head))
 
 
 def load(engine: Engine, path: Path) -> TrainState:

@@ -34,9 +34,16 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer.checkpoint.dcp import Chunked, ChunkSavePlanner, check_loadable, write_meta
+from trainer.checkpoint.dcp import (
+    Chunked,
+    ChunkSavePlanner,
+    check_loadable,
+    saved_entries,
+    write_meta,
+)
 from trainer.checkpoint.hf_families import ARCHITECTURES, hf_config, hf_parts, model_config
 from trainer.checkpoint.integrity import CHECKSUMS, METADATA, file_checksum
+from trainer.checkpoint.match import weights
 from trainer.checkpoint.safetensors_io import SafetensorsReader, write_streamed
 from trainer.checks import check_model
 from trainer.config import ModelConfig
@@ -245,7 +252,12 @@ def read_model_config(ckpt: Path, model_yaml: Path | None) -> ModelConfig:
     except (OmegaConfBaseException, ValueError) as error:
         why = (str(error).splitlines() or [type(error).__name__])[0]
         raise ValueError(f"{source}: {why}. Fix: {fix}.") from None
-    check_loadable(ckpt, parameter_shapes(model), finetune=True, where=where, fix=fix)
+    saved = saved_entries(ckpt)
+    # No weight of the checkpoint left out (an untied head under a tied --model), none missing.
+    weights({n.removeprefix("model.") for n in saved if n.startswith("model.")}, model, where,
+            True, fix)
+    check_loadable(ckpt, parameter_shapes(model), finetune=True, where=where, fix=fix,
+                   saved=saved)
     return model
 
 

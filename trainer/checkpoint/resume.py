@@ -1,20 +1,22 @@
 """What a run starts from, decided in one place: its own latest checkpoint (a relaunch continues
 where it stopped), checkpoint.load, or nothing. launch.py asks before any rank starts, with a
 quick look at each checkpoint, and checks what the config can tell against the checkpoint's
-metadata (the model's shapes, the sample stream, the samples left to train), so a mismatch is
+metadata (the model's shapes, the weights it holds and the model settings its run recorded:
+trainer.checkpoint.match; the sample stream, the samples left to train), so a mismatch is
 one line before anything is built; the ranks then ask again in start_state, verifying every
 file's checksum between them (an older checkpoint is taken when the newest turns out to be
 damaged), and load it into their built engine.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from parallel.layout import Layout
+from trainer.checkpoint import match
 from trainer.checkpoint.integrity import Verifier, agreed, latest, read_meta, resolve
-from trainer.config import RUN_CHECKPOINTS, CheckpointConfig, ConfigError
+from trainer.config import RUN_CHECKPOINTS, CheckpointConfig, ConfigError, ModelConfig
 from trainer.plan.accounting import RunPlan
 
 if TYPE_CHECKING:
@@ -63,23 +65,36 @@ class Expected:
     stream: dict  # the sample stream's identity (trainer.data.stream)
     plan: RunPlan
     layout: Layout
+    model: ModelConfig | None = None  # None: start_state takes the built model's
 
 
-def check(point: ResumePoint, expected: Expected) -> None:
+def check(point: ResumePoint, expected: Expected) -> list[str]:
     """What the checkpoint's metadata can tell before its tensors are read: every weight of this
-    model at its shape, the same sample stream, and an end at exactly train.train_samples.
-    A ValueError names the checkpoint and the fix."""
+    model at its shape and none dropped, the model settings it was trained with (a fine-tune's
+    differences are notes, returned), the same sample stream, and an end at exactly
+    train.train_samples. A ValueError names the checkpoint and the fix."""
+    assert expected.model is not None, "start_state fills it in"
     fix = "use the model config it was saved with (its meta.json records it)"
+    fix += f", or {OTHER_FOLDER}" if point.own else ""
     from trainer.checkpoint import dcp  # torch: only when there is a checkpoint to look at
 
-    dcp.check_loadable(point.path, expected.shapes, point.weights_only, point.where,
-                       fix + (f", or {OTHER_FOLDER}" if point.own else ""))
-    if point.weights_only:
-        return
     try:
         meta = read_meta(point.path)
     except ValueError as error:
         raise ValueError(f"{point.where}: {error}. Fix: start from another checkpoint.") from None
+    saved = dcp.saved_entries(point.path)
+    names = {name.removeprefix("model.") for name in saved if name.startswith("model.")}
+    notes = match.weights(names, expected.model, point.where, point.weights_only, fix)
+    # A tied checkpoint has no head; a fine-tune's untied head starts as its embedding.
+    shapes = {name: shape for name, shape in expected.shapes.items()
+              if name != match.HEAD_WEIGHT or name in names}
+    dcp.check_loadable(point.path, shapes, point.weights_only, point.where, fix, saved)
+    finetune = ("checkpoint.finetune=true" if not point.own else
+                f"checkpoint.load={point.path} checkpoint.finetune=true, in another folder")
+    notes += match.settings(meta.get("model"), expected.model, point.where, point.weights_only,
+                            finetune)
+    if point.weights_only:
+        return notes
     if meta.get("data") != expected.stream:
         raise ValueError(
             f"{point.where} was trained on the sample stream {meta.get('data')}, this run's is "
@@ -91,6 +106,7 @@ def check(point: ResumePoint, expected: Expected) -> None:
                          f"from another checkpoint.")
     expected.plan.check_resume(expected.layout, consumed, point.where,
                                meta.get("global_batch_size"), again_ok=point.own)
+    return notes
 
 
 def start_state(engine: dcp.Engine, ckpt: CheckpointConfig, save_dir: Path, expected: Expected,
@@ -100,11 +116,13 @@ def start_state(engine: dcp.Engine, ckpt: CheckpointConfig, save_dir: Path, expe
     engine; a fresh state when there is none. `say` prints (rank 0) or is None."""
     from trainer.checkpoint import dcp  # torch (a rank)
 
-    fresh = dcp.TrainState(data=expected.stream)
+    fresh, notes = dcp.TrainState(data=expected.stream), []
+    if expected.model is None:  # the engine's model was built from this run's config
+        expected = replace(expected, model=engine.model.module.cfg)
     try:
         point = find(ckpt, save_dir, say, agreed(engine.groups.world.handle))
         if point is not None:
-            check(point, expected)
+            notes = check(point, expected)
     except (ValueError, FileNotFoundError) as error:
         raise ConfigError(str(error)) from None
     if point is None:
@@ -112,6 +130,8 @@ def start_state(engine: dcp.Engine, ckpt: CheckpointConfig, save_dir: Path, expe
     if point.weights_only:  # fine-tuning: this run starts at step 0
         dcp.load_weights(engine, point.path)
         if say:
+            for note in notes:
+                say(note)
             say(f"fine-tuning from {point.path}: weights loaded; optimizer, schedule and data "
                 f"start fresh")
         return fresh

@@ -35,7 +35,8 @@ def check_inputs(spec: RunSpec, run_dir: Path) -> None:
             train, _ = open_streams(spec.data, spec.layout.seq_length, spec.config.data.seed,
                                     with_valid=False, pack=spec.config.data.pack)
             resume.check(point, resume.Expected(parameter_shapes(spec.config.model),
-                                                train.identity, spec.plan, spec.layout))
+                                                train.identity, spec.plan, spec.layout,
+                                                spec.config.model))
     except (ValueError, FileNotFoundError) as error:
         raise ConfigError(str(error)) from None
 

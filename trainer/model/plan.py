@@ -18,6 +18,7 @@ TP_STYLES = {"attn.qkv": "column", "attn.o": "row", "mlp.gate_up": "column", "ml
 # (3-D; split over expert parallel instead: EXPERTS; trainer.plan.axes.tensor refuses TP).
 EXPERTS = "mlp.experts"
 WHOLE = ("mlp.router", EXPERTS)
+EXPERT_BIAS = "mlp.router.expert_bias"  # a buffer: DeepSeek-V3's auxiliary-loss-free bias
 
 
 def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
@@ -66,6 +67,16 @@ def block_shapes(cfg: ModelConfig, block: int = 0) -> dict[str, tuple[int, ...]]
         shapes |= {"mlp.shared.gate_up.weight": (2 * shared, h),
                    "mlp.shared.down.weight": (h, shared)}
     return shapes
+
+
+def buffer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The Transformer's named_buffers() shapes from the config alone: each mixture-of-experts
+    router's expert bias (model.moe_router_enable_expert_bias). A checkpoint saves them beside
+    the weights (trainer.checkpoint.match checks they are there)."""
+    if not cfg.moe_router_enable_expert_bias:
+        return {}
+    return {f"{BLOCKS}.{i}.{EXPERT_BIAS}": (cfg.num_moe_experts,) for i in range(cfg.num_layers)
+            if cfg.is_moe_block(i)}
 
 
 def block_buffer_bytes(cfg: ModelConfig) -> list[int]:
