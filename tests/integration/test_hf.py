@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import warnings
@@ -339,6 +340,85 @@ def test_an_error_inside_dcp_save_is_raised_as_itself(tmp_path):
 
     with pytest.raises(ValueError, match=r"^embed.weight is broken. Fix: nothing$"):
         _write_import(tmp_path, parameter_shapes(model), value, tmp_path, model)
+
+
+# Every config.json field the import reads, with a value of the wrong type. A Qwen3-MoE config
+# reads most of them; a Mixtral config its own expert fields; Llama 3's rope scaling its factors.
+QWEN3_MOE_CONFIG = {
+    "architectures": ["Qwen3MoeForCausalLM"], "vocab_size": 256, "hidden_size": 64,
+    "intermediate_size": 176, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 32, "hidden_act": "silu", "rms_norm_eps": 1e-6,
+    "rope_theta": 1e6, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
+    "initializer_range": 0.02, "tie_word_embeddings": False, "attention_bias": False,
+    "use_sliding_window": False, "num_experts": 8, "num_experts_per_tok": 2,
+    "moe_intermediate_size": 48, "norm_topk_prob": True, "decoder_sparse_step": 1,
+    "mlp_only_layers": [1], "router_aux_loss_coef": 0.001}
+MIXTRAL_CONFIG = {**{k: v for k, v in QWEN3_MOE_CONFIG.items() if k not in (
+    "num_experts", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+    "mlp_only_layers", "use_sliding_window")}, "architectures": ["MixtralForCausalLM"],
+    "num_local_experts": 4, "sliding_window": None, "router_jitter_noise": 0.0}
+LLAMA3_CONFIG = {**{k: v for k, v in QWEN3_MOE_CONFIG.items() if k not in (
+    "num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+    "decoder_sparse_step", "mlp_only_layers", "router_aux_loss_coef", "rope_parameters")},
+    "architectures": ["LlamaForCausalLM"], "rope_scaling": dict(LLAMA3_ROPE)}
+WRONG_TYPES = [  # (config, field, value): the message names field=value as JSON writes it
+    *[(QWEN3_MOE_CONFIG, key, value) for key, value in (
+        ("num_experts", "8"), ("num_experts", 8.0), ("num_experts_per_tok", "2"),
+        ("moe_intermediate_size", [48]), ("norm_topk_prob", "true"),
+        ("decoder_sparse_step", True), ("mlp_only_layers", [1, "2"]),
+        ("mlp_only_layers", 1), ("router_aux_loss_coef", "0.001"), ("architectures", "Qwen3"),
+        ("vocab_size", "256"), ("hidden_size", 64.0), ("num_hidden_layers", True),
+        ("num_attention_heads", "4"), ("intermediate_size", [176]),
+        ("num_key_value_heads", "2"), ("head_dim", 32.5), ("hidden_act", 1),
+        ("rms_norm_eps", "1e-6"), ("rope_theta", "1e6"), ("initializer_range", False),
+        ("tie_word_embeddings", "false"), ("attention_bias", 0), ("mlp_bias", "no"),
+        ("use_sliding_window", "false"), ("rope_parameters", "default"),
+        ("rope_scaling", ["llama3"]))],
+    *[(MIXTRAL_CONFIG, key, value) for key, value in (
+        ("num_local_experts", "4"), ("sliding_window", "none"),
+        ("router_jitter_noise", "0"))],
+]
+
+
+@pytest.mark.parametrize("config,field,value", WRONG_TYPES,
+                         ids=[f"{c['architectures'][0][:6]}-{f}={v!r}" for c, f, v in WRONG_TYPES])
+def test_a_config_field_of_the_wrong_type_is_one_line_naming_the_file_field_and_value(
+        config, field, value):
+    from trainer.checkpoint.hf_families import model_config
+
+    source = Path("/models/x/config.json")
+    model_config(dict(config), source)  # the config itself is importable
+    with pytest.raises(ValueError) as refusal:
+        model_config({**config, field: value}, source)
+    message = str(refusal.value)
+    assert message.startswith(f"{source}: {field}={json.dumps(value)} is not ") and (
+        "Fix: write it as " in message and "\n" not in message), message
+
+
+@pytest.mark.parametrize("inner,field,wrong", [("rope_parameters", "rope_theta", "1e6"),
+                                               ("rope_scaling", "factor", "8"),
+                                               ("rope_scaling", "low_freq_factor", [])])
+def test_a_rope_field_of_the_wrong_type_is_named_inside_its_mapping(inner, field, wrong):
+    from trainer.checkpoint.hf_families import model_config
+
+    source = Path("/models/x/config.json")
+    model_config(dict(LLAMA3_CONFIG), source)
+    value = {**(DEFAULT_ROPE if inner == "rope_parameters" else LLAMA3_ROPE), field: wrong}
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"{source}: {inner}.{field}={json.dumps(wrong)} is not a number. Fix: write it as "
+            f"a number")):
+        model_config({**LLAMA3_CONFIG, inner: value}, source)
+
+
+def test_import_of_a_qwen3_moe_config_with_num_experts_a_string_is_one_line(tmp_path):
+    """The finding: `num_experts: "8"` was a TypeError traceback from the model check."""
+    hf_dir = tmp_path / "qwen3_moe"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps({**QWEN3_MOE_CONFIG, "num_experts": "8"}))
+    refused("-m", "trainer.hf", "import", str(hf_dir), str(tmp_path / "out"),
+            names=(hf_dir / "config.json", 'num_experts="8" is not an integer',
+                   "Fix: write it as an integer (8)"))
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,9 @@ he.. of the second, viewed 2-D.
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,53 +27,108 @@ from trainer.model.transformer import LLAMA3_ROPE_CONTEXT, LLAMA3_ROPE_HIGH, LLA
 LLAMA, QWEN3 = "LlamaForCausalLM", "Qwen3ForCausalLM"
 MIXTRAL, QWEN3_MOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM"
 ARCHITECTURES = (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE)
-REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-            "intermediate_size")
+REQUIRED_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "intermediate_size")
 # Each MoE family's names: the MoE module in a layer, and its experts' gate, up and down.
 EXPERT_NAMES = {MIXTRAL: ("block_sparse_moe", ("w1", "w3", "w2")),
                 QWEN3_MOE: ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+# What a config.json field must hold: a name for the message, and the test.
+INT = ("an integer", _is_int)
+NUMBER = ("a number", lambda v: _is_int(v) or isinstance(v, float))
+BOOL = ("true or false", lambda v: isinstance(v, bool))
+TEXT = ("a string", lambda v: isinstance(v, str))
+MAPPING = ("a mapping", lambda v: isinstance(v, dict))
+INTS = ("a list of integers", lambda v: isinstance(v, list) and all(map(_is_int, v)))
+TEXTS = ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str)
+                                                                       for x in v))
+REQUIRED = object()  # a field get() must find
+
+
+class Fields:
+    """A config.json's fields, each read as the type it must hold: a string where a number
+    belongs ("8") is one line naming the file, the field, the value and the fix."""
+
+    def __init__(self, values: dict, source: Path, within: str = ""):
+        self.values, self.source, self.within = values, source, within
+
+    def get(self, key: str, kind: tuple[str, Any], default: Any = None) -> Any:
+        """The field's value; absent or null: `default` (REQUIRED: refused)."""
+        value = self.values.get(key)
+        if value is None:
+            if default is REQUIRED:
+                what = kind[0].split(" ", 1)[1]  # "an integer": "has no integer vocab_size"
+                raise ValueError(f"{self.source} has no {what} {self.within}{key}. Fix: use the "
+                                 f"config.json save_pretrained wrote for the model.")
+            return default
+        if not kind[1](value):
+            raise ValueError(f"{self.source}: {self.within}{key}={json.dumps(value)} is not "
+                             f"{kind[0]}. "
+                             f"Fix: write it as {kind[0]}{_as_number(value, kind)}, as "
+                             f"save_pretrained does.")
+        return value
+
+    def inner(self, key: str) -> Fields:
+        """A mapping field's own fields (rope_parameters)."""
+        return Fields(self.get(key, MAPPING, {}), self.source, f"{self.within}{key}.")
+
+
+def _as_number(value: Any, kind: tuple[str, Any]) -> str:
+    """' (8)' for the string "8" where a number belongs."""
+    try:
+        number = (int if kind is INT else float)(value) if isinstance(value, str) else None
+    except ValueError:
+        return ""
+    return f" ({number})" if number is not None and kind in (INT, NUMBER) else ""
+
+
 def model_config(hf: dict, source: Path) -> ModelConfig:
     """Our ModelConfig of a Hugging Face config.json; what we cannot model is refused in one
-    line naming the key."""
+    line naming the key, and so is a field of the wrong type."""
     def need(key: str, ok: bool, fix: str) -> None:
         if not ok:
             raise ValueError(f"{source}: {key}={hf.get(key)!r} is not supported. Fix: {fix}.")
 
-    architecture = (hf.get("architectures") or [LLAMA])[0]
+    fields = Fields(hf, source)
+    architecture = fields.get("architectures", TEXTS, [LLAMA])[0]
     need("architectures", architecture in ARCHITECTURES,
          f"import a model of one of {', '.join(ARCHITECTURES)}")
-    need("use_sliding_window", not hf.get("use_sliding_window", False),
+    need("use_sliding_window", not fields.get("use_sliding_window", BOOL, False),
          "use a model with full attention in every layer")
-    need("sliding_window", architecture != MIXTRAL or hf.get("sliding_window") is None,
+    need("sliding_window", architecture != MIXTRAL or fields.get("sliding_window", INT) is None,
          "use a model with full attention in every layer")
-    missing = [key for key in REQUIRED if not isinstance(hf.get(key), int)]
-    if missing:
-        raise ValueError(f"{source} has no integer {missing[0]}. Fix: use the config.json "
-                         f"save_pretrained wrote for the model.")
-    need("hidden_act", hf.get("hidden_act", "silu") == "silu", "use a SwiGLU (silu) model")
+    for key in REQUIRED_INTS:
+        fields.get(key, INT, REQUIRED)
+    need("hidden_act", fields.get("hidden_act", TEXT, "silu") == "silu",
+         "use a SwiGLU (silu) model")
     for key in ("attention_bias", "mlp_bias"):
-        need(key, not hf.get(key, False), "use a model without biases")
+        need(key, not fields.get(key, BOOL, False), "use a model without biases")
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
-    head_dim = hf.get("head_dim") or hidden // heads
-    rope = hf.get("rope_parameters") or {}  # transformers 5; 4 spells it rope_theta/rope_scaling
-    scaling = hf.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default"
-                                         else None)
-    factor = _llama3_rope_factor(scaling, source) if scaling else None
-    groups = hf.get("num_key_value_heads") or heads
+    head_dim = fields.get("head_dim", INT) or hidden // heads
+    rope = fields.inner("rope_parameters")  # transformers 5; 4 spells rope_theta/rope_scaling
+    scaling = fields.inner("rope_scaling") if fields.get("rope_scaling", MAPPING) else (
+        rope if rope.get("rope_type", TEXT, "default") != "default" else None)
+    factor = _llama3_rope_factor(scaling) if scaling else None
+    groups = fields.get("num_key_value_heads", INT) or heads
     model = ModelConfig(
         name="llama", vocab_size=hf["vocab_size"], hidden_size=hidden,
         num_layers=hf["num_hidden_layers"], num_heads=heads,
         ffn_hidden_size=hf["intermediate_size"],
-        rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        init_std=float(hf.get("initializer_range", 0.02)),
+        rope_theta=float(rope.get("rope_theta", NUMBER,
+                                  fields.get("rope_theta", NUMBER, 10000.0))),
+        norm_eps=float(fields.get("rms_norm_eps", NUMBER, 1e-6)),
+        init_std=float(fields.get("initializer_range", NUMBER, 0.02)),
         num_query_groups=None if groups == heads else groups,
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        tie_word_embeddings=fields.get("tie_word_embeddings", BOOL, False),
         use_rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0,
         kv_channels=None if head_dim * heads == hidden else head_dim,
-        qk_layernorm=architecture in (QWEN3, QWEN3_MOE), **_experts(hf, architecture, need))
+        qk_layernorm=architecture in (QWEN3, QWEN3_MOE),
+        **_experts(fields, architecture, need))
     try:
         check_model(model)
     except ValueError as error:
@@ -79,39 +136,41 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
     return model
 
 
-def _experts(hf: dict, architecture: str, need) -> dict:
+def _experts(fields: Fields, architecture: str, need) -> dict:
     """The MoE keys of a Mixtral or Qwen3-MoE config (none for a dense family)."""
     if architecture == MIXTRAL:
-        need("router_jitter_noise", not hf.get("router_jitter_noise"),
+        need("router_jitter_noise", not fields.get("router_jitter_noise", NUMBER),
              "use a model without router noise (it trains with none here)")
-        return {"num_moe_experts": hf.get("num_local_experts"),
-                "moe_router_topk": hf.get("num_experts_per_tok"),
-                "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0))}
+        return {"num_moe_experts": fields.get("num_local_experts", INT, REQUIRED),
+                "moe_router_topk": fields.get("num_experts_per_tok", INT, REQUIRED),
+                "moe_aux_loss_coeff": float(fields.get("router_aux_loss_coef", NUMBER, 0.0))}
     if architecture != QWEN3_MOE:
         return {}
-    layers, step = hf["num_hidden_layers"], hf.get("decoder_sparse_step", 1)
-    dense = set(hf.get("mlp_only_layers") or [])
+    layers = fields.values["num_hidden_layers"]
+    step = fields.get("decoder_sparse_step", INT, 1)
+    dense = set(fields.get("mlp_only_layers", INTS, []))
     pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
     # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts
-    return {"num_moe_experts": hf.get("num_experts", hf.get("num_local_experts")),
-            "moe_router_topk": hf.get("num_experts_per_tok"),
-            "moe_ffn_hidden_size": hf.get("moe_intermediate_size"),
-            "moe_router_pre_softmax": not hf.get("norm_topk_prob", True),
+    experts = fields.get("num_experts", INT) or fields.get("num_local_experts", INT, REQUIRED)
+    return {"num_moe_experts": experts,
+            "moe_router_topk": fields.get("num_experts_per_tok", INT, REQUIRED),
+            "moe_ffn_hidden_size": fields.get("moe_intermediate_size", INT),
+            "moe_router_pre_softmax": not fields.get("norm_topk_prob", BOOL, True),
             "moe_layer_freq": 1 if all(pattern) else pattern,
-            "moe_aux_loss_coeff": float(hf.get("router_aux_loss_coef", 0.0))}
+            "moe_aux_loss_coeff": float(fields.get("router_aux_loss_coef", NUMBER, 0.0))}
 
 
-def _llama3_rope_factor(scaling: dict, source: Path) -> float:
+def _llama3_rope_factor(scaling: Fields) -> float:
     """The factor of Llama 3's rope scaling; any other scaling is refused (it would change
     every position's rotation, silently)."""
-    kind = scaling.get("rope_type", scaling.get("type"))
+    kind = scaling.values.get("rope_type", scaling.values.get("type"))
     fixed = {"low_freq_factor": LLAMA3_ROPE_LOW, "high_freq_factor": LLAMA3_ROPE_HIGH,
              "original_max_position_embeddings": LLAMA3_ROPE_CONTEXT}
-    if kind != "llama3" or any(float(scaling.get(k, v)) != v for k, v in fixed.items()):
-        raise ValueError(f"{source}: rope scaling {scaling} is not supported: only Llama 3's "
-                         f"(rope_type llama3 with {fixed}) is modelled. Fix: import a model "
-                         f"with that rope scaling or none.")
-    return float(scaling["factor"])
+    if kind != "llama3" or any(float(scaling.get(k, NUMBER, v)) != v for k, v in fixed.items()):
+        raise ValueError(f"{scaling.source}: rope scaling {scaling.values} is not supported: "
+                         f"only Llama 3's (rope_type llama3 with {fixed}) is modelled. Fix: "
+                         f"import a model with that rope scaling or none.")
+    return float(scaling.get("factor", NUMBER, REQUIRED))
 
 
 def architecture_of(model: ModelConfig) -> str:
