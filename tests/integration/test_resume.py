@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -195,4 +197,23 @@ def test_rank_variables_left_in_the_shell_are_one_line(dataset, tmp_path):
         (line,) = error_lines(out.stderr)
         assert " without " in line and "MASTER_ADDR, MASTER_PORT" in line, line
         assert f"Fix: `unset {' '.join(stale)}`" in line, line
+        assert not (tmp_path / "run").exists()
+    # All four of a torchrun rank's, but no rank 0 (it waited 102 s for one, then a 68-line
+    # traceback), or a RANK past WORLD_SIZE: a few seconds, one line.
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    every = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    for rank, named in (("1", "nothing listens at MASTER_ADDR:MASTER_PORT after 5 s"),
+                        ("2", "RANK must be below WORLD_SIZE")):
+        began = time.monotonic()
+        out = launch(dataset, tmp_path / "run", "train.train_samples=16",
+                     "cluster.procs_per_node=2", env={"RANK": rank, **every})
+        took = time.monotonic() - began
+        assert out.returncode != 0
+        (line,) = error_lines(out.stderr)
+        assert line.startswith(f"RANK={rank} WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT="
+                               f"{port} in the environment") and named in line, line
+        assert "Fix: `unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT`" in line, line
+        assert took < 30, took  # 5 s of trying the port, and the interpreter's start
         assert not (tmp_path / "run").exists()

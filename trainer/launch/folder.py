@@ -34,6 +34,11 @@ class RunFolderBusy(CompactHydraException):
     """Another live run holds the run folder (one line: who, and the fix)."""
 
 
+class StrayRank(CompactHydraException):
+    """RANK and the rest are in the environment but name no rank of a live run (no rank 0
+    listens, or RANK is past WORLD_SIZE): the folder Hydra made for it is its own to remove."""
+
+
 @contextmanager
 def run_lock(run_dir: Path, hold: bool = True) -> Iterator[None]:
     """Hold the run folder's lock while the block runs; hold=False (ranks other than 0 of a
@@ -104,11 +109,12 @@ HYDRA_ONLY = frozenset({".hydra", "launch.log"})
 def run_folder(run_dir: Path) -> Iterator[Path]:
     """Remove run_dir if the block fails and the folder holds nothing but what a command writes
     before its run starts, and held nothing more when the block began."""
-    fresh = _entries(run_dir) <= HYDRA_ONLY and _alone()
+    hydra_only, alone = _entries(run_dir) <= HYDRA_ONLY, _alone()
     try:
         yield run_dir
-    except BaseException:
-        if fresh and _entries(run_dir) <= BEFORE_THE_RUN:
+    except BaseException as error:
+        alone = alone or isinstance(error, StrayRank)
+        if hydra_only and alone and _entries(run_dir) <= BEFORE_THE_RUN:
             _remove_unless_locked(run_dir)
         raise
 

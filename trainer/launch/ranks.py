@@ -7,6 +7,7 @@ launcher.
 from __future__ import annotations
 
 import os
+import socket
 import time
 import zlib
 from contextlib import nullcontext
@@ -17,6 +18,7 @@ from typing import Any
 
 from trainer.compose.runspec import RunSpec
 from trainer.config import ConfigError
+from trainer.launch.folder import StrayRank
 from trainer.launch.requeue import requeue_after_failure, wait_to_be_stopped
 from trainer.train.hangs import backend_timeout_s, hold_dump_signal
 from trainer.train.signals import PreemptionWatch
@@ -24,6 +26,7 @@ from trainer.train.signals import PreemptionWatch
 # What env:// initialisation needs; torchrun (and a Kubernetes PyTorchJob) sets them all.
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 QUIET_RANKS_WAIT_S = 30  # how long the ranks other than 0 let rank 0 say a wrong world
+PEER_WAIT_S = 5.0  # how long a rank other than 0 tries to reach the ranks' store
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,45 @@ def launched_rank() -> RankEnv | None:
         if not found[name].isdigit():
             raise ConfigError(f"{name}={found[name]!r} in the environment is not a rank count. "
                               f"Fix: unset it, or start launch.py with torchrun.")
-    return RankEnv(int(found["RANK"]), int(found["WORLD_SIZE"]),
-                   int(os.environ.get("LOCAL_RANK", 0)), "env://", "torchrun")
+    rank, world_size = int(found["RANK"]), int(found["WORLD_SIZE"])
+    said = " ".join(f"{k}={v}" for k, v in found.items())
+    names = [*found, *(["LOCAL_RANK"] if "LOCAL_RANK" in os.environ else [])]
+    unset = f"`unset {' '.join(names)}` to let launch.py start the ranks (cluster.procs_per_node)"
+    if rank >= world_size:
+        raise StrayRank(f"{said} in the environment: RANK must be below WORLD_SIZE, so these "
+                        f"look left over from another job. Fix: {unset}, or start it with "
+                        f"torchrun.")
+    if rank != 0 and _meets_early() and not _listens(found["MASTER_ADDR"],
+                                                     found["MASTER_PORT"]):
+        raise StrayRank(
+            f"{said} in the environment, but nothing listens at MASTER_ADDR:MASTER_PORT after "
+            f"{PEER_WAIT_S:g} s: no rank 0 or torchrun agent to join (this process would wait "
+            f"for it until the process group's timeout), so these look left over from another "
+            f"job. Fix: {unset}, or start rank 0 first (torchrun starts every rank).")
+    return RankEnv(rank, world_size, int(os.environ.get("LOCAL_RANK", 0)), "env://", "torchrun")
+
+
+def _meets_early() -> bool:
+    """Whether the ranks' store listens before any rank starts: torchrun's agent holds it
+    (TORCHELASTIC_USE_AGENT_STORE). Not torchrun's variables at all (a stale shell, or ranks
+    started by hand): rank 0 must be listening within PEER_WAIT_S. torchrun without the agent's
+    store: rank 0's own process opens it once its inputs are checked, which may take long."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return True
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+
+
+def _listens(host: str, port: str) -> bool:
+    """Whether a TCP connection to host:port opens within PEER_WAIT_S."""
+    deadline = time.monotonic() + PEER_WAIT_S
+    while True:
+        try:
+            with socket.create_connection((host, int(port)), timeout=1.0):
+                return True
+        except (OSError, ValueError):  # refused, unreachable, no such host; a port not a number
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.2)
 
 
 def cpu_threads(procs_per_node: int) -> int | None:
