@@ -5,8 +5,10 @@ the document lengths and its labels masked here from the mask (not by the stream
 document_starts and loss_mask, which the layouts use); samples that count no token counted.
 Losses, gradient norms and every weight after the steps match within the parity tolerances
 (fp32 1e-5, fp64 1e-10): on one process, under every cp_comm_type with CP 2 and runtime CP 8,
-with sequence shards, TP with SP, and pipeline stages with recompute. Documents of 1 to 20
-tokens and one of 45 cross the CP chunks (4 or 2 tokens) and the samples (32)."""
+with sequence shards, TP with SP, pipeline stages with recompute, interleaved stages, a mixture
+of experts (one process and EP 2), and blocks compiled (one graph, no break, no recompile); in
+bf16 within test_parity's bf16 bounds. Documents of 1 to 20 tokens and one of 45 cross the CP
+chunks (4 or 2 tokens) and the samples (32)."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -17,11 +19,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.config import CPCommType, RecomputeGranularity
+from trainer.config import CPCommType, Precision, RecomputeGranularity
 from trainer.data.batch import IGNORE, DocumentRules, rank_micro_batches
 from trainer.data.dataset import TokenDataset
 from trainer.data.stream import SampleStream
 from trainer.plan.options import EngineOptions
+from trainer.train.compile import graph_breaks, graphs
 from trainer.train.engine import build_engine
 from trainer.train.step import train_step
 
@@ -41,6 +44,11 @@ from test_parity import (
 )
 
 MODEL = replace(TINY, num_heads=8)  # a2a splits the heads over runtime CP 8
+# A mixture of experts whose tokens are routed each on its own (dropless, no balance losses,
+# which are means over a micro-batch's tokens): a document alone is routed as in the pack.
+MOE = replace(MODEL, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
+              moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None)
+FOUR_LAYERS = replace(MODEL, num_layers=4)  # two chunks of one block on each of two stages
 ALL_RULES = DocumentRules(reset_attention_mask=True, reset_position_ids=True,
                           eod_mask_loss=True)
 STEPS = 2
@@ -73,11 +81,11 @@ def stream_of(dataset: TokenDataset) -> SampleStream:
 
 
 def train_packed(rank: int, layout, dataset: TokenDataset, rules: DocumentRules,
-                 dtype: torch.dtype, options: EngineOptions) -> dict:
+                 dtype: torch.dtype, options: EngineOptions, model=MODEL) -> dict:
     torch.set_default_dtype(dtype)
     stream = stream_of(dataset)
-    engine = build_engine(MODEL, OPTIM, SEED, layout, torch.device("cpu"), options)
-    losses, norms, empty = [], [], []
+    engine = build_engine(model, OPTIM, SEED, layout, torch.device("cpu"), options)
+    losses, norms, empty, compiled = [], [], [], []
     for step, lr in zip(range(STEPS), LRS):
         micro_batches = rank_micro_batches(stream, layout, rank, None, rules,
                                            step * layout.global_batch_size)
@@ -85,10 +93,12 @@ def train_packed(rank: int, layout, dataset: TokenDataset, rules: DocumentRules,
         losses.append(result.loss)
         norms.append(result.grad_norm)
         empty.append(result.empty_samples)
+        compiled.append(graphs())  # graphs so far (the same after every step: no recompile)
     params = engine.model.full_state_dict()  # collective: every rank of the stage calls it
     first_of_stage = not any(layout.coords(rank)[:-1])
     return {"losses": losses, "norms": norms, "empty": empty,
-            "params": params if first_of_stage else None}
+            "params": params if first_of_stage else None,
+            "graphs": compiled, "breaks": dict(graph_breaks())}
 
 
 def pieces(sample: int, starts: list[int], total: int) -> list[tuple[int, int, int]]:
@@ -104,11 +114,11 @@ def pieces(sample: int, starts: list[int], total: int) -> list[tuple[int, int, i
 
 
 def alone(rank: int, dataset: TokenDataset, starts: list[int], rules: DocumentRules,
-          dtype: torch.dtype, global_batch: int) -> dict:
+          dtype: torch.dtype, global_batch: int, model_cfg=MODEL) -> dict:
     """The reference: each piece of a document through the plain model on its own (or, without
     reset_attention_mask, each sample whole), one AdamW as test_parity's reference."""
     torch.set_default_dtype(dtype)
-    model, opt, initial_q = reference_model(MODEL)
+    model, opt, initial_q = reference_model(model_cfg)
     tokens = torch.from_numpy(dataset.tokens.astype(np.int64))
     counted = torch.from_numpy(dataset.loss_mask.astype(bool))
     losses, norms, empty = [], [], []
@@ -144,7 +154,9 @@ def alone(rank: int, dataset: TokenDataset, starts: list[int], rules: DocumentRu
 
 
 FULL = replace(EngineOptions(), recompute_granularity=RecomputeGranularity.full)
-# name -> (world, Layout keyword arguments, engine options)
+COMPILED = EngineOptions(compile_blocks=True)
+INTERLEAVED = EngineOptions(pipeline_schedule="interleaved_1f1b")
+# name -> (world, Layout keyword arguments, engine options[, model])
 CASES = {
     "one_process": (1, {}, EngineOptions()),
     **{f"cp2_{c.value}": (2, LAYOUTS["cp2"][1], EngineOptions(cp_comm_type=c))
@@ -157,37 +169,95 @@ CASES = {
                        EngineOptions(cp_comm_type=CPCommType.a2a)),
     "pp2_cp2_full_recompute": (4, dict(pipeline_model_parallel_size=2, context_parallel_size=2),
                                FULL),
+    # compiled blocks (fp32: inductor reorders float work): one graph, no break (the
+    # documents' attention is an operator, trainer/model/documents.py)
+    "one_process_compiled": (1, {}, COMPILED),
+    "moe_one_process": (1, {}, EngineOptions(), MOE),
+    "moe_ep2": (2, dict(expert_model_parallel_size=2), EngineOptions(), MOE),
+    "pp2_virtual2_interleaved": (2, dict(pipeline_model_parallel_size=2,
+                                         virtual_pipeline_model_parallel_size=2), INTERLEAVED,
+                                 FOUR_LAYERS),
 }
-FP64 = ("one_process", "cp2_p2p", "runtime_cp8_all_gather", "pp2_cp2_full_recompute")
+FP64 = ("one_process", "cp2_p2p", "runtime_cp8_all_gather", "pp2_cp2_full_recompute",
+        "moe_one_process", "moe_ep2", "pp2_virtual2_interleaved")
+# fp64 only: in fp32 AdamW carries the rounding of nearly cancelling gradients to 1.7e-5 in a
+# weight of the 4-block model (test_parity's note), past 1e-5; fp64 agrees to 3e-15.
+FP64_ONLY = ("pp2_virtual2_interleaved",)
 PARAMS = [pytest.param(name, dtype, id=f"{name}-{label}") for name in CASES
           for dtype, label in ((torch.float32, "fp32"), (torch.float64, "fp64"))
-          if dtype == torch.float32 or name in FP64]
+          if (dtype == torch.float32 and name not in FP64_ONLY) or
+          (dtype == torch.float64 and name in FP64)]
 
 
 @pytest.fixture(scope="module")
 def references():
     cache = {}
 
-    def get(global_batch: int, dtype: torch.dtype, rules: DocumentRules):
-        key = (global_batch, dtype, rules)
+    def get(global_batch: int, dtype: torch.dtype, rules: DocumentRules, model=MODEL):
+        key = (global_batch, dtype, rules, repr(model))
         if key not in cache:
             dataset, starts = packed_dataset(STEPS * global_batch)
             cache[key] = dataset, run_ranks(1, alone, dataset, starts, rules, dtype,
-                                            global_batch)[0]
+                                            global_batch, model)[0]
         return cache[key]
 
     return get
 
 
+@pytest.fixture(scope="module")
+def inductor_cache(tmp_path_factory):
+    """Compiled cases compile into a folder of their own (as test_compile's)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path_factory.mktemp("inductor")))
+        yield
+
+
+def assert_one_graph(results: list[dict]) -> None:
+    """Each rank compiled one graph, which every block runs, in the first step and none
+    after (no recompile), and broke none."""
+    for result in results:
+        assert set(result["graphs"]) == {1} and not result["breaks"], (
+            result["graphs"], result["breaks"])
+
+
 @pytest.mark.parametrize("name,dtype", PARAMS)
-def test_packed_documents_train_as_each_document_alone(name, dtype, references):
-    world, kwargs, options = CASES[name]
+def test_packed_documents_train_as_each_document_alone(name, dtype, references, request):
+    world, kwargs, options, *model = CASES[name]
+    model = model[0] if model else MODEL
+    if options.compile_blocks:
+        request.getfixturevalue("inductor_cache")
     layout = make_layout(world, kwargs)
-    dataset, ref = references(layout.global_batch_size, dtype, ALL_RULES)
+    dataset, ref = references(layout.global_batch_size, dtype, ALL_RULES, model)
     results = run_ranks(world, train_packed, layout, dataset, ALL_RULES, dtype, options,
-                        timeout=120)
+                        model, timeout=300 if options.compile_blocks else 120)
     assert_parity(results, ref, dtype, f"documents {name} (world {world})")
     assert results[0]["empty"] == ref["empty"] and ref["empty"][0] >= 1  # sample 1 at least
+    if options.compile_blocks:
+        assert_one_graph(results)
+
+
+@pytest.mark.parametrize("name,options", [
+    ("cp2_p2p", EngineOptions(Precision.bf16)),
+    ("one_process", replace(COMPILED, precision=Precision.bf16)),
+], ids=["cp2_p2p", "one_process_compiled"])
+def test_packed_documents_in_bf16_train_close_to_fp32(name, options, references, request):
+    """bf16 autocast over packed documents: within test_parity's bf16 bounds of the fp32
+    reference of each document alone, and not equal to it (autocast really ran)."""
+    world, kwargs, _ = CASES[name]
+    if options.compile_blocks:
+        request.getfixturevalue("inductor_cache")
+    layout = make_layout(world, kwargs)
+    dataset, ref = references(layout.global_batch_size, torch.float32, ALL_RULES)
+    got = run_ranks(world, train_packed, layout, dataset, ALL_RULES, torch.float32, options,
+                    timeout=300)
+    losses = [relative(a, b) for a, b in zip(got[0]["losses"], ref["losses"])]
+    norms = [relative(a, b) for a, b in zip(got[0]["norms"], ref["norms"])]
+    print(f"\nbf16 documents {name}: relative differences to fp32: loss {losses}, "
+          f"grad norm {norms}")
+    assert max(losses) < 1e-2 and max(norms) < 5e-2
+    assert max(norms) > 1e-4  # far above fp32 rounding (1e-7): the compute was bf16
+    if options.compile_blocks:
+        assert_one_graph(got)
 
 
 @pytest.mark.parametrize("rules", [

@@ -17,6 +17,7 @@ from torch import nn
 
 from trainer.checks import check_model
 from trainer.config import ModelConfig
+from trainer.model.documents import document_attention
 from trainer.model.init import normal_rectangle
 from trainer.model.moe import MoE
 
@@ -32,22 +33,13 @@ ActivationFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      documents: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention; with documents, within each document only: one causal call per
-    document of each sample, no mask (a variable-length loop; torch has no such kernel on
-    CPU)."""
+    """Causal attention; with documents, within each document only
+    (trainer/model/documents.py)."""
+    if documents is not None:
+        return document_attention(q, k, v, documents)
     # The fused kernels read each K/V group for its query heads; nothing is repeated.
-    gqa = k.shape[1] != q.shape[1]
-    if documents is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-    rows = []
-    for b, row in enumerate(documents):
-        edges = [0, *((row[1:] != row[:-1]).nonzero().flatten() + 1).tolist(), row.numel()]
-        pieces = [F.scaled_dot_product_attention(q[b:b + 1, :, a:e], k[b:b + 1, :, a:e],
-                                                 v[b:b + 1, :, a:e], is_causal=True,
-                                                 enable_gqa=gqa)
-                  for a, e in zip(edges, edges[1:])]
-        rows.append(torch.cat(pieces, dim=2))
-    return torch.cat(rows)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                          enable_gqa=k.shape[1] != q.shape[1])
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
