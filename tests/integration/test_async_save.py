@@ -1,7 +1,8 @@
 """checkpoint.async_save on real launch.py runs of two gloo ranks: training goes on while a
 checkpoint is written; kill -9 during a background write leaves the previous checkpoint as the
 latest, and the same command resumes from it to the same final checkpoint, byte for byte, as a
-run that saved each checkpoint at once and was never stopped."""
+run that saved each checkpoint at once and was never stopped. A full disk during a background
+write stops the run with the one line a blocking save gives, and keeps the last good one."""
 from __future__ import annotations
 
 import json
@@ -12,6 +13,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
+from test_safety import error_lines
 
 from config_helpers import ROOT, finish
 from stall_helpers import stall_env
@@ -83,3 +87,38 @@ def test_a_kill_during_a_background_write_resumes_from_the_one_before_bitwise(tm
     steps = [json.loads(line)["step"] for line in
              (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 17))  # each step logged once
+
+
+def test_a_full_disk_during_a_background_save_is_one_line_and_keeps_the_last_good_one(tmp_path):
+    """The disk holds one checkpoint of the tiny model (about 1.5 MiB) but not two: the save at
+    step 8 fails in the writer threads while training goes on. The run stops with the one line
+    a blocking save gives (trainer.checkpoint.dcp.CheckpointSaveFailed), and step 4 stays the
+    latest, whole."""
+    from trainer.checkpoint.integrity import verify
+
+    disk = tmp_path / "small_disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(disk)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    try:
+        folder = disk / "ckpts"
+        out = finish(start(tmp_path / "run", "checkpoint.async_save=true",
+                           f"checkpoint.dir={folder}"))
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert "Traceback" not in out.stderr, out.stderr
+        (line,) = error_lines(out.stderr)
+        failed, good = folder / "step_00000008", folder / "step_00000004"
+        assert re.fullmatch(
+            rf"rank [01] of 2 failed: CheckpointSaveFailed: saving checkpoint "
+            rf"{re.escape(str(failed))} failed on rank [01]: No space left on device\. Nothing "
+            rf"of it was kept; the latest checkpoint is {re.escape(str(good))}\. Fix: free space "
+            rf"on its disk \(or set checkpoint.dir to another disk\), then run the same command "
+            rf"again to resume( \(then rank\(s\) [01] failed too\))?\. The other ranks were "
+            rf"stopped\.", line), line
+        assert re.search(r"saving .*step_00000008 in the background", out.stdout), out.stdout
+        assert sorted(p.name for p in folder.iterdir()) == [good.name]
+        assert verify(good) is None  # whole: every file's checksum as recorded
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
