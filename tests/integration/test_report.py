@@ -77,7 +77,8 @@ def finish_watching(process: subprocess.Popen, timeout: float = 180) -> tuple[
 def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
     """ok: two ranks started by launch.py, 4 steps, logged to TensorBoard too; its stdout's
     lines with rank 0's VmHWM as each arrived are "ok_lines". diverged: one process whose lr of
-    1e8 makes the gradient norm nan at step 2, so the run fails after it has logged a step."""
+    1e8 from the first step (no warmup) makes the gradient norm nan at step 2, so the run fails
+    after it has logged a step."""
     base = tmp_path_factory.mktemp("report")
     (base / "text").mkdir()
     for doc in range(4):
@@ -85,7 +86,8 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]
             " ".join(f"word{(doc * 7 + i) % 40}" for i in range(800)))
     data = prepare(base / "text", base / "dataset", valid_fraction=0.2)
     overrides = {"ok": ("cluster.procs_per_node=2", "logger=tensorboard"),
-                 "diverged": ("schedule.lr=1e8", "schedule.min_lr=0")}
+                 "diverged": ("schedule.lr=1e8", "schedule.min_lr=0",
+                              "schedule.lr_warmup_samples=0")}
     started = {name: start(f"data.path={data}", f"hydra.run.dir={base / name}", *SMALL_RUN,
                            *extra) for name, extra in overrides.items()}
     ok, ok_lines = finish_watching(started["ok"])
@@ -106,7 +108,7 @@ def test_launch_log_is_the_console_of_every_rank(runs):
     # rank 0, a spawned process, prints the start line, the steps and the evaluations
     assert re.search(r"^2 rank\(s\), global batch 8 samples, 4 steps from step 0 \(samples 0 "
                      r"to 32\); cosine: lr 0\.001, warmup 8 samples, decay to 0\.0001 at 32 "
-                     r"samples$", log, re.M), log
+                     r"samples; weight decay 0\.1$", log, re.M), log
     assert len(re.findall(r"^step +\d/4 \|", log, re.M)) == 4
     assert len(re.findall(r"^eval at step \d", log, re.M)) == 2
 
