@@ -293,6 +293,23 @@ TABLE = [
       ("checkpoint.finetune=true", "checkpoint.dir=checkpoint.load=")),
     R(f"checkpoint.load={{empty}} data.path={{ds}} {SHORT}", ("checkpoint.load=", "empty", "Fix:"),
       start=True, torch=True),
+    # a checkpoint that fits the shapes but not the model (trainer/checkpoint/match.py)
+    R(f"checkpoint.load={{untied}} checkpoint.finetune=true model.tie_word_embeddings=true "
+      f"data.path={{ds}} {SHORT}", ("'head.weight'", "model.tie_word_embeddings=false",
+                                    "model.tie_word_embeddings=true"), start=True, torch=True),
+    R(f"checkpoint.load={{tied}} data.path={{ds}} {SHORT}",
+      ("no 'head.weight'", "model.tie_word_embeddings=true", "model.tie_word_embeddings=false",
+       "checkpoint.finetune=true"), start=True, torch=True),
+    R(f"checkpoint.load={{untied}} model.rope_theta=500000 data.path={{ds}} {SHORT}",
+      ("model.rope_theta=500000.0 (the checkpoint's 10000.0)", "checkpoint.finetune=true"),
+      start=True, torch=True),
+    R(f"checkpoint.load={{moe}} model=tiny_moe model.moe_router_topk=1 data.path={{ds}} {SHORT}",
+      ("model.moe_router_topk=1 (the checkpoint's 2)", "checkpoint.finetune=true"), start=True,
+      torch=True),
+    R(f"checkpoint.load={{moe}} model=tiny_moe model.moe_router_score_function=sigmoid "
+      f"model.moe_router_enable_expert_bias=true data.path={{ds}} {SHORT}",
+      ("has no expert bias", "model.moe_router_enable_expert_bias=false",
+       "checkpoint.finetune=true"), start=True, torch=True),
     R(f"cluster.num_nodes=2 data.path={{ds}} {SHORT}", ("cluster.num_nodes=2",), start=True,
       torch=True),  # launch.py starts ranks on this machine only (a dry run may plan 2 nodes)
     R("logger.log_interval=0", ("logger.log_interval=0",)),
@@ -379,7 +396,8 @@ TABLE = [
 def paths(tmp_path_factory) -> dict[str, Path]:
     """A prepared dataset ({ds}, ~100k byte tokens, a tenth valid), a truncated copy, chats
     (chat_datasets), a folder
-    that is no dataset, a plain file, an empty folder (no checkpoints) and a torch blocker."""
+    that is no dataset, a plain file, an empty folder (no checkpoints), checkpoints of three
+    models (checkpoints) and a torch blocker."""
     from trainer.data.dataset import prepare
 
     root = tmp_path_factory.mktemp("bad_inputs")
@@ -397,7 +415,22 @@ def paths(tmp_path_factory) -> dict[str, Path]:
     (block / "__init__.py").write_text("raise ImportError('torch imported before refusing')\n")
     return {"ds": ds, "trunc": trunc, "notds": src, "file": ds / "meta.json",
             "empty": root / "empty", "root": root, "no_torch": block.parent,
-            **chat_datasets(root)}
+            **chat_datasets(root), **checkpoints(root, ds)}
+
+
+def checkpoints(root: Path, ds: Path) -> dict[str, Path]:
+    """Checkpoints of one step on {ds}, trained side by side: {untied} (the tiny model), {tied}
+    (its embeddings tied), {moe} (the tiny mixture of experts, no expert bias)."""
+    runs = {"untied": [], "tied": ["model.tie_word_embeddings=true"], "moe": ["model=tiny_moe"]}
+    procs = {name: subprocess.Popen(
+        [sys.executable, str(ROOT / "launch.py"), f"data.path={ds}", "train.train_samples=8",
+         "train.eval_interval=null", *extra, f"hydra.run.dir={root / 'trained' / name}"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        for name, extra in runs.items()}
+    for proc in procs.values():
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+    return {name: root / "trained" / name / "checkpoints" for name in runs}
 
 
 def chat_datasets(root: Path) -> dict[str, Path]:
