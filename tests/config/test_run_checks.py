@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from config_helpers import ROOT
+from disk_helpers import tmpfs
 
 
 def launch(no_torch: Path, *args: str) -> subprocess.CompletedProcess:
@@ -33,14 +34,8 @@ def one_line(out: subprocess.CompletedProcess) -> str:
 @pytest.fixture
 def read_only(tmp_path) -> Path:
     """A read-only tmpfs: the tests run as root, whom chmod does not stop."""
-    folder = tmp_path / "ro"
-    folder.mkdir()
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
-                           capture_output=True, text=True)
-    if mount.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here: {mount.stderr.strip()}")
-    yield folder
-    subprocess.run(["umount", str(folder)], check=True)
+    with tmpfs(tmp_path / "ro", "ro,size=1m") as folder:
+        yield folder
 
 
 def test_a_run_folder_on_a_read_only_file_system_is_one_line(no_torch, read_only):

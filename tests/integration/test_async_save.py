@@ -14,10 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 from test_safety import error_lines
 
 from config_helpers import ROOT, finish
+from disk_helpers import tmpfs
 from stall_helpers import stall_env
 
 RUN = ("cluster.procs_per_node=2", "train.micro_batch_size=2", "train.seq_length=32",
@@ -96,13 +96,7 @@ def test_a_full_disk_during_a_background_save_is_one_line_and_keeps_the_last_goo
     latest, whole."""
     from trainer.checkpoint.integrity import verify
 
-    disk = tmp_path / "small_disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(disk)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "small_disk", "size=2500k") as disk:
         folder = disk / "ckpts"
         out = finish(start(tmp_path / "run", "checkpoint.async_save=true",
                            f"checkpoint.dir={folder}"))
@@ -120,5 +114,3 @@ def test_a_full_disk_during_a_background_save_is_one_line_and_keeps_the_last_goo
         assert re.search(r"saving .*step_00000008 in the background", out.stdout), out.stdout
         assert sorted(p.name for p in folder.iterdir()) == [good.name]
         assert verify(good) is None  # whole: every file's checksum as recorded
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)

@@ -20,6 +20,7 @@ from test_launch import command, make_dataset, metrics, start
 from test_safety import error_lines, wait_for_steps
 
 from config_helpers import ROOT
+from disk_helpers import tmpfs
 
 TRACER = Path(__file__).parent / "sample_trace"
 # 2 ranks of data parallel, one sample a micro-batch: global batches of 2, 4, ... all valid.
@@ -166,13 +167,7 @@ def test_changed_bytes_are_skipped_and_another_model_or_stream_is_one_line_befor
 
 def test_a_full_disk_during_a_save_is_one_line_with_the_os_words_and_leaves_no_tmp(
         dataset, tmp_path):
-    disk = tmp_path / "small_disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=600k", "tmpfs", str(disk)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with tmpfs(tmp_path / "small_disk", "size=600k") as disk:
         # A checkpoint of the tiny model with its Adam moments is about 1.6 MB.
         out = launch(dataset, tmp_path / "run", "cluster.procs_per_node=2",
                      "train.train_samples=16", f"checkpoint.dir={disk / 'ckpts'}")
@@ -186,8 +181,6 @@ def test_a_full_disk_during_a_save_is_one_line_with_the_os_words_and_leaves_no_t
                         rf"{saved} failed on rank [01]: ", line) and (
             "No space left on device" in line and "Fix: free space on its disk" in line), line
         assert "Traceback" not in out.stderr and list((disk / "ckpts").iterdir()) == []
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_rank_variables_left_in_the_shell_are_one_line(dataset, tmp_path):
