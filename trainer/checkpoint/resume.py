@@ -9,7 +9,7 @@ damaged), and load it into their built engine.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -65,7 +65,7 @@ class Expected:
     stream: dict  # the sample stream's identity (trainer.data.stream)
     plan: RunPlan
     layout: Layout
-    model: ModelConfig | None = None  # None: start_state takes the built model's
+    model: ModelConfig  # the settings the checkpoint's must match (a resume) or are noted against
 
 
 def check(point: ResumePoint, expected: Expected) -> list[str]:
@@ -73,7 +73,6 @@ def check(point: ResumePoint, expected: Expected) -> list[str]:
     model at its shape and none dropped, the model settings it was trained with (a fine-tune's
     differences are notes, returned), the same sample stream, and an end at exactly
     train.train_samples. A ValueError names the checkpoint and the fix."""
-    assert expected.model is not None, "start_state fills it in"
     fix = "use the model config it was saved with (its meta.json records it)"
     fix += f", or {OTHER_FOLDER}" if point.own else ""
     from trainer.checkpoint import dcp  # torch: only when there is a checkpoint to look at
@@ -117,8 +116,6 @@ def start_state(engine: dcp.Engine, ckpt: CheckpointConfig, save_dir: Path, expe
     from trainer.checkpoint import dcp  # torch (a rank)
 
     fresh, notes = dcp.TrainState(data=expected.stream), []
-    if expected.model is None:  # the engine's model was built from this run's config
-        expected = replace(expected, model=engine.model.module.cfg)
     try:
         point = find(ckpt, save_dir, say, agreed(engine.groups.world.handle))
         if point is not None:
