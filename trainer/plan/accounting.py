@@ -33,15 +33,14 @@ class RunPlan:
                     layout: Layout) -> RunPlan:
         gbs, total = layout.global_batch_size, train.train_samples
         ramp = BatchRamp.from_config(train.rampup_batch_size, layout)
-        ramped = 0  # where the ramp's steps leave the run (0 without a ramp)
-        for ramped, batch in ramp.steps(0, total) if ramp else ():
-            if batch < ramp.global_batch(ramped):  # the run ends inside a ramp step
-                ends = (ramped, ramped + ramp.global_batch(ramped))
-                raise ValueError(
-                    f"train.train_samples={total} ends inside a step of the batch ramp-up "
-                    f"({ramp.describe()}): a run is whole steps. Fix: set train.train_samples "
-                    f"to {ends[0]} or {ends[1]}.")
-            ramped += batch
+        ramp_steps = ramp.steps(0, total) if ramp else []
+        ramped = sum(ramp_steps[-1]) if ramp_steps else 0  # where the ramp's steps end
+        if ramp_steps and ramp_steps[-1][1] < ramp.global_batch(ramp_steps[-1][0]):
+            start = ramp_steps[-1][0]  # the run would end inside this ramp step
+            raise ValueError(
+                f"train.train_samples={total} ends inside a step of the batch ramp-up "
+                f"({ramp.describe()}): a run is whole steps. Fix: set train.train_samples to "
+                f"{start} or {start + ramp.global_batch(start)}.")
         if total < 1 or (total - ramped) % gbs:
             after = f" after the ramp-up's steps end at {ramped:,} samples" if ramped else ""
             near = " or ".join(str(ramped + int(n)) for n in
@@ -80,7 +79,7 @@ class RunPlan:
 
     def _ramp_steps(self, consumed: int) -> list[tuple[int, int]]:
         """(consumed, batch) of the ramp's steps from `consumed` (none without a ramp)."""
-        return list(self.ramp.steps(consumed, self.train_samples)) if self.ramp else []
+        return self.ramp.steps(consumed, self.train_samples) if self.ramp else []
 
     def _after_ramp(self, consumed: int) -> tuple[int, int]:
         """(the ramp's steps from `consumed`, the samples consumed once they are taken)."""
@@ -104,11 +103,11 @@ class RunPlan:
         """The samples of the last step from `consumed` when it is cut short (fewer left than
         the step's global batch), else None."""
         ramp = self._ramp_steps(consumed)
-        if ramp and sum(ramp[-1]) == self.train_samples:  # the ramp's steps end the run
+        after = sum(ramp[-1]) if ramp else consumed
+        if ramp and after == self.train_samples:  # the ramp's steps end the run
             start, batch = ramp[-1]
             return batch if batch < self.ramp.global_batch(start) else None
-        cut = (self.train_samples - (sum(ramp[-1]) if ramp else consumed)) % self.global_batch_size
-        return cut or None
+        return (self.train_samples - after) % self.global_batch_size or None
 
     def check_resume(self, layout: Layout, consumed: int, where: str, saved_gbs: int | None,
                      again_ok: bool) -> None:

@@ -7,7 +7,6 @@ micro-batch size stay, the number of micro-batches follows the batch.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Iterator
 
 from parallel.layout import Layout, LayoutError
 
@@ -65,13 +64,14 @@ class BatchRamp:
         per_increment = self.samples / ((self.target - self.start) // self.increment)
         return self.start + int(consumed / per_increment) * self.increment
 
-    def steps(self, consumed: int, end: int) -> Iterator[tuple[int, int]]:
+    def steps(self, consumed: int, end: int) -> list[tuple[int, int]]:
         """(consumed, batch) of each step from `consumed` while the ramp lasts, up to `end`
         samples (the last one cut to what is left); the steps after it are the target's."""
+        steps = []
         while consumed < end and consumed <= self.samples:
-            batch = min(self.global_batch(consumed), end - consumed)
-            yield consumed, batch
-            consumed += batch
+            steps.append((consumed, min(self.global_batch(consumed), end - consumed)))
+            consumed += steps[-1][1]
+        return steps
 
     def describe(self) -> str:
         per = self.samples / ((self.target - self.start) // self.increment)
