@@ -192,21 +192,50 @@ def test_rank_variables_left_in_the_shell_are_one_line(dataset, tmp_path):
         assert f"Fix: `unset {' '.join(stale)}`" in line, line
         assert not (tmp_path / "run").exists()
     # All four of a torchrun rank's, but no rank 0 (it waited 102 s for one, then a 68-line
-    # traceback), or a RANK past WORLD_SIZE: a few seconds, one line.
+    # traceback): a line after 5 s saying what it waits for, one line at cluster.timeout_s;
+    # a RANK past WORLD_SIZE: one line at once.
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     every = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    for rank, named in (("1", "nothing listens at MASTER_ADDR:MASTER_PORT after 5 s"),
-                        ("2", "RANK must be below WORLD_SIZE")):
+    for rank, named in (("1", "nothing listened at MASTER_ADDR:MASTER_PORT within "
+                              "cluster.timeout_s=8 s"), ("2", "RANK must be below WORLD_SIZE")):
         began = time.monotonic()
         out = launch(dataset, tmp_path / "run", "train.train_samples=16",
-                     "cluster.procs_per_node=2", env={"RANK": rank, **every})
+                     "cluster.procs_per_node=2", "cluster.timeout_s=8",
+                     env={"RANK": rank, **every})
         took = time.monotonic() - began
         assert out.returncode != 0
-        (line,) = error_lines(out.stderr)
+        waiting = [x for x in out.stderr.splitlines() if "waiting up to" in x]
+        assert len(waiting) == (rank == "1"), out.stderr
+        (line,) = [x for x in error_lines(out.stderr) if "waiting up to" not in x]
         assert line.startswith(f"RANK={rank} WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT="
                                f"{port} in the environment") and named in line, line
         assert "Fix: `unset RANK WORLD_SIZE MASTER_ADDR MASTER_PORT`" in line, line
-        assert took < 30, took  # 5 s of trying the port, and the interpreter's start
+        assert took < 25, took  # cluster.timeout_s of trying the port, the interpreter's start
         assert not (tmp_path / "run").exists()
+
+
+def test_ranks_started_by_hand_wait_for_a_slow_rank_0(dataset, tmp_path):
+    """Not torchrun (a PyTorchJob, an srun wrapper, by hand): rank 1 starts first and says after
+    5 s what it waits for; rank 0 comes 8 s later and the run trains to the end."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    every = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    args = command("train.seq_length=32", "train.eval_interval=null", "cluster.timeout_s=60",
+                   "cluster.procs_per_node=2", "train.train_samples=32", "logger.log_interval=1",
+                   f"data.path={dataset}",
+                   f"hydra.run.dir={tmp_path / 'run'}")
+    environ = {k: v for k, v in os.environ.items() if k != "HYDRA_FULL_ERROR"}
+    started = []
+    for rank in ("1", "0"):
+        started.append(subprocess.Popen(args, cwd=ROOT, env={**environ, **every, "RANK": rank},
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        text=True))
+        if rank == "1":
+            time.sleep(8)
+    outs = [process.communicate(timeout=240) for process in started]
+    assert [process.returncode for process in started] == [0, 0], outs
+    assert "waiting up to cluster.timeout_s=60 s for rank 0" in outs[0][1]
+    assert [m["step"] for m in metrics(tmp_path / "run")] == [1, 2]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
 import zlib
 from contextlib import nullcontext
@@ -26,7 +27,7 @@ from trainer.train.signals import PreemptionWatch
 # What env:// initialisation needs; torchrun (and a Kubernetes PyTorchJob) sets them all.
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 QUIET_RANKS_WAIT_S = 30  # how long the ranks other than 0 let rank 0 say a wrong world
-PEER_WAIT_S = 5.0  # how long a rank other than 0 tries to reach the ranks' store
+PEER_NOTICE_S = 5.0  # a rank other than 0 that reaches no store by then says what it waits for
 
 
 @dataclass(frozen=True)
@@ -40,8 +41,9 @@ class RankEnv:
     launcher: str
 
 
-def launched_rank() -> RankEnv | None:
-    """The rank this process already is, if torchrun or submitit started it."""
+def launched_rank(wait_s: float) -> RankEnv | None:
+    """The rank this process already is, if torchrun or submitit started it. wait_s
+    (cluster.timeout_s): how long a rank other than 0 waits for the ranks' store to listen."""
     if os.environ.get("SUBMITIT_EXECUTOR"):  # a submitit task, on SLURM or local
         import submitit
         from submitit.helpers import TorchDistributedEnvironment
@@ -78,29 +80,30 @@ def launched_rank() -> RankEnv | None:
         raise StrayRank(f"{said} in the environment: RANK must be below WORLD_SIZE, so these "
                         f"look left over from another job. Fix: {unset}, or start it with "
                         f"torchrun.")
-    if rank != 0 and _meets_early() and not _listens(found["MASTER_ADDR"],
-                                                     found["MASTER_PORT"]):
-        raise StrayRank(
-            f"{said} in the environment, but nothing listens at MASTER_ADDR:MASTER_PORT after "
-            f"{PEER_WAIT_S:g} s: no rank 0 or torchrun agent to join (this process would wait "
-            f"for it until the process group's timeout), so these look left over from another "
-            f"job. Fix: {unset}, or start rank 0 first (torchrun starts every rank).")
+    if rank != 0 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        # Not torchrun (its agent starts every rank): ranks started by hand, a PyTorchJob, or
+        # variables left in a shell. Rank 0 opens the store once its inputs are checked, which
+        # may take a while; a stale shell would wait for nothing until the process group's
+        # timeout and end in a traceback. So: say what this rank waits for after
+        # PEER_NOTICE_S, and end in one line after cluster.timeout_s (torch's own bound).
+        where = (found["MASTER_ADDR"], found["MASTER_PORT"])
+        if not _listens(*where, PEER_NOTICE_S):
+            print(f"{said} in the environment: this is rank {rank} of a world started "
+                  f"elsewhere, waiting up to cluster.timeout_s={wait_s:g} s for rank 0 at "
+                  f"{where[0]}:{where[1]}, where nothing listens yet. If these are left over "
+                  f"from another job, stop this and {unset}.", file=sys.stderr, flush=True)
+            if not _listens(*where, wait_s - PEER_NOTICE_S):
+                raise StrayRank(
+                    f"{said} in the environment, but nothing listened at MASTER_ADDR:"
+                    f"MASTER_PORT within cluster.timeout_s={wait_s:g} s: no rank 0 to join, so "
+                    f"these look left over from another job. Fix: {unset}, or start rank 0 "
+                    f"(torchrun starts every rank).")
     return RankEnv(rank, world_size, int(os.environ.get("LOCAL_RANK", 0)), "env://", "torchrun")
 
 
-def _meets_early() -> bool:
-    """Whether the ranks' store listens before any rank starts: torchrun's agent holds it
-    (TORCHELASTIC_USE_AGENT_STORE). Not torchrun's variables at all (a stale shell, or ranks
-    started by hand): rank 0 must be listening within PEER_WAIT_S. torchrun without the agent's
-    store: rank 0's own process opens it once its inputs are checked, which may take long."""
-    if "TORCHELASTIC_RUN_ID" not in os.environ:
-        return True
-    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-
-
-def _listens(host: str, port: str) -> bool:
-    """Whether a TCP connection to host:port opens within PEER_WAIT_S."""
-    deadline = time.monotonic() + PEER_WAIT_S
+def _listens(host: str, port: str, within_s: float) -> bool:
+    """Whether a TCP connection to host:port opens within `within_s` seconds."""
+    deadline = time.monotonic() + within_s
     while True:
         try:
             with socket.create_connection((host, int(port)), timeout=1.0):

@@ -52,7 +52,7 @@ def run(cfg: DictConfig, spec: RunSpec, run_dir: Path) -> None:
     the run reads which checkpoint to resume (trainer.launch.folder); check the inputs, write
     the artifacts, then start the ranks. Whatever started this process, these happen once, in
     this order; only rank 0 of a torchrun/submitit world writes."""
-    env = launched_rank()
+    env = launched_rank(spec.config.cluster.timeout_s)
     writer = env is None or env.rank == 0
     with run_lock(run_dir, hold=writer), checkpoint_lock(
             resume.save_folder(spec.config.checkpoint, run_dir), hold=writer):
