@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--prompt encodes to id {max(ids)} with {tok.name}, past the "
                              f"model's vocabulary of {model_cfg.vocab_size} (model.vocab_size)."
                              f" Fix: leave that token out of the prompt")
-        context = (meta.get("data") or {}).get("seq_length")
+        # The length it was trained at: checkpoints record it (those from before, in the
+        # stream's identity, which a blend's lacks).
+        context = meta.get("seq_length") or (meta.get("data") or {}).get("seq_length")
         max_new_tokens = new_tokens(len(ids), args.max_new_tokens, context)
     except (ValueError, FileNotFoundError) as error:
         parser.exit(2, f"error: {error}\n")

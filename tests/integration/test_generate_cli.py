@@ -145,3 +145,17 @@ def _tokenizer(folder: Path, size: int) -> Path:
     folder.mkdir(parents=True)
     tok.save(str(folder / "tokenizer.json"))
     return folder
+
+
+def test_the_trained_length_is_read_where_a_blend_records_no_stream_length(run, tmp_path,
+                                                                           unloaded, capsys):
+    """A blend's stream identity holds no seq_length: the checkpoint's own record bounds it."""
+    [ckpt] = sorted((run / "checkpoints").iterdir())[-1:]
+    copy = tmp_path / ckpt.name
+    shutil.copytree(ckpt, copy)
+    meta = json.loads((copy / "meta.json").read_text())
+    assert meta["seq_length"] == CONTEXT
+    meta["data"] = {"blend": [[1.0, "x"]], "period": 4096}  # as trainer.data.stream writes it
+    (copy / "meta.json").write_text(json.dumps(meta))
+    refused(capsys, copy, "--prompt", "a" * (CONTEXT - 4), "--max-new-tokens", 5,
+            names=("--max-new-tokens 5", f"{CONTEXT} tokens"))

@@ -73,10 +73,12 @@ def run(cfg: DictConfig, spec: RunSpec, run_dir: Path) -> None:
 
 def _start_ranks(spec: RunSpec, run_dir: Path, env: RankEnv | None) -> None:
     # The model config travels with every checkpoint (python -m trainer.hf export reads it), and
-    # the global batch size, which a resume under another one names in its messages.
+    # the global batch size, which a resume under another one names in its messages; the
+    # tokenizer and the sequence length trained at, which python -m trainer.generate reads (a
+    # blend's stream identity holds no seq_length).
     meta = {"run_dir": str(run_dir), "model": asdict(spec.config.model),
             "global_batch_size": spec.plan.global_batch_size,
-            "tokenizer": spec.data.tokenizer_file()}  # python -m trainer.generate reads it
+            "seq_length": spec.layout.seq_length, "tokenizer": spec.data.tokenizer_file()}
     if env is not None:  # this process is one rank of a world started elsewhere
         run_rank(env, spec, run_dir, meta)
     elif spec.layout.world_size > 1:
