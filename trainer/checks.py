@@ -112,7 +112,9 @@ def check_moe(model: ModelConfig) -> None:
             ("moe_router_enable_expert_bias", model.moe_router_enable_expert_bias or None),
             ("moe_token_dispatcher_type", None if model.moe_token_dispatcher_type == "alltoall"
              else model.moe_token_dispatcher_type),
-            ("moe_expert_capacity_factor", model.moe_expert_capacity_factor))
+            ("moe_expert_capacity_factor", model.moe_expert_capacity_factor),
+            ("moe_router_bias_update_rate", None if model.moe_router_bias_update_rate
+             == ModelConfig.moe_router_bias_update_rate else model.moe_router_bias_update_rate))
             if v is not None]
         if ignored:
             raise ValueError(f"model.{ignored[0]} is ignored by a dense model "

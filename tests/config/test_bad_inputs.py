@@ -128,6 +128,8 @@ TABLE = [
       ("parallel.expert_model_parallel_size=2", "model.num_moe_experts=null")),
     R("cluster.procs_per_node=2 parallel.expert_tensor_parallel_size=2",
       ("parallel.expert_tensor_parallel_size=2", "model.num_moe_experts=null")),
+    R("model.moe_router_bias_update_rate=0.01", ("model.moe_router_bias_update_rate=0.01",
+                                                 "dense model")),
     R("model=tiny_moe model.moe_router_bias_update_rate=0.01",
       ("model.moe_router_bias_update_rate=0.01", "moe_router_enable_expert_bias=false")),
     R("model.num_moe_experts=6 cluster.procs_per_node=4 parallel.expert_model_parallel_size=4",

@@ -484,3 +484,15 @@ def test_an_export_never_overwrites_and_two_at_once_never_mix(imported, tmp_path
             (late / "theirs.json").write_text("{}")
     assert [p.name for p in late.iterdir()] == ["theirs.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf", "late"]
+
+
+def test_an_empty_or_absent_architectures_is_a_llama(tmp_path):
+    """save_pretrained of a bare config writes none; [] is read as the same (it raised an
+    IndexError)."""
+    from trainer.checkpoint.hf_families import model_config
+
+    source = tmp_path / "config.json"
+    llama = model_config(dict(LLAMA3_CONFIG), source)
+    assert model_config({**LLAMA3_CONFIG, "architectures": []}, source) == llama
+    assert model_config({k: v for k, v in LLAMA3_CONFIG.items() if k != "architectures"},
+                        source) == llama

@@ -95,7 +95,7 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
             raise ValueError(f"{source}: {key}={hf.get(key)!r} is not supported. Fix: {fix}.")
 
     fields = Fields(hf, source)
-    architecture = fields.get("architectures", TEXTS, [LLAMA])[0]
+    architecture = (fields.get("architectures", TEXTS, None) or [LLAMA])[0]  # [] too
     need("architectures", architecture in ARCHITECTURES,
          f"import a model of one of {', '.join(ARCHITECTURES)}")
     need("use_sliding_window", not fields.get("use_sliding_window", BOOL, False),

@@ -37,10 +37,11 @@ class RunPlan:
         ramped = sum(ramp_steps[-1]) if ramp_steps else 0  # where the ramp's steps end
         if ramp_steps and ramp_steps[-1][1] < ramp.global_batch(ramp_steps[-1][0]):
             start = ramp_steps[-1][0]  # the run would end inside this ramp step
+            ends = [count for count in (start, start + ramp.global_batch(start)) if count]
             raise ValueError(
                 f"train.train_samples={total} ends inside a step of the batch ramp-up "
                 f"({ramp.describe()}): a run is whole steps. Fix: set train.train_samples to "
-                f"{start} or {start + ramp.global_batch(start)}.")
+                f"{' or '.join(map(str, ends))}.")
         if total < 1 or (total - ramped) % gbs:
             after = f" after the ramp-up's steps end at {ramped:,} samples" if ramped else ""
             near = " or ".join(str(ramped + int(n)) for n in
@@ -70,6 +71,11 @@ class RunPlan:
                              f"at the end.")
         plan = cls(gbs, 0, train.eval_interval, eval_layout, total, ramp)
         return replace(plan, train_steps=plan.steps_from(0))
+
+    def describe_batch(self) -> str:
+        """The steps' global batch, for the start line and the dry run."""
+        return (self.ramp.describe() if self.ramp
+                else f"global batch {self.global_batch_size} samples")
 
     def batch_at(self, consumed: int) -> int:
         """The global batch of the step that starts at `consumed` samples: the ramp's or the

@@ -61,8 +61,12 @@ class BatchRamp:
         the float division and int() are its own, so a boundary falls where it falls there)."""
         if consumed > self.samples:
             return self.target
-        per_increment = self.samples / ((self.target - self.start) // self.increment)
-        return self.start + int(consumed / per_increment) * self.increment
+        return self.start + int(consumed / self.samples_per_increment) * self.increment
+
+    @property
+    def samples_per_increment(self) -> float:
+        """Megatron's rampup_samples_per_increment: a float, as its update() divides by it."""
+        return self.samples / ((self.target - self.start) // self.increment)
 
     def steps(self, consumed: int, end: int) -> list[tuple[int, int]]:
         """(consumed, batch) of each step from `consumed` while the ramp lasts, up to `end`
@@ -74,6 +78,6 @@ class BatchRamp:
         return steps
 
     def describe(self) -> str:
-        per = self.samples / ((self.target - self.start) // self.increment)
         return (f"batch ramp-up {self.start} to {self.target} by {self.increment} every "
-                f"{per:,.6g} samples ({KEY}=[{self.start},{self.increment},{self.samples}])")
+                f"{self.samples_per_increment:,.6g} samples "
+                f"({KEY}=[{self.start},{self.increment},{self.samples}])")

@@ -179,9 +179,6 @@ class WeightDecaySchedule:
             raise ValueError(f"optim.end_weight_decay={end} is below optim.start_weight_decay="
                              f"{start}: Megatron's weight decay schedule only increases. Fix: "
                              "set optim.end_weight_decay >= optim.start_weight_decay.")
-        if train_samples < 1:
-            raise ValueError(f"train.train_samples={train_samples} gives the weight decay "
-                             "schedule no span. Fix: set a positive train.train_samples.")
         return cls(style, start, end, train_samples)
 
     def weight_decay(self, consumed_samples: int) -> float:

@@ -153,10 +153,10 @@ def format_report(spec: RunSpec, record: dict[str, Any]) -> str:
 def training_line(spec: RunSpec) -> str:
     """The steps, their global batch (a ramp-up's sizes) and Megatron's schedule."""
     plan = spec.plan
-    batch = f"global batch {plan.global_batch_size}"
+    batch = plan.describe_batch()
     if plan.ramp:  # the memory plan below is the largest batch's (the most micro-batches)
-        batch = (f"{plan.ramp.describe()}, then {plan.global_batch_size}; memory planned at "
-                 f"{plan.global_batch_size} ({spec.layout.num_microbatches} micro-batches)")
+        batch += (f", then {plan.global_batch_size}; memory planned at "
+                  f"{plan.global_batch_size} ({spec.layout.num_microbatches} micro-batches)")
     return (f"training: {plan.train_steps:,} steps, {batch}, to {plan.train_samples:,} samples; "
             f"{spec.schedule.describe()}; {spec.weight_decay.describe()}")
 

@@ -116,8 +116,10 @@ def measure_rank(spec: RunSpec, rank: int, step: bool = True,
         engine.model.runner.measure = True  # the activations the schedule keeps at once
         steps = 2 if device.type == "cpu" else 1  # on CPU the allocator counts a second
         engine.model.runner.progress = _Progress("step 1", say, steps)
+        # The schedule's values of a run's first two steps (their sizes do not depend on them).
+        second = spec.layout.global_batch_size
         train_step(engine.model, engine.optimizer, micro_batches, spec.schedule.lr(0),
-                   engine.model.runner.progress.mark)
+                   engine.model.runner.progress.mark, spec.weight_decay.weight_decay(0))
         figures.update(step_s=round(time.perf_counter() - start, 3),
                        step_peak_bytes=peak.above_baseline(), state_bytes=state_bytes(engine),
                        activation_bytes=engine.model.runner.peak_saved_bytes,
@@ -129,8 +131,10 @@ def measure_rank(spec: RunSpec, rank: int, step: bool = True,
             progress = engine.model.runner.progress = _Progress(
                 "step 2 (counted by the allocator)", say)
             with Allocations() as counted:
-                train_step(engine.model, engine.optimizer, micro_batches, spec.schedule.lr(1),
-                           lambda phase: (counted.mark(phase), progress.mark(phase)))
+                train_step(engine.model, engine.optimizer, micro_batches,
+                           spec.schedule.lr(second),
+                           lambda phase: (counted.mark(phase), progress.mark(phase)),
+                           spec.weight_decay.weight_decay(second))
             figures.update(step_transient_bytes=counted.phase("micro_batches").transient_bytes,
                            update_transient_bytes=counted.phase("update").transient_bytes)
         return figures

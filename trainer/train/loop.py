@@ -98,9 +98,8 @@ class Trainer:
 
     def _run(self, keep_records: bool) -> list[dict[str, Any]]:
         plan, state, layout, logger = self.plan, self.state, self.layout, self.logger
-        batch = (plan.ramp.describe() if plan.ramp
-                 else f"global batch {plan.global_batch_size} samples")
-        start = (f"{layout.world_size} rank(s), {batch}, {self.total_steps} steps from step "
+        start = (f"{layout.world_size} rank(s), {plan.describe_batch()}, {self.total_steps} "
+                 f"steps from step "
                  f"{state.step} (samples {state.consumed_samples:,} to {plan.train_samples:,}); "
                  f"{self.schedule.describe()}; {self.weight_decay.describe()}")
         if self.compiles:  # torch compiles on the first call, which CompileWatch times
