@@ -133,7 +133,7 @@ def local_hardware(world: int) -> tuple[Hardware, dict]:
 
 
 def _steps(rank: int, layout: Layout, steps: int) -> list[float]:
-    from trainer.data.batch import rank_micro_batches
+    from trainer.train.batch import rank_micro_batches
     from trainer.train.engine import build_engine
     from trainer.train.step import train_step
 

@@ -102,7 +102,7 @@ def analytic_context_bytes(layout: Layout, comm: str) -> int:
 
 
 def _steps(rank: int, layout: Layout, steps: int) -> dict:
-    from trainer.data.batch import rank_micro_batches
+    from trainer.train.batch import rank_micro_batches
     from trainer.train.engine import build_engine
     from trainer.train.step import train_step
 

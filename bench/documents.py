@@ -64,7 +64,7 @@ def _starts() -> torch.Tensor:
 
 
 class _Samples:
-    """A fixed batch served as a sample stream (trainer.data.batch.Samples)."""
+    """A fixed batch served as a sample stream (trainer.train.batch.Samples)."""
 
     def __init__(self, tokens: torch.Tensor):
         self.tokens = tokens
@@ -82,7 +82,7 @@ class _Samples:
 def _steps(rank: int, layout: Layout, options: EngineOptions, steps: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from trainer.data.batch import DocumentRules, rank_micro_batches
+    from trainer.train.batch import DocumentRules, rank_micro_batches
     from trainer.train.engine import build_engine
     from trainer.train.step import train_step
 

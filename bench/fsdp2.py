@@ -33,8 +33,8 @@ from ranks import run_ranks  # noqa: E402
 
 from parallel.layout import Layout  # noqa: E402
 from trainer.config import ModelConfig, OptimConfig  # noqa: E402
-from trainer.data.batch import rank_micro_batches  # noqa: E402
 from trainer.model.transformer import Transformer  # noqa: E402
+from trainer.train.batch import rank_micro_batches  # noqa: E402
 from trainer.train.engine import build_engine  # noqa: E402
 from trainer.train.step import train_step  # noqa: E402
 

@@ -18,10 +18,10 @@ sys.path.insert(0, str(ROOT))
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "unit")]  # the test writer
 
 from parallel.layout import Layout  # noqa: E402
-from trainer.data.batch import rank_micro_batches  # noqa: E402
 from trainer.data.dataset import TokenDataset, builtin_corpus  # noqa: E402
 from trainer.data.megatron import open_indexed  # noqa: E402
 from trainer.data.stream import BlendedStream, SampleStream  # noqa: E402
+from trainer.train.batch import rank_micro_batches  # noqa: E402
 
 from test_megatron_data import write_indexed  # noqa: E402
 

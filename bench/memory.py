@@ -33,7 +33,7 @@ from ranks import run_ranks  # noqa: E402
 
 from parallel.layout import Layout  # noqa: E402
 from trainer.config import ModelConfig, OptimConfig, Precision  # noqa: E402
-from trainer.model.plan import parameter_shapes  # noqa: E402
+from trainer.parts.plan import parameter_shapes  # noqa: E402
 from trainer.plan.memory import memory_per_stage, step_per_stage  # noqa: E402
 from trainer.plan.options import EngineOptions  # noqa: E402
 
@@ -114,8 +114,8 @@ def small_layout() -> tuple[ModelConfig, Layout]:
 
 def _rank_peak(rank: int, model: ModelConfig, layout: Layout, options: EngineOptions,
                steps: int, fixed_mmap_threshold: bool) -> int:
-    from trainer.data.batch import rank_micro_batches
     from trainer.report.measure import PeakMemory
+    from trainer.train.batch import rank_micro_batches
     from trainer.train.engine import build_engine
     from trainer.train.step import train_step
 
@@ -153,7 +153,7 @@ def _gather_bytes(precision: Precision) -> int:
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from trainer.data.batch import rank_micro_batches
+    from trainer.train.batch import rank_micro_batches
     from trainer.train.engine import build_engine
     from trainer.train.step import train_step
 

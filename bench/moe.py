@@ -85,7 +85,7 @@ def _engine(model: ModelConfig, layout: Layout):
 
 def _timed_steps(rank: int, engines: dict, batch: torch.Tensor, steps: int) -> dict:
     """Each engine's step, alternating (the first of each a warm-up): seconds per step."""
-    from trainer.data.batch import rank_micro_batches
+    from trainer.train.batch import rank_micro_batches
     from trainer.train.step import train_step
 
     times: dict[str, list[float]] = {name: [] for name in engines}
@@ -106,8 +106,8 @@ def _timed_steps(rank: int, engines: dict, batch: torch.Tensor, steps: int) -> d
 
 
 def _dispatch(rank: int, layout: Layout) -> dict:
-    from trainer.data.batch import rank_micro_batches
     from trainer.model.moe import Experts
+    from trainer.train.batch import rank_micro_batches
     from trainer.train.step import train_step
 
     engine = _engine(MOE, layout)
@@ -146,7 +146,7 @@ def dispatch_bytes() -> dict:
 def _moe_vs_dense(rank: int, steps: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    from trainer.data.batch import rank_micro_batches
+    from trainer.train.batch import rank_micro_batches
     from trainer.train.step import train_step
 
     layout = Layout(1, micro_batch_size=MICRO, seq_length=SEQ)

@@ -2,7 +2,7 @@
 
 - bubble_over_ideal: each schedule's measured idle share over (p - 1) / (v * m + p - 1), for
   1F1B and interleaved 1F1B (gpipe beside them). A step's bubble is 1 - mean busy / makespan,
-  as parallel.pipeline.schedules.simulate_orders defines it: busy is the runner's busy_s per
+  as parallel.layout.pipeline_schedules.simulate_orders defines it: busy is the runner's busy_s per
   stage; the makespan runs from the first stage's start to the last end on any stage (run_s
   placed on the monotonic clock all processes share). Each stage's busy over its own run_s
   would miss the last stage's idle tail and read below the ideal.
@@ -43,11 +43,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from ranks import run_ranks  # noqa: E402
 
 from parallel.layout import Layout  # noqa: E402
-from parallel.pipeline import schedules  # noqa: E402
+from parallel.layout import pipeline_schedules as schedules  # noqa: E402
 from trainer.config import ModelConfig, OptimConfig  # noqa: E402
-from trainer.data.batch import MicroBatch  # noqa: E402
 from trainer.model.transformer import Transformer  # noqa: E402
 from trainer.plan.options import EngineOptions  # noqa: E402
+from trainer.train.batch import MicroBatch  # noqa: E402
 from trainer.train.engine import build_engine  # noqa: E402
 from trainer.train.step import train_step  # noqa: E402
 

@@ -32,7 +32,7 @@ def main(steps: int, micro: int, seq: int) -> None:
     times = []
     for step in range(steps):
         started = time.perf_counter()
-        batch = stream.get(range(step * micro, (step + 1) * micro))
+        batch = torch.from_numpy(stream.get(range(step * micro, (step + 1) * micro)))
         logits = model(batch[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         opt.zero_grad()

@@ -1,6 +1,6 @@
 """What parallelize's steps share while they apply a layout to one rank's model.
 
-Each parallel axis applies itself as steps (parallel.axes: Axis.steps), in three phases:
+Each parallel axis applies itself as steps (parallel.layout.axes: Axis.steps), in three phases:
 
     cut     on the single-device model, before anything else: what this rank runs of it
             (a pipeline stage keeps its blocks only)
@@ -24,7 +24,7 @@ from torch import nn
 
 from parallel.groups import Groups
 from parallel.layout import Layout
-from parallel.plan import ParallelPlan
+from parallel.layout.parallel_plan import ParallelPlan
 from parallel.sharding import CommDtypes
 
 PHASES = ("cut", "shard", "wire")
@@ -59,7 +59,7 @@ class CommOptions:
     overlap_param_gather: bool = False  # the next block's gather runs while this one computes
     overlap_grad_reduce: bool = False  # a block's reduce-scatter runs during earlier blocks'
     cp_comm_type: str = "p2p"  # context parallel attention: p2p (ring), all_gather or a2a
-    pipeline_schedule: str = "1f1b"  # parallel.pipeline.schedules.SCHEDULES
+    pipeline_schedule: str = "1f1b"  # parallel.layout.pipeline_schedules.SCHEDULES
     moe_token_dispatcher_type: str = "alltoall"  # parallel.experts.DISPATCHERS
 
     def dtypes(self, compute_dtype: torch.dtype) -> CommDtypes:

@@ -194,7 +194,7 @@ def shard_experts(build: Build) -> None:
     """On the meta device: each expert module keeps its EP rank's experts (dim 0 of its 3-D
     parameters), each split over ETP as the model's plan says (plan.expert_splits), and
     dispatches over expert_model_parallel (EP and ETP dividing the experts and their FFN are
-    checked with the model's rules: trainer.plan.axes.expert)."""
+    checked with the model's rules: trainer.plan.axis_costs.expert)."""
     dispatcher = DISPATCHERS[build.options.moe_token_dispatcher_type]
     groups = build.groups
     for module in expert_modules(build.model, build.plan.experts).values():

@@ -17,7 +17,7 @@ from parallel.layout import GROUP_NAMES, Layout
 
 @dataclass(frozen=True)
 class Groups:
-    """This rank's groups (axes in brackets; see parallel/layout.py for what each is for)."""
+    """This rank's groups (axes in brackets; parallel.layout says what each is for)."""
 
     world: Group
     tp: Group  # [tp]
@@ -30,7 +30,7 @@ class Groups:
     context: Group  # [seq, cp]: runtime CP
     batch_lane: Group  # [batch, dp]
     token_distinct: Group  # [seq, batch, cp, dp]: the loss is summed here
-    # The expert view (parallel.axes.expert): [etp], [ep], [edp]
+    # The expert view (parallel.layout.axes.expert): [etp], [ep], [edp]
     expert_tensor_parallel: Group
     expert_model_parallel: Group  # different experts; tokens exchanged by all-to-all
     expert_data_parallel: Group  # the same experts: gradients summed, optimizer sharded

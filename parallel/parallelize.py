@@ -1,6 +1,6 @@
 """parallelize: apply the layout to a single-device model from outside, by module name.
 
-Each axis applies itself by the steps it registers (parallel.axes), run by phase
+Each axis applies itself by the steps it registers (parallel.layout.axes), run by phase
 (parallel.build): the pipeline cuts the model to this rank's stage (parallel.pipeline.steps),
 the tensor axis replaces the linears and embedding by TP (+SP) layers with GTP_remat-sharded
 weights (parallel.tensor), this rank's shards are allocated, then GTP_remat bundles each
@@ -18,15 +18,15 @@ from typing import Callable
 import torch
 from torch import nn
 
-from parallel.axes import REGISTRY
 from parallel.build import Build, CommOptions, Pruned, StagePart
 from parallel.bundle import GradReduceQueue, ShardBundle
 from parallel.experts import ExpertDispatch
 from parallel.groups import Groups
 from parallel.layout import Layout
+from parallel.layout.axes import REGISTRY
+from parallel.layout.parallel_plan import ParallelPlan
 from parallel.pipeline.runner import PipelineRunner
 from parallel.pipeline.stages import shared_weights
-from parallel.plan import ParallelPlan
 from parallel.tensor import (
     ParallelLinear,
     VocabParallelEmbedding,

@@ -1,8 +1,8 @@
 """Every check of a config value that needs no process, no torch and reads no data (a folder
 the run must write is tried): one place, so a new key gets its check here. Each failure is one
 ValueError line naming the key, the value and the fix; settle() turns it into the run's one-line
-error. The layout's rules relating degrees live with their axes (parallel.axes), and so do an
-axis's rules for the model's shapes (trainer.plan.axes); the sample accounting is
+error. The layout's rules relating degrees live with their axes (parallel.layout.axes), and so do an
+axis's rules for the model's shapes (trainer.plan.axis_costs); the sample accounting is
 plan.accounting's, the schedule plan.schedule's, the data's data.source's.
 """
 from __future__ import annotations
@@ -13,8 +13,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from parallel.axes import BATCH, PARALLEL_KEYS
 from parallel.layout import Layout
+from parallel.layout.axes import BATCH, PARALLEL_KEYS
 from trainer.config import (
     CheckpointConfig,
     ClusterConfig,
@@ -222,7 +222,7 @@ def check_cluster(cluster: ClusterConfig) -> None:
 
 
 def check_layout_inputs(parallel: Any, cluster: Any, train: Any) -> None:
-    """The counts a Layout is built from (parallel.axes: every axis's keys and the batch's),
+    """The counts a Layout is built from (parallel.layout.axes: every axis's keys and the batch's),
     each checked before the Layout relates them. DictConfig nodes or dataclasses."""
     check_cluster(cluster)
     sections = {"parallel": parallel, "train": train}

@@ -200,12 +200,12 @@ class ParallelConfig:
     tensor_parallel_num_weight_shards: Optional[int] = MISSING  # null = TP
     tensor_parallel_num_sequence_shards: Optional[int] = MISSING  # null = SP degree
     context_parallel_size: int = MISSING
-    # Megatron-Core's expert parallel (parallel.axes.expert): experts split over EP ranks of
+    # Megatron-Core's expert parallel (parallel.layout.axes.expert): experts split over EP ranks of
     # the expert view; expert tensor parallel (null = TP).
     expert_model_parallel_size: int = MISSING
     expert_tensor_parallel_size: Optional[int] = MISSING
     pipeline_model_parallel_size: int = MISSING
-    # The order a stage runs its micro-batches in (parallel.pipeline.schedules.SCHEDULES):
+    # The order a stage runs its micro-batches in (parallel.layout.pipeline_schedules.SCHEDULES):
     # 1f1b (up to PP in flight), interleaved_1f1b (virtual chunks per stage: a smaller bubble
     # for more messages) or gpipe (every forward, then every backward).
     pipeline_schedule: str = MISSING
@@ -293,7 +293,7 @@ class OptimConfig:
     weight_decay: float = MISSING  # constant weight decay (weight_decay_incr_style=constant)
     # Megatron's names: weight decay from start to end over train.train_samples, by
     # weight_decay_incr_style (linear or cosine; both keys then set, end >= start). constant:
-    # both null, weight_decay throughout (trainer.plan.schedule.WeightDecaySchedule)
+    # both null, weight_decay throughout (trainer.plan.lr_schedule.WeightDecaySchedule)
     start_weight_decay: Optional[float] = MISSING
     end_weight_decay: Optional[float] = MISSING
     weight_decay_incr_style: WeightDecayIncrStyle = MISSING
@@ -305,7 +305,7 @@ class OptimConfig:
 
 @dataclass
 class ScheduleConfig:
-    """Megatron's sample-based schedule (trainer.plan.schedule): the step that consumes samples
+    """Megatron's sample-based schedule (trainer.plan.lr_schedule): the step that consumes samples
     [s, s + global batch) trains at Megatron's OptimizerParamScheduler.get_lr() at s samples."""
 
     lr_decay_style: LrDecayStyle = MISSING

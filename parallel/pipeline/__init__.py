@@ -1,1 +1,1 @@
-"""Pipeline parallel: schedules (pure) and their execution over the pp group."""
+"""Pipeline parallel: its stages and the runner that replays a schedule over the pp group."""

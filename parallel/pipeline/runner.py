@@ -1,7 +1,7 @@
 """Running a schedule on one rank: its stage's forwards and backwards, in the schedule's order,
 with activations and their gradients crossing stages point-to-point over the pp group.
 
-Every rank replays the list parallel.pipeline.schedules gives its stage, so the dry run's
+Every rank replays the list parallel.layout.pipeline_schedules gives its stage, so the dry run's
 figures (bubble, micro-batches in flight) are the run's. A micro-batch's hidden states go to the
 next stage with their token positions; gradients come back the same way. Packed documents
 (where each position's document starts, a few integers a sample) are not sent: every stage
@@ -23,7 +23,7 @@ import torch
 
 from parallel.comm import Pending
 from parallel.layout import Layout
-from parallel.pipeline.schedules import (
+from parallel.layout.pipeline_schedules import (
     FORWARD,
     RECEIVE_AHEAD,
     Action,

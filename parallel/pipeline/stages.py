@@ -18,7 +18,7 @@ import copy
 from torch import nn
 
 from parallel.build import Pruned, StagePart
-from parallel.plan import ParallelPlan
+from parallel.layout.parallel_plan import ParallelPlan
 
 
 def prune(model: nn.Module, plan: ParallelPlan, part: StagePart,

@@ -1,4 +1,4 @@
-"""The pipeline axis's steps of parallelize (parallel.axes: PIPELINE.steps).
+"""The pipeline axis's steps of parallelize (parallel.layout.axes: PIPELINE.steps).
 
 cut (first, on the single-device model): this rank's part of the model, its stage's chunks
 (without PP the whole model as one chunk); with PP the model is pruned to them before anything

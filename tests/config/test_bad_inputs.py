@@ -55,7 +55,7 @@ class Row:
 
 R = Row
 TABLE = [
-    # parallel layout rules (parallel/layout.py)
+    # parallel layout rules (parallel/layout/__init__.py)
     R("parallel.tensor_model_parallel_size=2", ("world_size=1", "x PP = 2 x 1 x 1 x 1 = 2")),
     R("parallel.context_parallel_size=2", ("world_size=1", "x PP = 1 x 1 x 2 x 1 = 2")),
     R("cluster.procs_per_node=2 parallel.tensor_model_parallel_size=2 "
@@ -89,7 +89,7 @@ TABLE = [
       ("model.rope_scaling_factor=0.5",)),
     R("model.num_query_groups=3", ("model.num_query_groups=3", "model.num_heads=4")),
     R("model.kv_channels=0", ("model.kv_channels=0",)),
-    # a mixture of experts (trainer/checks.py check_moe; its layouts: trainer/plan/axes)
+    # a mixture of experts (trainer/checks.py check_moe; its layouts: trainer/plan/axis_costs)
     R("model.num_moe_experts=0", ("model.num_moe_experts=0",)),
     R("model.num_moe_experts=4 model.moe_router_topk=5", ("model.moe_router_topk=5", "=4")),
     R("model.num_moe_experts=4 model.moe_layer_freq=[1,0,1]",
@@ -116,7 +116,8 @@ TABLE = [
       "cluster.procs_per_node=2", (), OK, torch=True),  # experts in pipeline stages
     R("model.num_moe_experts=4 model.moe_layer_freq=[0,1] model.moe_router_score_function="
       "sigmoid model.moe_router_enable_expert_bias=true", (), OK, torch=True),
-    # expert parallel (parallel/axes/expert.py; its model rules: trainer/plan/axes/expert.py)
+    # expert parallel (parallel/layout/axes/expert.py; its model rules:
+    # trainer/plan/axis_costs/expert.py)
     R("parallel.expert_model_parallel_size=0", ("parallel.expert_model_parallel_size=0",)),
     R("parallel.expert_tensor_parallel_size=1.5", ("parallel.expert_tensor_parallel_size=1.5",)),
     R("parallel.expert_tensor_parallel_size=0", ("parallel.expert_tensor_parallel_size=0",)),
@@ -238,7 +239,7 @@ TABLE = [
     R("schedule=wsd schedule.lr_wsd_decay_samples=null", ("lr_wsd_decay_samples=null",)),
     R("schedule=wsd schedule.lr_wsd_decay_samples=0", ("schedule.lr_wsd_decay_samples=0",)),
     R("schedule=wsd schedule.lr_wsd_decay_samples=20000", ("lr_wsd_decay_samples=20000",)),
-    # Megatron's schedule keys (trainer/plan/schedule.py)
+    # Megatron's schedule keys (trainer/plan/lr_schedule.py)
     R("schedule.lr_warmup_init=-1", ("schedule.lr_warmup_init=-1",)),
     R("schedule.lr_warmup_init=0.01", ("schedule.lr_warmup_init=0.01", "schedule.lr=0.001")),
     R("schedule.lr_warmup_init=1e-4 schedule.lr_warmup_fraction=null",

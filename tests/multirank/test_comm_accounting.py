@@ -20,9 +20,9 @@ import torch
 
 from parallel.layout import Layout
 from trainer.config import Precision
-from trainer.data.batch import rank_micro_batches
-from trainer.model.plan import parameter_shapes
+from trainer.parts.plan import parameter_shapes
 from trainer.plan.options import EngineOptions
+from trainer.train.batch import rank_micro_batches
 from trainer.train.engine import build_engine
 from trainer.train.step import train_step
 

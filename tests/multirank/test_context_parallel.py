@@ -14,8 +14,8 @@ import torch
 
 from parallel.layout import Layout
 from trainer.config import CPCommType, Precision
-from trainer.data.batch import rank_micro_batches
 from trainer.plan.options import EngineOptions
+from trainer.train.batch import rank_micro_batches
 from trainer.train.engine import build_engine
 from trainer.train.step import train_step
 

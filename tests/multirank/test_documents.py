@@ -20,10 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from trainer.config import CPCommType, Precision, RecomputeGranularity
-from trainer.data.batch import IGNORE, DocumentRules, rank_micro_batches
 from trainer.data.dataset import TokenDataset
 from trainer.data.stream import SampleStream
 from trainer.plan.options import EngineOptions
+from trainer.train.batch import IGNORE, DocumentRules, rank_micro_batches
 from trainer.train.compile import graph_breaks, graphs
 from trainer.train.engine import build_engine
 from trainer.train.step import train_step

@@ -24,8 +24,8 @@ import torch
 
 from parallel.bundle import _Gathered
 from trainer.config import Precision
-from trainer.data.batch import rank_micro_batches
 from trainer.plan.options import EngineOptions
+from trainer.train.batch import rank_micro_batches
 from trainer.train.engine import build_engine
 from trainer.train.step import train_step
 

@@ -21,10 +21,10 @@ import torch.nn.functional as F
 
 from parallel.layout import Layout
 from trainer.config import ModelConfig, OptimConfig, Precision
-from trainer.data.batch import rank_micro_batches
 from trainer.model.transformer import Transformer
 from trainer.plan.options import EngineOptions
 from trainer.train import routing
+from trainer.train.batch import rank_micro_batches
 from trainer.train.compile import graphs as compiled_graphs
 from trainer.train.engine import build_engine
 from trainer.train.step import IGNORE, train_step

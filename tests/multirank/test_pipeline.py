@@ -14,7 +14,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from parallel.pipeline.schedules import SCHEDULES
+from parallel.layout.pipeline_schedules import SCHEDULES
 from trainer.config import CPCommType, Precision, RecomputeGranularity
 from trainer.plan.options import EngineOptions
 
@@ -107,7 +107,7 @@ def test_bf16_with_stages_trains_close_to_fp32(references):
 
 def kept_in_flight(rank: int, layout, options: EngineOptions, model) -> dict:
     """One training step on real gloo ranks, measuring what the schedule kept at once."""
-    from trainer.data.batch import rank_micro_batches
+    from trainer.train.batch import rank_micro_batches
     from trainer.train.engine import build_engine
     from trainer.train.step import train_step
 
@@ -127,7 +127,7 @@ def test_activations_in_flight_match_the_plan(name):
     """The dry run's activations per stage are the schedule's micro-batches in flight times
     what each keeps; measured on gloo ranks with autograd's saved-tensor hooks. Its message
     term is the receive buffers the runner really held at once (real gloo messages)."""
-    from trainer.model.plan import parameter_shapes
+    from trainer.parts.plan import parameter_shapes
     from trainer.plan.memory import step_per_stage
 
     world, kwargs, options, model = CASES[name]
@@ -146,7 +146,7 @@ def test_activations_in_flight_match_the_plan(name):
 
 
 def eval_loss(rank: int, layout, options: EngineOptions, batch: torch.Tensor) -> float:
-    from trainer.data.batch import rank_micro_batches
+    from trainer.train.batch import rank_micro_batches
     from trainer.train.engine import build_engine
     from trainer.train.step import evaluate
 

@@ -20,10 +20,10 @@ from trainer.config import (
     WeightDecayIncrStyle,
     WsdDecayStyle,
 )
-from trainer.data.batch import rank_micro_batches
+from trainer.plan.lr_schedule import LrSchedule, WeightDecaySchedule
 from trainer.plan.options import EngineOptions
 from trainer.plan.rampup import BatchRamp
-from trainer.plan.schedule import LrSchedule, WeightDecaySchedule
+from trainer.train.batch import rank_micro_batches
 from trainer.train.engine import build_engine
 from trainer.train.step import IGNORE, train_step
 

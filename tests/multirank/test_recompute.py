@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 from parallel.layout import Layout
 from trainer.config import Precision, RecomputeGranularity
-from trainer.model.plan import parallel_plan
 from trainer.model.transformer import Transformer
+from trainer.parts.plan import parallel_plan
 from trainer.plan.options import EngineOptions
 from trainer.train.engine import build_engine
 from trainer.train.recompute import apply_recompute

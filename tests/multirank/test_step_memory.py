@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from parallel.layout import Layout
 from trainer.config import CPCommType, ModelConfig, OptimConfig, Precision, RecomputeGranularity
-from trainer.model.plan import parameter_shapes
+from trainer.parts.plan import parameter_shapes
 from trainer.plan.memory import memory_per_stage, step_per_stage
 from trainer.plan.options import EngineOptions
 
@@ -64,7 +64,7 @@ def _in_fake_world(world: int, rank: int, fn, *args):
 def saved_activation_bytes(rank: int, layout: Layout, options: EngineOptions,
                            model: ModelConfig = MODEL) -> int:
     """Bytes of every storage autograd keeps from one micro-batch's forward, weights excluded."""
-    from trainer.data.batch import rank_micro_batches
+    from trainer.train.batch import rank_micro_batches
     from trainer.train.engine import build_engine
 
     engine = build_engine(model, OPTIM, 0, layout, torch.device("cpu"), options)
@@ -220,8 +220,8 @@ def allocated_transients(rank: int, layout: Layout, options: EngineOptions,
                          model: ModelConfig = MODEL) -> tuple[int, int]:
     """(the micro-batches' transient, the update's) of a second step, counted by the
     allocator above what the rank held before each part (its state made by the first)."""
-    from trainer.data.batch import rank_micro_batches
     from trainer.report.allocations import Allocations
+    from trainer.train.batch import rank_micro_batches
     from trainer.train.engine import build_engine
     from trainer.train.step import train_step
 

@@ -7,7 +7,8 @@ import dataclasses
 import pytest
 import yaml
 
-from parallel.axes import (
+from parallel.layout import GROUP_AXES, Layout, RankCoords
+from parallel.layout.axes import (
     AXES,
     EXPERT_AXES,
     GROUPS,
@@ -16,7 +17,6 @@ from parallel.axes import (
     REGISTRY,
     LayoutError,
 )
-from parallel.layout import GROUP_AXES, Layout, RankCoords
 from trainer.config import ParallelConfig
 
 from config_helpers import CONF_DIR, ROOT
@@ -84,18 +84,19 @@ def test_every_registered_step_is_a_function_of_a_phase():
 
 
 def test_each_axis_is_a_module_with_its_terms_of_the_plan_beside_it():
-    """An axis is one module of parallel/axes (its entry: keys, rank axes, groups, rules, steps)
-    and one of trainer/plan/axes of the same name (its rules for the model, its terms of the
+    """An axis is one module of parallel/layout/axes (its entry: keys, rank axes, groups, rules,
+    steps)
+    and one of trainer/plan/axis_costs of the same name (its rules for the model, its terms of the
     plan): what a new axis adds besides its parallel layers and its registration."""
     import importlib
     import pkgutil
 
-    import parallel.axes
-    from parallel.axes.axis import Axis
+    import parallel.layout.axes
+    from parallel.layout.axes.axis import Axis
 
     homes = {}
-    for info in pkgutil.iter_modules(parallel.axes.__path__):
-        module = importlib.import_module(f"parallel.axes.{info.name}")
+    for info in pkgutil.iter_modules(parallel.layout.axes.__path__):
+        module = importlib.import_module(f"parallel.layout.axes.{info.name}")
         for value in vars(module).values():
             if isinstance(value, Axis):
                 homes.setdefault(value.name, []).append(info.name)

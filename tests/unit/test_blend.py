@@ -58,7 +58,7 @@ def spec_for(parts, *extra: str):
 def test_the_mixture_draws_each_part_by_weight_in_any_order(parts):
     spec = spec_for(parts, "train.eval_interval=null")
     train, _ = open_streams(spec.data, spec.layout.seq_length, spec.config.data.seed, False)
-    batch = train.get(range(4 * PERIOD)).numpy()
+    batch = train.get(range(4 * PERIOD))
     from_megatron = (batch[:, 0] >= 200).mean()  # our part is "a" (97) and newlines
     assert abs(from_megatron - 0.75) < 1e-3
     assert ((batch < 200).all(axis=1) | (batch >= 200).all(axis=1)).all()  # samples unmixed

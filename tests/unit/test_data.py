@@ -151,12 +151,12 @@ def test_windows_are_contiguous_and_labels_are_inputs_shifted(tmp_path: Path) ->
     stream = SampleStream(ds, "train", seq_length=10, seed=0, shuffle=False)
     assert stream.num_samples_per_epoch == 100  # (1001 - 1) // 10
     batch = stream.get(range(100))
-    assert batch.shape == (100, 11) and batch.dtype == torch.int64
-    tokens = torch.from_numpy(ds.tokens[:1000].astype(np.int64))
-    assert torch.equal(batch[:, :-1].reshape(-1), tokens)
-    assert torch.equal(batch[:-1, -1], batch[1:, 0])  # a window's last token is the next's first
+    assert batch.shape == (100, 11) and batch.dtype == np.int64
+    tokens = ds.tokens[:1000].astype(np.int64)
+    assert np.array_equal(batch[:, :-1].reshape(-1), tokens)
+    assert np.array_equal(batch[:-1, -1], batch[1:, 0])  # a window's last token is the next's first
     inputs, labels = batch[:, :-1], batch[:, 1:]
-    assert torch.equal(labels[:, :-1], inputs[:, 1:])
+    assert np.array_equal(labels[:, :-1], inputs[:, 1:])
 
 
 def test_each_epoch_is_a_permutation_and_the_seed_fixes_the_order(tmp_path: Path) -> None:
@@ -167,11 +167,11 @@ def test_each_epoch_is_a_permutation_and_the_seed_fixes_the_order(tmp_path: Path
     epochs = [stream.get(range(e * n, (e + 1) * n)) for e in range(3)]
     for batch in epochs:  # every sample exactly once per epoch
         assert sorted(map(tuple, batch.tolist())) == sorted(map(tuple, every.tolist()))
-    assert not torch.equal(epochs[0], epochs[1]) and not torch.equal(epochs[0], every)
+    assert not np.array_equal(epochs[0], epochs[1]) and not np.array_equal(epochs[0], every)
     again = SampleStream(ds, "train", seq_length=20, seed=7, shuffle=True)
-    assert torch.equal(again.get(range(3 * n)), torch.cat(epochs))
+    assert np.array_equal(again.get(range(3 * n)), np.concatenate(epochs))
     other = SampleStream(ds, "train", seq_length=20, seed=8, shuffle=True)
-    assert not torch.equal(other.get(range(n)), epochs[0])
+    assert not np.array_equal(other.get(range(n)), epochs[0])
 
 
 def test_get_equals_slices_of_the_full_enumeration(tmp_path: Path) -> None:
@@ -182,13 +182,13 @@ def test_get_equals_slices_of_the_full_enumeration(tmp_path: Path) -> None:
     rng = np.random.default_rng(0)
     for indices in ([0], [4 * n - 1], list(range(n - 5, n + 5)),  # across an epoch boundary
                     [3 * n + 2, 1, 2 * n, 1], rng.integers(0, 4 * n, size=50).tolist(), []):
-        assert torch.equal(stream.get(indices), full[indices].reshape(-1, 31))
+        assert np.array_equal(stream.get(indices), full[indices].reshape(-1, 31))
     # What the trainer does: the global batch of step s, each rank taking its own share.
     gbs = 16
     for step in range(2 * n // gbs + 2):
         rank_share = [stream.get(range(step * gbs + r, (step + 1) * gbs, 4)) for r in range(4)]
-        assert torch.equal(torch.stack(rank_share, 1).reshape(gbs, -1),
-                           full[step * gbs:(step + 1) * gbs])
+        assert np.array_equal(np.stack(rank_share, 1).reshape(gbs, -1),
+                              full[step * gbs:(step + 1) * gbs])
     with pytest.raises(ValueError, match="must be >= 0"):
         stream.get([-1])
 

@@ -1,13 +1,12 @@
-"""Dependencies run one way: parallel/ never imports trainer/, layout.py and the Hydra plugin
-import no torch (compose-time validation must stay fast)."""
+"""Dependencies run one way: parallel/ never imports trainer/, and compose time is a floor: the
+rooms the resolver, the checks, the dry run and the search use import no torch and nothing above
+them (compose-time validation must stay fast)."""
 from __future__ import annotations
 
 import ast
 import subprocess
 import sys
 from pathlib import Path
-
-import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,12 +28,14 @@ def test_parallel_never_imports_trainer():
 
 
 def test_layout_is_pure_python():
-    """The Layout and the axes it reads import the standard library and each other only."""
-    stdlib = {"__future__", "dataclasses", "functools", "math", "typing"}
-    axes = {f"parallel.axes.{p.stem}" for p in (ROOT / "parallel" / "axes").glob("*.py")}
-    axes = (axes - {"parallel.axes.__init__"}) | {"parallel.axes", "parallel.layout"}
-    for path in [ROOT / "parallel" / "layout.py", *(ROOT / "parallel" / "axes").glob("*.py")]:
-        assert imported_modules(path) <= stdlib | axes, path
+    """parallel/layout/ (the Layout, the axes it reads, the pipeline schedules' tables and the
+    parallel plan's type) imports the standard library and itself only."""
+    stdlib = {"__future__", "dataclasses", "functools", "math", "typing", "collections",
+              "itertools"}
+    for path in (ROOT / "parallel" / "layout").rglob("*.py"):
+        outside = {m for m in imported_modules(path) - stdlib
+                   if not (m == "parallel.layout" or m.startswith("parallel.layout."))}
+        assert not outside, f"{path} imports {sorted(outside)}"
 
 
 def test_hydra_finds_the_plugin_on_its_own_and_compose_imports_no_torch():
@@ -94,25 +95,39 @@ def test_no_module_imports_itself_back():
     assert not cycles, f"import cycles through {cycles}"
 
 
-# Modules that run at compose time (the resolver, the sweeper, settle, the dry run's checks):
-# nothing they import, directly or not, may import torch.
-COMPOSE_TIME = ("trainer.config", "trainer.compose.runspec", "trainer.compose.sweeps",
-                "trainer.compose.resolvers", "trainer.auto.search",
-                "hydra_plugins.gtp_trainer_resolvers")
+# The compose-time floor, lowest first: the rooms of trainer/ below every room that imports
+# torch (ARCHITECTURE.md), with parallel/layout/ under them and the Hydra plugins on them.
+FLOOR_ROOMS = ("units", "config", "checks", "parts", "plan", "data", "auto", "compose")
+
+def on_the_floor(module: str) -> bool:
+    return (room_of(module) in FLOOR_ROOMS or module == "parallel.layout"
+            or module.startswith(("parallel.layout.", "hydra_plugins.")))
 
 
-@pytest.mark.parametrize("name", COMPOSE_TIME)
-def test_compose_time_modules_import_no_torch(name):
-    heavy = {module for module in {name} | closure(name)
-             if any(m.split(".")[0] == "torch" for m in imported_modules(MODULES[module]))}
-    assert not heavy, f"{name} imports torch through {sorted(heavy)}"
+def test_the_compose_floor_imports_no_torch_and_nothing_above_it():
+    """A rule of the floor, not of listed files: no module on it names torch (not even lazily)
+    or imports a module off the floor, so nothing the resolver runs can reach torch."""
+    floor = [name for name in MODULES if on_the_floor(name)]
+    assert {room_of(name) for name in floor} - {None} == set(FLOOR_ROOMS)
+    heavy = [name for name in floor
+             if any(m.split(".")[0] == "torch" for m in imported_modules(MODULES[name]))]
+    assert not heavy, f"modules on the compose floor import torch: {heavy}"
+    above = [f"{name} -> {dep}" for name in floor for dep in project_imports(name)
+             if not on_the_floor(dep) and dep not in ("trainer", "parallel")]
+    assert not above, f"the compose floor imports rooms above it: {above}"
+
+
+def test_every_room_above_the_floor_sits_above_it():
+    """The floor's rooms come first in ROOMS, so the one-way rule puts every other room above."""
+    assert ROOMS[:len(FLOOR_ROOMS)] == FLOOR_ROOMS
 
 
 def test_the_model_does_not_know_it_is_parallel():
     """Only the plan (pure data, sized from the model's config) is shared with parallel/; the
     model's code imports none of it."""
     assert not {m for m in project_imports("trainer.model.transformer") if m.startswith("parallel")}
-    assert {m for m in project_imports("trainer.model.plan")} == {"parallel.plan", "trainer.config"}
+    assert {m for m in project_imports("trainer.parts.plan")} == {
+        "parallel.layout.parallel_plan", "trainer.config"}
 
 
 def test_launching_sits_on_top():
@@ -123,9 +138,10 @@ def test_launching_sits_on_top():
 
 
 # The rooms of trainer/, lowest first (ARCHITECTURE.md): each imports only rooms below it, so
-# no two rooms import each other. The entry points people type sit on top.
-ROOMS = ("units", "config", "checks", "model", "plan", "data", "auto", "compose", "checkpoint",
-         "train", "report", "launch", "hf", "prepare", "generate", "plot")
+# no two rooms import each other. The compose floor's rooms first; the entry points people type
+# sit on top.
+ROOMS = (*FLOOR_ROOMS, "model", "checkpoint", "train", "report", "launch", "hf", "prepare",
+         "generate", "plot")
 
 
 def room_of(module: str) -> str | None:
@@ -145,8 +161,8 @@ def test_the_rooms_of_trainer_import_one_way():
 
 
 def layout_sizes() -> set[str]:
-    """The Layout's fields and properties (its sizes), read from parallel/layout.py."""
-    tree = ast.parse((ROOT / "parallel" / "layout.py").read_text())
+    """The Layout's fields and properties (its sizes), read from parallel/layout/__init__.py."""
+    tree = ast.parse((ROOT / "parallel" / "layout" / "__init__.py").read_text())
     (layout,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Layout"]
     names = {item.target.id for item in layout.body
              if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)}

@@ -1,4 +1,4 @@
-"""Property tests for parallel/layout.py against the contract in docs/layout.md.
+"""Property tests for parallel/layout/__init__.py against the contract in docs/layout.md.
 
 Valid layouts are built from their factors (TP, SP, G, ns, CP, DP, PP), so every expected size,
 coordinate and group below is computed here from those factors, not read back from Layout. A

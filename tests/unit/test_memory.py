@@ -95,7 +95,7 @@ def test_the_plan_keeps_as_many_gradient_reduces_in_flight_as_the_bundles_do():
 
     from parallel.bundle import GradReduceQueue
     from parallel.comm import Pending
-    from trainer.plan.axes.gtp_remat import REDUCES_IN_FLIGHT
+    from trainer.plan.axis_costs.gtp_remat import REDUCES_IN_FLIGHT
 
     queue, finished = GradReduceQueue(), []
     for block in range(6):

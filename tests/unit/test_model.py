@@ -65,7 +65,7 @@ def test_bad_head_count_is_a_clear_error():
 
 def test_training_refuses_what_the_engine_cannot_split():
     from parallel.layout import Layout
-    from trainer.plan.axes import check_model_fits_layout
+    from trainer.plan.axis_costs import check_model_fits_layout
     from trainer.plan.options import EngineOptions
 
     options = EngineOptions()
@@ -97,7 +97,7 @@ def test_parameter_shapes_from_the_config_are_the_built_models(changes):
     buffers (a router's expert bias) too."""
     from dataclasses import replace
 
-    from trainer.model.plan import buffer_shapes, parameter_shapes
+    from trainer.parts.plan import buffer_shapes, parameter_shapes
 
     cfg = replace(TINY, **changes)
     with torch.device("meta"):

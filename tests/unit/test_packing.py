@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 
 from parallel.layout import Layout
-from trainer.data.batch import IGNORE, DocumentRules, rank_micro_batches
 from trainer.data.dataset import TokenDataset
 from trainer.data.packing import Packs
 from trainer.data.stream import SampleStream
+from trainer.train.batch import IGNORE, DocumentRules, rank_micro_batches
 
 LENGTHS = [3, 5, 2, 9, 4]  # tokens of each document
 

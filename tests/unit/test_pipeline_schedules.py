@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from parallel.pipeline.schedules import (
+from parallel.layout.pipeline_schedules import (
     BACKWARD,
     FORWARD,
     SCHEDULES,

@@ -19,19 +19,20 @@ from dataclasses import dataclass, field
 from itertools import product
 from typing import Any, Optional
 
-from parallel.axes import PARALLEL_KEYS
 from parallel.layout import Layout, LayoutError
+from parallel.layout.axes import PARALLEL_KEYS
 from trainer.checks import check_model
 from trainer.config import CPCommType, ModelConfig, Precision, RecomputeGranularity
-from trainer.model.plan import parameter_shapes
-from trainer.plan.axes.context import check_comm_type
+from trainer.parts.plan import parameter_shapes
+from trainer.plan.axis_costs.context import check_comm_type
 from trainer.plan.cost import Estimate, estimate, floor_s
 from trainer.plan.fit import PeakPlanner
 from trainer.plan.hardware import Hardware
 from trainer.plan.options import EngineOptions
 from trainer.units import GiB
 
-# The keys the search sets, by config path: the axes' degrees it chooses (parallel.axes), then
+# The keys the search sets, by config path: the axes' degrees it chooses
+# (parallel.layout.axes), then
 # the options it tries for each layout; the rest of parallel.* are inputs.
 OPTIONS = ("parallel.pipeline_schedule", "parallel.cp_comm_type", "train.recompute_granularity")
 SEARCHED = (*(key.config_key for key in PARALLEL_KEYS if key.searched), *OPTIONS)

@@ -12,7 +12,7 @@ from dataclasses import asdict, fields, replace
 from typing import Any
 
 from trainer.config import ModelConfig
-from trainer.model.plan import EMBEDDING, EXPERT_BIAS, HEAD, buffer_shapes, parameter_shapes
+from trainer.parts.plan import EMBEDDING, EXPERT_BIAS, HEAD, buffer_shapes, parameter_shapes
 
 HEAD_WEIGHT, EMBEDDING_WEIGHT = f"{HEAD}.weight", f"{EMBEDDING}.weight"
 # Keys that change nothing a loaded model computes: init_std only draws the initial values (the

@@ -17,9 +17,9 @@ from trainer.compose.resolvers import AutoLayoutError, auto_choice, build_layout
 from trainer.config import Config, ConfigError, unknown_keys
 from trainer.data.source import DataSource
 from trainer.plan.accounting import RunPlan
-from trainer.plan.axes import check_model_fits_layout
+from trainer.plan.axis_costs import check_model_fits_layout
+from trainer.plan.lr_schedule import LrSchedule, WeightDecaySchedule
 from trainer.plan.options import EngineOptions
-from trainer.plan.schedule import LrSchedule, WeightDecaySchedule
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 of the index, so any rank fetches any sample in any order and a resumed run sees the same ones."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Literal, Sequence
+from typing import Literal, Sequence
 
 import numpy as np
 
@@ -11,9 +11,6 @@ from trainer.data.blend import PERIOD, blend_pattern
 from trainer.data.dataset import TokenDataset
 from trainer.data.packing import Packs
 from trainer.data.source import DataSource
-
-if TYPE_CHECKING:  # launch.py opens the streams to check them before any rank, without torch
-    import torch
 
 
 class SampleStream:
@@ -82,20 +79,18 @@ class SampleStream:
             samples[here] = self.epoch_order(int(epoch))[positions[here]]
         return idx, samples
 
-    def document_starts(self, indices: Sequence[int]) -> torch.Tensor:
+    def document_starts(self, indices: Sequence[int]) -> np.ndarray:
         """[len(indices), seq_length + 1] int64: for each token of these samples, where its
         document starts within the sample (0 for one that started before the sample). The
         documents are the dataset's (its document index: ours, or Megatron's .idx)."""
-        import torch
-
         _, samples = self._samples(indices)
         doc_starts = self.doc_starts
         if self.packs is not None:
-            return torch.from_numpy(self.packs.document_starts(samples))
+            return self.packs.document_starts(samples)
         first = self.start + samples * self.seq_length  # each sample's first token
         tokens = first[:, None] + np.arange(self.seq_length + 1)
         begins = doc_starts[np.searchsorted(doc_starts, tokens, side="right") - 1]
-        return torch.from_numpy(np.maximum(begins - first[:, None], 0))
+        return np.maximum(begins - first[:, None], 0)
 
     def describe_packing(self) -> list[str]:
         """data.pack's report: how full the samples are, what was truncated."""
@@ -109,23 +104,21 @@ class SampleStream:
             self._doc_starts = np.asarray(self.dataset.meta["doc_starts"], dtype=np.int64)
         return self._doc_starts
 
-    def loss_mask(self, indices: Sequence[int]) -> torch.Tensor | None:
+    def loss_mask(self, indices: Sequence[int]) -> np.ndarray | None:
         """[len(indices), seq_length + 1] uint8 of the dataset's loss mask (0: no target), or
         None when it has none."""
-        import torch
-
         if self.packs is not None:  # the padding is no target, with or without a mask
             _, samples = self._samples(indices)
-            return torch.from_numpy(self.packs.loss_mask(self.dataset.loss_mask, samples))
+            return self.packs.loss_mask(self.dataset.loss_mask, samples)
         if self.dataset.loss_mask is None:
             return None
         _, samples = self._samples(indices)
         windows = np.lib.stride_tricks.as_strided(
             self.dataset.loss_mask[self.start:], shape=self.windows.shape,
             strides=(self.seq_length, 1), writeable=False)
-        return torch.from_numpy(np.array(windows[samples]))
+        return np.array(windows[samples])
 
-    def get(self, indices: Sequence[int]) -> torch.Tensor:
+    def get(self, indices: Sequence[int]) -> np.ndarray:
         """[len(indices), seq_length + 1] int64 tokens of these stream indices."""
         idx, samples = self._samples(indices)
         if self.packs is not None:
@@ -139,9 +132,7 @@ class SampleStream:
                 f"{int(out[row].max())}, but model.vocab_size={self.max_id} (the dataset's "
                 f"index records no vocabulary). Fix: set model.vocab_size to the tokenizer's "
                 f"vocabulary.")
-        import torch
-
-        return torch.from_numpy(out)
+        return out
 
     @property
     def identity(self) -> dict:
@@ -160,13 +151,13 @@ class BlendedStream:
         self.streams, self.weights = streams, list(weights)
         self.part, self.rank, self.per_period = blend_pattern(self.weights)
 
-    def get(self, indices: Sequence[int]) -> torch.Tensor:
+    def get(self, indices: Sequence[int]) -> np.ndarray:
         return self._gather(indices, SampleStream.get)
 
-    def document_starts(self, indices: Sequence[int]) -> torch.Tensor:
+    def document_starts(self, indices: Sequence[int]) -> np.ndarray:
         return self._gather(indices, SampleStream.document_starts)
 
-    def loss_mask(self, indices: Sequence[int]) -> torch.Tensor | None:
+    def loss_mask(self, indices: Sequence[int]) -> np.ndarray | None:
         """A part without a loss mask counts every token."""
         if all(s.dataset.loss_mask is None for s in self.streams):
             return None
@@ -177,18 +168,16 @@ class BlendedStream:
 
         return self._gather(indices, read)
 
-    def _gather(self, indices: Sequence[int], read) -> torch.Tensor:
+    def _gather(self, indices: Sequence[int], read) -> np.ndarray:
         """read(part's stream, its indices) of each part's samples, in the order asked."""
-        import torch
-
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         whole, position = np.divmod(idx, PERIOD)
         parts = self.part[position]
         local = whole * self.per_period[parts] + self.rank[position]
-        out = torch.empty(idx.size, self.streams[0].seq_length + 1, dtype=torch.int64)
+        out = np.empty((idx.size, self.streams[0].seq_length + 1), dtype=np.int64)
         for d in np.unique(parts):
             here = np.flatnonzero(parts == d)
-            out[torch.from_numpy(here)] = read(self.streams[d], local[here].tolist())
+            out[here] = read(self.streams[d], local[here].tolist())
         return out
 
     @property

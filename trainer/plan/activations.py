@@ -48,8 +48,8 @@ from dataclasses import dataclass
 
 from parallel.layout import Layout
 from trainer.config import CPCommType, ModelConfig, RecomputeGranularity
-from trainer.plan.axes.context import attention_bytes
-from trainer.plan.axes.gtp_remat import gathered_bytes
+from trainer.plan.axis_costs.context import attention_bytes
+from trainer.plan.axis_costs.gtp_remat import gathered_bytes
 from trainer.plan.moe import moe_backward_bytes, moe_mlp_bytes, moe_rebuild_bytes
 from trainer.plan.options import EngineOptions
 from trainer.plan.tokens import FP32, Tokens, compute_bytes
@@ -170,9 +170,9 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
     """For a pipeline stage's blocks (`chunks`: its blocks by model chunk). block_weights:
     TP-local elements of one block's 2-D weights as gathered over GTP_remat (padding
     included); head_weights: the stage's head's or embedding's, the larger (0 for neither);
-    kept: its activations in flight (trainer.plan.axes.pipeline.stage_activation_bytes); last:
+    kept: its activations in flight (trainer.plan.axis_costs.pipeline.stage_activation_bytes); last:
     it computes the loss; first: it holds the embedding; messages: its received pipeline
-    messages held at once (trainer.plan.axes.pipeline). A block's terms are its kind's, the
+    messages held at once (trainer.plan.axis_costs.pipeline). A block's terms are its kind's, the
     larger where dense blocks and a mixture of experts' share the stage."""
     k, e = Tokens.of(layout), compute_bytes(options.precision)
     comm, h = options.cp_comm_type, m.hidden_size

@@ -24,7 +24,7 @@ Per step: the optimizer's flat buffers reduce-scattered and gathered over weight
 step runs m micro-batches on the slowest stage plus the bubble: (PP-1)/v of them more.
 Ranks sharing CPU cores (Hardware.shares_cores): nothing is hidden, and the bubble costs only
 Hardware.bubble_share(PP) of its time. Each axis's messages are its own module's
-(trainer.plan.axes); this one composes them with the compute.
+(trainer.plan.axis_costs); this one composes them with the compute.
 """
 from __future__ import annotations
 
@@ -32,13 +32,13 @@ from dataclasses import dataclass, field
 
 from parallel.layout import Layout
 from trainer.config import ModelConfig, Precision, RecomputeGranularity
-from trainer.model.plan import block_weight_elements
-from trainer.plan.axes.context import context_seconds
-from trainer.plan.axes.data import optimizer_seconds
-from trainer.plan.axes.expert import dispatch_seconds
-from trainer.plan.axes.gtp_remat import gather_seconds
-from trainer.plan.axes.pipeline import bubble_seconds, send_seconds
-from trainer.plan.axes.tensor import tp_seconds
+from trainer.parts.plan import block_weight_elements
+from trainer.plan.axis_costs.context import context_seconds
+from trainer.plan.axis_costs.data import optimizer_seconds
+from trainer.plan.axis_costs.expert import dispatch_seconds
+from trainer.plan.axis_costs.gtp_remat import gather_seconds
+from trainer.plan.axis_costs.pipeline import bubble_seconds, send_seconds
+from trainer.plan.axis_costs.tensor import tp_seconds
 from trainer.plan.hardware import Hardware
 from trainer.plan.options import EngineOptions
 from trainer.plan.tokens import compute_bytes
@@ -101,7 +101,7 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
              RecomputeGranularity.selective: attn_fwd, None: 0.0}
     head_fwd = T * token.head / t / flops
 
-    # Each axis's messages (trainer.plan.axes): TP's per block and around the head, a block's
+    # Each axis's messages (trainer.plan.axis_costs): TP's per block and around the head, a block's
     # weight gathers and gradient reduce-scatters (a full weight is W/t elements), CP's K/V.
     tp_block, tp_head = tp_seconds(layout, hw, T * h * e)
     gather, scatter = gather_seconds(layout, options, hw, W / t, e)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from parallel.layout import Layout
 from trainer.config import ModelConfig
 from trainer.plan.activations import stage_chunk_bytes
-from trainer.plan.axes.pipeline import kept_bytes, schedule_messages
+from trainer.plan.axis_costs.pipeline import kept_bytes, schedule_messages
 from trainer.plan.memory import ModelWeights, StageWeights, stage_peak, stage_step
 from trainer.plan.options import EngineOptions
 

@@ -1,7 +1,7 @@
 """Bytes each rank holds under a layout: its parameters, gradients and optimizer state, the
 weights it gathers for use, and (with trainer.plan.activations) its peak during a step.
 
-The model's parameter shapes come from its config (trainer.model.plan.parameter_shapes, held
+The model's parameter shapes come from its config (trainer.parts.plan.parameter_shapes, held
 equal to the built model's by a test); the placement follows the model's plan and the Layout:
 planned weights are split over TP and their rows over GTP_remat (padded), small tensors stay
 whole, optimizer state is sharded over weight_replica. ModelWeights is the one place these
@@ -15,9 +15,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from parallel.layout import Layout
-from parallel.pipeline.schedules import in_flight, message_bytes, message_counts, stage_actions
+from parallel.layout.pipeline_schedules import (
+    in_flight,
+    message_bytes,
+    message_counts,
+    stage_actions,
+)
 from trainer.config import ModelConfig
-from trainer.model.plan import (
+from trainer.parts.plan import (
     BLOCKS,
     EMBEDDING,
     block_buffer_bytes,
@@ -25,7 +30,7 @@ from trainer.model.plan import (
     tp_style,
 )
 from trainer.plan.activations import StepMemory, stage_chunk_bytes, step_memory
-from trainer.plan.axes.pipeline import message_sizes, stage_activation_bytes
+from trainer.plan.axis_costs.pipeline import message_sizes, stage_activation_bytes
 from trainer.plan.moe import dispatch_rows
 from trainer.plan.options import EngineOptions
 from trainer.plan.tokens import Tokens, compute_bytes
@@ -191,8 +196,8 @@ class ModelWeights:
 def stage_step(m: ModelConfig, layout: Layout, options: EngineOptions, stage: StageWeights,
                kept: int, messages: set[tuple[int, int]]) -> StepMemory:
     """A stage's activations and transients of one micro-batch, given what its schedule keeps
-    (`kept`: trainer.plan.axes.pipeline.stage_activation_bytes, or its closed form) and the
-    messages it holds at once (parallel.pipeline.schedules.message_counts)."""
+    (`kept`: trainer.plan.axis_costs.pipeline.stage_activation_bytes, or its closed form) and the
+    messages it holds at once (parallel.layout.pipeline_schedules.message_counts)."""
     number = stage.memory.stage
     return step_memory(m, layout, options, list(stage.chunks), stage.block_gathered,
                        stage.ends_gathered, kept,

@@ -19,7 +19,7 @@ class EngineOptions:
     overlap_param_gather: bool = False
     overlap_grad_reduce: bool = False
     cp_comm_type: CPCommType = CPCommType.p2p
-    pipeline_schedule: str = "1f1b"  # parallel.pipeline.schedules.SCHEDULES
+    pipeline_schedule: str = "1f1b"  # parallel.layout.pipeline_schedules.SCHEDULES
     compile_blocks: bool = False  # train.compile=blocks
 
     @classmethod

@@ -1,6 +1,6 @@
 """The local sizes of one micro-batch on a rank, and the bytes of the dtypes the plan counts in:
 what every term of the memory plan and the cost model (trainer.plan.activations, the axes'
-terms in trainer.plan.axes) is written in. Symbols as in trainer.plan.activations.
+terms in trainer.plan.axis_costs) is written in. Symbols as in trainer.plan.activations.
 """
 from __future__ import annotations
 

@@ -9,9 +9,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from parallel.axes import group_names
 from parallel.layout import GROUP_AXES, GROUP_PURPOSE, Layout
-from parallel.pipeline.schedules import ideal_bubble_fraction
+from parallel.layout.axes import group_names
+from parallel.layout.pipeline_schedules import ideal_bubble_fraction
 from trainer.auto.search import Candidate, Choice
 from trainer.compose.runspec import RunSpec
 from trainer.report.record import layout_record, write_layout_json

@@ -30,14 +30,14 @@ import torch._dynamo  # noqa: F401  (see measure_rank: imported before the basel
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from parallel.pipeline.schedules import FORWARD, Action
+from parallel.layout.pipeline_schedules import FORWARD, Action
 from trainer.compose.runspec import RunSpec
 from trainer.config import Precision
-from trainer.data.batch import rank_micro_batches
 from trainer.plan.cost import estimate
 from trainer.plan.hardware import Hardware
 from trainer.plan.options import EngineOptions
 from trainer.report.allocations import Allocations
+from trainer.train.batch import rank_micro_batches
 from trainer.train.engine import build_engine
 from trainer.train.step import train_step
 from trainer.train.throughput import state_bytes, status_bytes

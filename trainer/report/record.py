@@ -8,9 +8,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from parallel.axes import EXPERT_AXES, PARALLEL_KEYS
 from parallel.layout import AXES, Layout
-from parallel.pipeline.schedules import ideal_bubble_fraction
+from parallel.layout.axes import EXPERT_AXES, PARALLEL_KEYS
+from parallel.layout.pipeline_schedules import ideal_bubble_fraction
 from trainer.compose.runspec import RunSpec
 from trainer.plan.memory import memory_plan
 from trainer.plan.options import EngineOptions
@@ -50,7 +50,7 @@ def layout_record(spec: RunSpec) -> dict[str, Any]:
     memory plan (trainer.plan.memory) and the pipeline's bubble."""
     config, layout = spec.config, spec.layout
     record = {
-        "inputs": {  # every axis's keys (parallel.axes), their nulls resolved
+        "inputs": {  # every axis's keys (parallel.layout.axes), their nulls resolved
             "world_size": layout.world_size,
             **{key.name: getattr(layout, key.effective or key.name) for key in PARALLEL_KEYS},
             "pipeline_schedule": config.parallel.pipeline_schedule,

@@ -26,7 +26,7 @@ from torch import nn
 
 from parallel import bundle
 from parallel.comm import keep_collectives_eager
-from parallel.plan import ParallelPlan
+from parallel.layout.parallel_plan import ParallelPlan
 
 
 def compile_blocks(model: nn.Module, plan: ParallelPlan, chunks: list[range]) -> None:

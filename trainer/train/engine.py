@@ -18,9 +18,9 @@ from parallel.groups import Groups, build_groups
 from parallel.layout import Layout
 from parallel.parallelize import ParallelModel, parallelize
 from trainer.config import ModelConfig, OptimConfig, Precision
-from trainer.model.plan import parallel_plan
 from trainer.model.transformer import Transformer
-from trainer.plan.axes import check_model_fits_layout
+from trainer.parts.plan import parallel_plan
+from trainer.plan.axis_costs import check_model_fits_layout
 from trainer.plan.options import EngineOptions
 from trainer.train import routing
 from trainer.train.compile import compile_blocks

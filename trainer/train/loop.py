@@ -21,10 +21,10 @@ from trainer.checkpoint.dcp import folder_of
 from trainer.checkpoint.integrity import latest, verify
 from trainer.checkpoint.saver import Saver
 from trainer.compose.runspec import RunSpec
-from trainer.data.batch import DocumentRules, rank_micro_batches
 from trainer.data.stream import open_streams
-from trainer.model.plan import parameter_shapes
+from trainer.parts.plan import parameter_shapes
 from trainer.plan.options import EngineOptions
+from trainer.train.batch import DocumentRules, rank_micro_batches
 from trainer.train.compile import COMPILE_CACHE, CompileWatch, use_cache
 from trainer.train.engine import build_engine
 from trainer.train.hangs import HangWatch, backend_timeout_s

@@ -12,7 +12,7 @@ from typing import Callable
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from parallel.plan import ParallelPlan
+from parallel.layout.parallel_plan import ParallelPlan
 from trainer.config import RecomputeGranularity
 from trainer.plan.options import EngineOptions
 

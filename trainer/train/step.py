@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 
 from parallel.parallelize import ParallelModel
-from trainer.data.batch import IGNORE, MicroBatch
 from trainer.train import routing
+from trainer.train.batch import IGNORE, MicroBatch
 from trainer.train.optim import ShardedAdamW
 
 

@@ -1,11 +1,11 @@
 """GTP_remat weight and sequence shards (the seed): TP x GTP_remat ranks share one copy of the
 weights, all-gathered before use; inside that weight tile, sequence shards split a sequence and
 the rest take different micro-batches (batch shards). Its step: parallel.bundle; its terms of the
-plan: trainer.plan.axes.gtp_remat.
+plan: trainer.plan.axis_costs.gtp_remat.
 """
 from __future__ import annotations
 
-from parallel.axes.axis import Axis, Group, Key, LayoutError, multiples_near
+from parallel.layout.axes.axis import Axis, Group, Key, LayoutError, multiples_near
 
 WEIGHT_SHARDS = Key("tensor_parallel_num_weight_shards", null="its default")
 SEQUENCE_SHARDS = Key("tensor_parallel_num_sequence_shards", null="its default")

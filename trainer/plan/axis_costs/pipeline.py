@@ -1,14 +1,15 @@
 """The pipeline's rules for the model and its terms: the blocks split over stages and the
 schedule that goes with virtual chunks; the activations of every (micro-batch, chunk) pair a
 stage's schedule keeps at once and the messages it holds (memory), the residual stream sent
-between stages and the bubble (time). The schedules themselves are parallel.pipeline.schedules'.
+between stages and the bubble (time). The schedules themselves are
+parallel.layout.pipeline_schedules'.
 """
 from __future__ import annotations
 
 from functools import lru_cache
 
 from parallel.layout import Layout
-from parallel.pipeline.schedules import (
+from parallel.layout.pipeline_schedules import (
     FORWARD,
     SCHEDULES,
     Action,

@@ -9,19 +9,20 @@ steps, instead of listing them.
 Rank axes run fastest first in the registry's order, the seed's tp-cp-ep-dp-pp with GTP_remat's
 sequence and batch shards inside the weight tile: tp, seq, batch, cp, dp, pp (EP adds no axis to
 this dense view: it splits dp's ranks). The expert view orders the same world as etp, ep, edp,
-pp (Megatron-Core's two rank generators; parallel.axes.expert). A group over some rank axes of
+pp (Megatron-Core's two rank generators; parallel.layout.axes.expert). A group over some rank axes
+of
 one view holds all ranks that agree on every other axis of it; it belongs to the axis of its
 slowest rank axis. Pure Python (no torch, no config library): compose time imports it.
 """
 from __future__ import annotations
 
-from parallel.axes.axis import Axis, Group, Key, LayoutError, multiples_near
-from parallel.axes.context import CONTEXT
-from parallel.axes.data import DATA
-from parallel.axes.expert import EXPERT
-from parallel.axes.gtp_remat import GTP_REMAT
-from parallel.axes.pipeline import PIPELINE
-from parallel.axes.tensor import TENSOR
+from parallel.layout.axes.axis import Axis, Group, Key, LayoutError, multiples_near
+from parallel.layout.axes.context import CONTEXT
+from parallel.layout.axes.data import DATA
+from parallel.layout.axes.expert import EXPERT
+from parallel.layout.axes.gtp_remat import GTP_REMAT
+from parallel.layout.axes.pipeline import PIPELINE
+from parallel.layout.axes.tensor import TENSOR
 
 __all__ = ["AXES", "BATCH", "EXPERT_AXES", "EXPERT_RANK_AXES", "GROUPS", "LAYOUT_KEYS",
            "PARALLEL_KEYS", "RANK_AXES", "REGISTRY", "WORLD", "Axis", "Group", "Key",

@@ -1,10 +1,10 @@
 """Tensor parallel with sequence parallel (Megatron's TP/SP): each weight split column- or
 row-wise over tp; with SP the activations between blocks split along the sequence over it too.
-Its layers and step: parallel.tensor; its terms of the plan: trainer.plan.axes.tensor.
+Its layers and step: parallel.tensor; its terms of the plan: trainer.plan.axis_costs.tensor.
 """
 from __future__ import annotations
 
-from parallel.axes.axis import Axis, Group, Key, off
+from parallel.layout.axes.axis import Axis, Group, Key, off
 
 TENSOR = Axis(
     "tensor parallel", (off("tensor_model_parallel_size"), Key("sequence_parallel", flag=True)),

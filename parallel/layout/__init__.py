@@ -1,8 +1,9 @@
 """The parallel layout: every derived size and every rank group (contract: docs/layout.md).
 
-Pure integer arithmetic over the rank axes of parallel.axes (tp, seq, batch, cp, dp, pp; and in
+Pure integer arithmetic over the rank axes of parallel.layout.axes (tp, seq, batch, cp, dp, pp;
+and in
 the expert view etp, ep, edp, pp), no torch and no config library. Its inputs, and the rules
-that relate them, are the axes' (each axis's module of parallel.axes); the sizes they derive
+that relate them, are the axes' (each axis's module of parallel.layout.axes); the sizes they derive
 are here. The resolver plugin, the dry
 run and the trainer all ask a Layout; nothing else re-derives a size or a group.
 """
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, NamedTuple
 
-from parallel.axes import (
+from parallel.layout.axes import (
     AXES,
     EXPERT_AXES,
     EXPERT_RANK_AXES,
@@ -23,14 +24,14 @@ from parallel.axes import (
     LayoutError,
     multiples_near,
 )
-from parallel.axes.pipeline import split_layers
+from parallel.layout.axes.pipeline import split_layers
 
 __all__ = ["AXES", "GROUP_AXES", "GROUP_NAMES", "GROUP_PURPOSE", "CONFIG_KEY", "Layout",
            "LayoutError", "RankCoords", "multiples_near"]
 
-# Rank axes (fastest first), groups and inputs: parallel.axes, one entry per parallel axis.
+# Rank axes (fastest first), groups and inputs: parallel.layout.axes, one entry per parallel axis.
 GROUP_AXES: dict[str, tuple[str, ...]] = {g.name: g.axes for g in GROUPS if g.axes is not None}
-GROUP_ORDER = {g.name: g.order for g in GROUPS}  # "dense" or "expert" (parallel.axes.expert)
+GROUP_ORDER = {g.name: g.order for g in GROUPS}  # "dense" or "expert" (parallel.layout.axes.expert)
 ORDERS = {"dense": (AXES, RANK_AXES), "expert": (EXPERT_AXES, EXPERT_RANK_AXES)}
 # "embedding" is not an axis product: it is the first and last stage of each pp group.
 GROUP_NAMES = tuple(g.name for g in GROUPS)
@@ -55,7 +56,7 @@ RankCoords = NamedTuple("RankCoords", [(axis, int) for axis in AXES])
 class Layout:
     """A validated layout. None inputs are replaced by their effective values at construction:
     weight shards -> TP, sequence shards -> SP degree, global batch -> micro x batch_parallel
-    (parallel.axes.data.check_batch). Construction runs every axis's rules."""
+    (parallel.layout.axes.data.check_batch). Construction runs every axis's rules."""
 
     world_size: int
     tensor_model_parallel_size: int = 1
@@ -76,7 +77,7 @@ class Layout:
     @classmethod
     def from_config(cls, parallel: Any, cluster: Any, train: Any) -> Layout:
         """From the parallel, cluster and train config nodes (DictConfig or dataclass): each
-        input of parallel.axes read from its section."""
+        input of parallel.layout.axes read from its section."""
         for key in ("num_nodes", "procs_per_node"):
             value = getattr(cluster, key)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -87,13 +88,13 @@ class Layout:
                       for key in LAYOUT_KEYS if key.section})
 
     def __post_init__(self) -> None:
-        for key in LAYOUT_KEYS:  # each input's type and range (parallel.axes.Key.check)
+        for key in LAYOUT_KEYS:  # each input's type and range (parallel.layout.axes.Key.check)
             key.check(getattr(self, key.name))
         if self.tensor_parallel_num_weight_shards is None:
             object.__setattr__(self, "tensor_parallel_num_weight_shards", self.tp_size)
         if self.tensor_parallel_num_sequence_shards is None:
             object.__setattr__(self, "tensor_parallel_num_sequence_shards", self.sp_degree)
-        for axis in REGISTRY:  # each axis's rules, in the registry's order (parallel.axes)
+        for axis in REGISTRY:  # each axis's rules, in the registry's order (parallel.layout.axes)
             for rule in axis.rules:
                 rule(self)
 
@@ -216,7 +217,7 @@ class Layout:
         return self.expert_data_parallel_size if experts else self.num_weight_replicas
 
     def pipeline_layers(self, num_layers: int) -> list[range]:
-        """The blocks of each model chunk, in model order (parallel.axes.pipeline.split_layers;
+        """The blocks of each model chunk, in model order (axes.pipeline.split_layers;
         raises naming the keys where they do not split)."""
         cache = self.__dict__.setdefault("_layers_cache", {})  # frozen: not through setattr
         if num_layers not in cache:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 
-from parallel.plan import ParallelPlan, by_suffix
+from parallel.layout.parallel_plan import ParallelPlan, by_suffix
 from trainer.config import ModelConfig
 
 EMBEDDING, HEAD, BLOCKS, FINAL_NORM = "embed", "head", "layers", "norm"
@@ -15,7 +15,7 @@ EMBEDDING, HEAD, BLOCKS, FINAL_NORM = "embed", "head", "layers", "norm"
 TP_STYLES = {"attn.qkv": "column", "attn.o": "row", "mlp.gate_up": "column", "mlp.down": "row",
              "shared.gate_up": "column", "shared.down": "row", HEAD: "column"}
 # Weights no TP style splits: a mixture of experts' router (whole on every rank) and its experts
-# (3-D; split over expert parallel instead: EXPERTS; trainer.plan.axes.tensor refuses TP).
+# (3-D; split over expert parallel instead: EXPERTS; trainer.plan.axis_costs.tensor refuses TP).
 EXPERTS = "mlp.experts"
 WHOLE = ("mlp.router", EXPERTS)
 EXPERT_BIAS = "mlp.router.expert_bias"  # a buffer: DeepSeek-V3's auxiliary-loss-free bias

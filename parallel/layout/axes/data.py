@@ -1,10 +1,10 @@
 """Data parallel: the ranks left when TP x GTP_remat x CP x PP have taken theirs. Replicas of a
 weight shard sum their gradients and split the optimizer state (weight_replica); every batch
-lane reads its own micro-batches. Its term of the plan: trainer.plan.axes.data.
+lane reads its own micro-batches. Its term of the plan: trainer.plan.axis_costs.data.
 """
 from __future__ import annotations
 
-from parallel.axes.axis import Axis, Group, LayoutError, multiples_near
+from parallel.layout.axes.axis import Axis, Group, LayoutError, multiples_near
 
 
 def check_world_size(layout) -> None:

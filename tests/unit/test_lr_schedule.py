@@ -27,7 +27,7 @@ from trainer.config import (
     WeightDecayIncrStyle,
     WsdDecayStyle,
 )
-from trainer.plan.schedule import LrSchedule, WeightDecaySchedule
+from trainer.plan.lr_schedule import LrSchedule, WeightDecaySchedule
 
 from config_helpers import compose_config
 

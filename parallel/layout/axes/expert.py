@@ -11,11 +11,11 @@ ETP ranks split each expert (expert_tensor_parallel), EP ranks hold different ex
 same experts and sum their gradients (expert_data_parallel, Megatron's expert DP). Pipeline
 stages are the same in both views (pp is the slowest axis of each), so an expert group never
 leaves its stage. GTP_remat shards the dense weights only: experts are split by EP, not gathered
-per block. Its step: parallel.experts; its terms of the plan: trainer.plan.axes.expert.
+per block. Its step: parallel.experts; its terms of the plan: trainer.plan.axis_costs.expert.
 """
 from __future__ import annotations
 
-from parallel.axes.axis import Axis, Group, Key, LayoutError, multiples_near
+from parallel.layout.axes.axis import Axis, Group, Key, LayoutError, multiples_near
 
 # parallel=auto chooses EP for a mixture of experts (1 for a dense model), and takes ETP as set.
 EXPERTS = Key("expert_model_parallel_size", fix="set parallel.expert_model_parallel_size=1 (off)")

@@ -1,13 +1,13 @@
 """Context parallel: a sequence split over cp weight replicas, on top of GTP_remat's sequence
 shards (runtime CP = CP x sequence shards), in zigzag chunks so causal attention's work is even;
 attention exchanges K/V by cp_comm_type. Its step: parallel.context; its terms of the plan:
-trainer.plan.axes.context.
+trainer.plan.axis_costs.context.
 """
 from __future__ import annotations
 
 import math
 
-from parallel.axes.axis import Axis, Group, LayoutError, multiples_near, off
+from parallel.layout.axes.axis import Axis, Group, LayoutError, multiples_near, off
 
 
 def check_seq_length(layout) -> None:

@@ -64,8 +64,8 @@ class Group:
     axes: Optional[tuple[str, ...]]  # None: not a product of rank axes (see Layout.groups)
     purpose: str
     view: str  # "weight" (who holds which weight shard) or "token" (who sees which tokens)
-    # The rank order it is a product of: "dense" (parallel.axes.RANK_AXES) or "expert"
-    # (EXPERT_RANK_AXES: Megatron-Core's second rank generator, parallel.axes.expert).
+    # The rank order it is a product of: "dense" (parallel.layout.axes.RANK_AXES) or "expert"
+    # (EXPERT_RANK_AXES: Megatron-Core's second rank generator, parallel.layout.axes.expert).
     order: str = "dense"
 
 

@@ -1,11 +1,11 @@
 """Pipeline parallel: the model's blocks cut into stages over pp, each stage's blocks into
 virtual chunks for the interleaved schedule. Here its keys, rules and the split of the blocks;
-its steps: parallel.pipeline.steps (schedules: parallel.pipeline.schedules); its terms of the
-plan: trainer.plan.axes.pipeline.
+its steps: parallel.pipeline.steps (schedules: parallel.layout.pipeline_schedules); its terms of the
+plan: trainer.plan.axis_costs.pipeline.
 """
 from __future__ import annotations
 
-from parallel.axes.axis import Axis, Group, Key, LayoutError, multiples_near, off
+from parallel.layout.axes.axis import Axis, Group, Key, LayoutError, multiples_near, off
 
 VIRTUAL = Key("virtual_pipeline_model_parallel_size", null="its default",
               effective="virtual_pipeline_size")

@@ -21,7 +21,7 @@ EP_KEY, ETP_KEY = "parallel.expert_model_parallel_size", "parallel.expert_tensor
 def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> None:
     """EP splits the experts evenly and needs experts; ETP splits each expert's FFN evenly
     (under TP each rank routes its own part of the sequence: sequence parallel,
-    trainer.plan.axes.tensor)."""
+    trainer.plan.axis_costs.tensor)."""
     ep, experts = layout.ep_size, model.num_moe_experts
     if ep > 1 and experts is None:
         raise ValueError(

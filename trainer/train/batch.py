@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from parallel.context import keep_local, local_positions
@@ -44,13 +45,13 @@ Fetch = Callable[[Sequence[int]], torch.Tensor]
 
 
 class Samples(Protocol):
-    """A sample stream (trainer.data.stream) by stream index: [n, seq_length + 1] each."""
+    """A sample stream (trainer.data.stream) by stream index: [n, seq_length + 1] arrays."""
 
-    def get(self, indices: Sequence[int]) -> torch.Tensor: ...  # token ids
+    def get(self, indices: Sequence[int]) -> np.ndarray: ...  # token ids
 
-    def document_starts(self, indices: Sequence[int]) -> torch.Tensor: ...  # see stream
+    def document_starts(self, indices: Sequence[int]) -> np.ndarray: ...  # see stream
 
-    def loss_mask(self, indices: Sequence[int]) -> torch.Tensor | None: ...  # 0: not a target
+    def loss_mask(self, indices: Sequence[int]) -> np.ndarray | None: ...  # 0: not a target
 
 
 class _Tokens:
@@ -101,17 +102,22 @@ def rank_micro_batches(samples: Samples | Fetch, layout: Layout, rank: int,
     out = []
     for micro in range(layout.num_microbatches):
         indices = [offset + i for i in layout.micro_batch_samples(lane, micro)]
-        tokens = source.get(indices)
+        # A stream reads numpy arrays (the data room imports no torch); a plain fetch may give
+        # tensors already.
+        tokens = torch.as_tensor(source.get(indices))
         if tuple(tokens.shape) != (layout.micro_batch_size, seq + 1):
             raise ValueError(f"fetched samples of shape {tuple(tokens.shape)}, expected "
                              f"{(layout.micro_batch_size, seq + 1)}")
         positions = torch.arange(seq).expand(tokens.shape[0], -1)
         labels, documents = tokens[:, 1:], None
         mask = source.loss_mask(indices)
-        if mask is not None:  # the dataset's own: a token that is no target (a prompt's)
+        if mask is not None:
+            # the dataset's own: a token that is no target (a prompt's)
+            mask = torch.as_tensor(mask)
             labels = labels.masked_fill(mask[:, 1:] == 0, IGNORE)
         if rules.needed:
-            begin = source.document_starts(indices)  # [n, seq + 1]: each token's document
+            # [n, seq + 1]: each token's document start
+            begin = torch.as_tensor(source.document_starts(indices))
             if rules.reset_position_ids:
                 positions = positions - begin[:, :-1]
             if rules.eod_mask_loss:  # the target starts a document: the input ended one
