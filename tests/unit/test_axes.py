@@ -85,9 +85,8 @@ def test_every_registered_step_is_a_function_of_a_phase():
 
 def test_each_axis_is_a_module_with_its_terms_of_the_plan_beside_it():
     """An axis is one module of parallel/layout/axes (its entry: keys, rank axes, groups, rules,
-    steps)
-    and one of trainer/plan/axis_costs of the same name (its rules for the model, its terms of the
-    plan): what a new axis adds besides its parallel layers and its registration."""
+    steps) and one of trainer/plan/axis_costs of the same name (its rules for the model, its
+    terms of the plan): what a new axis adds besides its parallel layers and its registration."""
     import importlib
     import pkgutil
 
@@ -103,4 +102,4 @@ def test_each_axis_is_a_module_with_its_terms_of_the_plan_beside_it():
     assert {axis.name for axis in REGISTRY} == set(homes)
     for axis in REGISTRY:
         (home,) = homes[axis.name]
-        assert (ROOT / "trainer" / "plan" / "axes" / f"{home}.py").is_file(), home
+        assert (ROOT / "trainer" / "plan" / "axis_costs" / f"{home}.py").is_file(), home
