@@ -6,7 +6,7 @@ before any job starts. Nothing below a RunSpec re-derives what it holds.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -19,6 +19,7 @@ from trainer.data.source import DataSource
 from trainer.plan.accounting import RunPlan
 from trainer.plan.axis_costs import check_model_fits_layout
 from trainer.plan.lr_schedule import LrSchedule, WeightDecaySchedule
+from trainer.plan.memory import memory_plan
 from trainer.plan.options import EngineOptions
 
 
@@ -33,6 +34,9 @@ class RunSpec:
     schedule: LrSchedule
     weight_decay: WeightDecaySchedule  # Megatron's get_wd() over consumed samples
     data: DataSource  # where the tokens are, and what is known of them before opening
+    # The memory plan (trainer.plan.memory): layout.json's `memory` and the measured run's
+    # comparison read it here, so nothing after settle plans the memory again.
+    memory: dict[str, Any]
     auto: Optional[Choice] = None  # parallel=auto: the search that chose the layout
 
 
@@ -73,7 +77,8 @@ def settle(cfg: DictConfig) -> RunSpec:
     config: Config = OmegaConf.to_object(cfg)
     try:
         check_values(config, layout)
-        check_model_fits_layout(config.model, layout, EngineOptions.from_config(config))
+        options = EngineOptions.from_config(config)
+        check_model_fits_layout(config.model, layout, options)
         plan = RunPlan.from_config(config.train, config.checkpoint, layout)
         schedule = LrSchedule.from_config(config.schedule, config.train.train_samples)
         weight_decay = WeightDecaySchedule.from_config(config.optim, config.train.train_samples)
@@ -85,5 +90,6 @@ def settle(cfg: DictConfig) -> RunSpec:
                              f"sample a checkpoint with python -m trainer.generate --tokenizer.")
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    return RunSpec(config, layout, plan, schedule, weight_decay, data, auto)
+    memory = memory_plan(config.model, layout, options)
+    return RunSpec(config, layout, plan, schedule, weight_decay, data, memory, auto)
 

@@ -1,5 +1,5 @@
 """What a run folder's layout.json records: the layout asked of the Layout, and the memory plan
-computed by trainer.plan.memory. A training run writes it as the dry run does; the dry run also
+settle made (trainer.plan.memory). A training run writes it as the dry run does; the dry run also
 formats it for a person (trainer.report.dry_run).
 """
 from __future__ import annotations
@@ -12,8 +12,6 @@ from parallel.layout import AXES, Layout
 from parallel.layout.axes import EXPERT_AXES, PARALLEL_KEYS
 from parallel.layout.pipeline_schedules import ideal_bubble_fraction
 from trainer.compose.runspec import RunSpec
-from trainer.plan.memory import memory_plan
-from trainer.plan.options import EngineOptions
 
 
 def rank_rows(layout: Layout, procs_per_node: int) -> list[dict[str, int]]:
@@ -62,7 +60,7 @@ def layout_record(spec: RunSpec) -> dict[str, Any]:
         "expert_axes": {"order": list(EXPERT_AXES), "sizes": layout.expert_axis_sizes},
         "groups": layout.all_groups(),
         "ranks": rank_rows(layout, config.cluster.procs_per_node),
-        "memory": memory_plan(config.model, layout, EngineOptions.from_config(config)),
+        "memory": spec.memory,  # planned once, by settle
         "pipeline": {"bubble_fraction": ideal_bubble_fraction(
             layout.pp_size, layout.num_microbatches, layout.virtual_pipeline_size)},
         "warnings": nvlink_warnings(layout, config.cluster.gpus_per_nvlink_domain),

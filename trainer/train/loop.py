@@ -58,7 +58,8 @@ class Trainer:
             spec.data, self.layout.seq_length, config.data.seed, bool(self.plan.eval_interval),
             config.data.pack)
         self.documents = DocumentRules.of(config.data)
-        self.throughput = Throughput(config, self.layout, device)  # before the model is built
+        self.throughput = Throughput(config, self.layout, device,  # before the model is built
+                                     spec.memory["per_stage"])
         self.sampler = None
         if config.logger.sample_prompts:
             self.sampler = Sampler(config.model, spec.data.tokenizer_file(),

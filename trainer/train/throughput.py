@@ -25,8 +25,6 @@ from parallel.layout import Layout
 from trainer.config import Config
 from trainer.plan.cost import TokenFlops
 from trainer.plan.hardware import Hardware
-from trainer.plan.memory import memory_plan
-from trainer.plan.options import EngineOptions
 from trainer.train.engine import Engine
 from trainer.units import size
 
@@ -81,8 +79,10 @@ class StepSpeed:
 class Throughput:
     """Made before the rank builds its model (that resident set is the CPU baseline)."""
 
-    def __init__(self, config: Config, layout: Layout, device: torch.device):
-        self.config, self.layout, self.device = config, layout, device
+    def __init__(self, config: Config, layout: Layout, device: torch.device,
+                 planned: list[dict]):
+        """planned: the memory plan's per_stage (RunSpec.memory, planned by settle)."""
+        self.config, self.layout, self.device, self.planned = config, layout, device, planned
         self.flops_per_token = TokenFlops.of(config.model, layout.seq_length).training
         self.peak_flops = Hardware.from_cluster(config.cluster).peak_flops(
             config.train.precision)
@@ -103,8 +103,7 @@ class Throughput:
     def memory_table(self, measured: list[list[int]]) -> list[str]:
         """measured: measured_bytes() of every rank, by rank. One line a pipeline stage: the
         plan's state and peak, each beside the most any of the stage's ranks measured."""
-        options = EngineOptions.from_config(self.config)
-        planned = memory_plan(self.config.model, self.layout, options)["per_stage"]
+        planned = self.planned
         worst = [[0, 0] for _ in planned]
         for rank, values in enumerate(measured):
             stage = worst[self.layout.coords(rank).pp]
