@@ -67,3 +67,24 @@ def test_a_dataset_mask_is_kept_on_the_data():
     stream = SampleStream(dataset(with_mask=True), "train", 7, seed=0, shuffle=False, pack=True)
     # positions 8, 9 and 19..22 of the alternating mask, then padding
     assert stream.loss_mask([1]).tolist() == [[0, 1, 1, 0, 1, 0, 0, 0]]
+
+
+def test_the_identity_is_read_without_packing_and_the_split_is_packed_once(monkeypatch):
+    """The launcher reads a packed stream's identity to check a resume: that runs no packer;
+    the first sample read packs the split, and only that one."""
+    packed = []
+
+    class CountedPacks(Packs):
+        def __init__(self, *args):
+            packed.append(args)
+            super().__init__(*args)
+
+    monkeypatch.setattr("trainer.data.stream.Packs", CountedPacks)
+    stream = SampleStream(dataset(), "train", 7, seed=3, shuffle=True, pack=True)
+    assert stream.identity == {"fingerprint": "test", "split": "train",
+                               "token_range": [0, sum(LENGTHS)], "seq_length": 7, "seed": 3,
+                               "shuffle": True, "pack": True}
+    assert packed == []
+    stream.get([0, 1])
+    stream.document_starts([2])
+    assert stream.num_samples_per_epoch == 3 and len(packed) == 1

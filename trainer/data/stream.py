@@ -32,27 +32,45 @@ class SampleStream:
         if not 0 <= seed < 2**32:
             raise ValueError(f"seed={seed} must be in [0, 2**32)")
         self.dataset, self.split, self.seq_length = dataset, split, seq_length
-        self.seed, self.shuffle, self.max_id = seed, shuffle, max_id
-        self.start, end = dataset.split(split)
+        self.seed, self.shuffle, self.max_id, self.pack = seed, shuffle, max_id, pack
+        self.start, self.end = dataset.split(split)
         self._doc_starts: np.ndarray | None = None  # read when documents are first asked for
-        self.packs = None
+        # Packing runs the best-fit packer over the whole split: only when a sample is first
+        # read, so the identity (what the launcher and a resume compare) costs no packing.
+        self._packs: Packs | None = None
+        self._num_samples: int | None = None
         if pack:
-            self.packs = Packs(self.doc_starts, self.start, end, seq_length + 1)
             self.pad = dataset.meta.get("eod_id") or 0  # never a target, never attended to
-            self.num_samples_per_epoch = len(self.packs)
         else:
-            self.num_samples_per_epoch = (end - self.start - 1) // seq_length
-        if self.num_samples_per_epoch < 1:
-            raise ValueError(f"the {split} split of {dataset.path} has {end - self.start} tokens,"
-                             f" too few for one sample of seq_length={seq_length} (needs "
-                             f"{seq_length + 1}); lower seq_length or change data.valid_fraction")
-        if self.packs is None:
+            n = self._enough((self.end - self.start - 1) // seq_length)
             # windows[j] = sample j, a read-only view of the memory map: indexing copies rows.
             step = dataset.tokens.itemsize
             self.windows = np.lib.stride_tricks.as_strided(
-                dataset.tokens[self.start:], shape=(self.num_samples_per_epoch, seq_length + 1),
+                dataset.tokens[self.start:], shape=(n, seq_length + 1),
                 strides=(seq_length * step, step), writeable=False)
         self._orders: dict[int, np.ndarray] = {}  # the last two epochs: a batch may span both
+
+    def _enough(self, samples: int) -> int:
+        if samples < 1:
+            raise ValueError(f"the {self.split} split of {self.dataset.path} has "
+                             f"{self.end - self.start} tokens, too few for one sample of "
+                             f"seq_length={self.seq_length} (needs {self.seq_length + 1}); lower "
+                             f"seq_length or change data.valid_fraction")
+        self._num_samples = samples
+        return samples
+
+    @property
+    def packs(self) -> Packs | None:
+        """data.pack's samples (trainer.data.packing), packed on first use; None unpacked."""
+        if self.pack and self._packs is None:
+            self._packs = Packs(self.doc_starts, self.start, self.end, self.seq_length + 1)
+        return self._packs
+
+    @property
+    def num_samples_per_epoch(self) -> int:
+        if self._num_samples is None:  # packed: as many as the packer made
+            self._enough(len(self.packs))
+        return self._num_samples
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """The split's sample positions in epoch's order."""
@@ -84,9 +102,9 @@ class SampleStream:
         document starts within the sample (0 for one that started before the sample). The
         documents are the dataset's (its document index: ours, or Megatron's .idx)."""
         _, samples = self._samples(indices)
-        doc_starts = self.doc_starts
-        if self.packs is not None:
+        if self.pack:
             return self.packs.document_starts(samples)
+        doc_starts = self.doc_starts
         first = self.start + samples * self.seq_length  # each sample's first token
         tokens = first[:, None] + np.arange(self.seq_length + 1)
         begins = doc_starts[np.searchsorted(doc_starts, tokens, side="right") - 1]
@@ -94,7 +112,7 @@ class SampleStream:
 
     def describe_packing(self) -> list[str]:
         """data.pack's report: how full the samples are, what was truncated."""
-        if self.packs is None:
+        if not self.pack:
             return []
         return [f"{self.packs.describe(self.split)} ({self.dataset.path})"]
 
@@ -107,7 +125,7 @@ class SampleStream:
     def loss_mask(self, indices: Sequence[int]) -> np.ndarray | None:
         """[len(indices), seq_length + 1] uint8 of the dataset's loss mask (0: no target), or
         None when it has none."""
-        if self.packs is not None:  # the padding is no target, with or without a mask
+        if self.pack:  # the padding is no target, with or without a mask
             _, samples = self._samples(indices)
             return self.packs.loss_mask(self.dataset.loss_mask, samples)
         if self.dataset.loss_mask is None:
@@ -121,7 +139,7 @@ class SampleStream:
     def get(self, indices: Sequence[int]) -> np.ndarray:
         """[len(indices), seq_length + 1] int64 tokens of these stream indices."""
         idx, samples = self._samples(indices)
-        if self.packs is not None:
+        if self.pack:
             out = self.packs.tokens(self.dataset.tokens, samples, self.pad)
         else:
             out = np.array(self.windows[samples], dtype=np.int64)
@@ -140,7 +158,7 @@ class SampleStream:
         return {"fingerprint": self.dataset.fingerprint, "split": self.split,
                 "token_range": list(self.dataset.split(self.split)),
                 "seq_length": self.seq_length, "seed": self.seed, "shuffle": self.shuffle,
-                **({"pack": True} if self.packs is not None else {})}
+                **({"pack": True} if self.pack else {})}
 
 
 class BlendedStream:
