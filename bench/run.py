@@ -2,7 +2,7 @@
 side by side in one run (absolute times on a shared 2-core CPU mean little; ratios and byte
 counts do). Writes bench/results.json, stamped with the commit and the time, each figure with
 its goal and whether this run met it (bench/table.py), prints that table and writes it into
-README.md. results.json is this one run's output: a figure that changes is measured again.
+docs/benchmarks.md. results.json is this one run's output: a figure that changes is measured again.
 
     python bench/run.py           # quick mode for this machine
     python bench/run.py --full    # longer runs, more repetitions
@@ -124,10 +124,10 @@ def main() -> None:
     result = run(quick=not args.full)
     result["table"] = table.rows(result["figures"])
     (HERE / "results.json").write_text(json.dumps(result, indent=1))
-    table.write_readme(result)
+    table.write_page(result)
     print(table.text(result["table"]))
     print(f"\nwrote {HERE / 'results.json'} ({result['wall_s']} s, {result['mode']} mode) and "
-          f"README.md's table")
+          f"docs/benchmarks.md's table")
 
 
 if __name__ == "__main__":

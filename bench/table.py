@@ -1,9 +1,10 @@
 """The benchmark table: bench/results.json's figures as rows (figure, value, goal, met, notes),
-printed by bench/run.py, stored in results.json beside the figures, and written into README.md
-between its bench-table markers (tests/unit/test_bench_table.py holds README equal to it).
+printed by bench/run.py, stored in results.json beside the figures, and written into
+docs/benchmarks.md between its bench-table markers (tests/unit/test_bench_table.py holds the
+page equal to it).
 No torch: it only reads the figures.
 
-    python bench/table.py          # rewrite README's table from bench/results.json
+    python bench/table.py          # rewrite docs/benchmarks.md's table from bench/results.json
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-README = HERE.parent / "README.md"
+PAGE = HERE.parent / "docs" / "benchmarks.md"
 BEGIN = "<!-- bench table: written by bench/run.py from bench/results.json; do not edit -->"
 END = "<!-- end of bench table -->"
 
@@ -284,7 +285,7 @@ def _met(value: bool | None) -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """README's section between the markers: where and when, then the table."""
+    """The page's section between the markers: where and when, then the table."""
     table = result["table"]
     missed = [r["figure"] for r in table if r["met"] is False]
     lines = [BEGIN, "",
@@ -298,20 +299,20 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join([*lines, "", END])
 
 
-def readme_section(readme: str) -> str:
-    """The generated section of README.md, markers included."""
-    start, end = readme.index(BEGIN), readme.index(END) + len(END)
-    return readme[start:end]
+def page_section(page: str) -> str:
+    """The generated section of docs/benchmarks.md, markers included."""
+    start, end = page.index(BEGIN), page.index(END) + len(END)
+    return page[start:end]
 
 
-def write_readme(result: dict[str, Any], path: Path = README) -> None:
-    readme = path.read_text()
-    path.write_text(readme.replace(readme_section(readme), markdown(result)))
+def write_page(result: dict[str, Any], path: Path = PAGE) -> None:
+    page = path.read_text()
+    path.write_text(page.replace(page_section(page), markdown(result)))
 
 
 if __name__ == "__main__":
     results = json.loads((HERE / "results.json").read_text())
     if "table" not in results:
         sys.exit("bench/results.json has no table: run python bench/run.py")
-    write_readme(results)
-    print(f"wrote {README}'s bench table from {HERE / 'results.json'}")
+    write_page(results)
+    print(f"wrote {PAGE}'s bench table from {HERE / 'results.json'}")

@@ -1,5 +1,6 @@
 """The benchmark figures people read are one run's: bench/results.json's table is what
-bench/table.py makes of its figures, README's table is that table, and the run was of a commit."""
+bench/table.py makes of its figures, docs/benchmarks.md's table is that table, and the run was
+of a commit."""
 from __future__ import annotations
 
 import json
@@ -19,8 +20,9 @@ def test_the_table_in_results_is_made_from_its_figures():
     assert RESULTS["table"] == table.rows(RESULTS["figures"])
 
 
-def test_readme_shows_the_table_of_results():
-    assert table.readme_section((ROOT / "README.md").read_text()) == table.markdown(RESULTS)
+def test_the_benchmarks_page_shows_the_table_of_results():
+    assert table.page_section(table.PAGE.read_text()) == table.markdown(RESULTS)
+    assert table.BEGIN not in (ROOT / "README.md").read_text()  # one table, on its page
 
 
 def test_the_run_was_of_a_commit():
