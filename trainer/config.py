@@ -79,14 +79,16 @@ class LoggerName(Enum):
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING  # the architecture (trainer.checks.ARCHITECTURES): llama
-    vocab_size: int = MISSING
-    hidden_size: int = MISSING
-    num_layers: int = MISSING
-    num_heads: int = MISSING
-    ffn_hidden_size: int = MISSING
-    rope_theta: float = MISSING
-    norm_eps: float = MISSING
+    name: str = MISSING  # the family (trainer.parts.families): llama, qwen3, mixtral, qwen3_moe
+    vocab_size: int = MISSING  # the tokenizer's vocabulary (padded: make_vocab_size_divisible_by)
+    hidden_size: int = MISSING  # the width of the residual stream
+    num_layers: int = MISSING  # transformer blocks
+    num_heads: int = MISSING  # query heads of each attention
+    ffn_hidden_size: int = MISSING  # the SwiGLU MLP's inner width (of gate and of up)
+    rope_theta: float = MISSING  # the rotary embedding's base
+    norm_eps: float = MISSING  # RMSNorm's epsilon
+    # std of the normal initial weights; residual-branch outputs (attention's and the MLP's
+    # output projections) take it over sqrt(2 x num_layers)
     init_std: float = MISSING
     # Megatron's names. Grouped-query attention: K/V heads shared by num_heads/num_query_groups
     # query heads each (null: one group per head, multi-head attention).
@@ -101,38 +103,41 @@ class ModelConfig:
     # frequencies with wavelengths past 8,192 tokens divided by the factor, smoothly between
     # 2,048 and 8,192 (Meta's low/high frequency factors 1 and 4, as Megatron fixes them).
     use_rope_scaling: bool = False
-    rope_scaling_factor: float = 8.0
-    # Megatron's names. kv_channels: the width of one attention head (null: hidden_size /
-    # num_heads; Qwen3-30B-A3B's heads are 128 wide at hidden 2048 and 32 heads).
-    # qk_layernorm: an RMSNorm over each head of q and of k before the rotary embedding (Qwen3's
-    # q_norm and k_norm).
+    rope_scaling_factor: float = 8.0  # Llama 3's rope scaling factor (with use_rope_scaling)
+    # Megatron's name: the width of one attention head (null: hidden_size / num_heads;
+    # Qwen3-30B-A3B's heads are 128 wide at hidden 2048 and 32 heads)
     kv_channels: Optional[int] = None
+    # an RMSNorm over each head of q and of k before the rotary embedding (Qwen3's q_norm and
+    # k_norm)
     qk_layernorm: bool = False
-    # Mixture of experts (Megatron's names; trainer/model/moe.py). num_moe_experts: null for a
-    # dense model. Each MoE block routes every token to moe_router_topk experts (SwiGLU, of
-    # moe_ffn_hidden_size, null: ffn_hidden_size), and adds a shared expert where
-    # moe_shared_expert_intermediate_size is set. moe_layer_freq: an int k makes blocks 0, k,
-    # 2k, ... MoE (1: every block), or a list of 0/1, one per block.
-    num_moe_experts: Optional[int] = None
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: Optional[int] = None
+
+    # Mixture of experts (Megatron's names; docs/moe.md). Each MoE block routes every token to
+    # moe_router_topk SwiGLU experts.
+
+    num_moe_experts: Optional[int] = None  # experts of each MoE block; null: a dense model
+    moe_router_topk: int = 2  # experts each token is routed to
+    moe_ffn_hidden_size: Optional[int] = None  # an expert's inner width; null: ffn_hidden_size
+    # a dense SwiGLU of this width that every token also passes; null: no shared expert
     moe_shared_expert_intermediate_size: Optional[int] = None
+    # which blocks are MoE: an int k makes blocks 0, k, 2k, ... MoE (1: every block), or a list
+    # of 0/1, one per block
     moe_layer_freq: Any = 1
-    # The router's scores: softmax or sigmoid of its logits. softmax with pre_softmax=false is
-    # the top-k logits' softmax (normalised, as Mixtral's and Qwen3-MoE's norm_topk_prob);
-    # pre_softmax=true takes the top-k of the softmax over all experts (not normalised).
-    # sigmoid's top-k are normalised. Then multiplied by topk_scaling_factor (null: 1).
+    # The router's scores: softmax or sigmoid of its logits; sigmoid's top-k are normalised
     moe_router_score_function: str = "softmax"
+    # softmax only. false: the softmax of the top-k logits (normalised, as Mixtral's and
+    # Qwen3-MoE's norm_topk_prob); true: the top-k of the softmax over all experts (not
+    # normalised)
     moe_router_pre_softmax: bool = False
-    moe_router_topk_scaling_factor: Optional[float] = None
+    moe_router_topk_scaling_factor: Optional[float] = None  # the routing weights' factor; null: 1
     # Balance: aux_loss (the switch loss over a global micro-batch's tokens), seq_aux_loss
-    # (DeepSeek's, per sequence) or none, weighted by moe_aux_loss_coeff; the router z-loss
-    # (null: off); DeepSeek-V3's auxiliary-loss-free bias, added to the scores that choose the
-    # experts and moved each step by bias_update_rate towards equal token counts.
+    # (DeepSeek's, per sequence) or none
     moe_router_load_balancing_type: str = "aux_loss"
-    moe_aux_loss_coeff: float = 0.0
-    moe_z_loss_coeff: Optional[float] = None
+    moe_aux_loss_coeff: float = 0.0  # the balance loss's weight
+    moe_z_loss_coeff: Optional[float] = None  # the router z-loss's weight; null: off
+    # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores that
+    # choose the experts (never to their weights), saved in checkpoints
     moe_router_enable_expert_bias: bool = False
+    # how far the expert bias moves after each step towards equal token counts
     moe_router_bias_update_rate: float = 1e-3
     # How expert parallel moves the rows to their experts' ranks (parallel.experts): alltoall
     # (each row to its expert's rank and back) or allgather (every rank's rows gathered, the
@@ -195,31 +200,40 @@ class ModelConfig:
 class ParallelConfig:
     """Degrees only; every derived size comes from parallel.layout.Layout."""
 
-    tensor_model_parallel_size: int = MISSING
-    sequence_parallel: bool = MISSING
-    tensor_parallel_num_weight_shards: Optional[int] = MISSING  # null = TP
-    tensor_parallel_num_sequence_shards: Optional[int] = MISSING  # null = SP degree
+    tensor_model_parallel_size: int = MISSING  # TP: ranks that split each weight matrix
+    sequence_parallel: bool = MISSING  # SP: activations split over TP between layers (TP > 1)
+    # WS: ranks that share one copy of the weights, TP included (GTP_remat = WS / TP); null = TP
+    tensor_parallel_num_weight_shards: Optional[int] = MISSING
+    # SS: ranks that split one sequence inside a TP x GTP_remat tile, SP included; null = SP
+    # degree
+    tensor_parallel_num_sequence_shards: Optional[int] = MISSING
+    # CP: further sequence splits across weight replicas (runtime CP = CP x sequence shards)
     context_parallel_size: int = MISSING
-    # Megatron-Core's expert parallel (parallel.layout.axes.expert): experts split over EP ranks of
-    # the expert view; expert tensor parallel (null = TP).
+    # EP, Megatron-Core's expert parallel: each MoE layer's experts split over EP ranks of the
+    # expert view (parallel.layout.axes.expert)
     expert_model_parallel_size: int = MISSING
+    # ETP: ranks that split each expert's FFN; null = TP, 1 keeps experts whole under TP
     expert_tensor_parallel_size: Optional[int] = MISSING
-    pipeline_model_parallel_size: int = MISSING
+    pipeline_model_parallel_size: int = MISSING  # PP: pipeline stages
     # The order a stage runs its micro-batches in (parallel.layout.pipeline_schedules.SCHEDULES):
     # 1f1b (up to PP in flight), interleaved_1f1b (virtual chunks per stage: a smaller bubble
     # for more messages) or gpipe (every forward, then every backward).
     pipeline_schedule: str = MISSING
-    # Megatron's names. Model chunks per stage for interleaved_1f1b (null = 1), and blocks on
-    # the first and last stage (null: an even split; the others split the rest evenly).
+    # Megatron's name: model chunks per stage for interleaved_1f1b; null = 1
     virtual_pipeline_model_parallel_size: Optional[int] = MISSING
+    # blocks on the first stage; the others split the rest evenly; null: an even split
     num_layers_in_first_pipeline_stage: Optional[int] = MISSING
+    # blocks on the last stage; the others split the rest evenly; null: an even split
     num_layers_in_last_pipeline_stage: Optional[int] = MISSING
     # Communication (Megatron's flag names): how weight gathers and gradient reductions run;
     # they change bytes and timing, never the result.
+
     grad_reduce_in_bf16: bool = MISSING  # bf16 only: reduce-scatter gradients in bf16
     overlap_param_gather: bool = MISSING  # gather the next block's weights during this block
     overlap_grad_reduce: bool = MISSING  # reduce-scatter a block's gradients as they complete
-    cp_comm_type: CPCommType = MISSING  # context-parallel attention: p2p, all_gather or a2a
+    # how context-parallel attention sees the whole sequence (Megatron's --cp-comm-type): p2p
+    # (a ring of K/V blocks), all_gather (K/V gathered whole) or a2a (Ulysses)
+    cp_comm_type: CPCommType = MISSING
 
 
 @dataclass
@@ -227,13 +241,15 @@ class ClusterConfig:
     """World size = num_nodes x procs_per_node: a config value, never read from the environment
     at compose time; the launcher checks the real world against it at start."""
 
-    num_nodes: int = MISSING
-    procs_per_node: int = MISSING
+    num_nodes: int = MISSING  # nodes of the run (torchrun's --nnodes)
+    procs_per_node: int = MISSING  # ranks on each node, one device each where there are GPUs
+    # devices that share one NVLink domain; the dry run warns when a weight tile spans more
     gpus_per_nvlink_domain: int = MISSING
     timeout_s: int = MISSING  # a collective waiting longer fails its rank (a peer died or hung)
     max_restarts: int = MISSING  # launch.py restarts failed ranks from the latest checkpoint
     # The hardware, per device (each preset names its sources). parallel=auto sizes and times
     # its candidate layouts from these; the logs' MFU divides by the peak.
+
     device_memory_gib: float = MISSING  # memory of one device
     memory_margin: float = MISSING  # share of device memory a layout must leave free
     peak_bf16_tflops: float = MISSING  # dense bf16 peak of one device (train.precision=bf16)
@@ -250,11 +266,16 @@ class ClusterConfig:
 
 @dataclass
 class TrainConfig:
-    micro_batch_size: int = MISSING
-    global_batch_size: Optional[int] = MISSING  # null = micro_batch_size x batch_parallel_size
-    seq_length: int = MISSING
+    micro_batch_size: int = MISSING  # samples a batch lane runs forward and backward at once
+    # samples one step trains on; null = micro_batch_size x batch_parallel_size
+    global_batch_size: Optional[int] = MISSING
+    seq_length: int = MISSING  # tokens of one sample
+    # bf16: bf16 weights and activations in compute, fp32 master weights, gradients and Adam
+    # moments
     precision: Precision = MISSING
-    recompute_granularity: Optional[RecomputeGranularity] = MISSING  # null = keep activations
+    # what a block's backward recomputes instead of keeping: selective (the attention core and
+    # the MLP activation) or full (the whole block); null = keep activations
+    recompute_granularity: Optional[RecomputeGranularity] = MISSING
     # the first N blocks of each pipeline stage's model chunk recompute (Megatron's per stage);
     # null = all
     recompute_num_layers: Optional[int] = MISSING
@@ -279,10 +300,12 @@ class DataConfig:
     seed: int = MISSING  # the shuffled sample order (independent of the layout)
     valid_fraction: Optional[float] = MISSING  # built-in or Megatron: held-out share (null = 0.01)
     blend: Optional[List[str]] = MISSING  # Megatron's --data-path: [weight, path, weight, path...]
-    # Packed documents (Megatron's flags): attention within a document only, RoPE positions
-    # restarting at each document, no loss where the input is a document's end-of-document token
+    # Packed documents (Megatron's flags): a token attends only to earlier tokens of its own
+    # document
     reset_attention_mask: bool = MISSING
+    # RoPE positions restart at 0 at each document (needs reset_attention_mask)
     reset_position_ids: bool = MISSING
+    # no loss where the input is a document's end-of-document token
     eod_mask_loss: bool = MISSING
     pack: bool = MISSING  # samples of whole documents (examples), padded; none split in two
 
@@ -291,16 +314,17 @@ class DataConfig:
 class OptimConfig:
     name: str = MISSING  # the optimizer (trainer.checks.OPTIMIZERS): adamw
     weight_decay: float = MISSING  # constant weight decay (weight_decay_incr_style=constant)
-    # Megatron's names: weight decay from start to end over train.train_samples, by
-    # weight_decay_incr_style (linear or cosine; both keys then set, end >= start). constant:
-    # both null, weight_decay throughout (trainer.plan.lr_schedule.WeightDecaySchedule)
+    # Megatron's names: weight decay at the start of a linear or cosine weight_decay_incr_style
+    # (null with constant)
     start_weight_decay: Optional[float] = MISSING
-    end_weight_decay: Optional[float] = MISSING
+    end_weight_decay: Optional[float] = MISSING  # and at train.train_samples (>= the start)
+    # constant: weight_decay throughout; linear or cosine: from start to end over
+    # train.train_samples
     weight_decay_incr_style: WeightDecayIncrStyle = MISSING
-    beta1: float = MISSING
-    beta2: float = MISSING
-    eps: float = MISSING
-    clip_grad: Optional[float] = MISSING  # null = no clipping
+    beta1: float = MISSING  # Adam's first-moment decay, in [0, 1)
+    beta2: float = MISSING  # Adam's second-moment decay, in [0, 1)
+    eps: float = MISSING  # Adam's epsilon, > 0
+    clip_grad: Optional[float] = MISSING  # the global gradient norm's bound; null = no clipping
 
 
 @dataclass
@@ -308,13 +332,17 @@ class ScheduleConfig:
     """Megatron's sample-based schedule (trainer.plan.lr_schedule): the step that consumes samples
     [s, s + global batch) trains at Megatron's OptimizerParamScheduler.get_lr() at s samples."""
 
+    # the shape after warmup (inverse_sqrt and wsd are accepted for the Megatron spellings)
     lr_decay_style: LrDecayStyle = MISSING
-    lr: float = MISSING
-    min_lr: float = MISSING
-    lr_warmup_init: float = MISSING  # the lr warmup starts from (Megatron's --lr-warmup-init)
-    lr_warmup_samples: Optional[int] = MISSING  # null = use lr_warmup_fraction (or none)
-    lr_warmup_fraction: Optional[float] = MISSING  # of the decay span; not with warmup samples
-    lr_decay_samples: Optional[int] = MISSING  # null = the whole run (train.train_samples)
+    lr: float = MISSING  # the peak learning rate
+    min_lr: float = MISSING  # the floor the decay ends at (<= lr)
+    lr_warmup_init: float = MISSING  # the lr the linear warmup starts from
+    # the linear warmup's length in samples; null = lr_warmup_fraction (or no warmup)
+    lr_warmup_samples: Optional[int] = MISSING
+    # the warmup as a share of lr_decay_samples (not rounded); not with lr_warmup_samples
+    lr_warmup_fraction: Optional[float] = MISSING
+    # where the decay ends (min_lr after it); null = train.train_samples
+    lr_decay_samples: Optional[int] = MISSING
     lr_wsd_decay_samples: Optional[int] = MISSING  # WSD: length of the final anneal
     # WSD: the anneal's shape; null = exponential, Megatron's default
     lr_wsd_decay_style: Optional[WsdDecayStyle] = MISSING
@@ -322,11 +350,11 @@ class ScheduleConfig:
 
 @dataclass
 class LoggerConfig:
-    name: LoggerName = MISSING
-    log_interval: int = MISSING
+    name: LoggerName = MISSING  # where metrics go besides metrics.jsonl and the console
+    log_interval: int = MISSING  # steps between progress lines (and the last step)
     project: Optional[str] = MISSING  # wandb project; unused by console and tensorboard
     sample_prompts: Optional[List[str]] = MISSING  # greedy continuations at each evaluation
-    sample_max_new_tokens: int = MISSING
+    sample_max_new_tokens: int = MISSING  # tokens each sample prompt's continuation has
 
 
 RUN_CHECKPOINTS = "checkpoints"  # checkpoint.dir=null: <run dir>/checkpoints
@@ -334,8 +362,8 @@ RUN_CHECKPOINTS = "checkpoints"  # checkpoint.dir=null: <run dir>/checkpoints
 
 @dataclass
 class CheckpointConfig:
-    dir: Optional[str] = MISSING  # null = <run dir>/checkpoints
-    save_interval: Optional[int] = MISSING  # in steps; null = only at the end
+    dir: Optional[str] = MISSING  # where checkpoints are written; null = <run dir>/checkpoints
+    save_interval: Optional[int] = MISSING  # steps between checkpoints; null = only at the end
     async_save: bool = MISSING  # write in the background from a host copy (one save in flight)
     load: Optional[str] = MISSING  # a checkpoint folder, or a folder of them (the latest)
     resume: bool = MISSING  # load null and checkpoint.dir holds a checkpoint: continue from it
@@ -353,12 +381,18 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    run_name: str = MISSING
+    run_name: str = MISSING  # the run folder's parent: outputs/<run_name>/<overrides>
+    # plan only: print the layout, its groups and the memory plan, write layout.json, start
+    # nothing
     dry_run: bool = MISSING
     # With dry_run: build this rank's engine in this one process against a simulated world
     # (torch's fake process group) and measure one training step; null = plan only.
     dry_run_rank: Optional[int] = MISSING
-    # Read-only, derived by the resolver plugin from parallel.*, cluster.* and train.*.
+    # Read-only, derived by the resolver plugin from parallel.*, cluster.* and train.*:
+    # world_size, sp_degree, gtp_remat_size, gtp_remat_num_sequence_shards,
+    # gtp_remat_num_batch_shards, data_parallel_size, batch_parallel_size,
+    # runtime_context_parallel_size, num_weight_replicas, num_microbatches, global_batch_size
+    # and expert_data_parallel_size (docs/layout.md)
     layout: Any = II("gtp.layout:${parallel},${cluster},${train}")
 
 

@@ -1,7 +1,7 @@
 """Memory follows the layout, measured: what one simulated rank of a large world allocates.
 
 Each case runs in a fresh spawned process that acts as one rank of a world through torch's fake
-process group (collectives return at once, allocations are real; ../shared/notes/scale.md):
+process group (collectives return at once, allocations are real):
 - the saved activations autograd really keeps (torch.autograd.graph.saved_tensors_hooks, every
   storage once) against trainer.plan.activations' formula, by layout and recompute setting;
 - a rank's build never creates a tensor anywhere near the size of a full 2-D weight;

@@ -2,9 +2,9 @@
 hf_families maps each family's config and names onto ours): config.json <-> ModelConfig,
 safetensors <-> our DCP checkpoints, one tensor at a time (`python -m trainer.hf`).
 
-The two models agree without any permutation (../shared/notes/scale.md): the rotary
-embedding's convention is the same (two halves, frequencies theta^(-2i/d), and Llama 3's rope
-scaling, the only scaling modelled: any other is refused), our fused qkv is
+The two models agree without any permutation (tests/integration/test_hf.py holds their logits
+equal): the rotary embedding's convention is the same (two halves, frequencies theta^(-2i/d),
+and Llama 3's rope scaling, the only scaling modelled: any other is refused), our fused qkv is
 cat(q_proj, k_proj, v_proj) on the rows and gate_up is cat(gate_proj, up_proj). The vocabulary
 is padded on the way in (zero rows, never looked up or predicted) and cut on the way out.
 

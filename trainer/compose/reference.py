@@ -8,11 +8,13 @@ import ast
 import dataclasses
 import io
 import sys
+import textwrap
 import tokenize
 from enum import Enum
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -96,61 +98,58 @@ def options(group: str) -> list[str]:
     return sorted(path.stem for path in (CONF / group).glob("*.yaml"))
 
 
+GROUPS = {spec.name: spec.type for spec in dataclasses.fields(schema.Config)
+          if spec.type.endswith("Config")}
+
+
 def section(title: str, cls: type, comments: dict[str, str], values: dict[str, Any],
-            prefix: str, missing: list[str]) -> list[str]:
+            prefix: str, intro: list[str], missing: list[str]) -> list[str]:
+    """One group's table; fields without a comment are added to `missing`."""
     lines = [f"## {title}", ""]
-    if cls.__doc__ and cls is not schema.Config:
-        lines += [" ".join(cls.__doc__.split()), ""]
-    lines += ["| key | type | default | meaning |", "|---|---|---|---|"]
+    doc = cls.__doc__ or ""
+    if not doc.startswith(f"{cls.__name__}("):  # a dataclass without a docstring gets its signature
+        lines += [" ".join(doc.split()), ""]
+    lines += [*intro, "| key | type | default | meaning |", "|---|---|---|---|"]
     for spec in dataclasses.fields(cls):
-        if dataclasses.is_dataclass(spec.type) or spec.type in GROUPS:
+        if spec.name in GROUPS and cls is schema.Config:
             continue
         meaning = comments.get(spec.name, "")
         if not meaning:
             missing.append(f"{cls.__name__}.{spec.name}")
-        default = values.get(spec.name)
-        shown = "derived (read-only)" if spec.name == "layout" else f"`{value_text(default)}`"
-        lines.append(f"| `{prefix}{spec.name}` | {type_name(spec.type)} | {shown} | "
+        derived = spec.name == "layout"  # a node the resolver fills, not a value to set
+        shown = "derived" if derived else f"`{value_text(values.get(spec.name))}`"
+        kind = "read-only node" if derived else type_name(spec.type)
+        lines.append(f"| `{prefix}{spec.name}` | {kind} | {shown} | "
                      f"{meaning.replace('|', '/')} |")
     return [*lines, ""]
-
-
-GROUPS = {spec.name: spec.type for spec in dataclasses.fields(schema.Config)
-          if spec.type.endswith("Config")}
 
 
 def render() -> tuple[str, list[str]]:
     """The page, and the fields that have no comment (which the test refuses)."""
     comments = field_comments(SOURCE.read_text())
-    values, defaults, missing = default_config(), _group_defaults(), []
+    values, missing = default_config(), []
+    chosen = {key: value for entry in yaml.safe_load((CONF / "config.yaml").read_text())["defaults"]
+              if isinstance(entry, dict) for key, value in entry.items()}
     lines = [HEADER, "Groups: " + ", ".join(f"[{g}](#{g})" for g in GROUPS)
              + ", and the [top-level keys](#top-level-keys).", ""]
     for group, cls_name in GROUPS.items():
-        cls = getattr(schema, cls_name)
-        found = options(group)
-        lines += section(group, cls, comments.get(cls_name, {}), values[group], f"{group}.",
-                         missing)[:1]
-        lines += [f"Options (`{group}=NAME`, files in `conf/{group}/`): "
-                  + ", ".join(f"`{o}`" + (" (default)" if o == defaults.get(group) else "")
-                              for o in found) + ".", ""]
-        lines += section(group, cls, comments.get(cls_name, {}), values[group], f"{group}.",
-                         missing)[2:]
+        listed = ", ".join(f"`{o}`" + (" (default)" if o == chosen.get(group) else "")
+                           for o in options(group))
+        intro = [f"Options (`{group}=NAME`, files in `conf/{group}/`): {listed}.", ""]
+        lines += section(group, getattr(schema, cls_name), comments.get(cls_name, {}),
+                         values[group], f"{group}.", intro, missing)
     lines += section("Top-level keys", schema.Config, comments.get("Config", {}), values, "",
-                     missing)
+                     [], missing)
     lines += ["Presets that set keys of several groups: "
               + ", ".join(f"`experiment={o}`" for o in options("experiment")) + "; "
               + ", ".join(f"`debug={o}`" for o in options("debug")) + "; sweep launchers "
               + ", ".join(f"`hydra/launcher={o}`" for o in options("hydra/launcher"))
-              + " (with `-m`).", ""]
-    return "\n".join(lines), missing
-
-
-def _group_defaults() -> dict[str, str]:
-    """Each group's option in conf/config.yaml's defaults list."""
-    import yaml
-    listed = yaml.safe_load((CONF / "config.yaml").read_text())["defaults"]
-    return {key: value for entry in listed if isinstance(entry, dict)
-            for key, value in entry.items()}
+              + " (with `-m`)."]
+    # Prose wrapped at 100 columns like the other pages; a table row stays one line.
+    text = "\n".join(line if line.startswith("|") else textwrap.fill(line, 100,
+                                                                      break_on_hyphens=False)
+                     for line in "\n".join(lines).split("\n"))
+    return text + "\n", missing
 
 
 def main() -> int:
