@@ -5,7 +5,8 @@ metadata (the model's shapes, the weights it holds and the model settings its ru
 trainer.checkpoint.match; the sample stream, the samples left to train), so a mismatch is
 one line before anything is built; the ranks then ask again in start_state, verifying every
 file's checksum between them (an older checkpoint is taken when the newest turns out to be
-damaged), and load it into their built engine.
+damaged), and load it into their built engine. A rank in the launcher's own process is handed
+what it found and checked (Decided), so each step runs once in a process.
 """
 from __future__ import annotations
 
@@ -108,18 +109,48 @@ def check(point: ResumePoint, expected: Expected) -> list[str]:
     return notes
 
 
+@dataclass(frozen=True)
+class Decided:
+    """What the launcher found (a quick look: no checksums) and checked, for a rank started in
+    its own process (world size 1, or torchrun/submitit), which then neither finds nor checks
+    again; spawned ranks and restarts find for themselves."""
+
+    point: ResumePoint | None
+    notes: list[str]  # check()'s
+    warnings: list[str]  # the checkpoints find() skipped, said by the rank (in the run's log)
+
+
+def decide(ckpt: CheckpointConfig, save_dir: Path,
+           expected: Callable[[], Expected]) -> Decided:
+    """The launcher's find and check; `expected` is called only when there is a checkpoint."""
+    from trainer.checkpoint.integrity import verify
+
+    warnings: list[str] = []
+    point = find(ckpt, save_dir, warnings.append, lambda path: verify(path, None))
+    return Decided(point, check(point, expected()) if point is not None else [], warnings)
+
+
 def start_state(engine: dcp.Engine, ckpt: CheckpointConfig, save_dir: Path, expected: Expected,
-                say: Callable[[str], None] | None) -> dcp.TrainState:
-    """Collective: find the checkpoint the run starts from, every file's checksum verified split
-    over the ranks (trainer.checkpoint.integrity.agreed), check it, and load it into the built
-    engine; a fresh state when there is none. `say` prints (rank 0) or is None."""
+                say: Callable[[str], None] | None,
+                decided: Decided | None = None) -> dcp.TrainState:
+    """Collective: the checkpoint the run starts from, every file's checksum verified split
+    over the ranks (trainer.checkpoint.integrity.agreed), checked and loaded into the built
+    engine; a fresh state when there is none. `decided`: the launcher's choice in this process,
+    taken when every rank has the same one and its checksums hold; else (or without it) found
+    and checked here. `say` prints (rank 0) or is None."""
     from trainer.checkpoint import dcp  # torch (a rank)
 
     fresh, notes = dcp.TrainState(data=expected.stream), []
+    files_good = agreed(engine.groups.world.handle)
     try:
-        point = find(ckpt, save_dir, say, agreed(engine.groups.world.handle))
-        if point is not None:
-            notes = check(point, expected)
+        if decided is not None and _taken(decided, engine.groups.world.handle, files_good):
+            point, notes = decided.point, decided.notes
+            for line in decided.warnings if say else ():
+                say(line)
+        else:  # a damaged file in the launcher's choice: find again, every checksum verified
+            point = find(ckpt, save_dir, say, files_good)
+            if point is not None:
+                notes = check(point, expected)
     except (ValueError, FileNotFoundError) as error:
         raise ConfigError(str(error)) from None
     if point is None:
@@ -133,3 +164,15 @@ def start_state(engine: dcp.Engine, ckpt: CheckpointConfig, save_dir: Path, expe
                 f"start fresh")
         return fresh
     return dcp.load(engine, point.path)
+
+
+def _taken(decided: Decided, group, files_good: Verifier) -> bool:
+    """Collective: every rank's launcher chose the same checkpoint, and its files are good."""
+    import torch.distributed as dist
+
+    mine = None if decided.point is None else str(decided.point.path)
+    every: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, mine, group=group)
+    if any(path != mine for path in every):
+        return False
+    return decided.point is None or files_good(decided.point.path) is None

@@ -17,6 +17,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from trainer.checkpoint.resume import Decided
 from trainer.compose.runspec import RunSpec
 from trainer.config import ConfigError
 from trainer.launch.folder import StrayRank
@@ -160,10 +161,11 @@ def check_world(env: RankEnv, spec: RunSpec) -> None:
 
 
 def run_rank(env: RankEnv, spec: RunSpec, run_dir: Path, meta: dict[str, Any],
-             watch: PreemptionWatch | None = None) -> None:
+             watch: PreemptionWatch | None = None, decided: Decided | None = None) -> None:
     """Train as one rank: join the process group, train, leave (cleanly on preemption; an
     interrupt raises Interrupted after its checkpoint). `watch`: one the caller already set up
-    (launch.py's ranks), else this rank watches its own signals."""
+    (launch.py's ranks), else this rank watches its own signals. `decided`: the checkpoint this
+    process's launcher found and checked (trainer.checkpoint.resume.Decided)."""
     import torch
     import torch.distributed as dist
 
@@ -186,7 +188,7 @@ def run_rank(env: RankEnv, spec: RunSpec, run_dir: Path, meta: dict[str, Any],
         requeued = False
         with PreemptionWatch() if watch is None else nullcontext(watch) as watch:
             try:
-                Trainer(spec, run_dir, device, meta, watch).run()
+                Trainer(spec, run_dir, device, meta, watch, decided).run()
             except Preempted:
                 watch.hand_over()  # submitit requeues the job from rank 0; elsewhere nothing
             except Exception as error:  # noqa: BLE001 (re-raised unless the job is requeued)

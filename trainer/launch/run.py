@@ -11,7 +11,6 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from trainer.checkpoint import resume
-from trainer.checkpoint.integrity import verify
 from trainer.compose.runspec import RunSpec
 from trainer.config import ConfigError
 from trainer.data.stream import open_streams
@@ -24,19 +23,22 @@ from trainer.report.plot import write_curves
 from trainer.report.record import layout_record, write_layout_json
 
 
-def check_inputs(spec: RunSpec, run_dir: Path) -> None:
+def check_inputs(spec: RunSpec, run_dir: Path) -> resume.Decided:
     """Before any rank starts; a problem is one line naming the key or the file. The checkpoint
-    the run starts from is checked from its metadata (the ranks verify its checksums)."""
+    the run starts from is checked from its metadata (the ranks verify its checksums); what was
+    decided goes to a rank started in this process."""
+
+    def expected() -> resume.Expected:
+        # the stream's identity only: a packed stream packs when a sample is first read
+        train, _ = open_streams(spec.data, spec.layout.seq_length, spec.config.data.seed,
+                                with_valid=False, pack=spec.config.data.pack)
+        return resume.Expected(parameter_shapes(spec.config.model), train.identity, spec.plan,
+                               spec.layout, spec.config.model)
+
     try:
         spec.data.prepare(spec.config.train, spec.config.data.pack)
         save_dir = resume.save_folder(spec.config.checkpoint, run_dir)
-        point = resume.find(spec.config.checkpoint, save_dir, None, lambda p: verify(p, None))
-        if point is not None:
-            train, _ = open_streams(spec.data, spec.layout.seq_length, spec.config.data.seed,
-                                    with_valid=False, pack=spec.config.data.pack)
-            resume.check(point, resume.Expected(parameter_shapes(spec.config.model),
-                                                train.identity, spec.plan, spec.layout,
-                                                spec.config.model))
+        return resume.decide(spec.config.checkpoint, save_dir, expected)
     except (ValueError, FileNotFoundError) as error:
         raise ConfigError(str(error)) from None
 
@@ -60,18 +62,19 @@ def run(cfg: DictConfig, spec: RunSpec, run_dir: Path) -> None:
             check_world(env, spec)
         else:
             check_local(spec)
-        check_inputs(spec, run_dir)
+        decided = check_inputs(spec, run_dir)
         if writer:
             write_run_artifacts(cfg, spec, run_dir)
         with console_log(run_dir, writer=writer):
             try:
-                _start_ranks(spec, run_dir, env)
+                _start_ranks(spec, run_dir, env, decided)
             finally:
                 if writer:
                     write_curves(run_dir)
 
 
-def _start_ranks(spec: RunSpec, run_dir: Path, env: RankEnv | None) -> None:
+def _start_ranks(spec: RunSpec, run_dir: Path, env: RankEnv | None,
+                 decided: resume.Decided) -> None:
     # The model config travels with every checkpoint (python -m trainer.hf export reads it), and
     # the global batch size, which a resume under another one names in its messages; the
     # tokenizer and the sequence length trained at, which python -m trainer.generate reads (a
@@ -80,10 +83,10 @@ def _start_ranks(spec: RunSpec, run_dir: Path, env: RankEnv | None) -> None:
             "global_batch_size": spec.plan.global_batch_size,
             "seq_length": spec.layout.seq_length, "tokenizer": spec.data.tokenizer_file()}
     if env is not None:  # this process is one rank of a world started elsewhere
-        run_rank(env, spec, run_dir, meta)
-    elif spec.layout.world_size > 1:
+        run_rank(env, spec, run_dir, meta, decided=decided)
+    elif spec.layout.world_size > 1:  # spawned: each rank decides (a restart, afresh)
         launch_local(spec, run_dir, meta)
     else:
         with tempfile.TemporaryDirectory(prefix="gtp-rendezvous-") as meeting:
             run_rank(RankEnv(0, 1, 0, f"file://{meeting}/store", "launch.py"), spec, run_dir,
-                     meta)
+                     meta, decided=decided)

@@ -47,7 +47,8 @@ class Trainer:
     """One rank's run: everything built from the config, then run() to the end."""
 
     def __init__(self, spec: RunSpec, run_dir: Path, device: torch.device,
-                 meta: dict[str, Any] | None = None, watch: PreemptionWatch | None = None):
+                 meta: dict[str, Any] | None = None, watch: PreemptionWatch | None = None,
+                 decided: resume.Decided | None = None):
         config = spec.config
         self.layout, self.device = spec.layout, device
         self.rank, self.meta, self.watch = dist.get_rank(), meta or {}, watch
@@ -72,13 +73,14 @@ class Trainer:
         self.engine = build_engine(config.model, config.optim, config.train.seed, self.layout,
                                    device, options, backend_timeout_s(config.cluster.timeout_s))
         self.save_dir = resume.save_folder(config.checkpoint, run_dir)
-        # launch.py checked this choice before the ranks started; here every file's checksum
-        # is verified too, so a damaged newest checkpoint gives way to the one before it.
+        # launch.py checked this choice before the ranks started (and hands it over, `decided`,
+        # in its own process); here every file's checksum is verified too, so a damaged newest
+        # checkpoint gives way to the one before it.
         expected = resume.Expected(parameter_shapes(config.model), self.train_stream.identity,
                                    self.plan, self.layout, config.model)
         self.state = resume.start_state(self.engine, config.checkpoint, self.save_dir, expected,
                                         (lambda line: print(line, flush=True))
-                                        if self.rank == 0 else None)
+                                        if self.rank == 0 else None, decided)
         self.saver = Saver(self.engine, self.save_dir, self.meta, config.checkpoint.async_save,
                            backend_timeout_s(config.cluster.timeout_s))
         self.total_steps = self.state.step + self.plan.steps_from(self.state.consumed_samples)
