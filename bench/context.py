@@ -49,7 +49,7 @@ def _attention_peak(comm: str, cp: int) -> int:
     from parallel.comm import CommStats
     from parallel.context import context_attention
     from parallel.groups import build_groups
-    from trainer.report.measure import PeakMemory
+    from trainer.train.measured_rank import PeakMemory
 
     PeakMemory.fix_mmap_threshold(64 << 10)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cp)

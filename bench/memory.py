@@ -69,7 +69,7 @@ def _spawned(fn, *args):
 def _seed_build() -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from trainer.compose.runspec import settle
-    from trainer.report.measure import measure_rank
+    from trainer.train.measured_rank import measure_rank
 
     from config_helpers import compose_config
 
@@ -114,9 +114,9 @@ def small_layout() -> tuple[ModelConfig, Layout]:
 
 def _rank_peak(rank: int, model: ModelConfig, layout: Layout, options: EngineOptions,
                steps: int, fixed_mmap_threshold: bool) -> int:
-    from trainer.report.measure import PeakMemory
     from trainer.train.batch import rank_micro_batches
     from trainer.train.engine import build_engine
+    from trainer.train.measured_rank import PeakMemory
     from trainer.train.step import train_step
 
     fetch = lambda idx: torch.randint(0, model.vocab_size, (len(idx), layout.seq_length + 1))  # noqa: E731

@@ -82,16 +82,32 @@ def test_a_slow_measured_step_is_announced_with_the_fix(monkeypatch):
     one line with the rate, at least how long, and the fp32 fix. In fp32 at that rate, or
     small, nothing is said."""
     from trainer.config import Precision
-    from trainer.report import measure
+    from trainer.train import measured_rank
 
     rates = {Precision.bf16: 4e9, Precision.fp32: 1e11}
-    monkeypatch.setattr(measure, "matmul_flops", lambda precision: rates[precision])
+    monkeypatch.setattr(measured_rank, "matmul_flops", lambda precision: rates[precision])
     example = ["experiment=seed_128rank_cp2", "model.num_layers=2", "train.seq_length=8192"]
-    line = measure.slow_step_warning(settle(compose_config(*example)))
+    line = measured_rank.slow_step_warning(settle(compose_config(*example)))
     assert line is not None and line.startswith(
         "bf16 matrix products run at 4.0 GFLOP/s on this CPU: measuring this rank's step "
         "(twice on CPU) will take at least "), line
     assert "; train.precision=fp32 measures the same sizes in about " in line
-    assert measure.slow_step_warning(settle(compose_config(*example, "train.precision=fp32",
+    assert measured_rank.slow_step_warning(settle(compose_config(*example, "train.precision=fp32",
                                                            "train.seq_length=2048"))) is None
-    assert measure.slow_step_warning(settle(compose_config("model=tiny"))) is None
+    assert measured_rank.slow_step_warning(settle(compose_config("model=tiny"))) is None
+
+
+def test_the_report_room_only_formats():
+    """trainer/report/ names no torch, not even lazily: the measured rank is built and stepped
+    by trainer.train.measured_rank (and its allocator count, trainer.train.allocations)."""
+    import ast
+    from pathlib import Path
+
+    import trainer.report
+
+    for path in Path(trainer.report.__file__).parent.glob("*.py"):
+        modules = {alias.name for node in ast.walk(ast.parse(path.read_text()))
+                   if isinstance(node, ast.Import) for alias in node.names}
+        modules |= {node.module for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, ast.ImportFrom) and node.module}
+        assert not {m for m in modules if m.split(".")[0] == "torch"}, path

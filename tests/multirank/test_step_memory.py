@@ -5,7 +5,7 @@ process group (collectives return at once, allocations are real):
 - the saved activations autograd really keeps (torch.autograd.graph.saved_tensors_hooks, every
   storage once) against trainer.plan.activations' formula, by layout and recompute setting;
 - a rank's build never creates a tensor anywhere near the size of a full 2-D weight;
-- what the allocator really holds (torch's profiler memory events, trainer.report.allocations)
+- what the allocator really holds (torch's profiler memory events, trainer.train.allocations)
   during the micro-batches and during the optimizer update, against the plan's terms;
 - the measured dry run (the real CLI, dry_run_rank) of a 64-rank world against the plan.
 """
@@ -220,7 +220,7 @@ def allocated_transients(rank: int, layout: Layout, options: EngineOptions,
                          model: ModelConfig = MODEL) -> tuple[int, int]:
     """(the micro-batches' transient, the update's) of a second step, counted by the
     allocator above what the rank held before each part (its state made by the first)."""
-    from trainer.report.allocations import Allocations
+    from trainer.train.allocations import Allocations
     from trainer.train.batch import rank_micro_batches
     from trainer.train.engine import build_engine
     from trainer.train.step import train_step
@@ -351,9 +351,9 @@ def test_measured_dry_run_of_a_64_rank_world_matches_the_plan(tmp_path):
           f"{plan['total_bytes']:,}")
     assert measured["rank"] == 9 and measured["world_size"] == 64
     assert measured["state_bytes"] == plan["total_bytes"]
-    # Resident memory is the end-to-end figure, glibc's mmap threshold fixed (measure.py): above
-    # the allocator's count by small blocks kept in the heap and the kernels' code paged in on
-    # the first step (1.15 here, three runs; 1.35 to 1.55 with glibc's moving threshold).
+    # Resident memory is the end-to-end figure, glibc's mmap threshold fixed (measured_rank.py):
+    # above the allocator's count by small blocks kept in the heap and the kernels' code paged in
+    # on the first step (1.15 here, three runs; 1.35 to 1.55 with glibc's moving threshold).
     assert 1.0 <= measured["step_peak_bytes"] / plan["peak_bytes"] <= 1.25
     # Counted by the allocator: the update's transient and the micro-batches' (here a block's
     # backward with GTP_remat's gathers and the ring's) are the plan's terms within 2%.

@@ -1,7 +1,8 @@
 """The dry run: print what a layout means and write layout.json; start no process, need no GPU.
 
 Everything shown is layout.json's record (trainer.report.record: the Layout's answers and the
-memory plan); this module only formats it, and with dry_run_rank adds one rank measured.
+memory plan); this module only formats it, and with dry_run_rank adds one rank measured
+(built and stepped by trainer.train.measured_rank, beside the rank's own code).
 """
 from __future__ import annotations
 
@@ -248,7 +249,7 @@ def dry_run(spec: RunSpec, run_dir: Path) -> dict[str, Any]:
     print(f"\nwrote {write_layout_json(record, run_dir)}", flush=True)
     rank = spec.config.dry_run_rank
     if rank is not None:
-        from trainer.report.measure import measure_rank, slow_step_warning  # torch, if asked
+        from trainer.train.measured_rank import measure_rank, slow_step_warning  # torch, if asked
 
         print("", flush=True)
         slow = slow_step_warning(spec)

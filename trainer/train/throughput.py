@@ -13,7 +13,7 @@ that a larger process spawned starts at that process's peak, carried across exec
 counts tensors only, so the end-of-run table holds like with like: the state each rank holds,
 counted tensor by tensor, against the plan's state; the peak against the plan's peak on a GPU,
 and on CPU the resident set's growth is printed beside it, with what it holds beyond tensors
-(the allocator's count of a step is the measured dry run's: trainer/report/allocations.py)."""
+(the allocator's count of a step is the measured dry run's: trainer/train/allocations.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -13,7 +13,7 @@ baseline is taken after torch's own lazy imports: initialising a parameter on th
 imports torch._dynamo on first use (about 75 MB of code and 1.5 s on CPU), which is the
 library's, not the rank's, and is imported at the top of this module so it never lands inside
 the figures.
-On CPU a second step is counted by the allocator itself (trainer.report.allocations): the
+On CPU a second step is counted by the allocator itself (trainer.train.allocations): the
 transients of its micro-batches and of its optimizer update, beside the plan's terms.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from trainer.config import Precision
 from trainer.plan.cost import estimate
 from trainer.plan.hardware import Hardware
 from trainer.plan.options import EngineOptions
-from trainer.report.allocations import Allocations
+from trainer.train.allocations import Allocations
 from trainer.train.batch import rank_micro_batches
 from trainer.train.engine import build_engine
 from trainer.train.step import train_step
