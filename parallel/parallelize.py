@@ -99,7 +99,16 @@ class ParallelModel(nn.Module):
         last stage): the owner's optimizer updates and saves them."""
         return {f"{h}.weight" for h in self.stage.pruned.holders}
 
-    def reduce_embedding_grads(self) -> None:
+    def finish_grads(self) -> None:
+        """After the last backward of a step, before the optimizer reads a gradient: the
+        sharded weights' reduce-scatters still overlapping that backward complete, then the
+        replicated tensors' all-reduce, then the tied embedding's sum over its two stages. One
+        call, in this order, so a step cannot leave one out or reorder the sums."""
+        self._finish_grad_reduce()
+        self._reduce_replicated_grads()
+        self._reduce_embedding_grads()
+
+    def _reduce_embedding_grads(self) -> None:
         """Tied embeddings across stages: sum the shared weight's gradient over the embedding
         group (first and last stage), before the optimizer reads it. The copy's gradient is
         then used up: zeroed for the next step (like the optimizer's buffers, it stays)."""
@@ -168,7 +177,7 @@ class ParallelModel(nn.Module):
         if self.reduce_queue is not None:
             self.reduce_queue.finish()
 
-    def finish_grad_reduce(self) -> None:
+    def _finish_grad_reduce(self) -> None:
         """After the last backward of a step: every sharded gradient is complete."""
         self.wait_grad_reduces()
         # A gathered weight kept past the step would be stale after the update.
@@ -178,7 +187,7 @@ class ParallelModel(nn.Module):
             raise RuntimeError(f"{owed} bundled linear use(s) of this step's forward got no "
                                f"backward: their weight gradients were never reduced")
 
-    def reduce_replicated_grads(self) -> None:
+    def _reduce_replicated_grads(self) -> None:
         """Coalesced: one all-reduce per group for all small tensors."""
         held = [(i, p.grad) for i, (_, p) in enumerate(self.replicated) if p.grad is not None]
         if not held:

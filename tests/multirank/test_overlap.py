@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from parallel.bundle import _Gathered
+from parallel.parallelize import ParallelModel
 from trainer.config import Precision
 from trainer.plan.options import EngineOptions
 from trainer.train.batch import rank_micro_batches
@@ -140,3 +141,38 @@ def test_overlap_keeps_two_blocks_gathered_and_is_asynchronous():
     assert off["overlapped"] == {}
     assert on["overlapped"] == {("gtp_remat", "all_gather"): micro * 2 * (blocks - 1),
                                 ("gtp_remat", "reduce_scatter"): micro * blocks}
+
+
+FINISHING = ("finish_grads", "_finish_grad_reduce", "_reduce_replicated_grads",
+             "_reduce_embedding_grads")
+
+
+def finishing_step(rank: int, layout, batch) -> list[str]:
+    """One overlapped step of a tied model over two stages, recording the ParallelModel's
+    gradient-finishing calls in order (a forked rank: the class is patched in it alone)."""
+    calls: list[str] = []
+
+    def record(name: str):
+        method = getattr(ParallelModel, name)
+
+        def recorded(self):
+            calls.append(name)
+            return method(self)
+        return recorded
+
+    for name in FINISHING:
+        setattr(ParallelModel, name, record(name))
+    engine = build_engine(replace(TINY, tie_word_embeddings=True), OPTIM, SEED, layout,
+                          torch.device("cpu"), OVERLAP)
+    micro_batches = rank_micro_batches(lambda idx: batch[idx].clamp(min=0), layout, rank)
+    train_step(engine.model, engine.optimizer, micro_batches, 1e-3)
+    return calls
+
+
+def test_a_step_finishes_its_gradients_with_one_call():
+    """Reduce-scatters in flight, replicated tensors, then the tied embedding over its stages:
+    one call of the step, the three in that order."""
+    layout = make_layout(2, dict(pipeline_model_parallel_size=2))
+    calls = run_ranks(2, finishing_step, layout, make_data(layout.global_batch_size)[0],
+                      timeout=120)
+    assert calls == [list(FINISHING)] * 2

@@ -69,9 +69,7 @@ def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: lis
         return summed / total_tokens
 
     model.runner.run(_inputs(micro_batches), last_stage)
-    model.finish_grad_reduce()  # reduce-scatters still overlapping the last backward
-    model.reduce_replicated_grads()
-    model.reduce_embedding_grads()  # tied embeddings on the first and last stage
+    model.finish_grads()  # sharded, replicated, then tied embeddings' (ParallelModel)
     # Both are global values, so every rank refuses a non-finite step together.
     loss = _from_last_stage(model, loss_sum).item() / total_tokens
     mark("update")
