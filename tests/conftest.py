@@ -14,7 +14,14 @@ TESTS = Path(__file__).resolve().parent
 FAST_FOLDERS = ("unit", "config")
 # ...less their slowest tests (node-id prefixes), measured with --durations: keep the subset
 # under 3 minutes on 2 CPU cores.
-SLOW: tuple[str, ...] = ()
+SLOW = (
+    "tests/unit/test_blend.py::test_launch_trains_on_a_blend_and_resumes_its_stream",
+    "tests/unit/test_megatron_data.py::test_launch_trains_on_a_megatron_prefix",
+    "tests/unit/test_tokenizers.py::test_training_checks_the_vocabulary_and_trains",
+    "tests/unit/test_gpu_script.py",
+    "tests/config/test_bad_inputs.py",  # 224 command lines, each a process: about 3 minutes
+    "tests/unit/test_doc_commands.py::test_a_fence_marked_tested_here_runs_as_shown",
+)
 
 
 def pytest_collection_modifyitems(config, items):
