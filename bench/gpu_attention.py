@@ -26,7 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 from parallel.context.calls import plan_calls  # noqa: E402
 from parallel.context.gather import ChunkPairs  # noqa: E402
 from parallel.layout import Layout  # noqa: E402
-from trainer.model.transformer import causal_attention  # noqa: E402
+from trainer.model.attention import causal_attention  # noqa: E402
 
 CP = 4
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float32: 1e-5}  # relative, in the 2-norm

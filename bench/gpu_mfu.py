@@ -24,7 +24,8 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from trainer.config import ModelConfig  # noqa: E402
-from trainer.model.transformer import RMSNorm, Transformer  # noqa: E402
+from trainer.model.norm import RMSNorm  # noqa: E402
+from trainer.model.transformer import Transformer  # noqa: E402
 
 # Llama-style widths (TinyLlama's hidden and ffn, full multi-head attention) at 18 layers:
 # 1,055,991,808 parameters, printed and checked at run time.
@@ -95,7 +96,7 @@ def peak_flops(device_name: str | None, override_tflops: float | None) -> tuple[
 
 def load_te(smoke: bool):
     """transformer_engine.pytorch, or None and why. Without CUDA it raises RuntimeError or
-    OSError as often as ImportError (see shared/notes/torch.md), so all three are caught."""
+    OSError as often as ImportError (a CUDA library it cannot load), so all three are caught."""
     try:
         import transformer_engine
         import transformer_engine.pytorch as te

@@ -8,7 +8,6 @@ plan.accounting's, the schedule plan.schedule's, the data's data.source's.
 from __future__ import annotations
 
 import importlib.util
-import math
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -25,182 +24,51 @@ from trainer.config import (
     OptimConfig,
     Precision,
 )
+from trainer.parts import model_parts
+from trainer.parts.families import FAMILIES
+from trainer.parts.moe import MOE, check_moe
+from trainer.values import finite, one_of, positive_int
 
-# What a `name` key selects; the implementations live in model/ and train/ (which import torch).
-ARCHITECTURES = ("llama",)
+# What optim.name selects; the implementation lives in train/ (which imports torch). A model
+# family (model.name) is a description in trainer.parts.families.
 OPTIMIZERS = ("adamw",)
 
 
-def _positive_int(key: str, value: int, fix: str = "") -> None:
-    if value < 1:
-        raise ValueError(f"{key}={value} must be >= 1. Fix: {fix or f'set {key} to 1 or more'}.")
-
-
-def _finite(key: str, value: float, low: float, low_ok: bool, high: float | None = None,
-            high_ok: bool = True, fix: str = "") -> None:
-    """value finite and in the interval; e.g. low=0, low_ok=False is `> 0`."""
-    inside = math.isfinite(value) and (value >= low if low_ok else value > low)
-    if inside and high is not None:
-        inside = value <= high if high_ok else value < high
-    if not inside:
-        low_side = f"{'[' if low_ok else '('}{low:g}"
-        high_side = f"{high:g}{']' if high_ok else ')'}" if high is not None else "inf)"
-        raise ValueError(f"{key}={value} must be a finite number in {low_side}, {high_side}. "
-                         f"Fix: {fix or f'set {key} inside that range'}.")
-
-
-def _one_of(key: str, value: str, choices: tuple[str, ...], what: str) -> None:
-    if value not in choices:
-        raise ValueError(f"{key}={value!r} selects no {what}. Fix: choose one of "
-                         f"{', '.join(choices)}.")
-
-
 def check_model(model: ModelConfig) -> None:
-    """The model's own shape rules (the Transformer calls this too)."""
-    _one_of("model.name", model.name, ARCHITECTURES, "model architecture")
+    """The model's own rules (the Transformer calls this too): its family's (model.name), the
+    shapes every block has, and each of its parts' (trainer.parts)."""
+    family = FAMILIES.get(model.name)
+    one_of("model.name", model.name, tuple(FAMILIES), "model family")
     for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "ffn_hidden_size"):
-        _positive_int(f"model.{key}", getattr(model, key))
-    if model.kv_channels is not None:
-        _positive_int("model.kv_channels", model.kv_channels,
-                      "set it to the width of one attention head, or null for hidden_size / "
-                      "num_heads")
-    elif model.hidden_size % model.num_heads:
-        raise ValueError(
-            f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads="
-            f"{model.num_heads}. Fix: choose num_heads that divides hidden_size, or set "
-            f"model.kv_channels (the head width).")
-    groups = model.num_query_groups
-    if groups is not None and (groups < 1 or model.num_heads % groups):
-        raise ValueError(
-            f"model.num_query_groups={groups} must divide model.num_heads={model.num_heads} "
-            f"(each K/V group serves num_heads/num_query_groups query heads). Fix: choose a "
-            f"divisor of {model.num_heads}, or null for multi-head attention.")
-    _positive_int("model.make_vocab_size_divisible_by", model.make_vocab_size_divisible_by,
-                  "use 128 (Megatron's default), or 1 for no padding")
-    head_dim = model.head_dim
-    if head_dim % 2:
-        width = (f"model.kv_channels={head_dim}" if model.kv_channels else
-                 f"model.hidden_size={model.hidden_size} / model.num_heads={model.num_heads} is "
-                 f"a head dim of {head_dim}, which")
-        raise ValueError(
-            f"{width} is odd; rotary embeddings need an even head dim. Fix: change "
-            f"model.kv_channels, model.num_heads or model.hidden_size.")
-    _finite("model.rope_theta", model.rope_theta, 0, False, fix="use e.g. 10000.0")
-    if model.use_rope_scaling:
-        _finite("model.rope_scaling_factor", model.rope_scaling_factor, 1, True,
-                fix="use Llama 3.1's 8.0 or Llama 3.2's 32.0")
-    _finite("model.norm_eps", model.norm_eps, 0, False, fix="use e.g. 1e-5")
-    _finite("model.init_std", model.init_std, 0, False, fix="use e.g. 0.02")
-    check_moe(model)
-
-
-MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
-MOE_BALANCING = ("aux_loss", "seq_aux_loss", "none")
-MOE_DISPATCHERS = ("alltoall", "allgather")  # parallel.experts
-
-
-def check_moe(model: ModelConfig) -> None:
-    """A mixture of experts' keys (trainer.model.moe); set on a dense model they would be
-    ignored, so they are refused."""
-    experts = model.num_moe_experts
-    if experts is None:
-        ignored = [f"{k}={v}" for k, v in (
-            ("moe_ffn_hidden_size", model.moe_ffn_hidden_size),
-            ("moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size),
-            ("moe_aux_loss_coeff", model.moe_aux_loss_coeff or None),
-            ("moe_z_loss_coeff", model.moe_z_loss_coeff),
-            ("moe_router_enable_expert_bias", model.moe_router_enable_expert_bias or None),
-            ("moe_token_dispatcher_type", None if model.moe_token_dispatcher_type == "alltoall"
-             else model.moe_token_dispatcher_type),
-            ("moe_expert_capacity_factor", model.moe_expert_capacity_factor),
-            ("moe_router_bias_update_rate", None if model.moe_router_bias_update_rate
-             == ModelConfig.moe_router_bias_update_rate else model.moe_router_bias_update_rate))
-            if v is not None]
-        if ignored:
-            raise ValueError(f"model.{ignored[0]} is ignored by a dense model "
-                             f"(model.num_moe_experts=null). Fix: set model.num_moe_experts, or "
-                             f"remove the override.")
-        return
-    _positive_int("model.num_moe_experts", experts, "set it to the experts of each MoE block, "
-                  "or null for a dense model")
-    if not 1 <= model.moe_router_topk <= experts:
-        raise ValueError(f"model.moe_router_topk={model.moe_router_topk} must be in [1, "
-                         f"model.num_moe_experts={experts}]. Fix: route each token to that many "
-                         f"experts at most.")
-    for key in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
-        if getattr(model, key) is not None:
-            _positive_int(f"model.{key}", getattr(model, key), "or null")
-    freq, layers = model.moe_layer_freq, model.num_layers
-    if isinstance(freq, (list, tuple)):
-        if len(freq) != layers or any(v not in (0, 1) or isinstance(v, bool) for v in freq):
-            raise ValueError(f"model.moe_layer_freq={list(freq)} must be a list of 0 (dense) and "
-                             f"1 (MoE), one per block of model.num_layers={layers}. Fix: give "
-                             f"{layers} entries, or an integer k (every k-th block).")
-    elif not isinstance(freq, int) or isinstance(freq, bool) or freq < 1:
-        raise ValueError(f"model.moe_layer_freq={freq!r} must be an integer >= 1 (every k-th "
-                         f"block is MoE) or a list of 0/1 per block. Fix: use 1 for every block.")
-    if not any(model.is_moe_block(i) for i in range(layers)):
-        raise ValueError(f"model.moe_layer_freq={freq!r} makes no block MoE. Fix: set at least "
-                         f"one 1, or model.num_moe_experts=null for a dense model.")
-    _one_of("model.moe_router_score_function", model.moe_router_score_function,
-            MOE_SCORE_FUNCTIONS, "router score function")
-    if model.moe_router_pre_softmax and model.moe_router_score_function != "softmax":
-        raise ValueError("model.moe_router_pre_softmax=true is ignored by "
-                         f"model.moe_router_score_function={model.moe_router_score_function}. "
-                         "Fix: set model.moe_router_pre_softmax=false.")
-    if model.moe_router_enable_expert_bias and not (
-            model.moe_router_score_function == "sigmoid" or model.moe_router_pre_softmax):
-        raise ValueError("model.moe_router_enable_expert_bias=true adds the bias to scores in "
-                         "[0, 1], which the top-k logits' softmax has not. Fix: set "
-                         "model.moe_router_score_function=sigmoid (DeepSeek-V3's), or "
-                         "model.moe_router_pre_softmax=true.")
-    if model.moe_router_topk_scaling_factor is not None:
-        _finite("model.moe_router_topk_scaling_factor", model.moe_router_topk_scaling_factor, 0,
-                False, fix="use e.g. 2.5, or null for 1")
-    balancing = model.moe_router_load_balancing_type
-    _one_of("model.moe_router_load_balancing_type", balancing, MOE_BALANCING,
-            "load-balancing loss")
-    _one_of("model.moe_token_dispatcher_type", model.moe_token_dispatcher_type,
-            MOE_DISPATCHERS, "token dispatcher")
-    _finite("model.moe_aux_loss_coeff", model.moe_aux_loss_coeff, 0, True, fix="use e.g. 1e-2")
-    if balancing == "none" and model.moe_aux_loss_coeff:
-        raise ValueError(f"model.moe_aux_loss_coeff={model.moe_aux_loss_coeff} is ignored with "
-                         f"model.moe_router_load_balancing_type=none. Fix: choose aux_loss or "
-                         f"seq_aux_loss, or set the coefficient to 0.")
-    if model.moe_z_loss_coeff is not None:
-        _finite("model.moe_z_loss_coeff", model.moe_z_loss_coeff, 0, True,
-                fix="use e.g. 1e-3, or null for no z-loss")
-    _finite("model.moe_router_bias_update_rate", model.moe_router_bias_update_rate, 0, False,
-            fix="use e.g. 1e-3")
-    rate = model.moe_router_bias_update_rate
-    if not model.moe_router_enable_expert_bias and rate != ModelConfig.moe_router_bias_update_rate:
-        raise ValueError(f"model.moe_router_bias_update_rate={rate} is set but "
-                         "model.moe_router_enable_expert_bias=false: there is no expert bias to "
-                         "move, so nothing would read it. Fix: set "
-                         "model.moe_router_enable_expert_bias=true, or leave the rate out.")
-    if model.moe_expert_capacity_factor is not None:
-        _finite("model.moe_expert_capacity_factor", model.moe_expert_capacity_factor, 0, False,
-                fix="use e.g. 1.25 (each expert runs at most 1.25 x its even share), or null "
-                    "for dropless")
+        positive_int(f"model.{key}", getattr(model, key))
+    positive_int("model.make_vocab_size_divisible_by", model.make_vocab_size_divisible_by,
+                 "use 128 (Megatron's default), or 1 for no padding")
+    finite("model.norm_eps", model.norm_eps, 0, False, fix="use e.g. 1e-5")
+    finite("model.init_std", model.init_std, 0, False, fix="use e.g. 0.02")
+    check_moe(model)  # the MoE part's keys: refused on a dense model, checked on a MoE one
+    for part in model_parts(model):
+        if part is not MOE:
+            part.rules(model)
+    family.rules(model)
 
 
 def check_optim(optim: OptimConfig) -> None:
-    _one_of("optim.name", optim.name, OPTIMIZERS, "optimizer")
-    _finite("optim.weight_decay", optim.weight_decay, 0, True, fix="use e.g. 0.1, or 0 for none")
+    one_of("optim.name", optim.name, OPTIMIZERS, "optimizer")
+    finite("optim.weight_decay", optim.weight_decay, 0, True, fix="use e.g. 0.1, or 0 for none")
     for key in ("beta1", "beta2"):
-        _finite(f"optim.{key}", getattr(optim, key), 0, True, 1, False, fix="use e.g. 0.9")
-    _finite("optim.eps", optim.eps, 0, False, fix="use e.g. 1e-8")
+        finite(f"optim.{key}", getattr(optim, key), 0, True, 1, False, fix="use e.g. 0.9")
+    finite("optim.eps", optim.eps, 0, False, fix="use e.g. 1e-8")
     if optim.clip_grad is not None:
-        _finite("optim.clip_grad", optim.clip_grad, 0, False,
+        finite("optim.clip_grad", optim.clip_grad, 0, False,
                 fix="use e.g. 1.0, or null for no clipping")
 
 
 def check_cluster(cluster: ClusterConfig) -> None:
-    _positive_int("cluster.num_nodes", cluster.num_nodes)
-    _positive_int("cluster.procs_per_node", cluster.procs_per_node)
-    _positive_int("cluster.gpus_per_nvlink_domain", cluster.gpus_per_nvlink_domain,
+    positive_int("cluster.num_nodes", cluster.num_nodes)
+    positive_int("cluster.procs_per_node", cluster.procs_per_node)
+    positive_int("cluster.gpus_per_nvlink_domain", cluster.gpus_per_nvlink_domain,
                   "set it to the GPUs one NVLink domain connects (8 on a DGX H100)")
-    _positive_int("cluster.timeout_s", cluster.timeout_s,
+    positive_int("cluster.timeout_s", cluster.timeout_s,
                   "set it to the seconds a collective may wait (default 300)")
     if not isinstance(cluster.max_restarts, int) or cluster.max_restarts < 0:
         raise ValueError(f"cluster.max_restarts={cluster.max_restarts} must be a count >= 0. "
@@ -208,16 +76,16 @@ def check_cluster(cluster: ClusterConfig) -> None:
                          f"the latest checkpoint up to N times.")
     for key in ("device_memory_gib", "peak_bf16_tflops", "peak_fp32_tflops",
                 "nvlink_bandwidth_gbs", "network_bandwidth_gbs"):
-        _finite(f"cluster.{key}", getattr(cluster, key), 0, False,
+        finite(f"cluster.{key}", getattr(cluster, key), 0, False,
                 fix="set it from the device's datasheet (conf/cluster/dgx_h100.yaml cites "
                     "its sources)")
-    _finite("cluster.link_latency_us", cluster.link_latency_us, 0, True, fix="use e.g. 5")
-    _finite("cluster.compute_efficiency", cluster.compute_efficiency, 0, False, 1, True,
+    finite("cluster.link_latency_us", cluster.link_latency_us, 0, True, fix="use e.g. 5")
+    finite("cluster.compute_efficiency", cluster.compute_efficiency, 0, False, 1, True,
             fix="use the share of peak FLOP/s a training step reaches, e.g. 0.45")
-    _finite("cluster.memory_margin", cluster.memory_margin, 0, True, 1, False,
+    finite("cluster.memory_margin", cluster.memory_margin, 0, True, 1, False,
             fix="use e.g. 0.1 (a tenth of the device kept free)")
     if cluster.cpu_cores_per_node is not None:
-        _positive_int("cluster.cpu_cores_per_node", cluster.cpu_cores_per_node,
+        positive_int("cluster.cpu_cores_per_node", cluster.cpu_cores_per_node,
                       "set it to the node's CPU cores, or null where each rank has a GPU")
 
 
@@ -277,8 +145,8 @@ def check_checkpoint(checkpoint: CheckpointConfig) -> None:
 
 
 def check_logger(logger: LoggerConfig) -> None:
-    _positive_int("logger.log_interval", logger.log_interval, "set it to a number of steps")
-    _positive_int("logger.sample_max_new_tokens", logger.sample_max_new_tokens,
+    positive_int("logger.log_interval", logger.log_interval, "set it to a number of steps")
+    positive_int("logger.sample_max_new_tokens", logger.sample_max_new_tokens,
                   "set it to a number of tokens")
     if logger.name is not LoggerName.wandb and logger.project is not None:
         raise ValueError(f"logger.project={logger.project!r} is ignored by "

@@ -1,11 +1,14 @@
 """The single-device model: shapes, causality, rotary positions, seeded initialisation."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from trainer.config import ModelConfig
-from trainer.model.transformer import Transformer, apply_rotary
+from trainer.model.attention import apply_rotary
+from trainer.model.transformer import Transformer
 
 TINY = ModelConfig(name="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
                    ffn_hidden_size=176, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02)
@@ -82,8 +85,21 @@ def test_the_names_checked_at_compose_time_are_the_implementations_built():
     from trainer import checks
     from trainer.train import engine
 
-    assert set(checks.ARCHITECTURES) == set(engine.ARCHITECTURES)
     assert set(checks.OPTIMIZERS) == set(engine.OPTIMIZERS)
+
+
+def test_every_part_names_a_layer_that_builds_with_its_shapes():
+    """A part's layer ("module:factory") builds, and its parameters are the part's shapes in
+    the layer's order (what the memory plan and the search size a rank from)."""
+    from trainer.model.transformer import build_layer
+    from trainer.parts import PARTS
+
+    cfg = replace(TINY, num_moe_experts=4, moe_shared_expert_intermediate_size=32,
+                  qk_layernorm=True)
+    for part in PARTS:
+        layer = build_layer(part, cfg)
+        built = {name: tuple(p.shape) for name, p in layer.named_parameters()}
+        assert list(built.items()) == list(part.shapes(cfg).items()), part.name
 
 
 @pytest.mark.parametrize("changes", [{}, {"num_query_groups": 2}, {"tie_word_embeddings": True},

@@ -14,7 +14,8 @@ import transformers
 
 from trainer.config import ModelConfig
 from trainer.model.moe import MoE, grouped
-from trainer.model.transformer import Block, swiglu
+from trainer.model.mlp import swiglu
+from trainer.model.transformer import Block
 from trainer.train import routing
 from trainer.train.recompute import recompute_block
 

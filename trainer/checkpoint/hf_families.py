@@ -8,9 +8,9 @@ writing the tensors is trainer.checkpoint.hf's.
     Qwen3MoeForCausalLM    Qwen3's attention, experts (norm_topk_prob: normalised top-k, that is
                            moe_router_pre_softmax=false) and dense blocks in mlp_only_layers
 
-Our experts are [E, 2F, h] and [E, h, F]; theirs are per expert on disk (gate, up and down
-projections), so expert e's gate and up are rows 2Fe.. of our first weight and its down rows
-he.. of the second, viewed 2-D.
+Which of their tensors each of our parameters is comes from the model's parts (trainer.parts:
+each part names its own); the family (trainer.parts.families) gives a model.name to an imported
+architecture and the names of its experts.
 """
 from __future__ import annotations
 
@@ -22,16 +22,20 @@ import torch
 
 from trainer.checks import check_model
 from trainer.config import ModelConfig
-from trainer.model.transformer import LLAMA3_ROPE_CONTEXT, LLAMA3_ROPE_HIGH, LLAMA3_ROPE_LOW
+from trainer.parts import block_parts
+from trainer.parts.attention import LLAMA3_ROPE_CONTEXT, LLAMA3_ROPE_HIGH, LLAMA3_ROPE_LOW
+from trainer.parts.families import (
+    ARCHITECTURES,
+    BY_ARCHITECTURE,
+    LLAMA,
+    MIXTRAL,
+    QWEN3,
+    QWEN3_MOE,
+    hf_family,
+)
 
-LLAMA, QWEN3 = "LlamaForCausalLM", "Qwen3ForCausalLM"
-MIXTRAL, QWEN3_MOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM"
-ARCHITECTURES = (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE)
 REQUIRED_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                  "intermediate_size")
-# Each MoE family's names: the MoE module in a layer, and its experts' gate, up and down.
-EXPERT_NAMES = {MIXTRAL: ("block_sparse_moe", ("w1", "w3", "w2")),
-                QWEN3_MOE: ("mlp", ("gate_proj", "up_proj", "down_proj"))}
 
 
 def _is_int(value: Any) -> bool:
@@ -116,7 +120,7 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
     factor = _llama3_rope_factor(scaling) if scaling else None
     groups = fields.get("num_key_value_heads", INT) or heads
     model = ModelConfig(
-        name="llama", vocab_size=hf["vocab_size"], hidden_size=hidden,
+        name=BY_ARCHITECTURE[architecture].name, vocab_size=hf["vocab_size"], hidden_size=hidden,
         num_layers=hf["num_hidden_layers"], num_heads=heads,
         ffn_hidden_size=hf["intermediate_size"],
         rope_theta=float(rope.get("rope_theta", NUMBER,
@@ -176,8 +180,8 @@ def _llama3_rope_factor(scaling: Fields) -> float:
 def architecture_of(model: ModelConfig) -> str:
     """The family an export writes; a router no family has is refused in one line."""
     if model.num_moe_experts is None:
-        return QWEN3 if model.qk_layernorm else LLAMA
-    family = QWEN3_MOE if model.qk_layernorm else MIXTRAL
+        return hf_family(model).architecture or LLAMA
+    family = hf_family(model).architecture
     every_block = all(model.is_moe_block(i) for i in range(model.num_layers))
     unmapped = [(k, v) for k, v, ok in (
         ("moe_router_score_function", model.moe_router_score_function,
@@ -241,41 +245,18 @@ def hf_config(model: ModelConfig, dtype: torch.dtype) -> dict:
 
 def hf_parts(model: ModelConfig) -> dict[str, list[tuple[str, int]]]:
     """Our parameter name -> the Hugging Face tensors it is the row-wise concatenation of (of
-    the parameter viewed 2-D: [rows, its last dim]), with their rows. The vocabulary rows are
-    the unpadded ones."""
-    h, kv, f, vocab = model.hidden_size, model.kv_size, model.ffn_hidden_size, model.vocab_size
-    q, d = model.q_size, model.head_dim
+    the parameter viewed 2-D: [rows, its last dim]), with their rows: each block's parts name
+    theirs (trainer.parts). The vocabulary rows are the unpadded ones."""
+    h, vocab, family = model.hidden_size, model.vocab_size, hf_family(model)
     out = {"embed.weight": [("model.embed_tokens.weight", vocab)]}
     for i in range(model.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        out |= {
-            f"{ours}attn_norm.weight": [(f"{theirs}input_layernorm.weight", h)],
-            f"{ours}attn.qkv.weight": [(f"{theirs}self_attn.{p}_proj.weight", rows)
-                                       for p, rows in (("q", q), ("k", kv), ("v", kv))],
-            f"{ours}attn.o.weight": [(f"{theirs}self_attn.o_proj.weight", h)],
-            **({f"{ours}attn.{p}_norm.weight": [(f"{theirs}self_attn.{p}_norm.weight", d)]
-                for p in ("q", "k")} if model.qk_layernorm else {}),
-            f"{ours}mlp_norm.weight": [(f"{theirs}post_attention_layernorm.weight", h)],
-        }
-        if model.is_moe_block(i):
-            out |= _expert_parts(model, ours, theirs)
-        else:
-            out |= {f"{ours}mlp.gate_up.weight": [(f"{theirs}mlp.{p}_proj.weight", f)
-                                                  for p in ("gate", "up")],
-                    f"{ours}mlp.down.weight": [(f"{theirs}mlp.down_proj.weight", h)]}
+        attention, mlp = block_parts(model, i)
+        out |= {f"{ours}attn_norm.weight": [(f"{theirs}input_layernorm.weight", h)],
+                **attention.hf_names(model, ours, theirs, family),
+                f"{ours}mlp_norm.weight": [(f"{theirs}post_attention_layernorm.weight", h)],
+                **mlp.hf_names(model, ours, theirs, family)}
     out["norm.weight"] = [("model.norm.weight", h)]
     if not model.tie_word_embeddings:
         out["head.weight"] = [("lm_head.weight", vocab)]
     return out
-
-
-def _expert_parts(model: ModelConfig, ours: str, theirs: str) -> dict:
-    E, f, h = model.num_moe_experts, model.expert_ffn_size, model.hidden_size
-    module, (gate, up, down) = EXPERT_NAMES[QWEN3_MOE if model.qk_layernorm else MIXTRAL]
-    experts = f"{theirs}{module}.experts"
-    return {
-        f"{ours}mlp.router.weight": [(f"{theirs}{module}.gate.weight", E)],
-        f"{ours}mlp.experts.gate_up": [(f"{experts}.{e}.{p}.weight", f)
-                                       for e in range(E) for p in (gate, up)],
-        f"{ours}mlp.experts.down": [(f"{experts}.{e}.{down}.weight", h) for e in range(E)],
-    }

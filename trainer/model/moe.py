@@ -32,6 +32,7 @@ from torch import nn
 
 from trainer.config import ModelConfig
 from trainer.model.capacity import keep_within_capacity
+from trainer.model.mlp import SwiGLU, swiglu
 
 Sum = Callable[[torch.Tensor], torch.Tensor]
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> hidden
@@ -267,3 +268,10 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         return _RecordRouting.apply(out, loss, self.router, counts, dropped)
+
+
+def moe_mlp(cfg: ModelConfig) -> MoE:
+    """A block's mixture of experts, with its shared expert (a SwiGLU) where
+    model.moe_shared_expert_intermediate_size is set."""
+    shared = cfg.moe_shared_expert_intermediate_size
+    return MoE(cfg, swiglu, SwiGLU(cfg.hidden_size, shared) if shared else None)

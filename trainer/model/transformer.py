@@ -1,153 +1,41 @@
-"""The model: a decoder-only transformer as plain single-device PyTorch.
+"""The model: a decoder-only transformer as plain single-device PyTorch, built from its parts.
 
 It knows nothing of ranks or groups. Parallel code wraps or replaces its layers from outside, by
-module name. Two hooks are plain function attributes, so wrapping them changes no parameter
-name: `attention_fn` (context parallel replaces it) and `activation_fn` (selective recompute
-wraps both). A block's MLP is a SwiGLU or a mixture of experts (trainer/model/moe.py, whose
-router has hooks of its own).
+module name. A block is a pre-norm residual pair: a norm and its attention part, a norm and its
+MLP part, each part's layer built from its description (trainer.parts: which part each block
+uses, and the module that builds it). The parts' hooks (`attention_fn`, `activation_fn`; a
+router's of trainer/model/moe.py) are plain function attributes, so wrapping them changes no
+parameter name.
 """
 from __future__ import annotations
 
+import importlib
 import math
-from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from trainer.checks import check_model
 from trainer.config import ModelConfig
-from trainer.model.documents import document_attention
 from trainer.model.init import normal_rectangle
-from trainer.model.moe import MoE
-
-# q [batch, heads, seq, head_dim], k and v [batch, groups, seq, head_dim] (grouped-query
-# attention: groups divides heads), documents -> [batch, heads, seq, head_dim]. documents:
-# None (each sample one document), or for every position of the whole sequence where its
-# document starts ([batch, seq], on the CPU; data.reset_attention_mask).
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
-                       torch.Tensor]
-# (gate, up) each [batch, seq, ffn] -> [batch, seq, ffn]
-ActivationFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+from trainer.model.norm import RMSNorm
+from trainer.parts import block_parts
+from trainer.parts.part import Part
+from trainer.parts.plan import RESIDUAL_OUTPUTS
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     documents: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention; with documents, within each document only
-    (trainer/model/documents.py)."""
-    if documents is not None:
-        return document_attention(q, k, v, documents)
-    # The fused kernels read each K/V group for its query heads; nothing is repeated.
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                          enable_gqa=k.shape[1] != q.shape[1])
-
-
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-# Llama 3's rope scaling constants (Meta's reference; Megatron fixes them too): frequencies
-# whose wavelength exceeds CONTEXT / LOW are divided by the factor, those under CONTEXT / HIGH
-# kept, and the ones between interpolated.
-LLAMA3_ROPE_CONTEXT, LLAMA3_ROPE_LOW, LLAMA3_ROPE_HIGH = 8192, 1.0, 4.0
-
-
-def rotary_frequencies(head_dim: int, theta: float, scaling_factor: float | None = None,
-                       device: torch.device | None = None) -> torch.Tensor:
-    """[head_dim / 2] fp32 frequencies theta^(-2i/d), Llama-3-scaled when a factor is given."""
-    half = head_dim // 2
-    freqs = theta ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
-    if scaling_factor is None:
-        return freqs
-    context, low, high = LLAMA3_ROPE_CONTEXT, LLAMA3_ROPE_LOW, LLAMA3_ROPE_HIGH
-    wavelength = 2 * math.pi / freqs
-    scaled = torch.where(wavelength > context / low, freqs / scaling_factor, freqs)
-    smooth = (context / wavelength - low) / (high - low)
-    between = (wavelength >= context / high) & (wavelength <= context / low)
-    return torch.where(between, (1 - smooth) * scaled / scaling_factor + smooth * scaled, scaled)
-
-
-def apply_rotary(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of x [batch, seq, heads, head_dim] at integer `positions` [batch, seq].
-    Positions are global token positions, so a sequence split over ranks rotates the same."""
-    half = x.shape[-1] // 2
-    angles = positions.to(torch.float32)[..., None] * freqs  # [batch, seq, half]
-    cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
-    return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        h = cfg.hidden_size
-        self.head_dim, self.rope_theta = cfg.head_dim, cfg.rope_theta
-        self.rope_scaling = cfg.rope_scaling_factor if cfg.use_rope_scaling else None
-        self.parts = cfg.qkv_heads  # q | k | v
-        # q, k and v in one projection: one GEMM, and under TP one collective for all three.
-        self.qkv = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=False)
-        self.o = nn.Linear(cfg.q_size, h, bias=False)
-        # qk_layernorm: one norm of head_dim shared by every head of q (and one of k).
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_layernorm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_layernorm else None
-        self.attention_fn: AttentionFn = causal_attention
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
-        qkv = self.qkv(x)
-        # Shapes come from the projections, not from x: a tensor-parallel projection has fewer
-        # heads (q, k and v in the same proportions), and a sequence-parallel one sees the
-        # whole sequence while x holds a slice.
-        widths = [qkv.shape[-1] * n // sum(self.parts) for n in self.parts]
-        q, k, v = qkv.split(widths, dim=-1)
-        b, s = q.shape[:2]
-        q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        freqs = rotary_frequencies(self.head_dim, self.rope_theta, self.rope_scaling, x.device)
-        q, k = apply_rotary(q, positions, freqs), apply_rotary(k, positions, freqs)
-        out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                documents)
-        return self.o(out.transpose(1, 2).reshape(b, s, -1))
-
-
-class SwiGLU(nn.Module):
-    def __init__(self, h: int, f: int):
-        super().__init__()
-        self.gate_up = nn.Linear(h, 2 * f, bias=False)  # fused like qkv
-        self.down = nn.Linear(f, h, bias=False)
-        self.activation_fn: ActivationFn = swiglu
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return self.down(self.activation_fn(gate, up))
-
-
-def mlp(cfg: ModelConfig, block: int) -> nn.Module:
-    """Block `block`'s MLP: a SwiGLU, or a mixture of experts (model.moe_layer_freq) with its
-    shared expert, a SwiGLU too."""
-    h = cfg.hidden_size
-    if not cfg.is_moe_block(block):
-        return SwiGLU(h, cfg.ffn_hidden_size)
-    shared = cfg.moe_shared_expert_intermediate_size
-    return MoE(cfg, swiglu, SwiGLU(h, shared) if shared else None)
+def build_layer(part: Part, cfg: ModelConfig) -> nn.Module:
+    """A part's single-device layer: its "module:factory" called with the config."""
+    module, factory = part.layer.split(":")
+    return getattr(importlib.import_module(module), factory)(cfg)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.attn_norm, self.mlp_norm = (RMSNorm(cfg.hidden_size, cfg.norm_eps) for _ in range(2))
-        self.attn, self.mlp = Attention(cfg), mlp(cfg, index)
+        attention, mlp = block_parts(cfg, index)
+        self.attn, self.mlp = build_layer(attention, cfg), build_layer(mlp, cfg)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -199,8 +87,7 @@ class Transformer(nn.Module):
         if len(full) == 1:
             return torch.ones(shape)
         std = self.cfg.init_std
-        if name.endswith(("attn.o.weight", "mlp.down.weight", "experts.down",
-                          "shared.down.weight")):
+        if name.endswith(RESIDUAL_OUTPUTS):
             # Residual-branch outputs shrink with depth so the residual stream keeps its scale.
             std /= math.sqrt(2 * self.cfg.num_layers)
         if len(full) == 3:  # experts [E, rows, cols]: each expert's matrix drawn on its own

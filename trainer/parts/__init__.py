@@ -1,1 +1,34 @@
-"""Model parts as registered pieces: shapes and parallel plan from the config alone (no torch)."""
+"""Model parts as registered pieces, and the model families over them (no torch).
+
+A block is a norm, an attention part, a norm and an MLP part (pre-norm residual). Each part is
+one module of this package (part.py: what an entry is made of) that owns its shapes, its
+tensor-parallel plan, the hook context parallel and recompute use, its FLOPs beyond its weights,
+its initialisation, its rules and its Hugging Face names; its single-device layer is named there
+and built by trainer.model. REGISTRY lists them by kind; `block_parts` is the layer pattern:
+which part each block uses. A family (families.py) is a description over them.
+"""
+from __future__ import annotations
+
+from trainer.config import ModelConfig
+from trainer.parts.attention import GQA
+from trainer.parts.mlp import SWIGLU
+from trainer.parts.moe import MOE
+from trainer.parts.part import Part
+
+REGISTRY: dict[str, dict[str, Part]] = {
+    "attention": {GQA.name: GQA},
+    "mlp": {SWIGLU.name: SWIGLU, MOE.name: MOE},
+}
+PARTS = tuple(part for kind in REGISTRY.values() for part in kind.values())
+
+
+def block_parts(cfg: ModelConfig, block: int) -> tuple[Part, Part]:
+    """Block `block`'s (attention, MLP): a mixture of experts where model.moe_layer_freq says."""
+    return GQA, MOE if cfg.is_moe_block(block) else SWIGLU
+
+
+def model_parts(cfg: ModelConfig) -> list[Part]:
+    """Every part the model's blocks use, each once, in registry order."""
+    used = {part.name for block in range(cfg.num_layers) for part in block_parts(cfg, block)} \
+        if cfg.num_layers >= 1 else set()
+    return [part for part in PARTS if part.name in used]

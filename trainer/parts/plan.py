@@ -1,6 +1,6 @@
-"""The model's parallelize plan: which of the Transformer's modules parallel code replaces and
-how, by module name. With transformer.py, the only place that knows the model's module names;
-parallel/ applies the plan without knowing the model, and the memory plan reads it too.
+"""The model's parallelize plan and its shapes from the config alone, composed from its parts:
+which of the Transformer's modules parallel code replaces and how, by module name. parallel/
+applies the plan without knowing the model; the memory plan and the search read the shapes.
 """
 from __future__ import annotations
 
@@ -8,24 +8,27 @@ import math
 
 from parallel.layout.parallel_plan import ParallelPlan, by_suffix
 from trainer.config import ModelConfig
+from trainer.parts import PARTS, block_parts
 
 EMBEDDING, HEAD, BLOCKS, FINAL_NORM = "embed", "head", "layers", "norm"
-# Module-name suffix -> TP style. Column then row keeps one collective per pair; the head's
+# Module-name suffix -> TP style, of every registered part (by slot) and the head, whose
 # vocab-parallel logits feed the vocab-parallel loss.
-TP_STYLES = {"attn.qkv": "column", "attn.o": "row", "mlp.gate_up": "column", "mlp.down": "row",
-             "shared.gate_up": "column", "shared.down": "row", HEAD: "column"}
+TP_STYLES = {**{name: style for part in PARTS for name, style in
+                zip(part.prefixed(part.tp_styles), part.tp_styles.values())}, HEAD: "column"}
 # Weights no TP style splits: a mixture of experts' router (whole on every rank) and its experts
 # (3-D; split over expert parallel instead: EXPERTS; trainer.plan.axis_costs.tensor refuses TP).
+WHOLE = tuple(name for part in PARTS for name in part.prefixed(part.whole))
 EXPERTS = "mlp.experts"
-WHOLE = ("mlp.router", EXPERTS)
 EXPERT_BIAS = "mlp.router.expert_bias"  # a buffer: DeepSeek-V3's auxiliary-loss-free bias
+# Parameters on a residual branch's output (their init std shrinks with depth).
+RESIDUAL_OUTPUTS = tuple(name for part in PARTS for name in part.prefixed(part.residual_outputs))
+NORMS = ("attn_norm", "mlp_norm")  # a block's pre-norms (RMSNorm of hidden_size)
 
 
 def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
     """The plan of the Transformer built from `cfg` (its fused parts depend on the shape)."""
-    # Fused parts by relative size: q|k|v (heads, groups, groups) and gate|up, so their TP
-    # split keeps each part's rows together.
-    fused = {"attn.qkv": cfg.qkv_heads, "mlp.gate_up": (1, 1), "shared.gate_up": (1, 1)}
+    fused = {name: sizes for part in PARTS
+             for name, sizes in zip(part.prefixed(part.fused(cfg)), part.fused(cfg).values())}
     return ParallelPlan(
         linears={name: (style, fused.get(name, (1,))) for name, style in TP_STYLES.items()},
         embedding=EMBEDDING,  # vocab-parallel: rows split over TP like the head
@@ -33,9 +36,8 @@ def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
         blocks=BLOCKS,  # the transformer blocks by index: one weight-gather bundle each
         final_norm=FINAL_NORM,
         hidden_size=cfg.hidden_size,
-        # Cheap to recompute, costly to keep: the softmax(QK^T)V core and silu(gate) * up.
-        recompute_hooks=("attention_fn", "activation_fn"),
-        head_norms=("attn.q_norm", "attn.k_norm"),
+        recompute_hooks=tuple(dict.fromkeys(p.hook for p in PARTS if p.hook)),
+        head_norms=tuple(n for p in PARTS for n in p.prefixed(p.head_norms)),
         experts=(EXPERTS,) if cfg.num_moe_experts is not None else (),
         # [E, 2F, h]: each expert's gate|up rows split alike; [E, h, F]: its inputs split
         expert_splits={"gate_up": (1, (1, 1)), "down": (2, (1,))},
@@ -50,22 +52,11 @@ def tp_style(name: str) -> str:
 
 
 def block_shapes(cfg: ModelConfig, block: int = 0) -> dict[str, tuple[int, ...]]:
-    """Block `block`'s parameter shapes, by name within the block (a dense block or a mixture
-    of experts, model.moe_layer_freq)."""
-    h, f, q = cfg.hidden_size, cfg.ffn_hidden_size, cfg.q_size
-    norms = {"attn.q_norm.weight": (cfg.head_dim,), "attn.k_norm.weight": (cfg.head_dim,)} \
-        if cfg.qk_layernorm else {}
-    shapes = {"attn_norm.weight": (h,), "mlp_norm.weight": (h,),
-              "attn.qkv.weight": (q + 2 * cfg.kv_size, h), "attn.o.weight": (h, q), **norms}
-    if not cfg.is_moe_block(block):
-        return shapes | {"mlp.gate_up.weight": (2 * f, h), "mlp.down.weight": (h, f)}
-    E, fe, shared = cfg.num_moe_experts, cfg.expert_ffn_size, \
-        cfg.moe_shared_expert_intermediate_size
-    shapes |= {"mlp.router.weight": (E, h), "mlp.experts.gate_up": (E, 2 * fe, h),
-               "mlp.experts.down": (E, h, fe)}
-    if shared:
-        shapes |= {"mlp.shared.gate_up.weight": (2 * shared, h),
-                   "mlp.shared.down.weight": (h, shared)}
+    """Block `block`'s parameter shapes, by name within the block, in its order: the two norms,
+    then its attention's and its MLP's (trainer.parts.block_parts)."""
+    shapes = {f"{norm}.weight": (cfg.hidden_size,) for norm in NORMS}
+    for part in block_parts(cfg, block):
+        shapes |= part.slot_shapes(cfg)
     return shapes
 
 

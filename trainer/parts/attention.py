@@ -1,0 +1,81 @@
+"""Grouped-query attention with rotary positions (Llama's; Qwen3's adds qk_layernorm): the part
+"gqa". q, k and v in one fused projection, causal attention within each document, the output
+projection. Its layer: trainer.model.attention.
+"""
+from __future__ import annotations
+
+from trainer.config import ModelConfig
+from trainer.parts.part import HfNames, Part, Shapes
+from trainer.values import finite, positive_int
+
+# Llama 3's rope scaling constants (Meta's reference; Megatron fixes them too): frequencies
+# whose wavelength exceeds CONTEXT / LOW are divided by the factor, those under CONTEXT / HIGH
+# kept, and the ones between interpolated.
+LLAMA3_ROPE_CONTEXT, LLAMA3_ROPE_LOW, LLAMA3_ROPE_HIGH = 8192, 1.0, 4.0
+
+
+def shapes(cfg: ModelConfig) -> Shapes:
+    norms = {"q_norm.weight": (cfg.head_dim,), "k_norm.weight": (cfg.head_dim,)} \
+        if cfg.qk_layernorm else {}
+    return {"qkv.weight": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size),
+            "o.weight": (cfg.hidden_size, cfg.q_size), **norms}
+
+
+def core_flops(cfg: ModelConfig, seq_length: int) -> float:
+    """QK^T and AV, 2*S*q each over S keys, halved: a query sees the keys before it."""
+    return 2 * seq_length * cfg.q_size
+
+
+def hf_names(cfg: ModelConfig, ours: str, theirs: str, family) -> HfNames:
+    q, kv, h, d = cfg.q_size, cfg.kv_size, cfg.hidden_size, cfg.head_dim
+    return {
+        f"{ours}attn.qkv.weight": [(f"{theirs}self_attn.{p}_proj.weight", rows)
+                                   for p, rows in (("q", q), ("k", kv), ("v", kv))],
+        f"{ours}attn.o.weight": [(f"{theirs}self_attn.o_proj.weight", h)],
+        **({f"{ours}attn.{p}_norm.weight": [(f"{theirs}self_attn.{p}_norm.weight", d)]
+            for p in ("q", "k")} if cfg.qk_layernorm else {}),
+    }
+
+
+def rules(model: ModelConfig) -> None:
+    """Heads, K/V groups, the head width and the rotary frequencies."""
+    if model.kv_channels is not None:
+        positive_int("model.kv_channels", model.kv_channels,
+                     "set it to the width of one attention head, or null for hidden_size / "
+                     "num_heads")
+    elif model.hidden_size % model.num_heads:
+        raise ValueError(
+            f"model.hidden_size={model.hidden_size} is not divisible by model.num_heads="
+            f"{model.num_heads}. Fix: choose num_heads that divides hidden_size, or set "
+            f"model.kv_channels (the head width).")
+    groups = model.num_query_groups
+    if groups is not None and (groups < 1 or model.num_heads % groups):
+        raise ValueError(
+            f"model.num_query_groups={groups} must divide model.num_heads={model.num_heads} "
+            f"(each K/V group serves num_heads/num_query_groups query heads). Fix: choose a "
+            f"divisor of {model.num_heads}, or null for multi-head attention.")
+    head_dim = model.head_dim
+    if head_dim % 2:
+        width = (f"model.kv_channels={head_dim}" if model.kv_channels else
+                 f"model.hidden_size={model.hidden_size} / model.num_heads={model.num_heads} is "
+                 f"a head dim of {head_dim}, which")
+        raise ValueError(
+            f"{width} is odd; rotary embeddings need an even head dim. Fix: change "
+            f"model.kv_channels, model.num_heads or model.hidden_size.")
+    finite("model.rope_theta", model.rope_theta, 0, False, fix="use e.g. 10000.0")
+    if model.use_rope_scaling:
+        finite("model.rope_scaling_factor", model.rope_scaling_factor, 1, True,
+               fix="use Llama 3.1's 8.0 or Llama 3.2's 32.0")
+
+
+GQA = Part(
+    "gqa", "attn", "trainer.model.attention:Attention", shapes,
+    # Column then row; q|k|v split by heads (heads, groups, groups) so each keeps its rows.
+    tp_styles={"qkv": "column", "o": "row"},
+    fused=lambda cfg: {"qkv": cfg.qkv_heads},
+    residual_outputs=("o.weight",),
+    # Cheap to recompute, costly to keep: softmax(QK^T)V. Context parallel replaces it with
+    # its ring, gather or all-to-all attention over the whole sequence (parallel.context).
+    hook="attention_fn",
+    head_norms=("q_norm", "k_norm"),
+    core_flops=core_flops, hf_names=hf_names, rules=rules)

@@ -1,0 +1,78 @@
+"""The model families model.name selects, each a short description over the registered parts:
+which parts its blocks are made of, what its Hugging Face checkpoints are called, and what it
+requires of the keys. Presets of each live in conf/model/.
+
+    llama      Llama's block: grouped-query attention with rotary positions, a SwiGLU; its
+               variants by key (qk_layernorm, a mixture of experts), exported as the Hugging
+               Face family that holds them
+    qwen3      Llama's with an RMSNorm over each head of q and k (qk_layernorm)
+    mixtral    a mixture of experts in every block, a softmax over the top-k router logits
+    qwen3_moe  Qwen3's attention, experts (normalised top-k), dense blocks where
+               moe_layer_freq says
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from trainer.config import ModelConfig
+
+LLAMA, QWEN3 = "LlamaForCausalLM", "Qwen3ForCausalLM"
+MIXTRAL, QWEN3_MOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM"
+ARCHITECTURES = (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE)
+
+
+def _requires(name: str, **wanted: Callable[[ModelConfig], bool]) -> Callable:
+    """A family's rule: each key's test, refused in one line naming the key and the fix."""
+    says = {"qk_layernorm": "true", "no_qk_layernorm": "false", "experts": "an expert count",
+            "dense": "null"}
+
+    def rule(model: ModelConfig) -> None:
+        for what, ok in wanted.items():
+            if not ok(model):
+                key = "qk_layernorm" if "qk_layernorm" in what else "num_moe_experts"
+                value = getattr(model, key)
+                raise ValueError(f"model.name={name} needs model.{key}={says[what]}, not "
+                                 f"{value}. Fix: set model.{key}, or model.name=llama for "
+                                 f"Llama's block with any of its variants.")
+    return rule
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str  # model.name
+    # The Hugging Face architecture it is exported as; None: chosen from the keys (llama's).
+    architecture: Optional[str]
+    rules: Callable[[ModelConfig], None]
+    # A mixture of experts' Hugging Face names: the MoE module in a layer, its experts' gate,
+    # up and down projections.
+    expert_names: tuple[str, tuple[str, str, str]] = ("mlp", ("gate_proj", "up_proj",
+                                                              "down_proj"))
+
+
+FAMILIES = {f.name: f for f in (
+    Family("llama", None, lambda model: None),
+    Family("qwen3", QWEN3, _requires("qwen3", qk_layernorm=lambda m: m.qk_layernorm,
+                                     dense=lambda m: m.num_moe_experts is None)),
+    Family("mixtral", MIXTRAL, _requires(
+        "mixtral", no_qk_layernorm=lambda m: not m.qk_layernorm,
+        experts=lambda m: m.num_moe_experts is not None),
+        expert_names=("block_sparse_moe", ("w1", "w3", "w2"))),
+    Family("qwen3_moe", QWEN3_MOE, _requires(
+        "qwen3_moe", qk_layernorm=lambda m: m.qk_layernorm,
+        experts=lambda m: m.num_moe_experts is not None)),
+)}
+# The family an imported checkpoint's architecture becomes.
+BY_ARCHITECTURE = {LLAMA: FAMILIES["llama"], **{f.architecture: f for f in FAMILIES.values()
+                                                if f.architecture}}
+
+
+def hf_family(model: ModelConfig) -> Family:
+    """The family whose Hugging Face names a model's weights take: its own, or for llama the
+    one its keys make (qk_layernorm: Qwen3's; experts: Mixtral's or Qwen3-MoE's)."""
+    family = FAMILIES[model.name]
+    if family.architecture is not None:
+        return family
+    if model.num_moe_experts is None:
+        return FAMILIES["qwen3"] if model.qk_layernorm else family
+    return FAMILIES["qwen3_moe"] if model.qk_layernorm else FAMILIES["mixtral"]

@@ -1,0 +1,70 @@
+"""What a model part is made of: one swappable piece of a block (an attention kind, an MLP
+kind, a norm), described in one place for everything that reads the model without building it.
+No torch: the checks, the memory plan, the FLOP count and the search read parts at compose time;
+the part's single-device layer is named as "module:factory" and imported only when a model is
+built (as an axis's steps are).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from trainer.config import ModelConfig
+
+Shapes = dict[str, tuple[int, ...]]
+# Our parameter name -> the Hugging Face tensors it is the row-wise concatenation of, with rows.
+HfNames = dict[str, list[tuple[str, int]]]
+
+
+def _none(cfg: ModelConfig) -> dict:
+    return {}
+
+
+def _no_rules(cfg: ModelConfig) -> None:
+    return None
+
+
+def _no_flops(cfg: ModelConfig, seq_length: int) -> float:
+    return 0.0
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of a block. Names are within its slot ("attn" or "mlp": the block's attribute
+    that holds it, and so its parameters' prefix)."""
+
+    name: str  # how the registry and a family name it
+    slot: str
+    # "module:factory" of its single-device layer: factory(cfg: ModelConfig) -> nn.Module.
+    layer: str
+    # Its parameters' shapes from the config alone, in the layer's named_parameters() order.
+    shapes: Callable[[ModelConfig], Shapes]
+    # Tensor parallel: module name -> "column" or "row" (column then row: one collective a
+    # pair), and each fused projection's parts' relative sizes (split so each part's rows
+    # stay together).
+    tp_styles: dict[str, str] = field(default_factory=dict)
+    fused: Callable[[ModelConfig], dict[str, tuple[int, ...]]] = _none
+    whole: tuple[str, ...] = ()  # modules whose weights no TP style splits (whole on each rank)
+    # Initialisation: parameters on the residual branch's output, whose std shrinks with depth
+    # so the residual stream keeps its scale (the rest: init_std; 1-D ones start at one).
+    residual_outputs: tuple[str, ...] = ()
+    # Selective recompute wraps this function attribute of the layer (the attention core, the
+    # MLP's activation); context parallel replaces the attention's (what CP does for the part).
+    hook: str | None = None
+    # Whole weights applied per attention head (qk_layernorm's norms): TP sums their gradients.
+    head_norms: tuple[str, ...] = ()
+    # Forward FLOPs per token beyond its weights' 2*W (attention's QK^T and AV).
+    core_flops: Callable[[ModelConfig, int], float] = _no_flops
+    # Its Hugging Face names: hf_names(cfg, ours, theirs, family) for one block at prefixes
+    # `ours` ("layers.3.") and `theirs` ("model.layers.3.").
+    hf_names: Callable[[ModelConfig, str, str, Any], HfNames] = \
+        lambda cfg, ours, theirs, family: {}
+    # Its compose-time rules: a ValueError naming the key, the value and the fix.
+    rules: Callable[[ModelConfig], None] = _no_rules
+
+    def prefixed(self, names) -> tuple[str, ...]:
+        return tuple(f"{self.slot}.{n}" for n in names)
+
+    def slot_shapes(self, cfg: ModelConfig) -> Shapes:
+        """Its parameter shapes by name within the block."""
+        return {f"{self.slot}.{n}": shape for n, shape in self.shapes(cfg).items()}
