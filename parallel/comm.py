@@ -19,8 +19,8 @@ import time
 from collections import defaultdict
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, Iterator, NamedTuple
+from functools import partial, wraps
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -31,6 +31,38 @@ ALL_TO_ALL, P2P, BROADCAST = "all_to_all", "p2p", "broadcast"
 # torch 2.13 renamed the tensor forms (the old names warn); older torch has only the old ones.
 _all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# The eager twins of every kept_eager call, filled by compile_ready().
+_TWINS: list[tuple[Callable, list[Callable]]] = []
+
+
+def kept_eager(call: Callable) -> Callable:
+    """A call that starts, waits for or asks after a message. Under torch.compile
+    (train.compile=blocks) it runs eagerly, counted and watched as without compile: dynamo
+    reaches its twin made by torch.compiler.disable, so the compiled graph ends before it and
+    the next starts after it. Nothing is patched: an eager caller runs `call` itself."""
+    twin: list[Callable] = []  # [torch.compiler.disable(call)], made by compile_ready()
+
+    @wraps(call)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            if not twin:
+                raise RuntimeError(f"{call.__qualname__} reached by torch.compile before "
+                                   f"parallel.comm.compile_ready()")
+            return twin[0](*args, **kwargs)
+        return call(*args, **kwargs)
+
+    _TWINS.append((call, twin))
+    return run
+
+
+def compile_ready() -> None:
+    """Before blocks are compiled (trainer.train.compile): each collective's eager twin. Made
+    here, not at import: torch.compiler.disable imports dynamo, about a second of every rank's
+    start. Idempotent."""
+    for call, twin in _TWINS:
+        if not twin:
+            twin.append(torch.compiler.disable(call))
 
 
 class Wait(NamedTuple):
@@ -92,6 +124,7 @@ class Pending:
         self._works = [] if work is None else work if isinstance(work, list) else [work]
         self._sends = sends  # the first `sends` works are sends of `source`, one per tensor
 
+    @kept_eager
     def wait_sent(self) -> None:
         """Wait only for the sends and let their sources go, where the backend reports sends
         apart from receives (gloo does; NCCL coalesces a batch into one work, kept whole)."""
@@ -101,10 +134,12 @@ class Pending:
                     work.wait()
             self._works, self._source, self._sends = self._works[self._sends:], None, 0
 
+    @kept_eager
     def completed(self) -> bool:
         """Whether it has completed (without waiting)."""
         return all(work.is_completed() for work in self._works)
 
+    @kept_eager
     def wait(self) -> Any:
         if self._works:
             with self._waits():
@@ -138,6 +173,7 @@ class Group:
     def __repr__(self) -> str:
         return f"Group({self.kind}, ranks={self.ranks}, rank={self.rank})"
 
+    @kept_eager
     def all_gather_into(self, output: torch.Tensor, shard: torch.Tensor) -> torch.Tensor:
         """output[i * len(shard) : (i+1) * len(shard)] = shard of group rank i (along dim 0)."""
         if self.size == 1:
@@ -147,10 +183,12 @@ class Group:
             _all_gather_tensor(output, shard.contiguous(), group=self.handle)
         return output
 
+    @kept_eager
     def all_gather(self, shard: torch.Tensor) -> torch.Tensor:
         out = self._new(shard, (self.size * shard.shape[0], *shard.shape[1:]))
         return self.all_gather_into(out, shard)
 
+    @kept_eager
     def start_all_gather(self, shard: torch.Tensor) -> Pending:
         """all_gather, started now and completed by Pending.wait(): compute can run between."""
         if self.size == 1:
@@ -161,6 +199,7 @@ class Group:
         return Pending(out, _all_gather_tensor(out, source, group=self.handle, async_op=True),
                        source, waits=self.wait(ALL_GATHER))
 
+    @kept_eager
     def reduce_scatter(self, full: torch.Tensor) -> torch.Tensor:
         """Sum over the group of `full` (dim 0 divisible by size); returns this rank's slice."""
         if self.size == 1:
@@ -171,6 +210,7 @@ class Group:
             _reduce_scatter_tensor(out, full.contiguous(), group=self.handle)
         return out
 
+    @kept_eager
     def start_reduce_scatter(self, full: torch.Tensor) -> Pending:
         """reduce_scatter, started now and completed by Pending.wait()."""
         if self.size == 1:
@@ -182,6 +222,7 @@ class Group:
                                                    async_op=True), source,
                        waits=self.wait(REDUCE_SCATTER))
 
+    @kept_eager
     def all_reduce(self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM
                    ) -> torch.Tensor:
         """In place."""
@@ -192,6 +233,7 @@ class Group:
             dist.all_reduce(tensor, op=op, group=self.handle)
         return tensor
 
+    @kept_eager
     def broadcast(self, tensor: torch.Tensor, root: int) -> torch.Tensor:
         """In place: every member gets group rank `root`'s `tensor`."""
         if self.size == 1:
@@ -201,6 +243,7 @@ class Group:
             dist.broadcast(tensor, group=self.handle, group_src=root)
         return tensor
 
+    @kept_eager
     def start_send(self, tensor: torch.Tensor, peer: int, tag: int) -> Pending:
         """Point-to-point to group rank `peer`; the receiver's start_recv has the same tag (a
         tag per message, so messages between two ranks match whatever order they are posted
@@ -212,6 +255,7 @@ class Group:
         return Pending(None, dist.isend(source, group=self.handle, group_dst=peer, tag=tag),
                        source, waits=self.wait(P2P))
 
+    @kept_eager
     def start_recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
                    peer: int, tag: int) -> Pending:
         """The message group rank `peer` sends with `tag`, into a new tensor (Pending.wait())."""
@@ -220,6 +264,7 @@ class Group:
                        waits=self.wait(P2P))
 
 
+    @kept_eager
     def all_to_all(self, parts: torch.Tensor) -> torch.Tensor:
         """parts [size, ...]: part i goes to group rank i; returns [size, ...] where part j
         came from group rank j."""
@@ -233,6 +278,7 @@ class Group:
             dist.all_to_all_single(out, parts.contiguous(), group=self.handle)
         return out
 
+    @kept_eager
     def all_to_all_rows(self, rows: torch.Tensor, send: list[int], receive: list[int]
                         ) -> torch.Tensor:
         """Variable all-to-all along dim 0: the next send[i] rows go to group rank i; returns
@@ -246,6 +292,7 @@ class Group:
             dist.all_to_all_single(out, rows.contiguous(), receive, send, group=self.handle)
         return out
 
+    @kept_eager
     def start_shift(self, tensors: list[torch.Tensor],
                     into: list[torch.Tensor] | None = None) -> Pending:
         """Ring step: send `tensors` to the next group rank and receive the previous rank's
@@ -272,24 +319,3 @@ class Group:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-# What keep_collectives_eager wraps: every call that starts, waits for or asks after a message.
-_PENDING_CALLS = ("wait_sent", "completed", "wait")
-_GROUP_CALLS = ("all_gather_into", "all_gather", "start_all_gather", "reduce_scatter",
-                "start_reduce_scatter", "all_reduce", "broadcast", "start_send", "start_recv",
-                "all_to_all", "all_to_all_rows", "start_shift")
-
-
-def keep_collectives_eager() -> None:
-    """Under torch.compile (train.compile=blocks) a collective, and waiting for one, runs
-    eagerly, counted and watched as without compile: the compiled graph ends before it and the
-    next starts after it. Process-wide and idempotent; called only when compiling, because
-    torch.compiler.disable imports dynamo (about a second of every rank's start)."""
-    for cls, names in ((Pending, _PENDING_CALLS), (Group, _GROUP_CALLS)):
-        for name in names:
-            fn = cls.__dict__[name]
-            if not getattr(fn, "_kept_eager", False):
-                eager = torch.compiler.disable(fn)
-                eager._kept_eager = True
-                setattr(cls, name, eager)

@@ -147,3 +147,34 @@ def test_a_compiled_mixture_of_experts_under_ep_trains_close_to_fp32():
                          torch.float32, options, MOE, timeout=300)
     assert alone["graphs"] == [1] * len(alone["graphs"]) and not alone["breaks"], (
         alone["graphs"], alone["breaks"])
+
+
+def compiled_collective(rank: int) -> dict:
+    """A compiled function around a collective of a one-rank group: what dynamo broke at, how
+    many graphs it made, and whether compile_ready changed a class."""
+    from parallel import comm
+
+    classes = {cls: dict(vars(cls)) for cls in (comm.Group, comm.Pending)}
+    group = comm.Group("tp", [rank], rank, None, comm.CommStats())
+
+    @torch.compile(backend="eager")
+    def step(x):
+        return group.all_reduce(x * 2) + 1
+
+    comm.compile_ready()
+    from torch._dynamo.utils import counters
+    counters.clear()
+    out = step(torch.ones(4))
+    return {"out": out.tolist(), "breaks": set(graph_breaks()),
+            "graphs": int(counters["stats"]["unique_graphs"]),
+            "patched": [cls.__name__ for cls, names in classes.items() if dict(vars(cls)) != names]}
+
+
+def test_a_collective_ends_the_compiled_graph_and_no_class_is_patched():
+    """parallel.comm.kept_eager: dynamo reaches a collective's eager twin (made by
+    compile_ready), so the graph ends before the collective and the next
+    begins after it; Group and Pending are the classes they were (no process-wide patch)."""
+    (result,) = run_ranks(1, compiled_collective)
+    assert result["out"] == [3.0] * 4
+    assert result["breaks"] == {"Group.all_reduce"} and result["graphs"] == 2, result
+    assert result["patched"] == []

@@ -19,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from parallel import comm
 from parallel.bundle import GradReduceQueue, ShardBundle, compile_ready, link
-from parallel.comm import CommStats, keep_collectives_eager
+from parallel.comm import CommStats
 from parallel.groups import build_groups
 from parallel.layout import Layout
 from parallel.tensor import ParallelLinear
@@ -79,7 +80,7 @@ def run_chain(rank: int, recompute: str | None, overlap: bool) -> dict:
         if recompute == "override":
             override_forward(block)
         if recompute == "compiled":
-            keep_collectives_eager()
+            comm.compile_ready()
             compile_ready()
             block.compile()
 

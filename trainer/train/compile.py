@@ -7,7 +7,7 @@ block whatever the depth, and the pipeline's stages, the loss and the optimizer 
 The block is compiled in place (nn.Module.compile), after the parallel layers, context
 parallel's attention and recompute are applied: the graph is the block this rank runs, its
 hooks included, and no module or parameter name changes. A collective ends a graph: dynamo does
-not trace our counted collectives (parallel.comm.keep_collectives_eager), which run eagerly
+not trace our counted collectives (parallel.comm.kept_eager), which run eagerly
 between the compiled regions, and a GTP_remat bundle's linear, which decides at run time
 whether a forward is a recompute, ends one too. graph_breaks() names where the breaks are.
 
@@ -24,15 +24,14 @@ from collections import Counter
 
 from torch import nn
 
-from parallel import bundle
-from parallel.comm import keep_collectives_eager
+from parallel import bundle, comm
 from parallel.layout.parallel_plan import ParallelPlan
 
 
 def compile_blocks(model: nn.Module, plan: ParallelPlan, chunks: list[range]) -> None:
     """Compile each block this rank runs, in place. Compiling is lazy: the first forward pays
     for it."""
-    keep_collectives_eager()
+    comm.compile_ready()
     bundle.compile_ready()
     blocks = model.get_submodule(plan.blocks)
     for chunk in chunks:
