@@ -18,12 +18,15 @@ model (the whole of it, as one chunk, without PP), so that part's types live her
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from parallel.groups import Groups
 from parallel.layout import Layout
+from parallel.layout.axes import REGISTRY
 from parallel.layout.parallel_plan import ParallelPlan
 from parallel.sharding import CommDtypes
 
@@ -53,7 +56,7 @@ class Pruned:
 class CommOptions:
     """How the parallel layers communicate; none of these changes what is computed. Weights
     are always gathered in the compute dtype (bf16 under autocast: half the bytes, the same
-    values)."""
+    values). Each field is an axis's (Axis.comm_options, which names its config key)."""
 
     grad_reduce_in_compute_dtype: bool = False  # else gradients are summed in fp32
     overlap_param_gather: bool = False  # the next block's gather runs while this one computes
@@ -67,6 +70,14 @@ class CommOptions:
             return CommDtypes()
         return CommDtypes(compute_dtype,
                           compute_dtype if self.grad_reduce_in_compute_dtype else None)
+
+
+def comm_options(value: Callable[[str], Any]) -> CommOptions:
+    """CommOptions from the axes' registry: each axis's options, read by their config keys
+    (`value`: config key -> its value; an enum as its string)."""
+    read = {name: value(key) for axis in REGISTRY for name, key in axis.comm_options.items()}
+    return CommOptions(**{name: v.value if isinstance(v, Enum) else v
+                          for name, v in read.items()})
 
 
 @dataclass

@@ -1,8 +1,10 @@
 """parallel=auto: every layout the trainer can run for a model, a sequence length and a cluster,
 sized by the memory plan, timed by the cost model, and the fastest that fits.
 
-The search walks the degrees (TP, SP, weight shards, sequence shards, CP, PP), then for each
-layout the Layout accepts its virtual stages, cp_comm_type and recompute. Any key the user set
+The search walks the axes' degrees (TP, SP, weight shards, sequence shards, CP, PP), then their
+other keys (virtual stages, EP), then for each layout the Layout accepts the axes' options
+(cp_comm_type, the schedule) and recompute: each axis's entry of trainer.plan.axis_costs offers
+its own. Any key the user set
 stays as set: it constrains the search. A candidate whose planned peak (trainer.plan.fit, the
 dry run's plan) exceeds the device less its margin is dropped; recompute is only tried where the
 layout does not fit without it (it is never faster). Candidates rank by seconds per sample (the
@@ -11,20 +13,22 @@ simpler layout, then to the smaller peak.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from itertools import product
+from enum import Enum
 from typing import Any, Optional
 
 from parallel.layout import Layout, LayoutError
-from parallel.layout.axes import PARALLEL_KEYS
+from parallel.layout.axes import COMM_KEYS, PARALLEL_KEYS
 from trainer.checks import check_model
-from trainer.config import CPCommType, ModelConfig, Precision, RecomputeGranularity
+from trainer.config import ModelConfig, Precision, RecomputeGranularity
 from trainer.parts.plan import parameter_shapes
-from trainer.plan.axis_costs.context import check_comm_type
+from trainer.plan.axis_costs import SEARCH_ORDER, describe_layout
+from trainer.plan.axis_costs.entry import Offer, walk
 from trainer.plan.cost import Estimate, estimate, floor_s
 from trainer.plan.fit import PeakPlanner
 from trainer.plan.hardware import Hardware
@@ -32,14 +36,15 @@ from trainer.plan.options import EngineOptions
 from trainer.units import GiB
 
 # The keys the search sets, by config path: the axes' degrees it chooses
-# (parallel.layout.axes), then
-# the options it tries for each layout; the rest of parallel.* are inputs.
+# (parallel.layout.axes), then the options it tries for each layout (the axes' entries in
+# trainer.plan.axis_costs offer them); the rest of parallel.* are inputs.
 OPTIONS = ("parallel.pipeline_schedule", "parallel.cp_comm_type", "train.recompute_granularity")
 SEARCHED = (*(key.config_key for key in PARALLEL_KEYS if key.searched), *OPTIONS)
-# Inputs of the search that it does not choose: the axes' other keys and the communication's.
+# Inputs of the search that it does not choose: the axes' other keys and their communication
+# options (Axis.comm_options) of parallel.*.
 GIVEN = (*(key.config_key for key in PARALLEL_KEYS if not key.searched),
-         "parallel.grad_reduce_in_bf16", "parallel.overlap_param_gather",
-         "parallel.overlap_grad_reduce")
+         *(key for key in COMM_KEYS if key.startswith("parallel.") and key not in OPTIONS))
+LAYOUT_NAMES = {key.config_key: key.name for key in PARALLEL_KEYS}  # config key -> Layout field
 ALTERNATIVES = 5
 RECOMPUTES = (None, RecomputeGranularity.selective, RecomputeGranularity.full)
 
@@ -78,21 +83,10 @@ class Candidate:
         return self.estimate.step_s / self.layout.global_batch_size
 
     def describe(self) -> str:
-        v, lay = self.values, self.layout
-        parts = [f"TP={lay.tp_size}" + (" SP" if lay.sequence_parallel and lay.tp_size > 1
-                                         else ""),
-                 f"WS={lay.tensor_parallel_num_weight_shards}",
-                 f"SS={lay.tensor_parallel_num_sequence_shards}",
-                 f"CP={lay.context_parallel_size}", f"PP={lay.pp_size}",
-                 f"DP={lay.data_parallel_size}"]
-        if lay.ep_size > 1:
-            parts.append(f"EP={lay.ep_size}")
-        if lay.virtual_pipeline_size > 1:
-            parts.append(f"v={lay.virtual_pipeline_size}")
-        if lay.runtime_context_parallel_size > 1:
-            parts.append(v["parallel.cp_comm_type"])
-        parts.append(f"recompute={v['train.recompute_granularity'] or 'off'}")
-        return " ".join(parts)
+        """"TP=2 SP WS=8 SS=4 CP=1 PP=4 DP=2 EP=2 v=4 p2p recompute=off": the axes' labels
+        (trainer.plan.axis_costs), then recompute."""
+        recompute = self.values["train.recompute_granularity"] or "off"
+        return " ".join([*describe_layout(self.layout, self.values), f"recompute={recompute}"])
 
     def as_dict(self) -> dict[str, Any]:
         return {"layout": self.describe(), "values": self.values,
@@ -118,55 +112,26 @@ class Choice:
                 "budget_bytes": self.budget_bytes, "search_s": round(self.search_s, 3)}
 
 
-def divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def _choices(fixed: dict[str, Any], key: str, options: list) -> list:
     return [fixed[key]] if key in fixed else options
 
 
 def degrees(p: Problem, fixed: dict[str, Any], dropped: Counter):
-    """(TP, SP, WS, SS, CP, PP) to offer the Layout, which applies every rule of its own; TP
-    that the model cannot split, or that leaves the NVLink domain, is counted and skipped."""
-    m, world = p.model, p.world_size
-    for tp in _choices(fixed, "parallel.tensor_model_parallel_size", divisors(world)):
-        sizes = (m.num_heads, m.query_groups, m.ffn_hidden_size, m.padded_vocab_size)
-        tp_fault = ("TP does not divide the model's heads, K/V groups, FFN or padded "
-                    "vocabulary" if any(n % tp for n in sizes) else
-                    "TP spans more than one NVLink domain"
-                    if tp > p.hardware.gpus_per_nvlink_domain else
-                    "TP (= ETP, parallel.expert_tensor_parallel_size=null) does not divide "
-                    "the expert FFN" if m.num_moe_experts is not None and m.expert_ffn_size % tp
-                    and dict(p.given).get("parallel.expert_tensor_parallel_size") is None
-                    else None)
-        if tp > 1 and "parallel.sequence_parallel" not in fixed:
-            # SP off moves the same bytes (an all-reduce is a reduce-scatter and an
-            # all-gather) and keeps TP x more activations: never better, not enumerated.
-            dropped["sequence_parallel=false with TP > 1 (more memory, same traffic)"] += 1
-        for sp in _choices(fixed, "parallel.sequence_parallel", [tp > 1]):
-            sp_degree = tp if sp else 1
-            rest = world // tp
-            for g in divisors(rest):
-                for ns in divisors(g):
-                    for cp in divisors(rest // g):
-                        stages = [d for d in divisors(rest // (g * cp)) if d <= m.num_layers]
-                        for pp in stages:
-                            degree = {"parallel.tensor_model_parallel_size": tp,
-                                      "parallel.tensor_parallel_num_weight_shards": tp * g,
-                                      "parallel.tensor_parallel_num_sequence_shards":
-                                          ns * sp_degree,
-                                      "parallel.context_parallel_size": cp,
-                                      "parallel.pipeline_model_parallel_size": pp}
-                            unset = {"parallel.tensor_parallel_num_weight_shards": tp,
-                                     "parallel.tensor_parallel_num_sequence_shards": sp_degree}
-                            if any((fixed[k] if fixed[k] is not None else unset[k]) != v
-                                   for k, v in degree.items() if k in fixed):
-                                continue  # a fixed key asks for another degree
-                            if tp_fault:
-                                dropped[tp_fault] += 1
-                                continue
-                            yield tp, sp, tp * g, ns * sp_degree, cp, pp
+    """The axes' degrees to offer the Layout (config key -> value), each axis offering its
+    keys' values given the choices of the axes before it (trainer.plan.axis_costs, in the
+    search's order); a set of degrees an axis refuses before the Layout sees it (TP that the
+    model cannot split, or that leaves the NVLink domain) is counted and skipped. The Layout
+    applies every rule of its own."""
+    offer = Offer(p, fixed, dropped, {})
+    hooks = [costs.degrees for costs in SEARCH_ORDER if costs.degrees]
+    for chosen in walk(hooks, offer):
+        here = Offer(p, fixed, dropped, chosen)
+        fault = next((reason for costs in SEARCH_ORDER if costs.refuses
+                      for reason in [costs.refuses(here)] if reason), None)
+        if fault:
+            dropped[fault] += 1
+            continue
+        yield chosen
 
 
 def search(p: Problem) -> Choice:
@@ -184,18 +149,15 @@ def search(p: Problem) -> Choice:
         fixed, "train.recompute_granularity",
         list(RECOMPUTES[p.recompute_num_layers is not None:]))]
     layouts = []  # (the least its step could cost per sample, its place, the layout)
-    for tp, sp, ws, ss, cp, pp in degrees(p, fixed, dropped):
-        for v, ep in product(_virtual(p, fixed, pp, dropped), _experts(p, fixed, pp)):
+    variants = [costs.variants for costs in SEARCH_ORDER if costs.variants]
+    stage_layers = {key.name: given[key.config_key] for key in PARALLEL_KEYS
+                    if not key.searched and key.config_key in given}
+    for degree in degrees(p, fixed, dropped):
+        # Each axis's other keys with these degrees (virtual stages, then EP).
+        for chosen in walk(variants, Offer(p, fixed, dropped, degree)):
             try:
-                stage_layers = {key.name: given[key.config_key] for key in PARALLEL_KEYS
-                                if not key.searched and key.config_key in given}
-                layout = Layout(p.world_size, tensor_model_parallel_size=tp,
-                                sequence_parallel=sp, tensor_parallel_num_weight_shards=ws,
-                                tensor_parallel_num_sequence_shards=ss, context_parallel_size=cp,
-                                pipeline_model_parallel_size=pp,
-                                virtual_pipeline_model_parallel_size=v,
-                                expert_model_parallel_size=ep, **stage_layers,
-                                micro_batch_size=p.micro_batch_size,
+                layout = Layout(p.world_size, **{LAYOUT_NAMES[k]: v for k, v in chosen.items()},
+                                **stage_layers, micro_batch_size=p.micro_batch_size,
                                 global_batch_size=p.global_batch_size, seq_length=p.seq_length)
                 layout.pipeline_layers(m.num_layers)
             except LayoutError as error:
@@ -210,28 +172,29 @@ def search(p: Problem) -> Choice:
             dropped["slower than the six best at its compute, TP and optimizer time alone"] += \
                 len(layouts) - place
             break
-        v = layout.virtual_pipeline_model_parallel_size
         stages = planner.stages(layout)
-        comms = list(_comm_types(p, fixed, layout, dropped))
-        schedule = fixed.get("parallel.pipeline_schedule", "interleaved_1f1b" if v else "1f1b")
+        # The axes' options to try with this layout (cp_comm_type, the schedule), as
+        # EngineOptions fields.
+        offer = Offer(p, fixed, dropped, {})
+        choices = list(walk([functools.partial(costs.options, layout=layout)
+                             for costs in SEARCH_ORDER if costs.options], offer))
         floor_only = planner.state_floor(stages) > budget  # over with any option
         if floor_only:
-            dropped[over] += len(comms) * len(recomputes) - 1
+            dropped[over] += len(choices) * len(recomputes) - 1
             if nearest is not None and planner.state_floor(stages) >= nearest[0]:
                 continue  # and not nearer than the nearest miss so far
-        for comm in comms[:1] if floor_only else comms:
+        for choice in choices[:1] if floor_only else choices:
             for index, recompute in enumerate(recomputes[-1:] if floor_only else recomputes):
                 options = EngineOptions(
                     p.precision, recompute, p.recompute_num_layers,
                     given.get("parallel.grad_reduce_in_bf16", False),
                     given.get("parallel.overlap_param_gather", True),
-                    given.get("parallel.overlap_grad_reduce", True), comm, schedule)
+                    given.get("parallel.overlap_grad_reduce", True), **choice)
                 peak, stage = planner.peak(layout, stages, options)
                 values = {**{key.config_key: getattr(layout, key.name)
                              for key in PARALLEL_KEYS if key.searched},
-                          "parallel.pipeline_schedule": schedule,
-                          "parallel.cp_comm_type": comm.value,
-                          "train.recompute_granularity": recompute and recompute.value}
+                          **{key: _plain(getattr(options, key.split(".")[1]))
+                             for key in OPTIONS}}
                 if peak > budget:
                     dropped[over] += 1
                     if nearest is None or peak < nearest[0]:
@@ -264,61 +227,9 @@ def _split(layout: Layout) -> int:
     return layout.model_and_context_parallel_size * layout.virtual_pipeline_size
 
 
-def _virtual(p: Problem, fixed: dict[str, Any], pp: int, dropped: Counter
-             ) -> list[Optional[int]]:
-    """Model chunks per stage: none (1f1b, or a fixed gpipe) and, with PP, each v >= 2 that
-    splits the stage's blocks."""
-    key = "parallel.virtual_pipeline_model_parallel_size"
-    if key in fixed:
-        return [fixed[key]]
-    schedule = fixed.get("parallel.pipeline_schedule")
-    options = [None] if schedule != "interleaved_1f1b" else []
-    if pp > 1 and schedule in (None, "interleaved_1f1b"):
-        per_stage = p.model.num_layers // pp
-        virtual = [v for v in range(2, per_stage + 1) if per_stage % v == 0]
-        if _microbatches(p, pp) % pp == 0:
-            options += virtual
-        else:
-            dropped["interleaving with micro-batches not a multiple of PP"] += len(virtual)
-    return options
-
-
-def _experts(p: Problem, fixed: dict[str, Any], pp: int) -> list[int]:
-    """EP degrees: for a mixture of experts each that divides its experts and a stage's ranks
-    (the Layout checks ETP's share); 1 for a dense model."""
-    key = "parallel.expert_model_parallel_size"
-    if key in fixed:
-        return [fixed[key]]
-    experts = p.model.num_moe_experts
-    if experts is None:
-        return [1]
-    return [d for d in divisors(experts) if (p.world_size // pp) % d == 0]
-
-
-def _microbatches(p: Problem, pp: int) -> int:
-    """A multiple of every layout's micro-batches a step (1 when the global batch follows the
-    layout; then the interleaved schedule, which needs a multiple of PP, is out)."""
-    if p.global_batch_size is None:
-        return 1
-    # m = this / BPS: unless this is a multiple of PP, m is not (the Layout checks m itself)
-    return p.global_batch_size // p.micro_batch_size
-
-
-def _comm_types(p: Problem, fixed: dict[str, Any], layout: Layout, dropped: Counter):
-    key = "parallel.cp_comm_type"
-    if key in fixed:
-        yield CPCommType(fixed[key])
-        return
-    if layout.runtime_context_parallel_size == 1:
-        yield CPCommType.p2p  # unused without CP; the default
-        return
-    for comm in CPCommType:
-        try:
-            check_comm_type(p.model, layout, comm)
-        except ValueError:
-            dropped["cp_comm_type=a2a needs the TP-local heads divisible by runtime CP"] += 1
-            continue
-        yield comm
+def _plain(value: Any) -> Any:
+    """A config value as the config spells it (an enum as its string)."""
+    return value.value if isinstance(value, Enum) else value
 
 
 def _rule(message: str) -> str:

@@ -33,18 +33,16 @@ from dataclasses import dataclass, field
 from parallel.layout import Layout
 from trainer.config import ModelConfig, Precision, RecomputeGranularity
 from trainer.parts.plan import block_weight_elements
-from trainer.plan.axis_costs.context import context_seconds
-from trainer.plan.axis_costs.data import optimizer_seconds
-from trainer.plan.axis_costs.expert import dispatch_seconds
-from trainer.plan.axis_costs.gtp_remat import gather_seconds
-from trainer.plan.axis_costs.pipeline import bubble_seconds, send_seconds
-from trainer.plan.axis_costs.tensor import tp_seconds
+from trainer.plan.axis_costs import REGISTRY
+from trainer.plan.axis_costs.entry import Micro
 from trainer.plan.hardware import Hardware
 from trainer.plan.options import EngineOptions
 from trainer.plan.tokens import compute_bytes
 
-KINDS = ("compute", "tensor parallel", "weight gathers", "context parallel", "expert dispatch",
-         "pipeline sends", "optimizer reduce", "pipeline bubble")
+# Estimate.seconds' rows: compute, each axis's micro-batch messages, then each axis's per step
+# (in the registry's order: TP, weight gathers, CP, EP dispatch, PP sends; optimizer, bubble).
+KINDS = ("compute", *(c.kind for c in REGISTRY if c.kind),
+         *(c.step_kind for c in REGISTRY if c.step_kind))
 
 
 @dataclass(frozen=True)
@@ -86,45 +84,23 @@ class Estimate:
 
 def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardware) -> Estimate:
     t = layout.tp_size
-    b, s, S, h = layout.micro_batch_size, layout.context_local_length, layout.seq_length, \
-        m.hidden_size
-    T, V, W = b * s, m.padded_vocab_size, block_weight_elements(m)
+    b, s, S = layout.micro_batch_size, layout.context_local_length, layout.seq_length
+    T, W = b * s, block_weight_elements(m)
     e, token = compute_bytes(options.precision), TokenFlops.of(m, S)
     flops = hw.flops(options.precision)
-    overlaps = not hw.shares_cores  # shared cores compute and move messages in turn
-    overlap_gather = options.overlap_param_gather and overlaps
-    overlap_reduce = options.overlap_grad_reduce and overlaps
     # Compute of one micro-batch through one block, forward and backward.
     linear_fwd = T * token.block_linear / t / flops
     attn_fwd = T * token.block_attention / t / flops
     extra = {RecomputeGranularity.full: linear_fwd + attn_fwd,
              RecomputeGranularity.selective: attn_fwd, None: 0.0}
     head_fwd = T * token.head / t / flops
+    # Shared cores compute and move messages in turn: nothing overlaps.
+    micro = Micro(m, layout, hw, options, T, e, W, attn_fwd, head_fwd, not hw.shares_cores)
 
-    # Each axis's messages (trainer.plan.axis_costs): TP's per block and around the head, a block's
-    # weight gathers and gradient reduce-scatters (a full weight is W/t elements), CP's K/V.
-    tp_block, tp_head = tp_seconds(layout, hw, T * h * e)
-    gather, scatter = gather_seconds(layout, options, hw, W / t, e)
-    cp_fwd, cp_bwd = context_seconds(m, layout, options.cp_comm_type, hw, T, e, attn_fwd,
-                                     overlaps)
-
-    def block_time(recompute: RecomputeGranularity | None) -> tuple[float, dict[str, float]]:
-        fwd = linear_fwd + attn_fwd
-        bwd = 2 * fwd + extra[recompute]
-        regathers = 2 if recompute is RecomputeGranularity.full else 1
-        # The next block's weights gather under this block's forward; in backward the
-        # gathers and the gradient reduce-scatters run under its backward, where overlapped.
-        exposed = max(0.0, gather - fwd) if overlap_gather else gather
-        hidden = (regathers * gather if overlap_gather else 0.0) + (
-            scatter if overlap_reduce else 0.0)
-        shown = regathers * gather + scatter - hidden
-        exposed += max(0.0, hidden - bwd) + shown
-        return fwd + bwd, {"tensor parallel": tp_block, "weight gathers": exposed,
-                           "context parallel": cp_fwd + cp_bwd,
-                           "expert dispatch": dispatch_seconds(m, layout, hw, T, e, recompute)}
-
-    # The slowest stage's micro-batch, and its optimizer step.
-    micro_s, micro_parts, optimizer_s = 0.0, dict.fromkeys(KINDS, 0.0), 0.0
+    # The slowest stage's micro-batch, and each planned stage's weight elements. Each axis's
+    # messages are its entry's (trainer.plan.axis_costs): a block's, the head's, the
+    # embedding's, a stage's.
+    micro_s, micro_parts, stage_elements = 0.0, dict.fromkeys(KINDS, 0.0), []
     all_chunks, pp = layout.pipeline_layers(m.num_layers), layout.pp_size
     for stage in sorted({0, min(1, pp - 1), pp - 1}):  # the middle stages are stage 1's twins
         chunks = all_chunks[stage::pp]
@@ -134,47 +110,64 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
             for recompute, count in options.chunk_recompute(len(chunk)).items():
                 counts[recompute] = counts.get(recompute, 0) + count
         for recompute, count in counts.items():
-            compute, comm = block_time(recompute)
-            parts["compute"] += count * compute
-            for kind, value in comm.items():
-                parts[kind] += count * value
+            fwd = linear_fwd + attn_fwd
+            bwd = 2 * fwd + extra[recompute]
+            parts["compute"] += count * (fwd + bwd)
+            for costs in REGISTRY:
+                if costs.block_s:
+                    parts[costs.kind] += count * costs.block_s(micro, recompute, fwd, bwd)
         first, last = stage == 0, stage == pp - 1
         elements = sum(len(chunk) for chunk in chunks) * W
-        if last:  # the head: gathered for forward and again for backward
+        if last:  # the head
             parts["compute"] += 3 * head_fwd
-            parts["tensor parallel"] += tp_head
-            head = (2 * gather + scatter) * V * h / W
-            parts["weight gathers"] += max(0.0, head - 3 * head_fwd) \
-                if overlap_gather else head
-            elements += V * h if not m.tie_word_embeddings or layout.pp_size == 1 else 0
-        if first:  # the embedding: gathered once, its gradient reduce-scattered
-            parts["weight gathers"] += (gather + scatter) * V * h / W
-            elements += V * h
-        parts["pipeline sends"] += send_seconds(m, layout, hw, len(chunks))
+            for costs in REGISTRY:
+                if costs.head_s:
+                    parts[costs.kind] += costs.head_s(micro)
+            elements += m.padded_vocab_size * m.hidden_size \
+                if not m.tie_word_embeddings or layout.pp_size == 1 else 0
+        if first:  # the embedding
+            for costs in REGISTRY:
+                if costs.embedding_s:
+                    parts[costs.kind] += costs.embedding_s(micro)
+            elements += m.padded_vocab_size * m.hidden_size
+        for costs in REGISTRY:
+            if costs.stage_s:
+                parts[costs.kind] += costs.stage_s(micro, len(chunks))
         if sum(parts.values()) > micro_s:
             micro_s, micro_parts = sum(parts.values()), parts
-        optimizer_s = max(optimizer_s, optimizer_seconds(layout, hw, elements))
+        stage_elements.append(elements)
     seconds = {kind: value * layout.num_microbatches for kind, value in micro_parts.items()}
-    seconds["pipeline bubble"] = bubble_seconds(micro_s, layout, hw)
-    seconds["optimizer reduce"] = optimizer_s
+    for costs in REGISTRY:
+        if costs.step_s:
+            seconds[costs.step_kind] = costs.step_s(micro, micro_s, stage_elements)
     return Estimate(sum(seconds.values()), seconds)
 
 
 def floor_s(m: ModelConfig, layout: Layout, precision: Precision, hw: Hardware) -> float:
     """At most estimate(...).step_s under any option of this layout (recompute, cp_comm_type,
-    overlap): the last stage's compute without recompute and its TP messages, m times and
-    through the bubble, plus the optimizer's reduction of the smallest stage. The search skips
-    a layout whose floor is already slower than the candidates it keeps."""
+    overlap): the last stage's compute without recompute and the messages no option hides (TP's),
+    m times and through the bubble, plus the optimizer's reduction of the smallest stage. The
+    search skips a layout whose floor is already slower than the candidates it keeps."""
     t, pp = layout.tp_size, layout.pp_size
-    b, s, h = layout.micro_batch_size, layout.context_local_length, m.hidden_size
+    b, s = layout.micro_batch_size, layout.context_local_length
     T, W = b * s, block_weight_elements(m)
     e, token = compute_bytes(precision), TokenFlops.of(m, layout.seq_length)
     flops = hw.flops(precision)
+    micro = Micro(m, layout, hw, None, T, e, W)
     per_stage = [sum(map(len, layout.stage_chunks(stage, m.num_layers))) for stage in range(pp)]
     blocks = per_stage[-1]  # the last stage's, which also runs the head
-    ring = tp_seconds(layout, hw, T * h * e)[1] / 2  # one TP collective of T*h*e
-    micro = blocks * (3 * T * (token.block_linear + token.block_attention) / t / flops
-                      + 8 * ring) + 3 * T * token.head / t / flops + 2 * ring
-    optimizer = optimizer_seconds(layout, hw, min(per_stage) * W)
-    bubble = (pp - 1) / layout.virtual_pipeline_size * hw.bubble_share(pp)
-    return micro * (layout.num_microbatches + bubble) + optimizer
+    block = 3 * T * (token.block_linear + token.block_attention) / t / flops
+    for costs in REGISTRY:
+        if costs.floor_block_s:
+            block += costs.floor_block_s(micro)
+    step = blocks * block + 3 * T * token.head / t / flops
+    for costs in REGISTRY:
+        if costs.floor_head_s:
+            step += costs.floor_head_s(micro)
+    extra, reduce = 0.0, 0.0  # micro-batches of the bubble; per-step terms
+    for costs in REGISTRY:
+        if costs.floor_microbatches:
+            extra += costs.floor_microbatches(micro)
+        if costs.floor_step_s:
+            reduce += costs.floor_step_s(micro, per_stage)
+    return step * (layout.num_microbatches + extra) + reduce

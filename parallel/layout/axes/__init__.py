@@ -24,9 +24,9 @@ from parallel.layout.axes.gtp_remat import GTP_REMAT
 from parallel.layout.axes.pipeline import PIPELINE
 from parallel.layout.axes.tensor import TENSOR
 
-__all__ = ["AXES", "BATCH", "EXPERT_AXES", "EXPERT_RANK_AXES", "GROUPS", "LAYOUT_KEYS",
-           "PARALLEL_KEYS", "RANK_AXES", "REGISTRY", "WORLD", "Axis", "Group", "Key",
-           "LayoutError", "group_names", "multiples_near"]
+__all__ = ["AXES", "BATCH", "COMM_KEYS", "EXPERT_AXES", "EXPERT_RANK_AXES", "GROUPS",
+           "LAYOUT_KEYS", "PARALLEL_KEYS", "RANK_AXES", "REGISTRY", "WORLD", "Axis", "Group",
+           "Key", "LayoutError", "group_names", "multiples_near"]
 
 REGISTRY = (TENSOR, GTP_REMAT, CONTEXT, EXPERT, DATA, PIPELINE)
 
@@ -45,6 +45,8 @@ EXPERT_RANK_AXES = {a: size for axis in REGISTRY for a, size in axis.expert_rank
 EXPERT_AXES = tuple(EXPERT_RANK_AXES)
 PARALLEL_KEYS = tuple(key for axis in REGISTRY for key in axis.keys)
 LAYOUT_KEYS = (WORLD, *PARALLEL_KEYS, *BATCH)  # the Layout's fields, in its order
+# The config keys of the axes' communication options (parallel.build.CommOptions).
+COMM_KEYS = tuple(key for axis in REGISTRY for key in axis.comm_options.values())
 # Products of dense rank axes first (the weight view's, then the token view's), then of expert
 # rank axes, then the others.
 GROUPS = tuple(sorted((g for axis in REGISTRY for g in axis.groups),

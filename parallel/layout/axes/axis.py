@@ -89,3 +89,6 @@ class Axis:
     rules: tuple[Rule, ...] = ()
     # Its rank axes in the expert view (fastest first), where it has any.
     expert_rank_axes: dict[str, str] = field(default_factory=dict)
+    # The communication options it owns: parallel.build.CommOptions field -> the config key
+    # that sets it (how its layers communicate, never what they compute).
+    comm_options: dict[str, str] = field(default_factory=dict)

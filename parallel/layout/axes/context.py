@@ -37,4 +37,5 @@ CONTEXT = Axis(
     (Group("context", ("seq", "cp"), "runtime CP (configured CP x sequence shards): split one "
            "sequence, exchange K/V", "token"),),
     {"wire": "parallel.context:inject_attention"},
-    (check_seq_length,))
+    (check_seq_length,),
+    comm_options={"cp_comm_type": "parallel.cp_comm_type"})

@@ -49,4 +49,5 @@ EXPERT = Axis(
            "gradients summed, optimizer state sharded", "weight", order="expert")),
     {"shard": "parallel.experts:shard_experts"},
     (check_expert_world,),
-    expert_rank_axes={"etp": "etp_size", "ep": "ep_size", "edp": "expert_data_parallel_size"})
+    expert_rank_axes={"etp": "etp_size", "ep": "ep_size", "edp": "expert_data_parallel_size"},
+    comm_options={"moe_token_dispatcher_type": "model.moe_token_dispatcher_type"})

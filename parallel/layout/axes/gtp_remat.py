@@ -52,4 +52,7 @@ GTP_REMAT = Axis(
      Group("weight_tile", ("tp", "seq", "batch"), "TP x GTP_remat ranks that together hold one "
            "full copy of the weights", "weight")),
     {"wire": "parallel.bundle:bundle_blocks"},
-    (check_shards,))
+    (check_shards,),
+    comm_options={"grad_reduce_in_compute_dtype": "parallel.grad_reduce_in_bf16",
+                  "overlap_param_gather": "parallel.overlap_param_gather",
+                  "overlap_grad_reduce": "parallel.overlap_grad_reduce"})

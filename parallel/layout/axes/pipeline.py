@@ -86,4 +86,5 @@ PIPELINE = Axis(
            "weight")),
     {"cut": "parallel.pipeline.steps:cut_to_stage", "wire": "parallel.pipeline.steps:chunk_views"},
     (check_pipeline,),
-    expert_rank_axes={"pp": "pp_size"})  # the same stages in both views
+    expert_rank_axes={"pp": "pp_size"},  # the same stages in both views
+    comm_options={"pipeline_schedule": "parallel.pipeline_schedule"})

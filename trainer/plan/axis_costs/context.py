@@ -1,9 +1,12 @@
-"""Context parallel's rule for the model and its terms: the heads a2a splits, what a block's
-attention keeps by cp_comm_type (memory), and the K/V exchange of a block's attention (time)."""
+"""Context parallel's cost entry: the heads a2a splits, what a block's attention keeps by
+cp_comm_type (memory), the K/V exchange of a block's attention (time), and the search's CP and
+cp_comm_type."""
 from __future__ import annotations
 
 from parallel.layout import Layout
+from parallel.layout.axes.context import CONTEXT
 from trainer.config import CPCommType, ModelConfig, RecomputeGranularity
+from trainer.plan.axis_costs.entry import AxisCosts, Micro, Offer, divisors
 from trainer.plan.hardware import Hardware
 from trainer.plan.options import EngineOptions
 from trainer.plan.tokens import FP32, Tokens
@@ -76,3 +79,46 @@ def context_seconds(m: ModelConfig, layout: Layout, cp_comm_type: CPCommType, hw
         return link.ring(c, c * kv), link.ring(c, c * kv / e * FP32)
     moved = (2 * T * m.q_size / t * e + kv) * c
     return link.all_to_all(c, moved), link.all_to_all(c, moved)
+
+
+def block_s(k: Micro, recompute, fwd: float, bwd: float) -> float:
+    cp_fwd, cp_bwd = context_seconds(k.model, k.layout, k.options.cp_comm_type, k.hw, k.T, k.e,
+                                     k.attention_s, k.overlaps)
+    return cp_fwd + cp_bwd
+
+
+CP_KEY, COMM_KEY = "parallel.context_parallel_size", "parallel.cp_comm_type"
+
+
+def degrees(offer: Offer):
+    """Each CP that divides the ranks TP x GTP_remat leave."""
+    ws = offer.chosen["parallel.tensor_parallel_num_weight_shards"]
+    for cp in divisors(offer.problem.world_size // ws):
+        if offer.allows(CP_KEY, cp):
+            yield {CP_KEY: cp}
+
+
+def options(offer: Offer, layout: Layout):
+    """Each cp_comm_type the model's heads allow (p2p alone without CP: it is unused)."""
+    if COMM_KEY in offer.fixed:
+        yield {"cp_comm_type": CPCommType(offer.fixed[COMM_KEY])}
+        return
+    if layout.runtime_context_parallel_size == 1:
+        yield {"cp_comm_type": CPCommType.p2p}  # unused without CP; the default
+        return
+    for comm in CPCommType:
+        try:
+            check_comm_type(offer.problem.model, layout, comm)
+        except ValueError:
+            offer.dropped["cp_comm_type=a2a needs the TP-local heads divisible by runtime "
+                          "CP"] += 1
+            continue
+        yield {"cp_comm_type": comm}
+
+
+COSTS = AxisCosts(
+    CONTEXT.name, check_model, kind="context parallel", block_s=block_s, degrees=degrees,
+    options=options,
+    labels=lambda lay, values: ((3, f"CP={lay.context_parallel_size}"),) + (
+        ((8, values[COMM_KEY]),) if lay.runtime_context_parallel_size > 1 else ()),
+    inputs=lambda lay: f"CP={lay.context_parallel_size}")

@@ -1,4 +1,5 @@
-"""Expert parallel's rules for the model and its terms of the plan (parallel.experts): experts
+"""Expert parallel's cost entry: its rules for the model and its terms of the plan, and the
+search's EP (parallel.experts): experts
 split over EP and each over ETP (their weights and optimizer state: trainer.plan.memory's
 EXPERTS buffer), and the time of the exchanges that carry each MoE layer's rows to their
 experts (and their ETP peers) and back.
@@ -11,7 +12,10 @@ fake all-to-all delivers too (its memory tests hold the plan to it).
 from __future__ import annotations
 
 from parallel.layout import Layout
+from parallel.layout.axes.expert import EXPERT, EXPERTS
+from parallel.layout.axes.pipeline import PIPELINE
 from trainer.config import ModelConfig, RecomputeGranularity
+from trainer.plan.axis_costs.entry import AxisCosts, Offer, divisors
 from trainer.plan.hardware import Hardware
 from trainer.plan.options import EngineOptions
 
@@ -65,3 +69,26 @@ def dispatch_seconds(m: ModelConfig, layout: Layout, hw: Hardware, T: int, e: in
             etp, etp * rows * m.hidden_size * e)
     moe_blocks = sum(m.is_moe_block(i) for i in range(m.num_layers)) / m.num_layers
     return (6 if recompute is RecomputeGranularity.full else 4) * one * moe_blocks
+
+
+def variants(offer: Offer):
+    """EP degrees: for a mixture of experts each that divides its experts and a stage's ranks
+    (the Layout checks ETP's share); 1 for a dense model."""
+    p, key = offer.problem, EXPERTS.config_key
+    experts, pp = p.model.num_moe_experts, offer.chosen["parallel.pipeline_model_parallel_size"]
+    if key in offer.fixed:
+        eps = [offer.fixed[key]]
+    elif experts is None:
+        eps = [1]
+    else:
+        eps = [d for d in divisors(experts) if (p.world_size // pp) % d == 0]
+    return [{key: ep} for ep in eps]
+
+
+COSTS = AxisCosts(
+    EXPERT.name, check_model, kind="expert dispatch",
+    block_s=lambda k, recompute, fwd, bwd: dispatch_seconds(k.model, k.layout, k.hw, k.T, k.e,
+                                                            recompute),
+    variants=variants, chosen_after=PIPELINE.name,
+    labels=lambda lay, values: ((6, f"EP={lay.ep_size}"),) if lay.ep_size > 1 else (),
+    inputs=lambda lay: f"EP={lay.ep_size} ETP={lay.etp_size}")

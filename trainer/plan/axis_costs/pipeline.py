@@ -1,7 +1,7 @@
-"""The pipeline's rules for the model and its terms: the blocks split over stages and the
-schedule that goes with virtual chunks; the activations of every (micro-batch, chunk) pair a
-stage's schedule keeps at once and the messages it holds (memory), the residual stream sent
-between stages and the bubble (time). The schedules themselves are
+"""The pipeline's cost entry: the blocks split over stages and the schedule that goes with
+virtual chunks; the activations of every (micro-batch, chunk) pair a stage's schedule keeps at
+once and the messages it holds (memory), the residual stream sent between stages and the bubble
+(time); the search's PP, virtual stages and schedule. The schedules themselves are
 parallel.layout.pipeline_schedules'.
 """
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from parallel.layout import Layout
+from parallel.layout.axes.pipeline import PIPELINE, VIRTUAL
 from parallel.layout.pipeline_schedules import (
     FORWARD,
     SCHEDULES,
@@ -17,6 +18,7 @@ from parallel.layout.pipeline_schedules import (
     stage_actions,
 )
 from trainer.config import ModelConfig
+from trainer.plan.axis_costs.entry import AxisCosts, Offer, divisors
 from trainer.plan.hardware import Hardware
 from trainer.plan.options import EngineOptions
 from trainer.plan.tokens import FP32, Tokens
@@ -121,3 +123,63 @@ def bubble_seconds(micro_s: float, layout: Layout, hw: Hardware) -> float:
     cores lose only Hardware.bubble_share(PP)."""
     return micro_s * (layout.pp_size - 1) / layout.virtual_pipeline_size \
         * hw.bubble_share(layout.pp_size)
+
+
+PP_KEY, SCHEDULE_KEY = "parallel.pipeline_model_parallel_size", "parallel.pipeline_schedule"
+
+
+def degrees(offer: Offer):
+    """Each PP that divides the ranks TP x GTP_remat x CP leave, up to a block a stage."""
+    c, p = offer.chosen, offer.problem
+    rest = p.world_size // (c["parallel.tensor_parallel_num_weight_shards"]
+                            * c["parallel.context_parallel_size"])
+    for pp in divisors(rest):
+        if pp <= p.model.num_layers and offer.allows(PP_KEY, pp):
+            yield {PP_KEY: pp}
+
+
+def variants(offer: Offer):
+    """Model chunks per stage: none (1f1b, or a fixed gpipe) and, with PP, each v >= 2 that
+    splits the stage's blocks."""
+    key, p, pp = VIRTUAL.config_key, offer.problem, offer.chosen[PP_KEY]
+    if key in offer.fixed:
+        return [{key: offer.fixed[key]}]
+    schedule = offer.fixed.get(SCHEDULE_KEY)
+    chunks = [None] if schedule != "interleaved_1f1b" else []
+    if pp > 1 and schedule in (None, "interleaved_1f1b"):
+        per_stage = p.model.num_layers // pp
+        virtual = [v for v in range(2, per_stage + 1) if per_stage % v == 0]
+        if _microbatches(p, pp) % pp == 0:
+            chunks += virtual
+        else:
+            offer.dropped["interleaving with micro-batches not a multiple of PP"] += len(virtual)
+    return [{key: v} for v in chunks]
+
+
+def _microbatches(p, pp: int) -> int:
+    """A multiple of every layout's micro-batches a step (1 when the global batch follows the
+    layout; then the interleaved schedule, which needs a multiple of PP, is out)."""
+    if p.global_batch_size is None:
+        return 1
+    # m = this / BPS: unless this is a multiple of PP, m is not (the Layout checks m itself)
+    return p.global_batch_size // p.micro_batch_size
+
+
+def options(offer: Offer, layout: Layout):
+    """The schedule that goes with the layout's virtual stages, unless fixed."""
+    interleaved = layout.virtual_pipeline_model_parallel_size
+    yield {"pipeline_schedule": offer.fixed.get(
+        SCHEDULE_KEY, "interleaved_1f1b" if interleaved else "1f1b")}
+
+
+COSTS = AxisCosts(
+    PIPELINE.name, check_model, kind="pipeline sends",
+    stage_s=lambda k, chunks: send_seconds(k.model, k.layout, k.hw, chunks),
+    step_kind="pipeline bubble", step_s=lambda k, micro_s, _: bubble_seconds(micro_s, k.layout,
+                                                                             k.hw),
+    floor_microbatches=lambda k: (k.layout.pp_size - 1) / k.layout.virtual_pipeline_size
+    * k.hw.bubble_share(k.layout.pp_size),
+    degrees=degrees, variants=variants, options=options,
+    labels=lambda lay, values: ((4, f"PP={lay.pp_size}"),) + (
+        ((7, f"v={lay.virtual_pipeline_size}"),) if lay.virtual_pipeline_size > 1 else ()),
+    inputs=lambda lay: f"PP={lay.pipeline_model_parallel_size}")
