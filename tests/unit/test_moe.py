@@ -13,8 +13,8 @@ import torch.nn.functional as F
 import transformers
 
 from trainer.config import ModelConfig
-from trainer.model.moe import MoE, grouped
 from trainer.model.mlp import swiglu
+from trainer.model.moe import MoE, grouped
 from trainer.model.transformer import Block
 from trainer.train import routing
 from trainer.train.recompute import recompute_block
