@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch
 
-from parallel.build import CommOptions
+from parallel.build import comm_options
 from parallel.comm import CommStats
 from parallel.groups import Groups, build_groups
 from parallel.layout import Layout
@@ -27,8 +27,8 @@ from trainer.train.compile import compile_blocks
 from trainer.train.optim import ShardedAdamW
 from trainer.train.recompute import apply_recompute
 
-# What model.name and optim.name select (trainer.checks lists the names, without torch).
-ARCHITECTURES = {"llama": Transformer}
+# What optim.name selects (trainer.checks lists the names, without torch). Every model family
+# (model.name) is the Transformer over its parts (trainer.parts.families).
 OPTIMIZERS = {"adamw": ShardedAdamW}
 
 
@@ -53,10 +53,10 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layo
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     groups = build_groups(layout, CommStats(), timeout)
     with torch.device("meta"):
-        model = ARCHITECTURES[model_cfg.name](model_cfg)
-    comm = CommOptions(options.grad_reduce_in_bf16, options.overlap_param_gather,
-                       options.overlap_grad_reduce, options.cp_comm_type.value,
-                       options.pipeline_schedule, model_cfg.moe_token_dispatcher_type)
+        model = Transformer(model_cfg)
+    # The axes' communication options by config key: EngineOptions holds the parallel.* ones.
+    sections = {"parallel": options, "model": model_cfg}
+    comm = comm_options(lambda key: getattr(sections[key.split(".")[0]], key.split(".")[1]))
     plan = parallel_plan(model_cfg)
     parallel = parallelize(model, plan, layout, groups, torch.distributed.get_rank(), device,
                            COMPUTE_DTYPE[options.precision], comm, model_cfg.vocab_size)
