@@ -189,6 +189,9 @@ TABLE = [
     R("model.num_heads=3", ("model.hidden_size=64", "model.num_heads=3")),
     R("model.hidden_size=60", ("model.hidden_size=60", "model.num_heads=4", "odd")),
     R("model.name=gpt", ("model.name='gpt'",)),
+    # a family's own rules (trainer/parts/families.py): what it requires of the keys
+    R("model.name=qwen3", ("model.name=qwen3", "model.qk_layernorm=true")),
+    R("model.name=mixtral", ("model.name=mixtral", "model.num_moe_experts")),
     R("model.rope_theta=0", ("model.rope_theta=0",)),
     R("model.norm_eps=0", ("model.norm_eps=0",)),
     R("model.init_std=nan", ("model.init_std=nan",)),
