@@ -15,6 +15,7 @@ from parallel.layout.axes import group_names
 from parallel.layout.pipeline_schedules import ideal_bubble_fraction
 from trainer.auto.search import Candidate, Choice
 from trainer.compose.runspec import RunSpec
+from trainer.plan.axis_costs import describe_inputs
 from trainer.report.record import layout_record, write_layout_json
 
 log = logging.getLogger(__name__)
@@ -42,16 +43,12 @@ def format_report(spec: RunSpec, record: dict[str, Any]) -> str:
     """The readable report of layout.json's facts."""
     config, layout = spec.config, spec.layout
     memory, rows = record["memory"], record["ranks"]
-    p, c = config.parallel, config.cluster
+    c = config.cluster
     lines = [
         f"gtp-trainer dry run: {config.run_name}",
         f"world {layout.world_size} = {c.num_nodes} nodes x {c.procs_per_node} procs; "
         f"NVLink domain {c.gpus_per_nvlink_domain} ranks",
-        f"inputs: TP={p.tensor_model_parallel_size} SP={'on' if p.sequence_parallel else 'off'} "
-        f"weight_shards={layout.tensor_parallel_num_weight_shards} "
-        f"sequence_shards={layout.tensor_parallel_num_sequence_shards} "
-        f"CP={p.context_parallel_size} EP={layout.ep_size} ETP={layout.etp_size} "
-        f"PP={p.pipeline_model_parallel_size} micro_batch={config.train.micro_batch_size} "
+        f"inputs: {describe_inputs(layout)} micro_batch={config.train.micro_batch_size} "
         f"seq_length={config.train.seq_length}",
         training_line(spec),
         "", "derived (config node `layout`):",
