@@ -77,10 +77,10 @@ def test_the_measured_dry_run_says_its_plan_first_and_then_what_it_measures(tmp_
 
 
 def test_a_slow_measured_step_is_announced_with_the_fix(monkeypatch):
-    """The README's measured example on a CPU whose bf16 matrix products run at 4 GFLOP/s and
-    fp32 at 100 (as on the machine the issue was found on; this one's AMX runs bf16 at ~700):
-    one line with the rate, at least how long, and the fp32 fix. In fp32 at that rate, or
-    small, nothing is said."""
+    """The measured example of docs/dry-run.md on a CPU whose bf16 matrix products run at 4
+    GFLOP/s and fp32 at 100 (as on the machine the issue was found on; this one's AMX runs bf16
+    at ~700): one line with the rate, at least how long, and the fp32 fix. In fp32 at that rate,
+    or small, nothing is said."""
     from trainer.config import Precision
     from trainer.train import measured_rank
 

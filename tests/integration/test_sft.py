@@ -1,8 +1,8 @@
-"""The README's fine-tuning walkthrough, end to end, as a person types it: a Hugging Face chat
-Llama (the offline stand-in) imported, chat data prepared with its chat template and a loss
-mask, fine-tuned under TP 2 x SP with packed examples and documents kept apart, exported, and
-generated with: our trainer.generate on the run and transformers' generate on the export give
-the same greedy answer, in the form the chats taught."""
+"""The fine-tuning walkthrough of docs/finetuning.md, end to end, as a person types it: a Hugging
+Face chat Llama (the offline stand-in) imported, chat data prepared with its chat template and a
+loss mask, fine-tuned under TP 2 x SP with packed examples and documents kept apart, exported, and
+generated with: our trainer.generate on the run and transformers' generate on the export give the
+same greedy answer, in the form the chats taught."""
 from __future__ import annotations
 
 import json

@@ -163,7 +163,7 @@ MOE_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
                       "moe_wide"),
     "moe_bf16": (1, {}, dict(precision=Precision.bf16), "moe_sigmoid_shared"),
     # Expert parallel: the fake process group's all-to-all delivers what a rank sends, the
-    # plan's expected case (trainer.plan.moe). (Its all-gather gives every source this rank's
+    # plan's expected case (trainer.parts.moe). (Its all-gather gives every source this rank's
     # own rows, so the allgather dispatcher would run EP x its rows for its own experts, not
     # the expected case: not measured here.)
     "moe_ep2": (2, dict(expert_model_parallel_size=2), {}, "moe"),

@@ -251,11 +251,8 @@ def hf_parts(model: ModelConfig) -> dict[str, list[tuple[str, int]]]:
     out = {"embed.weight": [("model.embed_tokens.weight", vocab)]}
     for i in range(model.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        attention, mlp = block_parts(model, i)
-        out |= {f"{ours}attn_norm.weight": [(f"{theirs}input_layernorm.weight", h)],
-                **attention.hf_names(model, ours, theirs, family),
-                f"{ours}mlp_norm.weight": [(f"{theirs}post_attention_layernorm.weight", h)],
-                **mlp.hf_names(model, ours, theirs, family)}
+        for part in block_parts(model, i):
+            out |= part.hf_names(model, ours, theirs, family)
     out["norm.weight"] = [("model.norm.weight", h)]
     if not model.tie_word_embeddings:
         out["head.weight"] = [("lm_head.weight", vocab)]

@@ -3,8 +3,8 @@ random tiny Llama built by transformers itself (save_pretrained: config.json, sa
 byte-level BPE with ChatML's special tokens trained on the chats, its tokenizer_config.json
 with the ChatML chat template (Qwen2-Instruct's, as tests/data/chat_templates/chatml.json), and
 a JSON-lines file of chats to fine-tune it on: arithmetic questions and their answers, which a
-tiny model learns in a minute. The README's fine-tuning walkthrough uses it where a person
-would use a real model and real chats; tests/integration/test_sft.py runs that walkthrough.
+tiny model learns in a minute. The fine-tuning walkthrough (docs/finetuning.md) uses it where a
+person would use a real model and real chats; tests/integration/test_sft.py runs that walkthrough.
 """
 from __future__ import annotations
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from trainer.config import ModelConfig
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -14,3 +16,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def hidden_norm(cfg: ModelConfig) -> RMSNorm:
+    """The norm of hidden states: a block's pre-norms and the final norm."""
+    return RMSNorm(cfg.hidden_size, cfg.norm_eps)

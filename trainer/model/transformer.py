@@ -18,7 +18,6 @@ from torch import nn
 from trainer.checks import check_model
 from trainer.config import ModelConfig
 from trainer.model.init import normal_rectangle
-from trainer.model.norm import RMSNorm
 from trainer.parts import block_parts
 from trainer.parts.part import Part
 from trainer.parts.plan import RESIDUAL_OUTPUTS
@@ -33,9 +32,9 @@ def build_layer(part: Part, cfg: ModelConfig) -> nn.Module:
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
-        self.attn_norm, self.mlp_norm = (RMSNorm(cfg.hidden_size, cfg.norm_eps) for _ in range(2))
-        attention, mlp = block_parts(cfg, index)
-        self.attn, self.mlp = build_layer(attention, cfg), build_layer(mlp, cfg)
+        parts = block_parts(cfg, index)
+        self.attn_norm, self.mlp_norm = build_layer(parts.norm, cfg), build_layer(parts.norm, cfg)
+        self.attn, self.mlp = build_layer(parts.attention, cfg), build_layer(parts.mlp, cfg)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,7 +60,7 @@ class Transformer(nn.Module):
         self.embed = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
         # By index, so a pipeline stage that keeps some blocks keeps their names (layers.i).
         self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.num_layers)})
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.norm = build_layer(block_parts(cfg, 0).norm, cfg)  # the blocks' norm kind
         self.head = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False)
         if cfg.tie_word_embeddings:  # one parameter, named embed.weight; both uses add grads
             self.head.weight = self.embed.weight

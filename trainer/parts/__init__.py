@@ -9,22 +9,36 @@ which part each block uses. A family (families.py) is a description over them.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from trainer.config import ModelConfig
 from trainer.parts.attention import GQA
 from trainer.parts.mlp import SWIGLU
 from trainer.parts.moe import MOE
+from trainer.parts.norm import RMSNORM
 from trainer.parts.part import Part
 
 REGISTRY: dict[str, dict[str, Part]] = {
+    "norm": {RMSNORM.name: RMSNORM},
     "attention": {GQA.name: GQA},
     "mlp": {SWIGLU.name: SWIGLU, MOE.name: MOE},
 }
 PARTS = tuple(part for kind in REGISTRY.values() for part in kind.values())
 
 
-def block_parts(cfg: ModelConfig, block: int) -> tuple[Part, Part]:
-    """Block `block`'s (attention, MLP): a mixture of experts where model.moe_layer_freq says."""
-    return GQA, MOE if cfg.is_moe_block(block) else SWIGLU
+class BlockParts(NamedTuple):
+    """What one block is made of: its norm (before its attention and before its MLP), its
+    attention and its MLP."""
+
+    norm: Part
+    attention: Part
+    mlp: Part
+
+
+def block_parts(cfg: ModelConfig, block: int) -> BlockParts:
+    """The layer pattern: block `block`'s parts; its MLP a mixture of experts where
+    model.moe_layer_freq says."""
+    return BlockParts(RMSNORM, GQA, MOE if cfg.is_moe_block(block) else SWIGLU)
 
 
 def model_parts(cfg: ModelConfig) -> list[Part]:

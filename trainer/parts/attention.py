@@ -4,8 +4,9 @@ projection. Its layer: trainer.model.attention.
 """
 from __future__ import annotations
 
-from trainer.config import ModelConfig
+from trainer.config import CPCommType, ModelConfig, RecomputeGranularity
 from trainer.parts.part import HfNames, Part, Shapes
+from trainer.parts.tokens import FP32, Tokens
 from trainer.values import finite, positive_int
 
 # Llama 3's rope scaling constants (Meta's reference; Megatron fixes them too): frequencies
@@ -24,6 +25,44 @@ def shapes(cfg: ModelConfig) -> Shapes:
 def core_flops(cfg: ModelConfig, seq_length: int) -> float:
     """QK^T and AV, 2*S*q each over S keys, halved: a query sees the keys before it."""
     return 2 * seq_length * cfg.q_size
+
+
+def attention_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
+                    cp_comm_type: CPCommType) -> int:
+    """The attention's own tensors kept for its backward, by context-parallel exchange
+    (what CP does for the part: trainer.plan.activations has the counts)."""
+    q = k.T * m.q_size // k.t * e  # q or the output, this rank's tokens
+    kv = k.T * m.kv_size // k.t * e  # k or v
+    if not k.cp or recompute is RecomputeGranularity.selective:
+        return 3 * q + 3 * kv + qk_norm_bytes(m, k, e, False)
+    if cp_comm_type is CPCommType.p2p:
+        kept = 2 * q + 2 * kv
+    elif cp_comm_type is CPCommType.all_gather:
+        kept = 2 * q + 2 * k.b * k.S * m.kv_size // k.t * e
+    else:
+        kept = 3 * q + 2 * kv
+    return kept + qk_norm_bytes(m, k, e, True)
+
+
+def qk_norm_bytes(m: ModelConfig, k: Tokens, e: int, keeps_qkv: bool) -> int:
+    """qk_layernorm: the normalised q and k and their rsqrt per head (in the compute dtype);
+    the norms keep their input, a view of the qkv output, which context parallel's exchange
+    otherwise lets go (keeps_qkv)."""
+    if not m.qk_layernorm:
+        return 0
+    heads = m.num_heads + m.query_groups
+    normalised = k.T * (m.q_size + m.kv_size + heads) // k.t * e
+    return normalised + (k.T * (m.q_size + 2 * m.kv_size) // k.t * e if keeps_qkv else 0)
+
+
+def kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
+                cp_comm_type: CPCommType = CPCommType.p2p) -> int:
+    """qkv's input T*h*e, the attention's tensors, rotary cos/sin 8*T*d and (not under
+    selective recompute) the logsumexp 4*b*(n/t)*s."""
+    selective = recompute is RecomputeGranularity.selective
+    lse = 0 if selective else FP32 * k.b * m.num_heads // k.t * k.s
+    return (k.T * m.hidden_size * e + attention_bytes(m, k, e, recompute, cp_comm_type)
+            + 8 * k.T * m.head_dim + lse)
 
 
 def hf_names(cfg: ModelConfig, ours: str, theirs: str, family) -> HfNames:
@@ -78,4 +117,4 @@ GQA = Part(
     # its ring, gather or all-to-all attention over the whole sequence (parallel.context).
     hook="attention_fn",
     head_norms=("q_norm", "k_norm"),
-    core_flops=core_flops, hf_names=hf_names, rules=rules)
+    core_flops=core_flops, kept_bytes=kept_bytes, hf_names=hf_names, rules=rules)

@@ -24,15 +24,18 @@ ARCHITECTURES = (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE)
 
 def _requires(name: str, **wanted: Callable[[ModelConfig], bool]) -> Callable:
     """A family's rule: each key's test, refused in one line naming the key and the fix."""
-    says = {"qk_layernorm": "true", "no_qk_layernorm": "false", "experts": "an expert count",
-            "dense": "null"}
+    says = {"qk_layernorm": "model.qk_layernorm=true",
+            "no_qk_layernorm": "model.qk_layernorm=false",
+            "experts": "model.num_moe_experts set (a mixture of experts)",
+            "dense": "model.num_moe_experts=null (a dense model)"}
 
     def rule(model: ModelConfig) -> None:
         for what, ok in wanted.items():
             if not ok(model):
                 key = "qk_layernorm" if "qk_layernorm" in what else "num_moe_experts"
                 value = getattr(model, key)
-                raise ValueError(f"model.name={name} needs model.{key}={says[what]}, not "
+                value = "null" if value is None else str(value).lower()
+                raise ValueError(f"model.name={name} needs {says[what]}, not model.{key}="
                                  f"{value}. Fix: set model.{key}, or model.name=llama for "
                                  f"Llama's block with any of its variants.")
     return rule

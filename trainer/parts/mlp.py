@@ -3,12 +3,42 @@
 """
 from __future__ import annotations
 
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, RecomputeGranularity
 from trainer.parts.part import HfNames, Part, Shapes
+from trainer.parts.tokens import FP32, Tokens
 
 
 def swiglu_shapes(h: int, f: int, prefix: str = "") -> Shapes:
     return {f"{prefix}gate_up.weight": (2 * f, h), f"{prefix}down.weight": (h, f)}
+
+
+def kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
+               cp_comm_type=None) -> int:
+    """gate_up's input T*h*e, its output, silu(gate) and the product 4*T*f/t*e (selective
+    recompute drops silu(gate))."""
+    kept = 3 if recompute is RecomputeGranularity.selective else 4
+    return k.T * m.hidden_size * e + kept * k.T * m.ffn_hidden_size // k.t * e
+
+
+def backward_bytes(m: ModelConfig, k: Tokens, e: int, selective: bool) -> int:
+    """The most a block's backward forms beside what the block keeps, counted by the
+    allocator: the gradient entering it (the residual stream's, fp32) and the largest of its
+    MLP's three moments. The down projection's: the gradient of its input and of its weight (and,
+    with SP, the output gradient gathered over TP); the product's: the gradients of silu(gate) and
+    of up beside the first's, its own input freed (under selective recompute silu(gate) is
+    rebuilt for it); the gate/up projection's: its weight's gradient and its input's, the MLP's
+    activations and gradients freed but its own output gradient. A weight's gradient under bf16
+    is formed narrow, then widened."""
+    h, f, t = m.hidden_size, m.ffn_hidden_size, k.t
+    narrow = e if e != FP32 else 0
+    product = k.T * f // t * e  # one [T, f/t] in the compute dtype
+    down = h * f // t * (FP32 + narrow)  # the down projection's weight gradient
+    gathered_grad = k.T * h * e if k.sp else 0
+    rebuilt = product if selective else 0
+    moments = (product + down + gathered_grad,
+               2 * product + rebuilt,
+               2 * down + k.T * h * e - 2 * product)  # the gate/up weight is twice down's
+    return k.Tr * h * FP32 + max(moments)
 
 
 def hf_names(cfg: ModelConfig, ours: str, theirs: str, family) -> HfNames:
@@ -25,4 +55,4 @@ SWIGLU = Part(
     fused=lambda cfg: {"gate_up": (1, 1)},  # gate | up: each TP rank keeps rows of both
     residual_outputs=("down.weight",),
     hook="activation_fn",  # silu(gate) * up: recomputed rather than kept (selective)
-    hf_names=hf_names)
+    kept_bytes=kept_bytes, backward_bytes=backward_bytes, hf_names=hf_names)

@@ -2,12 +2,32 @@
 experts as two 3-D weights ([E, 2F, h] and [E, h, F]) and an optional shared expert, a SwiGLU
 every token passes through. Its rules are the MoE keys' (refused on a dense model, where they
 would be ignored). Its layer: trainer.model.moe.
+
+Its terms of the memory plan (tensor by tensor as measured with
+torch.autograd.graph.saved_tensors_hooks). Symbols as in trainer.plan.activations, and E experts,
+K = moe_router_topk, F the expert FFN size, Tk = T*K (token, expert) pairs, fs the shared
+expert's size; the router runs in fp32 (4 bytes), int64 indices take 8:
+
+    router        its input T*h fp32; the chosen experts T*K int64; the weights: the top-k
+                  softmax T*K (softmax), the scores T*E, the chosen T*K and their sum T
+                  (sigmoid), the scores T*E (pre_softmax); the balance losses' scores T*E
+                  (aux_loss, seq_aux_loss), the z-loss's logits T*E and logsumexp T
+    experts       the pairs' inputs, the down projection's output and the weighted output
+                  3*Tk*h*e; gate_up's output 2*Tk*F*e, silu(gate) and the product 2*Tk*F*e
+                  (selective: the product only); the pairs' weights Tk*e; their order and
+                  tokens 2*Tk int64; under bf16 a bf16 copy of the weights of every expert on
+                  the rank 3*(E/EP)*F*h*e; under EP the arrived rows' regrouping by expert and
+                  its inverse 2*Tk int64 (the expected case: as many rows arrive as leave);
+                  under ETP every peer's rows as the GEMM's input, (ETP-1)*Tk*h*e more, and
+                  their regrouping and its inverse 2*ETP*Tk int64 (each expert's F is F/ETP)
+    shared        as a dense MLP of fs: 4*T*fs*e (selective 3), and under bf16 its input T*h*e
 """
 from __future__ import annotations
 
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, RecomputeGranularity
 from trainer.parts.mlp import swiglu_shapes
 from trainer.parts.part import HfNames, Part, Shapes
+from trainer.parts.tokens import FP32, Tokens
 from trainer.values import finite, one_of, positive_int
 
 
@@ -124,6 +144,100 @@ def check_moe(model: ModelConfig) -> None:
                     "for dropless")
 
 
+INDEX = 8  # int64
+
+
+def router_bytes(m: ModelConfig, T: int) -> int:
+    E, K = m.num_moe_experts, m.moe_router_topk
+    kept = T * m.hidden_size * FP32 + T * K * INDEX
+    if m.moe_router_score_function == "sigmoid":
+        kept += (T * E + T * K + (T if K > 1 else 0)) * FP32
+    elif m.moe_router_pre_softmax:
+        kept += T * E * FP32
+    else:
+        kept += T * K * FP32
+    if m.moe_router_load_balancing_type != "none" and m.moe_aux_loss_coeff:
+        kept += T * E * FP32
+    if m.moe_z_loss_coeff:
+        kept += (T * E + T) * FP32
+    return kept
+
+
+def moe_mlp_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
+                  cp_comm_type=None) -> int:
+    """What a mixture of experts' MLP keeps for its backward (no full recompute)."""
+    T, h, F, E = k.Tr, m.hidden_size, m.expert_ffn_size, m.num_moe_experts
+    Tk = T * m.moe_router_topk
+    selective = recompute is RecomputeGranularity.selective
+    experts = Tk * (3 * h + 2 * F + (1 if selective else 2) * F + 1) * e + 2 * Tk * INDEX
+    if k.ep > 1:  # parallel.experts: the permutations that regroup what arrived, and back
+        experts += 2 * Tk * INDEX
+    if k.etp > 1:  # every ETP peer's rows, regrouped, are the grouped GEMM's input here
+        experts += (k.etp - 1) * Tk * h * e + 2 * k.etp * Tk * INDEX
+    copies = 3 * E // k.ep * F // k.etp * h * e if e != FP32 else 0
+    shared = 0
+    if m.moe_shared_expert_intermediate_size:
+        fs = m.moe_shared_expert_intermediate_size
+        # TP-split as a dense MLP; its input is a new tensor when gathered over TP or cast
+        shared = (3 if selective else 4) * k.T * fs // k.t * e + (
+            k.T * h * e if e != FP32 or k.sp else 0)
+    return router_bytes(m, T) + experts + copies + shared
+
+
+def moe_backward_bytes(m: ModelConfig, k: Tokens, e: int, selective: bool) -> int:
+    """The most a mixture of experts' backward forms beside what its block keeps, counted by
+    the allocator: the gradient entering the block (fp32) and the larger of two moments of the
+    experts' backward: the weighted output's gradient and the down projection's output's
+    (2*Tk*h*e), or the latter beside the gradient of the down projection's input (Tk*(h+F)*e;
+    under EP or ETP below), with the pairs' order (Tk int64)."""
+    T, h, F = k.Tr, m.hidden_size, m.expert_ffn_size
+    Tk = T * m.moe_router_topk
+    # Under EP or ETP what the combine keeps arrived by an exchange, a tensor of its own, freed
+    # by the combine's backward before the down projection's: that moment is its input's
+    # gradient beside its output's, every ETP peer's rows (Tk*(F + (ETP-1)*h)).
+    down = F + (k.etp - 1) * h if k.ep > 1 or k.etp > 1 else h + F
+    return T * h * FP32 + Tk * max(2 * h, down) * e + Tk * INDEX
+
+
+def moe_rebuild_bytes(m: ModelConfig, k: Tokens, e: int) -> int:
+    """A fully recomputed MoE block's forward runs inside the backward. Under EP or ETP, at
+    the exchange back it holds, beside the gradient entering the block, the rows it sends and
+    those it receives (every ETP peer's: 2*ETP*Tk*h*e) and its own rows' input (Tk*h*e, the
+    dispatch's argument), while the two of what the block keeps that the combine makes after
+    it (the summed output and the weighted one, 2*Tk*h*e) are not there yet: (2*ETP - 1)*Tk*h*e
+    more than what it keeps. Without an exchange, nothing beyond its backward's moments."""
+    if k.ep == 1 and k.etp == 1:
+        return 0
+    Tk = k.Tr * m.moe_router_topk
+    return k.Tr * m.hidden_size * FP32 + (2 * k.etp - 1) * Tk * m.hidden_size * e
+
+
+def dispatch_rows(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
+                  micro_batch_tokens: int) -> dict[str, int]:
+    """Under EP or ETP, one MoE layer's rows on a rank in one micro-batch: the rows it sends
+    (its tokens' (token, expert) pairs), the rows its experts run in the expected case (the
+    router balanced: as many arrive from each EP source as leave; every ETP peer's too), which
+    the memory plan's peak counts, and at most (dropless: every row of its EP group to its
+    experts), with what its experts keep per row that runs there (their input, gate_up's
+    output, silu(gate) and the product, the regrouping and its inverse): the worst case's
+    bytes beyond the plan. With an expert capacity (model.moe_expert_capacity_factor) each of
+    its experts runs at most its capacity over the micro-batch's `micro_batch_tokens` tokens
+    (exact ties aside), which bounds the most. Empty for a dense model or without EP and
+    ETP."""
+    if m.num_moe_experts is None or (k.ep == 1 and k.etp == 1):
+        return {}
+    sent = k.Tr * m.moe_router_topk
+    selective = recompute is RecomputeGranularity.selective
+    per_row = (m.hidden_size + (3 if selective else 4) * m.expert_ffn_size // k.etp) * e \
+        + 2 * INDEX
+    expected, most = sent * k.etp, sent * k.ep * k.etp
+    if m.moe_expert_capacity_factor is not None:  # (a factor under 1 bounds both)
+        most = min(most, m.num_moe_experts // k.ep * m.expert_capacity(micro_batch_tokens))
+        expected = min(expected, most)
+    return {"rows_sent": sent, "rows_expected": expected, "rows_most": most,
+            "kept_bytes_per_row": per_row, "worst_case_extra_bytes": (most - expected) * per_row}
+
+
 MOE = Part(
     "moe", "mlp", "trainer.model.moe:moe_mlp", shapes,
     tp_styles={"shared.gate_up": "column", "shared.down": "row"},
@@ -133,4 +247,5 @@ MOE = Part(
     whole=("router", "experts"),
     residual_outputs=("experts.down", "shared.down.weight"),
     hook="activation_fn",  # the experts' silu(gate) * up, as the dense MLP's
+    kept_bytes=moe_mlp_bytes, backward_bytes=moe_backward_bytes, rebuild_bytes=moe_rebuild_bytes,
     hf_names=hf_names, rules=check_moe)

@@ -28,7 +28,11 @@ def _no_flops(cfg: ModelConfig, seq_length: int) -> float:
     return 0.0
 
 
-@dataclass(frozen=True)
+def _nothing(*args) -> int:
+    return 0
+
+
+@dataclass(frozen=True, eq=False)  # by identity: the plan counts blocks by their parts
 class Part:
     """One part of a block. Names are within its slot ("attn" or "mlp": the block's attribute
     that holds it, and so its parameters' prefix)."""
@@ -55,6 +59,15 @@ class Part:
     head_norms: tuple[str, ...] = ()
     # Forward FLOPs per token beyond its weights' 2*W (attention's QK^T and AV).
     core_flops: Callable[[ModelConfig, int], float] = _no_flops
+    # Its terms of the memory plan (trainer.plan.activations; symbols there, k: a rank's
+    # trainer.parts.tokens.Tokens, e: bytes of the compute dtype). kept_bytes(cfg, k, e,
+    # recompute, cp_comm_type): what it keeps for its backward without full recompute;
+    # backward_bytes(cfg, k, e, selective): the most its backward forms beside that, the
+    # gradient entering the block included (an MLP's, the larger of a block's); rebuild_bytes(
+    # cfg, k, e): what its forward, rebuilt under full recompute, holds beyond its backward's.
+    kept_bytes: Callable[..., int] = _nothing
+    backward_bytes: Callable[..., int] = _nothing
+    rebuild_bytes: Callable[..., int] = _nothing
     # Its Hugging Face names: hf_names(cfg, ours, theirs, family) for one block at prefixes
     # `ours` ("layers.3.") and `theirs` ("model.layers.3.").
     hf_names: Callable[[ModelConfig, str, str, Any], HfNames] = \

@@ -9,6 +9,7 @@ import math
 from parallel.layout.parallel_plan import ParallelPlan, by_suffix
 from trainer.config import ModelConfig
 from trainer.parts import PARTS, block_parts
+from trainer.parts.norm import BLOCK_NORMS
 
 EMBEDDING, HEAD, BLOCKS, FINAL_NORM = "embed", "head", "layers", "norm"
 # Module-name suffix -> TP style, of every registered part (by slot) and the head, whose
@@ -22,7 +23,6 @@ EXPERTS = "mlp.experts"
 EXPERT_BIAS = "mlp.router.expert_bias"  # a buffer: DeepSeek-V3's auxiliary-loss-free bias
 # Parameters on a residual branch's output (their init std shrinks with depth).
 RESIDUAL_OUTPUTS = tuple(name for part in PARTS for name in part.prefixed(part.residual_outputs))
-NORMS = ("attn_norm", "mlp_norm")  # a block's pre-norms (RMSNorm of hidden_size)
 
 
 def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
@@ -52,12 +52,12 @@ def tp_style(name: str) -> str:
 
 
 def block_shapes(cfg: ModelConfig, block: int = 0) -> dict[str, tuple[int, ...]]:
-    """Block `block`'s parameter shapes, by name within the block, in its order: the two norms,
+    """Block `block`'s parameter shapes, by name within the block, in its order: its two norms,
     then its attention's and its MLP's (trainer.parts.block_parts)."""
-    shapes = {f"{norm}.weight": (cfg.hidden_size,) for norm in NORMS}
-    for part in block_parts(cfg, block):
-        shapes |= part.slot_shapes(cfg)
-    return shapes
+    parts = block_parts(cfg, block)
+    shapes = {f"{norm}.{name}": shape for norm in BLOCK_NORMS
+              for name, shape in parts.norm.shapes(cfg).items()}
+    return shapes | parts.attention.slot_shapes(cfg) | parts.mlp.slot_shapes(cfg)
 
 
 def buffer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -90,6 +90,15 @@ def block_weight_elements(cfg: ModelConfig) -> float:
             elif len(shape) == 3:  # experts: a token passes through topk of them
                 total += math.prod(shape) * cfg.moe_router_topk / cfg.num_moe_experts
     return total / cfg.num_layers
+
+
+def block_core_flops(cfg: ModelConfig, seq_length: int) -> float:
+    """A block's forward FLOPs per token beyond its weights' (its parts' core_flops: the
+    attention's QK^T and AV), averaged over the blocks."""
+    if cfg.num_moe_experts is None:  # every block alike (the search asks this often)
+        return sum(part.core_flops(cfg, seq_length) for part in block_parts(cfg, 0))
+    return sum(part.core_flops(cfg, seq_length) for block in range(cfg.num_layers)
+               for part in block_parts(cfg, block)) / cfg.num_layers
 
 
 def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -48,32 +48,22 @@ from dataclasses import dataclass
 
 from parallel.layout import Layout
 from trainer.config import CPCommType, ModelConfig, RecomputeGranularity
-from trainer.plan.axis_costs.context import attention_bytes
+from trainer.parts import BlockParts, block_parts
+from trainer.parts.tokens import FP32, Tokens, compute_bytes
 from trainer.plan.axis_costs.gtp_remat import gathered_bytes
-from trainer.plan.moe import moe_backward_bytes, moe_mlp_bytes, moe_rebuild_bytes
 from trainer.plan.options import EngineOptions
-from trainer.plan.tokens import FP32, Tokens, compute_bytes
 
 
 def block_activation_bytes(m: ModelConfig, k: Tokens, e: int,
                            recompute: RecomputeGranularity | None,
-                           cp_comm_type: CPCommType = CPCommType.p2p, moe: bool = False) -> int:
-    """What one block keeps for its backward (moe: a mixture of experts' block,
-    trainer.plan.moe)."""
-    h, f, t = m.hidden_size, m.ffn_hidden_size, k.t
-    T, Tr = k.T, k.Tr
+                           cp_comm_type: CPCommType = CPCommType.p2p,
+                           parts: BlockParts | None = None) -> int:
+    """What one block keeps for its backward: its parts' (trainer.parts; parts: the block's,
+    None for block 0's)."""
     if recompute is RecomputeGranularity.full:
-        return Tr * h * FP32
-    norms = 4 * Tr * h * FP32 + 2 * Tr * FP32
-    attention = attention_bytes(m, k, e, recompute, cp_comm_type)
-    if moe:  # the router, experts and shared expert keep their own inputs
-        linear_inputs, mlp = T * h * e, moe_mlp_bytes(m, k, e, recompute)
-    else:
-        linear_inputs = 2 * T * h * e
-        mlp = (3 if recompute is RecomputeGranularity.selective else 4) * T * f // t * e
-    rotary = 8 * T * m.head_dim
-    lse = 0 if recompute is RecomputeGranularity.selective else FP32 * k.b * m.num_heads // t * k.s
-    return norms + linear_inputs + attention + mlp + rotary + lse
+        return k.Tr * m.hidden_size * FP32
+    parts = parts or block_parts(m, 0)
+    return sum(part.kept_bytes(m, k, e, recompute, cp_comm_type) for part in parts)
 
 
 def head_activation_bytes(m: ModelConfig, k: Tokens, e: int) -> int:
@@ -114,14 +104,14 @@ class StepMemory:
 def chunk_activation_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
                            chunk: range) -> int:
     """What one model chunk (its blocks, `chunk`) keeps of one micro-batch (without the
-    head): its blocks counted by what each recomputes and, with a mixture of experts, by kind."""
+    head): its blocks counted by what each recomputes and by their parts."""
     k, e = Tokens.of(layout), compute_bytes(options.precision)
     if m.num_moe_experts is None:  # every block alike
         return sum(count * block_activation_bytes(m, k, e, recompute, options.cp_comm_type)
                    for recompute, count in options.chunk_recompute(len(chunk)).items() if count)
-    kinds = Counter((options.recomputes(p), m.is_moe_block(i)) for p, i in enumerate(chunk))
-    return sum(count * block_activation_bytes(m, k, e, recompute, options.cp_comm_type, moe)
-               for (recompute, moe), count in kinds.items())
+    kinds = Counter((options.recomputes(p), block_parts(m, i)) for p, i in enumerate(chunk))
+    return sum(count * block_activation_bytes(m, k, e, recompute, options.cp_comm_type, parts)
+               for (recompute, parts), count in kinds.items())
 
 
 def stage_chunk_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
@@ -133,35 +123,6 @@ def stage_chunk_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
         per_chunk[-1] += head_activation_bytes(m, Tokens.of(layout),
                                                compute_bytes(options.precision))
     return per_chunk
-
-
-def block_backward_bytes(m: ModelConfig, k: Tokens, e: int, selective: bool, moe: bool) -> int:
-    """A block's backward beside what it keeps: a dense MLP's (backward_bytes) or a mixture of
-    experts' (trainer.plan.moe.moe_backward_bytes)."""
-    if moe:
-        return moe_backward_bytes(m, k, e, selective)
-    return backward_bytes(m, k, e, selective)
-
-
-def backward_bytes(m: ModelConfig, k: Tokens, e: int, selective: bool) -> int:
-    """The most a block's backward forms beside what the block keeps, counted by the
-    allocator: the gradient entering it (the residual stream's, fp32) and the largest of its
-    MLP's three moments. The down projection's: the gradient of its input and of its weight (and,
-    with SP, the output gradient gathered over TP); the product's: the gradients of silu(gate) and
-    of up beside the first's, its own input freed (under selective recompute silu(gate) is
-    rebuilt for it); the gate/up projection's: its weight's gradient and its input's, the MLP's
-    activations and gradients freed but its own output gradient. A weight's gradient under bf16
-    is formed narrow, then widened."""
-    h, f, t = m.hidden_size, m.ffn_hidden_size, k.t
-    narrow = e if e != FP32 else 0
-    product = k.T * f // t * e  # one [T, f/t] in the compute dtype
-    down = h * f // t * (FP32 + narrow)  # the down projection's weight gradient
-    gathered_grad = k.T * h * e if k.sp else 0
-    rebuilt = product if selective else 0
-    moments = (product + down + gathered_grad,
-               2 * product + rebuilt,
-               2 * down + k.T * h * e - 2 * product)  # the gate/up weight is twice down's
-    return k.Tr * h * FP32 + max(moments)
 
 
 def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: list[range],
@@ -176,12 +137,12 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
     larger where dense blocks and a mixture of experts' share the stage."""
     k, e = Tokens.of(layout), compute_bytes(options.precision)
     comm, h = options.cp_comm_type, m.hidden_size
-    kinds = {m.is_moe_block(i) for chunk in chunks for i in chunk} or {False}
+    kinds = {block_parts(m, i) for chunk in chunks for i in chunk} or {block_parts(m, 0)}
     positions = [p for chunk in chunks for p in range(len(chunk))]
     full = options.recompute_granularity is RecomputeGranularity.full and any(
         options.recomputes(p) for p in positions)
     # A fully recomputed block is rebuilt from its input, which the chunk keeps already.
-    rebuilt = max(block_activation_bytes(m, k, e, None, comm, moe) for moe in kinds) \
+    rebuilt = max(block_activation_bytes(m, k, e, None, comm, parts) for parts in kinds) \
         - k.Tr * h * FP32 if full else 0
     sharded = layout.gtp_remat_size > 1
     autocast = 0
@@ -196,8 +157,8 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
     logits = 2 * loss_bytes(m, k) + cast if last else 0
     sizes = [len(chunk) for chunk in chunks] or [0]
     if sharded:
-        freed = max(block_activation_bytes(m, k, e, options.recompute_granularity, comm, moe)
-                    for moe in kinds)
+        freed = max(block_activation_bytes(m, k, e, options.recompute_granularity, comm, parts)
+                    for parts in kinds)
         block, head = gathered_bytes(layout, options, e, sizes, block_weights, head_weights,
                                      freed, first, last)
     else:  # weights are used in place; the head's gradient is formed before it is added
@@ -208,7 +169,7 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
     # backward and freed their activations.
     counts = options.chunk_recompute(max(sizes))
     selective = options.recompute_granularity is RecomputeGranularity.selective
-    backward = max(block_backward_bytes(m, k, e, selective, moe) for moe in kinds)
+    backward = max(parts.mlp.backward_bytes(m, k, e, selective) for parts in kinds)
     phases = [backward + block] if any(g is not RecomputeGranularity.full and n
                                        for g, n in counts.items()) else []
     if rebuilt:
@@ -216,8 +177,8 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
         kept_by_others = chunk_activation_bytes(m, layout, options, largest) - k.Tr * h * FP32 \
             * sum(options.recomputes(p) is RecomputeGranularity.full for p in range(len(largest)))
         # (and the rebuilt forward's own moment: a MoE block's exchange over ETP)
-        phases.append(max(max(block_backward_bytes(m, k, e, False, moe),
-                              moe_rebuild_bytes(m, k, e) if moe else 0) for moe in kinds)
+        phases.append(max(max(parts.mlp.backward_bytes(m, k, e, False),
+                              parts.mlp.rebuild_bytes(m, k, e)) for parts in kinds)
                       + rebuilt + block - kept_by_others)
     return StepMemory(kept, backward, rebuilt, autocast, logits, max(block, head), messages,
                       max(logits, head), max(phases) - head_kept)

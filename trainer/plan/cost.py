@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 
 from parallel.layout import Layout
 from trainer.config import ModelConfig, Precision, RecomputeGranularity
-from trainer.parts.plan import block_weight_elements
+from trainer.parts.plan import block_core_flops, block_weight_elements
+from trainer.parts.tokens import compute_bytes
 from trainer.plan.axis_costs import REGISTRY
 from trainer.plan.axis_costs.entry import Micro
 from trainer.plan.hardware import Hardware
 from trainer.plan.options import EngineOptions
-from trainer.plan.tokens import compute_bytes
 
 # Estimate.seconds' rows: compute, each axis's micro-batch messages, then each axis's per step
 # (in the registry's order: TP, weight gathers, CP, EP dispatch, PP sends; optimizer, bubble).
@@ -48,6 +48,7 @@ KINDS = ("compute", *(c.kind for c in REGISTRY if c.kind),
 @dataclass(frozen=True)
 class TokenFlops:
     """The forward FLOPs one token costs, counted from the config: a block's linears 2*W, its
+    parts' core FLOPs (trainer.parts):
     causal attention 2*S*q (QK^T and AV, 2*S*q each over S keys, halved: a query sees the keys
     before it), the head 2*h*V. The embedding is a lookup; norms and activations are not
     counted (Megatron's and torchtitan's convention)."""
@@ -58,7 +59,7 @@ class TokenFlops:
 
     @classmethod
     def of(cls, m: ModelConfig, seq_length: int) -> TokenFlops:
-        return cls(2 * block_weight_elements(m), 2 * seq_length * m.q_size,
+        return cls(2 * block_weight_elements(m), block_core_flops(m, seq_length),
                    2 * m.hidden_size * m.padded_vocab_size, m.num_layers)
 
     @property

@@ -22,6 +22,7 @@ from parallel.layout.pipeline_schedules import (
     stage_actions,
 )
 from trainer.config import ModelConfig
+from trainer.parts.moe import dispatch_rows
 from trainer.parts.plan import (
     BLOCKS,
     EMBEDDING,
@@ -29,11 +30,10 @@ from trainer.parts.plan import (
     parameter_shapes,
     tp_style,
 )
+from trainer.parts.tokens import Tokens, compute_bytes
 from trainer.plan.activations import StepMemory, stage_chunk_bytes, step_memory
 from trainer.plan.axis_costs.pipeline import message_sizes, stage_activation_bytes
-from trainer.plan.moe import dispatch_rows
 from trainer.plan.options import EngineOptions
-from trainer.plan.tokens import Tokens, compute_bytes
 
 # (param, grad, optimizer) bytes per element. Weights, gradients and both AdamW moments are fp32
 # under every train.precision: bf16 autocasts the compute (and halves activations); it does not
@@ -252,7 +252,7 @@ def unsharded_memory(shapes: dict[str, tuple[int, ...]]) -> StageMemory:
 def memory_plan(model: ModelConfig, layout: Layout, options: EngineOptions) -> dict[str, Any]:
     """layout.json's `memory`: per pipeline stage, one rank's state, step transients and peak;
     the unsharded model for reference; under EP or ETP, a MoE layer's dispatched rows, expected
-    (what the peak counts) and at most (trainer.plan.moe.dispatch_rows)."""
+    (what the peak counts) and at most (trainer.parts.moe.dispatch_rows)."""
     shapes = parameter_shapes(model)
     stages = ModelWeights(shapes, model.num_layers, model.tie_word_embeddings,
                           block_buffer_bytes(model)).stages(layout)

@@ -127,7 +127,7 @@ def format_report(spec: RunSpec, record: dict[str, Any]) -> str:
     lines += ["  (peak = state + the larger of the update and: activations + autocast + messages"
               " + the larger", "   of the loss's backward (logits, the head's gathered weight) "
               "and a block's (backward", "   + recompute + gathered - the head's activations);"
-              " the formula of each term: README, memory plan)"]
+              " the formula of each term: docs/dry-run.md, memory plan)"]
     if "expert_dispatch" in memory:
         d = memory["expert_dispatch"]
         lines += [f"  expert dispatch (one MoE layer, one micro-batch): {d['rows_sent']:,} rows "

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from parallel.layout import Layout
 from parallel.layout.axes.context import CONTEXT
-from trainer.config import CPCommType, ModelConfig, RecomputeGranularity
+from trainer.config import CPCommType, ModelConfig
+from trainer.parts.tokens import FP32
 from trainer.plan.axis_costs.entry import AxisCosts, Micro, Offer, divisors
 from trainer.plan.hardware import Hardware
 from trainer.plan.options import EngineOptions
-from trainer.plan.tokens import FP32, Tokens
 
 
 def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> None:
@@ -29,33 +29,6 @@ def check_comm_type(model: ModelConfig, layout: Layout, cp_comm_type: CPCommType
                 f"parallel.tensor_model_parallel_size={tp} = {local}) divisible by runtime CP = "
                 f"{cp} (parallel.context_parallel_size x sequence shards). Fix: use "
                 f"parallel.cp_comm_type=p2p, or a runtime CP that divides {local}.")
-
-
-def attention_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
-                    cp_comm_type: CPCommType) -> int:
-    """What a block's attention keeps for its backward, by context-parallel exchange."""
-    q = k.T * m.q_size // k.t * e  # q or the output, this rank's tokens
-    kv = k.T * m.kv_size // k.t * e  # k or v
-    if not k.cp or recompute is RecomputeGranularity.selective:
-        return 3 * q + 3 * kv + qk_norm_bytes(m, k, e, False)
-    if cp_comm_type is CPCommType.p2p:
-        kept = 2 * q + 2 * kv
-    elif cp_comm_type is CPCommType.all_gather:
-        kept = 2 * q + 2 * k.b * k.S * m.kv_size // k.t * e
-    else:
-        kept = 3 * q + 2 * kv
-    return kept + qk_norm_bytes(m, k, e, True)
-
-
-def qk_norm_bytes(m: ModelConfig, k: Tokens, e: int, keeps_qkv: bool) -> int:
-    """qk_layernorm: the normalised q and k and their rsqrt per head (in the compute dtype);
-    the norms keep their input, a view of the qkv output, which context parallel's exchange
-    otherwise lets go (keeps_qkv)."""
-    if not m.qk_layernorm:
-        return 0
-    heads = m.num_heads + m.query_groups
-    normalised = k.T * (m.q_size + m.kv_size + heads) // k.t * e
-    return normalised + (k.T * (m.q_size + 2 * m.kv_size) // k.t * e if keeps_qkv else 0)
 
 
 def context_seconds(m: ModelConfig, layout: Layout, cp_comm_type: CPCommType, hw: Hardware,

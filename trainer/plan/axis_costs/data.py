@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from parallel.layout import Layout
 from parallel.layout.axes.data import DATA
+from trainer.parts.tokens import FP32
 from trainer.plan.axis_costs.entry import AxisCosts, Micro
 from trainer.plan.hardware import Hardware
-from trainer.plan.tokens import FP32
 
 
 def optimizer_seconds(layout: Layout, hw: Hardware, elements: float) -> float:

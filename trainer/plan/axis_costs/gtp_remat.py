@@ -6,10 +6,10 @@ from __future__ import annotations
 from parallel.layout import Layout
 from parallel.layout.axes.gtp_remat import GTP_REMAT, SEQUENCE_SHARDS, WEIGHT_SHARDS
 from trainer.config import RecomputeGranularity
+from trainer.parts.tokens import FP32
 from trainer.plan.axis_costs.entry import AxisCosts, Micro, Offer, divisors
 from trainer.plan.hardware import Hardware
 from trainer.plan.options import EngineOptions
-from trainer.plan.tokens import FP32
 
 # parallel.bundle.GradReduceQueue's depth: block gradient reduce-scatters in flight at once
 # with parallel.overlap_grad_reduce (tests/unit/test_memory.py holds them equal).

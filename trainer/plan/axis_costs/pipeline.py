@@ -18,10 +18,10 @@ from parallel.layout.pipeline_schedules import (
     stage_actions,
 )
 from trainer.config import ModelConfig
+from trainer.parts.tokens import FP32, Tokens
 from trainer.plan.axis_costs.entry import AxisCosts, Offer, divisors
 from trainer.plan.hardware import Hardware
 from trainer.plan.options import EngineOptions
-from trainer.plan.tokens import FP32, Tokens
 
 POSITION_BYTES = 8  # int64
 
