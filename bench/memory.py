@@ -33,7 +33,7 @@ from ranks import run_ranks  # noqa: E402
 
 from parallel.layout import Layout  # noqa: E402
 from trainer.config import ModelConfig, OptimConfig, Precision  # noqa: E402
-from trainer.parts.plan import parameter_shapes  # noqa: E402
+from trainer.parts.assembly import parameter_shapes  # noqa: E402
 from trainer.plan.memory import memory_per_stage, step_per_stage  # noqa: E402
 from trainer.plan.options import EngineOptions  # noqa: E402
 

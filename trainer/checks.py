@@ -3,7 +3,7 @@ the run must write is tried): one place, so a new key gets its check here. Each 
 ValueError line naming the key, the value and the fix; settle() turns it into the run's one-line
 error. The layout's rules relating degrees live with their axes (parallel.layout.axes), and so do an
 axis's rules for the model's shapes (trainer.plan.axis_costs); the sample accounting is
-plan.accounting's, the schedule plan.schedule's, the data's data.source's.
+plan.accounting's, the schedule plan.lr_schedule's, the data's data.source's.
 """
 from __future__ import annotations
 
@@ -43,7 +43,6 @@ def check_model(model: ModelConfig) -> None:
         positive_int(f"model.{key}", getattr(model, key))
     positive_int("model.make_vocab_size_divisible_by", model.make_vocab_size_divisible_by,
                  "use 128 (Megatron's default), or 1 for no padding")
-    finite("model.norm_eps", model.norm_eps, 0, False, fix="use e.g. 1e-5")
     finite("model.init_std", model.init_std, 0, False, fix="use e.g. 0.02")
     check_moe(model)  # the MoE part's keys: refused on a dense model, checked on a MoE one
     for part in model_parts(model):
@@ -60,16 +59,16 @@ def check_optim(optim: OptimConfig) -> None:
     finite("optim.eps", optim.eps, 0, False, fix="use e.g. 1e-8")
     if optim.clip_grad is not None:
         finite("optim.clip_grad", optim.clip_grad, 0, False,
-                fix="use e.g. 1.0, or null for no clipping")
+               fix="use e.g. 1.0, or null for no clipping")
 
 
 def check_cluster(cluster: ClusterConfig) -> None:
     positive_int("cluster.num_nodes", cluster.num_nodes)
     positive_int("cluster.procs_per_node", cluster.procs_per_node)
     positive_int("cluster.gpus_per_nvlink_domain", cluster.gpus_per_nvlink_domain,
-                  "set it to the GPUs one NVLink domain connects (8 on a DGX H100)")
+                 "set it to the GPUs one NVLink domain connects (8 on a DGX H100)")
     positive_int("cluster.timeout_s", cluster.timeout_s,
-                  "set it to the seconds a collective may wait (default 300)")
+                 "set it to the seconds a collective may wait (default 300)")
     if not isinstance(cluster.max_restarts, int) or cluster.max_restarts < 0:
         raise ValueError(f"cluster.max_restarts={cluster.max_restarts} must be a count >= 0. "
                          f"Fix: 0 ends the run at the first failed rank; N restarts it from "
@@ -77,16 +76,16 @@ def check_cluster(cluster: ClusterConfig) -> None:
     for key in ("device_memory_gib", "peak_bf16_tflops", "peak_fp32_tflops",
                 "nvlink_bandwidth_gbs", "network_bandwidth_gbs"):
         finite(f"cluster.{key}", getattr(cluster, key), 0, False,
-                fix="set it from the device's datasheet (conf/cluster/dgx_h100.yaml cites "
-                    "its sources)")
+               fix="set it from the device's datasheet (conf/cluster/dgx_h100.yaml cites "
+                   "its sources)")
     finite("cluster.link_latency_us", cluster.link_latency_us, 0, True, fix="use e.g. 5")
     finite("cluster.compute_efficiency", cluster.compute_efficiency, 0, False, 1, True,
-            fix="use the share of peak FLOP/s a training step reaches, e.g. 0.45")
+           fix="use the share of peak FLOP/s a training step reaches, e.g. 0.45")
     finite("cluster.memory_margin", cluster.memory_margin, 0, True, 1, False,
-            fix="use e.g. 0.1 (a tenth of the device kept free)")
+           fix="use e.g. 0.1 (a tenth of the device kept free)")
     if cluster.cpu_cores_per_node is not None:
         positive_int("cluster.cpu_cores_per_node", cluster.cpu_cores_per_node,
-                      "set it to the node's CPU cores, or null where each rank has a GPU")
+                     "set it to the node's CPU cores, or null where each rank has a GPU")
 
 
 def check_layout_inputs(parallel: Any, cluster: Any, train: Any) -> None:
@@ -147,7 +146,7 @@ def check_checkpoint(checkpoint: CheckpointConfig) -> None:
 def check_logger(logger: LoggerConfig) -> None:
     positive_int("logger.log_interval", logger.log_interval, "set it to a number of steps")
     positive_int("logger.sample_max_new_tokens", logger.sample_max_new_tokens,
-                  "set it to a number of tokens")
+                 "set it to a number of tokens")
     if logger.name is not LoggerName.wandb and logger.project is not None:
         raise ValueError(f"logger.project={logger.project!r} is ignored by "
                          f"logger={logger.name.value}. Fix: use logger=wandb, or remove the "

@@ -1,11 +1,10 @@
 """The parallel layout: every derived size and every rank group (contract: docs/layout.md).
 
 Pure integer arithmetic over the rank axes of parallel.layout.axes (tp, seq, batch, cp, dp, pp;
-and in
-the expert view etp, ep, edp, pp), no torch and no config library. Its inputs, and the rules
-that relate them, are the axes' (each axis's module of parallel.layout.axes); the sizes they derive
-are here. The resolver plugin, the dry
-run and the trainer all ask a Layout; nothing else re-derives a size or a group.
+and in the expert view etp, ep, edp, pp), no torch and no config library. Its inputs, and the
+rules that relate them, are the axes' (each axis's module of parallel.layout.axes); the sizes
+they derive are here. The resolver plugin, the dry run and the trainer all ask a Layout; nothing
+else re-derives a size or a group.
 """
 from __future__ import annotations
 

@@ -331,7 +331,7 @@ def test_an_error_inside_dcp_save_is_raised_as_itself(tmp_path):
     """DCP wraps what the lazy planner raises in a CheckpointException whose text is the whole
     traceback; the import unwraps it to the one-line original."""
     from trainer.checkpoint.hf import _write_import
-    from trainer.parts.plan import parameter_shapes
+    from trainer.parts.assembly import parameter_shapes
 
     model = ModelConfig(**yaml.safe_load((ROOT / "conf" / "model" / "tiny.yaml").read_text()))
 

@@ -20,7 +20,7 @@ import torch
 
 from parallel.layout import Layout
 from trainer.config import Precision
-from trainer.parts.plan import parameter_shapes
+from trainer.parts.assembly import parameter_shapes
 from trainer.plan.options import EngineOptions
 from trainer.train.batch import rank_micro_batches
 from trainer.train.engine import build_engine

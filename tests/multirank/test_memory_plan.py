@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from trainer.checkpoint.dcp import TrainState, stage
-from trainer.parts.plan import parameter_shapes
+from trainer.parts.assembly import parameter_shapes
 from trainer.plan.memory import memory_per_stage
 from trainer.train.batch import rank_micro_batches
 from trainer.train.engine import build_engine

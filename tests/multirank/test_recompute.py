@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from parallel.layout import Layout
 from trainer.config import Precision, RecomputeGranularity
 from trainer.model.transformer import Transformer
-from trainer.parts.plan import parallel_plan
+from trainer.parts.assembly import parallel_plan
 from trainer.plan.options import EngineOptions
 from trainer.train.engine import build_engine
 from trainer.train.recompute import apply_recompute

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from parallel.layout import Layout
 from trainer.config import CPCommType, ModelConfig, OptimConfig, Precision, RecomputeGranularity
-from trainer.parts.plan import parameter_shapes
+from trainer.parts.assembly import parameter_shapes
 from trainer.plan.memory import memory_per_stage, step_per_stage
 from trainer.plan.options import EngineOptions
 

@@ -16,7 +16,7 @@ from parallel.layout import Layout
 from trainer.auto.search import Problem, search
 from trainer.compose.runspec import settle
 from trainer.config import CPCommType, ModelConfig, Precision, RecomputeGranularity
-from trainer.parts.plan import parameter_shapes
+from trainer.parts.assembly import parameter_shapes
 from trainer.plan.cost import estimate, floor_s
 from trainer.plan.fit import planned_peak
 from trainer.plan.hardware import Hardware

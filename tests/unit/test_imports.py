@@ -129,7 +129,7 @@ def test_the_model_does_not_know_it_is_parallel():
     model = [name for name in MODULES if name.startswith(("trainer.model", "trainer.parts"))]
     shared = {f"{name} -> {m}" for name in model for m in project_imports(name)
               if m.startswith("parallel")}
-    assert shared == {"trainer.parts.plan -> parallel.layout.parallel_plan",
+    assert shared == {"trainer.parts.assembly -> parallel.layout.parallel_plan",
                       "trainer.parts.tokens -> parallel.layout"}
 
 

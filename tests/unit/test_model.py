@@ -113,7 +113,7 @@ def test_parameter_shapes_from_the_config_are_the_built_models(changes):
     buffers (a router's expert bias) too."""
     from dataclasses import replace
 
-    from trainer.parts.plan import buffer_shapes, parameter_shapes
+    from trainer.parts.assembly import buffer_shapes, parameter_shapes
 
     cfg = replace(TINY, **changes)
     with torch.device("meta"):

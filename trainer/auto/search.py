@@ -26,7 +26,7 @@ from parallel.layout import Layout, LayoutError
 from parallel.layout.axes import COMM_KEYS, PARALLEL_KEYS
 from trainer.checks import check_model
 from trainer.config import ModelConfig, Precision, RecomputeGranularity
-from trainer.parts.plan import parameter_shapes
+from trainer.parts.assembly import parameter_shapes
 from trainer.plan.axis_costs import SEARCH_ORDER, describe_layout
 from trainer.plan.axis_costs.entry import Offer, walk
 from trainer.plan.cost import Estimate, estimate, floor_s

@@ -47,7 +47,7 @@ from trainer.checkpoint.match import weights
 from trainer.checkpoint.safetensors_io import SafetensorsReader, write_streamed
 from trainer.checks import check_model
 from trainer.config import ModelConfig
-from trainer.parts.plan import parameter_shapes
+from trainer.parts.assembly import parameter_shapes
 from trainer.units import duration, size
 
 WEIGHTS_ONLY = "weights_only"  # meta.json key of an imported checkpoint

@@ -12,7 +12,8 @@ from dataclasses import asdict, fields, replace
 from typing import Any
 
 from trainer.config import ModelConfig
-from trainer.parts.plan import EMBEDDING, EXPERT_BIAS, HEAD, buffer_shapes, parameter_shapes
+from trainer.parts.assembly import EMBEDDING, EXPERT_BIAS, HEAD, buffer_shapes, parameter_shapes
+from trainer.parts.families import hf_family
 
 HEAD_WEIGHT, EMBEDDING_WEIGHT = f"{HEAD}.weight", f"{EMBEDDING}.weight"
 # Keys that change nothing a loaded model computes: init_std only draws the initial values (the
@@ -96,7 +97,7 @@ def changes(recorded: Any, model: ModelConfig) -> list[tuple[str, Any, Any]]:
     theirs_config = replace(model, **{k: v for k, v in recorded.items() if k in known})
     try:
         theirs = effective(theirs_config)
-    except (TypeError, IndexError, ZeroDivisionError):  # a record no run of ours wrote
+    except (TypeError, IndexError, KeyError, ZeroDivisionError):  # no run of ours wrote it
         return []
     ours = effective(model)
     # A key whose own value is the same differs only through another key, which is listed.
@@ -108,9 +109,11 @@ def changes(recorded: Any, model: ModelConfig) -> list[tuple[str, Any, Any]]:
 def effective(model: ModelConfig) -> dict[str, Any]:
     """Each model key as the model computes with it, so two spellings of one model compare
     equal (kv_channels null or hidden_size / num_heads; moe_layer_freq 1 or [1, 1]; a dense
-    model's moe_* keys, which nothing reads)."""
+    model's moe_* keys, which nothing reads; model.name llama with qk_layernorm or qwen3)."""
     values = asdict(model)
-    values |= {"kv_channels": model.head_dim, "num_query_groups": model.query_groups,
+    # name: the family its keys make (a llama record with qk_layernorm is qwen3's model)
+    values |= {"name": hf_family(model).name,
+               "kv_channels": model.head_dim, "num_query_groups": model.query_groups,
                "rope_scaling_factor": model.rope_scaling_factor if model.use_rope_scaling
                else None}
     if model.num_moe_experts is None:

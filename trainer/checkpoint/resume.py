@@ -62,7 +62,7 @@ def find(ckpt: CheckpointConfig, save_dir: Path, warn: Callable[[str], None] | N
 class Expected:
     """What this run's config says a checkpoint it starts from must match."""
 
-    shapes: dict[str, tuple[int, ...]]  # every parameter of the model (model.plan)
+    shapes: dict[str, tuple[int, ...]]  # every parameter of the model (parts.assembly)
     stream: dict  # the sample stream's identity (trainer.data.stream)
     plan: RunPlan
     layout: Layout

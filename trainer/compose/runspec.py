@@ -88,8 +88,8 @@ def settle(cfg: DictConfig) -> RunSpec:
                              f"the data's tokenizer, and data.path={config.data.path} (a Megatron "
                              f"dataset) records none. Fix: set logger.sample_prompts=null, and "
                              f"sample a checkpoint with python -m trainer.generate --tokenizer.")
+        memory = memory_plan(config.model, layout, options)
     except ValueError as error:
         raise ConfigError(str(error)) from None
-    memory = memory_plan(config.model, layout, options)
     return RunSpec(config, layout, plan, schedule, weight_decay, data, memory, auto)
 

@@ -17,7 +17,7 @@ from trainer.data.stream import open_streams
 from trainer.launch.folder import checkpoint_lock, run_lock
 from trainer.launch.local import check_local, launch_local
 from trainer.launch.ranks import RankEnv, check_world, launched_rank, run_rank
-from trainer.parts.plan import parameter_shapes
+from trainer.parts.assembly import parameter_shapes
 from trainer.report.console import console_log
 from trainer.report.plot import write_curves
 from trainer.report.record import layout_record, write_layout_json

@@ -19,8 +19,8 @@ from trainer.checks import check_model
 from trainer.config import ModelConfig
 from trainer.model.init import normal_rectangle
 from trainer.parts import block_parts
+from trainer.parts.assembly import RESIDUAL_OUTPUTS
 from trainer.parts.part import Part
-from trainer.parts.plan import RESIDUAL_OUTPUTS
 
 
 def build_layer(part: Part, cfg: ModelConfig) -> nn.Module:
@@ -43,7 +43,8 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    """tokens [batch, seq] (+ positions [batch, seq], + documents: see AttentionFn) -> logits
+    """tokens [batch, seq] (+ positions [batch, seq], + documents: see trainer.model.attention's
+    AttentionFn) -> logits
     [batch, seq, vocab].
 
     A pipeline stage (parallel.pipeline.stages) sets the embedding, or the final norm and head,

@@ -19,7 +19,6 @@ from trainer.config import ModelConfig
 
 LLAMA, QWEN3 = "LlamaForCausalLM", "Qwen3ForCausalLM"
 MIXTRAL, QWEN3_MOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM"
-ARCHITECTURES = (LLAMA, QWEN3, MIXTRAL, QWEN3_MOE)
 
 
 def _requires(name: str, **wanted: Callable[[ModelConfig], bool]) -> Callable:
@@ -65,9 +64,11 @@ FAMILIES = {f.name: f for f in (
         "qwen3_moe", qk_layernorm=lambda m: m.qk_layernorm,
         experts=lambda m: m.num_moe_experts is not None)),
 )}
-# The family an imported checkpoint's architecture becomes.
+# The family an imported checkpoint's architecture becomes (llama's is chosen from the keys on
+# export, and its own on import).
 BY_ARCHITECTURE = {LLAMA: FAMILIES["llama"], **{f.architecture: f for f in FAMILIES.values()
                                                 if f.architecture}}
+ARCHITECTURES = tuple(BY_ARCHITECTURE)
 
 
 def hf_family(model: ModelConfig) -> Family:

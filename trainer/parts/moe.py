@@ -82,7 +82,7 @@ def check_moe(model: ModelConfig) -> None:
                              f"remove the override.")
         return
     positive_int("model.num_moe_experts", experts, "set it to the experts of each MoE block, "
-                  "or null for a dense model")
+                 "or null for a dense model")
     if not 1 <= model.moe_router_topk <= experts:
         raise ValueError(f"model.moe_router_topk={model.moe_router_topk} must be in [1, "
                          f"model.num_moe_experts={experts}]. Fix: route each token to that many "
@@ -103,7 +103,7 @@ def check_moe(model: ModelConfig) -> None:
         raise ValueError(f"model.moe_layer_freq={freq!r} makes no block MoE. Fix: set at least "
                          f"one 1, or model.num_moe_experts=null for a dense model.")
     one_of("model.moe_router_score_function", model.moe_router_score_function,
-            MOE_SCORE_FUNCTIONS, "router score function")
+           MOE_SCORE_FUNCTIONS, "router score function")
     if model.moe_router_pre_softmax and model.moe_router_score_function != "softmax":
         raise ValueError("model.moe_router_pre_softmax=true is ignored by "
                          f"model.moe_router_score_function={model.moe_router_score_function}. "
@@ -116,12 +116,12 @@ def check_moe(model: ModelConfig) -> None:
                          "model.moe_router_pre_softmax=true.")
     if model.moe_router_topk_scaling_factor is not None:
         finite("model.moe_router_topk_scaling_factor", model.moe_router_topk_scaling_factor, 0,
-                False, fix="use e.g. 2.5, or null for 1")
+               False, fix="use e.g. 2.5, or null for 1")
     balancing = model.moe_router_load_balancing_type
     one_of("model.moe_router_load_balancing_type", balancing, MOE_BALANCING,
-            "load-balancing loss")
+           "load-balancing loss")
     one_of("model.moe_token_dispatcher_type", model.moe_token_dispatcher_type,
-            MOE_DISPATCHERS, "token dispatcher")
+           MOE_DISPATCHERS, "token dispatcher")
     finite("model.moe_aux_loss_coeff", model.moe_aux_loss_coeff, 0, True, fix="use e.g. 1e-2")
     if balancing == "none" and model.moe_aux_loss_coeff:
         raise ValueError(f"model.moe_aux_loss_coeff={model.moe_aux_loss_coeff} is ignored with "
@@ -129,9 +129,9 @@ def check_moe(model: ModelConfig) -> None:
                          f"seq_aux_loss, or set the coefficient to 0.")
     if model.moe_z_loss_coeff is not None:
         finite("model.moe_z_loss_coeff", model.moe_z_loss_coeff, 0, True,
-                fix="use e.g. 1e-3, or null for no z-loss")
+               fix="use e.g. 1e-3, or null for no z-loss")
     finite("model.moe_router_bias_update_rate", model.moe_router_bias_update_rate, 0, False,
-            fix="use e.g. 1e-3")
+           fix="use e.g. 1e-3")
     rate = model.moe_router_bias_update_rate
     if not model.moe_router_enable_expert_bias and rate != ModelConfig.moe_router_bias_update_rate:
         raise ValueError(f"model.moe_router_bias_update_rate={rate} is set but "
@@ -140,8 +140,8 @@ def check_moe(model: ModelConfig) -> None:
                          "model.moe_router_enable_expert_bias=true, or leave the rate out.")
     if model.moe_expert_capacity_factor is not None:
         finite("model.moe_expert_capacity_factor", model.moe_expert_capacity_factor, 0, False,
-                fix="use e.g. 1.25 (each expert runs at most 1.25 x its even share), or null "
-                    "for dropless")
+               fix="use e.g. 1.25 (each expert runs at most 1.25 x its even share), or null "
+                   "for dropless")
 
 
 INDEX = 8  # int64

@@ -8,7 +8,7 @@ from trainer.parts.part import HfNames, Part
 from trainer.parts.tokens import FP32, Tokens
 from trainer.values import finite
 
-# A block's two pre-norms, by module name (the final norm is the model's: trainer.parts.plan).
+# A block's two pre-norms, by module name (the final norm is the model's: trainer.parts.assembly).
 BLOCK_NORMS = ("attn_norm", "mlp_norm")
 
 

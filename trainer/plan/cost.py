@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from parallel.layout import Layout
 from trainer.config import ModelConfig, Precision, RecomputeGranularity
-from trainer.parts.plan import block_core_flops, block_weight_elements
+from trainer.parts.assembly import block_core_flops, block_weight_elements
 from trainer.parts.tokens import compute_bytes
 from trainer.plan.axis_costs import REGISTRY
 from trainer.plan.axis_costs.entry import Micro

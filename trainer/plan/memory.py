@@ -1,7 +1,7 @@
 """Bytes each rank holds under a layout: its parameters, gradients and optimizer state, the
 weights it gathers for use, and (with trainer.plan.activations) its peak during a step.
 
-The model's parameter shapes come from its config (trainer.parts.plan.parameter_shapes, held
+The model's parameter shapes come from its config (trainer.parts.assembly.parameter_shapes, held
 equal to the built model's by a test); the placement follows the model's plan and the Layout:
 planned weights are split over TP and their rows over GTP_remat (padded), small tensors stay
 whole, optimizer state is sharded over weight_replica. ModelWeights is the one place these
@@ -22,14 +22,14 @@ from parallel.layout.pipeline_schedules import (
     stage_actions,
 )
 from trainer.config import ModelConfig
-from trainer.parts.moe import dispatch_rows
-from trainer.parts.plan import (
+from trainer.parts.assembly import (
     BLOCKS,
     EMBEDDING,
     block_buffer_bytes,
     parameter_shapes,
     tp_style,
 )
+from trainer.parts.moe import dispatch_rows
 from trainer.parts.tokens import Tokens, compute_bytes
 from trainer.plan.activations import StepMemory, stage_chunk_bytes, step_memory
 from trainer.plan.axis_costs.pipeline import message_sizes, stage_activation_bytes

@@ -6,7 +6,7 @@ last seq_length. Which samples and which positions a rank keeps is the Layout's 
 
 Packed documents (Megatron's data flags; the documents come from the dataset's document index,
 trainer.data.stream): reset_attention_mask gives the model, for every position of the whole
-sequence, where its document starts (the attention needs no more, trainer.model.transformer's
+sequence, where its document starts (the attention needs no more, trainer.model.attention's
 AttentionFn); reset_position_ids restarts the RoPE positions at each document; eod_mask_loss
 drops the loss where the input is a document's last token (its end-of-document token), whose
 target is the next document's first token. A dataset with a loss mask (a prompt's tokens,
@@ -41,7 +41,7 @@ class MicroBatch:
 
 
 # Positions within the global batch -> those samples, [n, seq_length + 1] token ids.
-Fetch = Callable[[Sequence[int]], torch.Tensor]
+Fetch = Callable[[Sequence[int]], np.ndarray | torch.Tensor]
 
 
 class Samples(Protocol):
@@ -60,7 +60,7 @@ class _Tokens:
     def __init__(self, fetch: Fetch):
         self.get = fetch
 
-    def document_starts(self, indices: Sequence[int]) -> torch.Tensor:
+    def document_starts(self, indices: Sequence[int]) -> np.ndarray:
         raise ValueError("packed documents need a sample stream's document index")
 
     def loss_mask(self, indices: Sequence[int]) -> None:

@@ -19,7 +19,7 @@ from parallel.layout import Layout
 from parallel.parallelize import ParallelModel, parallelize
 from trainer.config import ModelConfig, OptimConfig, Precision
 from trainer.model.transformer import Transformer
-from trainer.parts.plan import parallel_plan
+from trainer.parts.assembly import parallel_plan
 from trainer.plan.axis_costs import check_model_fits_layout
 from trainer.plan.options import EngineOptions
 from trainer.train import routing

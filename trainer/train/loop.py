@@ -22,7 +22,7 @@ from trainer.checkpoint.integrity import latest, verify
 from trainer.checkpoint.saver import Saver
 from trainer.compose.runspec import RunSpec
 from trainer.data.stream import open_streams
-from trainer.parts.plan import parameter_shapes
+from trainer.parts.assembly import parameter_shapes
 from trainer.plan.options import EngineOptions
 from trainer.train.batch import DocumentRules, rank_micro_batches
 from trainer.train.compile import COMPILE_CACHE, CompileWatch, use_cache

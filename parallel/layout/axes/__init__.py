@@ -9,10 +9,9 @@ steps, instead of listing them.
 Rank axes run fastest first in the registry's order, the seed's tp-cp-ep-dp-pp with GTP_remat's
 sequence and batch shards inside the weight tile: tp, seq, batch, cp, dp, pp (EP adds no axis to
 this dense view: it splits dp's ranks). The expert view orders the same world as etp, ep, edp,
-pp (Megatron-Core's two rank generators; parallel.layout.axes.expert). A group over some rank axes
-of
-one view holds all ranks that agree on every other axis of it; it belongs to the axis of its
-slowest rank axis. Pure Python (no torch, no config library): compose time imports it.
+pp (Megatron-Core's two rank generators; parallel.layout.axes.expert). A group over some rank
+axes of one view holds all ranks that agree on every other axis of it; it belongs to the axis of
+its slowest rank axis. Pure Python (no torch, no config library): compose time imports it.
 """
 from __future__ import annotations
 

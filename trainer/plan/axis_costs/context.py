@@ -1,6 +1,6 @@
-"""Context parallel's cost entry: the heads a2a splits, what a block's attention keeps by
-cp_comm_type (memory), the K/V exchange of a block's attention (time), and the search's CP and
-cp_comm_type."""
+"""Context parallel's cost entry: the heads a2a splits, the K/V exchange of a block's attention
+(time), and the search's CP and cp_comm_type. (What the attention keeps under each cp_comm_type
+is the attention part's: trainer.parts.attention.)"""
 from __future__ import annotations
 
 from parallel.layout import Layout

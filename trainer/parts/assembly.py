@@ -1,7 +1,7 @@
-"""The model's parallelize plan and its shapes from the config alone, composed from its parts:
-which of the Transformer's modules parallel code replaces and how, by module name. parallel/
-applies the plan without knowing the model; the memory plan and the search read the shapes.
-"""
+"""The model assembled from its parts, from the config alone: its parameters' shapes and its
+parallelize plan (which of the Transformer's modules parallel code replaces and how, by module
+name). parallel/ applies the plan without knowing the model; the memory plan and the search
+read the shapes."""
 from __future__ import annotations
 
 import math
