@@ -48,6 +48,13 @@ def test_llama_exports_as_the_family_its_keys_make():
     assert {f.name for f in FAMILIES.values()} == {"llama", "qwen3", "mixtral", "qwen3_moe"}
 
 
+def test_every_family_has_its_hugging_face_mapping():
+    """What a new family adds: its description and its config.json mapping, one for one."""
+    from trainer.checkpoint.hf_families import MAPPINGS
+
+    assert set(MAPPINGS) == set(FAMILIES)
+
+
 @pytest.mark.parametrize("name, changes_, needs", [
     ("qwen3", {}, "model.qk_layernorm=true"),
     ("qwen3", {"qk_layernorm": True, "num_moe_experts": 4}, "model.num_moe_experts=null"),

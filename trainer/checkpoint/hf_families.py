@@ -10,13 +10,15 @@ writing the tensors is trainer.checkpoint.hf's.
 
 Which of their tensors each of our parameters is comes from the model's parts (trainer.parts:
 each part names its own); the family (trainer.parts.families) gives a model.name to an imported
-architecture and the names of its experts.
+architecture and the names of its experts, and its HfMapping here (MAPPINGS) the config.json
+fields only it reads and writes.
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -28,9 +30,6 @@ from trainer.parts.families import (
     ARCHITECTURES,
     BY_ARCHITECTURE,
     LLAMA,
-    MIXTRAL,
-    QWEN3,
-    QWEN3_MOE,
     hf_family,
 )
 
@@ -102,9 +101,8 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
     architecture = (fields.get("architectures", TEXTS, None) or [LLAMA])[0]  # [] too
     need("architectures", architecture in ARCHITECTURES,
          f"import a model of one of {', '.join(ARCHITECTURES)}")
+    family = BY_ARCHITECTURE[architecture]
     need("use_sliding_window", not fields.get("use_sliding_window", BOOL, False),
-         "use a model with full attention in every layer")
-    need("sliding_window", architecture != MIXTRAL or fields.get("sliding_window", INT) is None,
          "use a model with full attention in every layer")
     for key in REQUIRED_INTS:
         fields.get(key, INT, REQUIRED)
@@ -120,7 +118,7 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
     factor = _llama3_rope_factor(scaling) if scaling else None
     groups = fields.get("num_key_value_heads", INT) or heads
     model = ModelConfig(
-        name=BY_ARCHITECTURE[architecture].name, vocab_size=hf["vocab_size"], hidden_size=hidden,
+        name=family.name, vocab_size=hf["vocab_size"], hidden_size=hidden,
         num_layers=hf["num_hidden_layers"], num_heads=heads,
         ffn_hidden_size=hf["intermediate_size"],
         rope_theta=float(rope.get("rope_theta", NUMBER,
@@ -131,8 +129,7 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
         tie_word_embeddings=fields.get("tie_word_embeddings", BOOL, False),
         use_rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0,
         kv_channels=None if head_dim * heads == hidden else head_dim,
-        qk_layernorm=architecture in (QWEN3, QWEN3_MOE),
-        **_experts(fields, architecture, need))
+        **MAPPINGS[family.name].read(fields, need))
     try:
         check_model(model)
     except ValueError as error:
@@ -140,28 +137,80 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
     return model
 
 
-def _experts(fields: Fields, architecture: str, need) -> dict:
-    """The MoE keys of a Mixtral or Qwen3-MoE config (none for a dense family)."""
-    if architecture == MIXTRAL:
-        need("router_jitter_noise", not fields.get("router_jitter_noise", NUMBER),
-             "use a model without router noise (it trains with none here)")
-        return {"num_moe_experts": fields.get("num_local_experts", INT, REQUIRED),
-                "moe_router_topk": fields.get("num_experts_per_tok", INT, REQUIRED),
-                "moe_aux_loss_coeff": float(fields.get("router_aux_loss_coef", NUMBER, 0.0))}
-    if architecture != QWEN3_MOE:
-        return {}
+@dataclass(frozen=True)
+class HfMapping:
+    """One family's own part of config.json <-> ModelConfig (the fields every family shares are
+    model_config's and hf_config's): what it reads, what it writes, and the keys of ours it
+    cannot hold on export (key, value, whether it holds it)."""
+
+    model_type: str
+    read: Callable[[Fields, Callable], dict] = lambda fields, need: {}
+    write: Callable[[ModelConfig], dict] = lambda model: {}
+    holds: Callable[[ModelConfig], list[tuple[str, Any, bool]]] = lambda model: []
+    intermediate_is_experts: bool = False  # its intermediate_size is an expert's (Mixtral)
+
+
+def _read_mixtral(fields: Fields, need) -> dict:
+    need("sliding_window", fields.get("sliding_window", INT) is None,
+         "use a model with full attention in every layer")
+    need("router_jitter_noise", not fields.get("router_jitter_noise", NUMBER),
+         "use a model without router noise (it trains with none here)")
+    return {"num_moe_experts": fields.get("num_local_experts", INT, REQUIRED),
+            "moe_router_topk": fields.get("num_experts_per_tok", INT, REQUIRED),
+            "moe_aux_loss_coeff": float(fields.get("router_aux_loss_coef", NUMBER, 0.0))}
+
+
+def _read_qwen3_moe(fields: Fields, need) -> dict:
     layers = fields.values["num_hidden_layers"]
     step = fields.get("decoder_sparse_step", INT, 1)
     dense = set(fields.get("mlp_only_layers", INTS, []))
     pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
     # transformers 5 writes Qwen3-MoE's num_experts as num_local_experts
     experts = fields.get("num_experts", INT) or fields.get("num_local_experts", INT, REQUIRED)
-    return {"num_moe_experts": experts,
+    return {"qk_layernorm": True, "num_moe_experts": experts,
             "moe_router_topk": fields.get("num_experts_per_tok", INT, REQUIRED),
             "moe_ffn_hidden_size": fields.get("moe_intermediate_size", INT),
             "moe_router_pre_softmax": not fields.get("norm_topk_prob", BOOL, True),
             "moe_layer_freq": 1 if all(pattern) else pattern,
             "moe_aux_loss_coeff": float(fields.get("router_aux_loss_coef", NUMBER, 0.0))}
+
+
+def _full_attention(model: ModelConfig) -> dict:
+    return {"use_sliding_window": False, "max_window_layers": model.num_layers}
+
+
+def _write_mixtral(model: ModelConfig) -> dict:
+    return {"num_local_experts": model.num_moe_experts,
+            "num_experts_per_tok": model.moe_router_topk, "router_jitter_noise": 0.0,
+            "sliding_window": None, "router_aux_loss_coef": model.moe_aux_loss_coeff}
+
+
+def _write_qwen3_moe(model: ModelConfig) -> dict:
+    return {"num_experts": model.num_moe_experts, "num_experts_per_tok": model.moe_router_topk,
+            "moe_intermediate_size": model.expert_ffn_size,
+            "norm_topk_prob": not model.moe_router_pre_softmax, "decoder_sparse_step": 1,
+            "mlp_only_layers": [i for i in range(model.num_layers) if not model.is_moe_block(i)],
+            **_full_attention(model), "router_aux_loss_coef": model.moe_aux_loss_coeff}
+
+
+def _mixtral_holds(model: ModelConfig) -> list[tuple[str, Any, bool]]:
+    """Mixtral has no unnormalised top-k and no dense block."""
+    every_block = all(model.is_moe_block(i) for i in range(model.num_layers))
+    return [("moe_router_pre_softmax", model.moe_router_pre_softmax,
+             not model.moe_router_pre_softmax),
+            ("moe_layer_freq", model.moe_layer_freq, every_block)]
+
+
+# Each family's mapping, by model.name (tests/integration/test_hf.py checks each against
+# transformers; a family without one cannot be imported or exported).
+MAPPINGS = {
+    "llama": HfMapping("llama"),
+    "qwen3": HfMapping("qwen3", read=lambda fields, need: {"qk_layernorm": True},
+                       write=_full_attention),
+    "mixtral": HfMapping("mixtral", read=_read_mixtral, write=_write_mixtral,
+                         holds=_mixtral_holds, intermediate_is_experts=True),
+    "qwen3_moe": HfMapping("qwen3_moe", read=_read_qwen3_moe, write=_write_qwen3_moe),
+}
 
 
 def _llama3_rope_factor(scaling: Fields) -> float:
@@ -179,10 +228,10 @@ def _llama3_rope_factor(scaling: Fields) -> float:
 
 def architecture_of(model: ModelConfig) -> str:
     """The family an export writes; a router no family has is refused in one line."""
+    family = hf_family(model)
+    architecture = family.architecture or LLAMA
     if model.num_moe_experts is None:
-        return hf_family(model).architecture or LLAMA
-    family = hf_family(model).architecture
-    every_block = all(model.is_moe_block(i) for i in range(model.num_layers))
+        return architecture
     unmapped = [(k, v) for k, v, ok in (
         ("moe_router_score_function", model.moe_router_score_function,
          model.moe_router_score_function == "softmax"),
@@ -192,15 +241,14 @@ def architecture_of(model: ModelConfig) -> str:
          model.moe_shared_expert_intermediate_size is None),
         ("moe_router_enable_expert_bias", model.moe_router_enable_expert_bias,
          not model.moe_router_enable_expert_bias),
-        ("moe_router_pre_softmax", model.moe_router_pre_softmax,
-         family == QWEN3_MOE or not model.moe_router_pre_softmax),
-        ("moe_layer_freq", model.moe_layer_freq, family == QWEN3_MOE or every_block)) if not ok]
+        *MAPPINGS[family.name].holds(model)) if not ok]
     if unmapped:
         key, value = unmapped[0]
-        raise ValueError(f"model.{key}={value!r}: {family} (the family of a mixture of experts "
-                         f"{'with' if model.qk_layernorm else 'without'} qk_layernorm) has no "
-                         f"such router or block. Fix: export a model that {family} can hold.")
-    return family
+        raise ValueError(f"model.{key}={value!r}: {architecture} (the family of a mixture of "
+                         f"experts {'with' if model.qk_layernorm else 'without'} qk_layernorm) "
+                         f"has no such router or block. Fix: export a model that "
+                         f"{architecture} can hold.")
+    return architecture
 
 
 def hf_config(model: ModelConfig, dtype: torch.dtype) -> dict:
@@ -213,23 +261,9 @@ def hf_config(model: ModelConfig, dtype: torch.dtype) -> dict:
                    "low_freq_factor": LLAMA3_ROPE_LOW, "high_freq_factor": LLAMA3_ROPE_HIGH,
                    "original_max_position_embeddings": LLAMA3_ROPE_CONTEXT}
         rope = {**scaling, "rope_theta": model.rope_theta}
-    family = {LLAMA: {"model_type": "llama"},
-              QWEN3: {"model_type": "qwen3"},
-              MIXTRAL: {"model_type": "mixtral", "num_local_experts": model.num_moe_experts,
-                        "num_experts_per_tok": model.moe_router_topk, "router_jitter_noise": 0.0,
-                        "sliding_window": None},
-              QWEN3_MOE: {"model_type": "qwen3_moe", "num_experts": model.num_moe_experts,
-                          "num_experts_per_tok": model.moe_router_topk,
-                          "moe_intermediate_size": model.expert_ffn_size,
-                          "norm_topk_prob": not model.moe_router_pre_softmax,
-                          "decoder_sparse_step": 1, "mlp_only_layers": [
-                              i for i in range(model.num_layers) if not model.is_moe_block(i)]},
-              }[architecture]
-    if architecture in (QWEN3, QWEN3_MOE):
-        family |= {"use_sliding_window": False, "max_window_layers": model.num_layers}
-    if model.num_moe_experts is not None:
-        family["router_aux_loss_coef"] = model.moe_aux_loss_coeff
-    dense_ffn = model.expert_ffn_size if architecture == MIXTRAL else model.ffn_hidden_size
+    mapping = MAPPINGS[hf_family(model).name]
+    dense_ffn = model.expert_ffn_size if mapping.intermediate_is_experts else model.ffn_hidden_size
+    family = {"model_type": mapping.model_type, **mapping.write(model)}
     return {
         "architectures": [architecture], **family, "vocab_size": model.vocab_size,
         "hidden_size": model.hidden_size, "intermediate_size": dense_ffn,
