@@ -12,7 +12,7 @@ from dataclasses import asdict, fields, replace
 from typing import Any
 
 from trainer.config import ModelConfig
-from trainer.parts.assembly import EMBEDDING, EXPERT_BIAS, HEAD, buffer_shapes, parameter_shapes
+from trainer.parts.assembly import BUFFER_NAMES, EMBEDDING, HEAD, buffer_shapes, parameter_shapes
 from trainer.parts.families import hf_family
 
 HEAD_WEIGHT, EMBEDDING_WEIGHT = f"{HEAD}.weight", f"{EMBEDDING}.weight"
@@ -48,7 +48,7 @@ def weights(saved: set[str], model: ModelConfig, where: str, finetune: bool, fix
         notes.append(f"{TIE}=false: the output head starts as a copy of the checkpoint's "
                      f"embedding (it was trained tied)")
     dropped = sorted(saved - set(shapes) - set(buffers))
-    extra_weights = [name for name in dropped if not name.endswith(EXPERT_BIAS)]
+    extra_weights = [name for name in dropped if not name.endswith(BUFFER_NAMES)]
     if extra_weights:
         raise ValueError(f"{where} holds {len(extra_weights)} weight(s) this model has none of, "
                          f"e.g. {extra_weights[0]!r}: loading would drop them. Fix: {fix}.")

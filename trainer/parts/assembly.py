@@ -8,7 +8,7 @@ import math
 
 from parallel.layout.parallel_plan import ParallelPlan, by_suffix
 from trainer.config import ModelConfig
-from trainer.parts import PARTS, block_parts
+from trainer.parts import PARTS, block_parts, model_parts
 from trainer.parts.norm import BLOCK_NORMS
 
 EMBEDDING, HEAD, BLOCKS, FINAL_NORM = "embed", "head", "layers", "norm"
@@ -19,8 +19,9 @@ TP_STYLES = {**{name: style for part in PARTS for name, style in
 # Weights no TP style splits: a mixture of experts' router (whole on every rank) and its experts
 # (3-D; split over expert parallel instead: EXPERTS; trainer.plan.axis_costs.tensor refuses TP).
 WHOLE = tuple(name for part in PARTS for name in part.prefixed(part.whole))
-EXPERTS = "mlp.experts"
-EXPERT_BIAS = "mlp.router.expert_bias"  # a buffer: DeepSeek-V3's auxiliary-loss-free bias
+# Buffers by name within a block, of every registered part (what a checkpoint may hold beside
+# the weights: trainer.checkpoint.match tells them from a dropped weight).
+BUFFER_NAMES = tuple(name for part in PARTS for name in part.prefixed(part.buffer_names))
 # Parameters on a residual branch's output (their init std shrinks with depth).
 RESIDUAL_OUTPUTS = tuple(name for part in PARTS for name in part.prefixed(part.residual_outputs))
 
@@ -38,9 +39,9 @@ def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
         hidden_size=cfg.hidden_size,
         recompute_hooks=tuple(dict.fromkeys(p.hook for p in PARTS if p.hook)),
         head_norms=tuple(n for p in PARTS for n in p.prefixed(p.head_norms)),
-        experts=(EXPERTS,) if cfg.num_moe_experts is not None else (),
-        # [E, 2F, h]: each expert's gate|up rows split alike; [E, h, F]: its inputs split
-        expert_splits={"gate_up": (1, (1, 1)), "down": (2, (1,))},
+        experts=tuple(name for part in model_parts(cfg) for name in part.prefixed(part.experts)),
+        expert_splits={name: split for part in PARTS for name, split in
+                       part.expert_splits.items()},
     )
 
 
@@ -64,16 +65,14 @@ def buffer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The Transformer's named_buffers() shapes from the config alone: each mixture-of-experts
     router's expert bias (model.moe_router_enable_expert_bias). A checkpoint saves them beside
     the weights (trainer.checkpoint.match checks they are there)."""
-    if not cfg.moe_router_enable_expert_bias:
-        return {}
-    return {f"{BLOCKS}.{i}.{EXPERT_BIAS}": (cfg.num_moe_experts,) for i in range(cfg.num_layers)
-            if cfg.is_moe_block(i)}
+    return {f"{BLOCKS}.{i}.{name}": shape for i in range(cfg.num_layers)
+            for part in block_parts(cfg, i) for name, shape in part.slot_buffers(cfg).items()}
 
 
 def block_buffer_bytes(cfg: ModelConfig) -> list[int]:
     """Each block's buffers (fp32, whole on every rank): a router's expert bias."""
-    return [4 * cfg.num_moe_experts if cfg.is_moe_block(block)
-            and cfg.moe_router_enable_expert_bias else 0 for block in range(cfg.num_layers)]
+    return [sum(4 * math.prod(shape) for part in block_parts(cfg, block)
+                for shape in part.buffers(cfg).values()) for block in range(cfg.num_layers)]
 
 
 def block_weight_elements(cfg: ModelConfig) -> float:

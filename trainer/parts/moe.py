@@ -238,6 +238,14 @@ def dispatch_rows(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranula
             "kept_bytes_per_row": per_row, "worst_case_extra_bytes": (most - expected) * per_row}
 
 
+EXPERT_BIAS = "router.expert_bias"  # DeepSeek-V3's auxiliary-loss-free bias, a buffer
+
+
+def buffers(cfg: ModelConfig) -> Shapes:
+    """The router's expert bias (model.moe_router_enable_expert_bias)."""
+    return {EXPERT_BIAS: (cfg.num_moe_experts,)} if cfg.moe_router_enable_expert_bias else {}
+
+
 MOE = Part(
     "moe", "mlp", "trainer.model.moe:moe_mlp", shapes,
     tp_styles={"shared.gate_up": "column", "shared.down": "row"},
@@ -245,6 +253,10 @@ MOE = Part(
     # The router is whole on every rank; the experts are split over expert parallel instead
     # (parallel.experts; trainer.plan.axis_costs.tensor refuses TP without SP for them).
     whole=("router", "experts"),
+    experts=("experts",),
+    # [E, 2F, h]: each expert's gate|up rows split alike; [E, h, F]: its inputs split
+    expert_splits={"gate_up": (1, (1, 1)), "down": (2, (1,))},
+    buffer_names=(EXPERT_BIAS,), buffers=buffers,
     residual_outputs=("experts.down", "shared.down.weight"),
     hook="activation_fn",  # the experts' silu(gate) * up, as the dense MLP's
     kept_bytes=moe_mlp_bytes, backward_bytes=moe_backward_bytes, rebuild_bytes=moe_rebuild_bytes,

@@ -57,6 +57,15 @@ class Part:
     hook: str | None = None
     # Whole weights applied per attention head (qk_layernorm's norms): TP sums their gradients.
     head_norms: tuple[str, ...] = ()
+    # Expert parallel: modules whose 3-D parameters ([experts, ...]) split over EP on dim 0 (and
+    # whose `dispatch` hook sends each row to its expert's rank), and each such parameter's
+    # split over ETP: its name -> (the dim ETP splits, its fused parts' relative sizes).
+    experts: tuple[str, ...] = ()
+    expert_splits: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    # Its buffers (fp32, whole on every rank, saved beside the weights): every name it may
+    # have, and the shapes a config gives it.
+    buffer_names: tuple[str, ...] = ()
+    buffers: Callable[[ModelConfig], Shapes] = _none
     # Forward FLOPs per token beyond its weights' 2*W (attention's QK^T and AV).
     core_flops: Callable[[ModelConfig, int], float] = _no_flops
     # Its terms of the memory plan (trainer.plan.activations; symbols there, k: a rank's
@@ -81,3 +90,7 @@ class Part:
     def slot_shapes(self, cfg: ModelConfig) -> Shapes:
         """Its parameter shapes by name within the block."""
         return {f"{self.slot}.{n}": shape for n, shape in self.shapes(cfg).items()}
+
+    def slot_buffers(self, cfg: ModelConfig) -> Shapes:
+        """Its buffers' shapes by name within the block."""
+        return {f"{self.slot}.{n}": shape for n, shape in self.buffers(cfg).items()}
