@@ -129,6 +129,12 @@ class ModelConfig:
     # normalised)
     moe_router_pre_softmax: bool = False
     moe_router_topk_scaling_factor: Optional[float] = None  # the routing weights' factor; null: 1
+    # group-limited routing (DeepSeek-V3's): the experts split into this many groups of
+    # consecutive experts; null: no groups
+    moe_router_num_groups: Optional[int] = None
+    # the groups each token's experts are chosen within: the best by the sum of their
+    # moe_router_topk / group_topk best scores (with the expert bias); null: no groups
+    moe_router_group_topk: Optional[int] = None
     # Balance: aux_loss (the switch loss over a global micro-batch's tokens), seq_aux_loss
     # (DeepSeek's, per sequence) or none
     moe_router_load_balancing_type: str = "aux_loss"

@@ -146,6 +146,16 @@ TABLE = [
       ("model.moe_token_dispatcher_type=allgather", "num_moe_experts=null")),
     R("model.num_moe_experts=4 model.moe_expert_capacity_factor=0",
       ("model.moe_expert_capacity_factor=0", "null for dropless")),
+    # group-limited routing (trainer/parts/moe.py check_groups)
+    R("model.num_moe_experts=4 model.moe_router_num_groups=2",
+      ("model.moe_router_group_topk=null", "needs both", "Fix: set model.moe_router_group_topk")),
+    R("model.num_moe_experts=4 model.moe_router_num_groups=3 model.moe_router_group_topk=1",
+      ("model.moe_router_num_groups=3", "model.num_moe_experts=4")),
+    R("model.num_moe_experts=4 model.moe_router_num_groups=2 model.moe_router_group_topk=3",
+      ("model.moe_router_group_topk=3", "[1, model.moe_router_num_groups=2]")),
+    R("model.num_moe_experts=8 model.moe_router_topk=1 model.moe_router_num_groups=4 "
+      "model.moe_router_group_topk=2", ("model.moe_router_topk=1", "a topk in [2, 4]")),
+    R("model.moe_router_num_groups=2", ("model.moe_router_num_groups=2", "num_moe_experts=null")),
     R("model.moe_expert_capacity_factor=1.25",
       ("model.moe_expert_capacity_factor=1.25", "num_moe_experts=null")),
     R("model.kv_channels=15", ("model.kv_channels=15", "odd")),

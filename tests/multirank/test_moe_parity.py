@@ -57,6 +57,13 @@ MODELS["sigmoid_bias_seq_allgather"] = replace(MODELS["sigmoid_bias_seq"],
 MODELS["aux_z_capacity"] = replace(MOE, moe_expert_capacity_factor=1.0)
 MODELS["sigmoid_bias_seq_capacity"] = replace(MODELS["sigmoid_bias_seq"],
                                               moe_expert_capacity_factor=1.0)
+# DeepSeek-V3's group-limited routing: 8 experts in 4 groups, each token's 4 within its 2 best
+# groups (ranked by their 2 best biased scores); and the softmax router's, 2 within 2 groups.
+MODELS["sigmoid_bias_groups"] = replace(MODELS["sigmoid_bias_seq"], num_moe_experts=8,
+                                        moe_router_topk=4, moe_router_num_groups=4,
+                                        moe_router_group_topk=2)
+MODELS["aux_z_groups"] = replace(MOE, num_moe_experts=8, moe_router_num_groups=4,
+                                 moe_router_group_topk=2)
 TP2_SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True,
           "expert_tensor_parallel_size": 1}
 # Expert parallel (the expert view: etp-ep-edp-pp over the same ranks): EP 2, 4 and 8, beside
@@ -128,6 +135,10 @@ CASES = [  # (layout, cp_comm_type, model, dtype)
     ("cp2", ALL_GATHER, "sigmoid_bias_seq_capacity", torch.float64),
     ("tp2_sp_etp2_ep2", P2P, "sigmoid_bias_seq_capacity", torch.float64),
     ("cp2_ws2_ss2_ep4", P2P, "aux_z_capacity", torch.float64),
+    ("ep4", P2P, "sigmoid_bias_groups", torch.float64),
+    ("tp2_sp_etp2_ep2", P2P, "sigmoid_bias_groups", torch.float64),
+    ("cp2", A2A, "sigmoid_bias_groups", torch.float32),
+    ("ep2", P2P, "aux_z_groups", torch.float64),
 ]
 
 

@@ -87,6 +87,67 @@ def test_sigmoid_routing_with_bias_and_scaling_equals_deepseek_v3():
     assert not torch.equal(unbiased.sort(-1).values, experts.sort(-1).values)
 
 
+@pytest.mark.parametrize("router", [
+    {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+     "moe_router_topk_scaling_factor": 2.5},
+    {"moe_router_pre_softmax": True}, {}])
+@pytest.mark.parametrize("groups, group_topk, topk", [(4, 2, 4), (2, 1, 3)])
+def test_group_limited_routing_is_megatrons(router, groups, group_topk, topk):
+    """Megatron-Core's own router function (topk_routing_with_score_function, group-limited)
+    chooses the same experts with the same weights, for each score function; and the groups
+    change the choice for some tokens (the check can fail)."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    cfg = replace(MOE, moe_router_topk=topk, moe_router_num_groups=groups,
+                  moe_router_group_topk=group_topk, **router)
+    ours = moe_block(cfg).router
+    if ours.expert_bias is not None:
+        with torch.no_grad():
+            ours.expert_bias.copy_(torch.linspace(-0.3, 0.3, 8))
+    x = torch.randn(2, 30, 32, dtype=torch.float64)
+    weights, experts, *_ = ours(x)
+    logits = F.linear(x.reshape(-1, 32), ours.weight)
+    probs, chosen = topk_routing_with_score_function(
+        logits, topk, use_pre_softmax=cfg.moe_router_pre_softmax, num_groups=groups,
+        group_topk=group_topk,
+        scaling_factor=cfg.moe_router_topk_scaling_factor,
+        score_function=cfg.moe_router_score_function, expert_bias=ours.expert_bias)
+    ours_dense = torch.zeros_like(probs).scatter(-1, experts, weights)
+    assert torch.equal(ours_dense != 0, chosen)
+    # Megatron's scores run in fp32 whatever the logits' dtype; ours in fp64 here.
+    assert relative(ours_dense, probs) < 1e-6
+    ungrouped = moe_block(replace(cfg, moe_router_num_groups=None, moe_router_group_topk=None))
+    if ours.expert_bias is not None:
+        with torch.no_grad():
+            ungrouped.router.expert_bias.copy_(ours.expert_bias)
+    assert not torch.equal(ungrouped.router(x)[1].sort(-1).values, experts.sort(-1).values)
+
+
+def test_group_limited_sigmoid_routing_equals_deepseek_v3():
+    """transformers' DeepSeek-V3 router with its groups (n_group, topk_group; a group ranked by
+    its two best scores, as Megatron's topk / group_topk = 8 / 4 gives DeepSeek-V3)."""
+    cfg = replace(MOE, moe_router_score_function="sigmoid", moe_router_topk=4,
+                  moe_router_topk_scaling_factor=2.5, moe_router_enable_expert_bias=True,
+                  moe_router_num_groups=4, moe_router_group_topk=2)
+    ours = moe_block(cfg).router
+    theirs = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter(
+        transformers.DeepseekV3Config(hidden_size=32, n_routed_experts=8, num_experts_per_tok=4,
+                                      n_group=4, topk_group=2, norm_topk_prob=True,
+                                      routed_scaling_factor=2.5)).double()
+    bias = torch.linspace(-0.3, 0.3, 8)
+    with torch.no_grad():
+        ours.expert_bias.copy_(bias)
+        theirs.weight.copy_(ours.weight)
+        theirs.e_score_correction_bias.copy_(bias)
+    x = torch.randn(2, 30, 32, dtype=torch.float64)
+    weights, experts, *_ = ours(x)
+    _, their_weights, their_experts = theirs(x)
+    order, their_order = experts.argsort(-1), their_experts.argsort(-1)
+    assert torch.equal(experts.gather(-1, order), their_experts.gather(-1, their_order))
+    assert torch.allclose(weights.gather(-1, order),
+                          their_weights.gather(-1, their_order).double(), rtol=0, atol=1e-6)
+
+
 def formulas(logits: torch.Tensor, experts: torch.Tensor, cfg: ModelConfig, b: int, s: int
              ) -> dict[str, torch.Tensor]:
     """Megatron's balance losses written out: the switch loss E * sum_i f_i * P_i (f_i the

@@ -61,6 +61,7 @@ class Router(nn.Module):
         self.score_function, self.pre_softmax = (cfg.moe_router_score_function,
                                                  cfg.moe_router_pre_softmax)
         self.scaling = cfg.moe_router_topk_scaling_factor or 1.0
+        self.groups, self.group_topk = cfg.moe_router_num_groups, cfg.moe_router_group_topk
         self.balancing = cfg.moe_router_load_balancing_type
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff or 0.0
         self.weight = nn.Parameter(torch.empty(cfg.num_moe_experts, cfg.hidden_size))
@@ -110,14 +111,34 @@ class Router(nn.Module):
         elif self.pre_softmax:
             scores = torch.softmax(logits, dim=-1)
         else:  # the top-k logits' softmax; the bias (pre_softmax only) is refused at compose
-            top, experts = torch.topk(logits, k, dim=-1)
+            if self.groups is None:
+                top, experts = torch.topk(logits, k, dim=-1)
+            else:
+                experts = self._within_groups(logits, k)
+                top = logits.gather(-1, experts)
             return torch.softmax(top, dim=-1) * self.scaling, experts
         chooser = scores if self.expert_bias is None else scores + self.expert_bias
-        experts = torch.topk(chooser, k, dim=-1).indices
+        experts = torch.topk(chooser, k, dim=-1).indices if self.groups is None \
+            else self._within_groups(chooser, k)
         weights = scores.gather(-1, experts)
         if self.score_function == "sigmoid" and k > 1:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
         return weights * self.scaling, experts
+
+    @torch.no_grad()
+    def _within_groups(self, scores: torch.Tensor, k: int) -> torch.Tensor:
+        """Group-limited top-k (Megatron's group_limited_topk): the experts in `groups` groups
+        of consecutive experts, each group ranked by the sum of its k / group_topk best scores
+        (DeepSeek-V3's 8 / 4: its two best), and the k experts chosen among the group_topk best
+        groups' only. Indices only: the weights are gathered from the scores, so the gradient is
+        the plain top-k's."""
+        tokens = scores.shape[0]
+        grouped_scores = scores.view(tokens, self.groups, -1)
+        best = grouped_scores.topk(k // self.group_topk, dim=-1).values.sum(-1)  # [tokens, groups]
+        kept = torch.zeros_like(best, dtype=torch.bool).scatter_(
+            1, best.topk(self.group_topk, dim=-1, sorted=False).indices, True)
+        masked = grouped_scores.masked_fill(~kept[..., None], float("-inf"))
+        return masked.view(tokens, -1).topk(k, dim=-1).indices
 
     def _balance_loss(self, logits: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor,
                       tokens: torch.Tensor, b: int, s: int) -> torch.Tensor:

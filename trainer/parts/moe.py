@@ -73,6 +73,8 @@ def check_moe(model: ModelConfig) -> None:
             ("moe_token_dispatcher_type", None if model.moe_token_dispatcher_type == "alltoall"
              else model.moe_token_dispatcher_type),
             ("moe_expert_capacity_factor", model.moe_expert_capacity_factor),
+            ("moe_router_num_groups", model.moe_router_num_groups),
+            ("moe_router_group_topk", model.moe_router_group_topk),
             ("moe_router_bias_update_rate", None if model.moe_router_bias_update_rate
              == ModelConfig.moe_router_bias_update_rate else model.moe_router_bias_update_rate))
             if v is not None]
@@ -114,6 +116,7 @@ def check_moe(model: ModelConfig) -> None:
                          "[0, 1], which the top-k logits' softmax has not. Fix: set "
                          "model.moe_router_score_function=sigmoid (DeepSeek-V3's), or "
                          "model.moe_router_pre_softmax=true.")
+    check_groups(model)
     if model.moe_router_topk_scaling_factor is not None:
         finite("model.moe_router_topk_scaling_factor", model.moe_router_topk_scaling_factor, 0,
                False, fix="use e.g. 2.5, or null for 1")
@@ -244,6 +247,37 @@ EXPERT_BIAS = "router.expert_bias"  # DeepSeek-V3's auxiliary-loss-free bias, a 
 def buffers(cfg: ModelConfig) -> Shapes:
     """The router's expert bias (model.moe_router_enable_expert_bias)."""
     return {EXPERT_BIAS: (cfg.num_moe_experts,)} if cfg.moe_router_enable_expert_bias else {}
+
+
+def check_groups(model: ModelConfig) -> None:
+    """Group-limited routing: groups of equal size, at least one of the token's experts from
+    each chosen group (Megatron ranks a group by its topk / group_topk best scores), and
+    enough experts in the chosen groups."""
+    groups, chosen, experts, k = (model.moe_router_num_groups, model.moe_router_group_topk,
+                                  model.num_moe_experts, model.moe_router_topk)
+    if (groups is None) != (chosen is None):
+        unset = "moe_router_group_topk" if chosen is None else "moe_router_num_groups"
+        written = {None: "null"}
+        raise ValueError(f"model.moe_router_num_groups={written.get(groups, groups)} and "
+                         f"model.moe_router_group_topk={written.get(chosen, chosen)}: "
+                         f"group-limited routing needs both. Fix: set model.{unset}, or both "
+                         f"to null.")
+    if groups is None:
+        return
+    positive_int("model.moe_router_num_groups", groups, "or null for no groups")
+    if experts % groups:
+        raise ValueError(f"model.moe_router_num_groups={groups} does not divide "
+                         f"model.num_moe_experts={experts}. Fix: use a divisor of {experts}.")
+    if not 1 <= chosen <= groups:
+        raise ValueError(f"model.moe_router_group_topk={chosen} must be in [1, "
+                         f"model.moe_router_num_groups={groups}]. Fix: choose that many groups "
+                         f"at most.")
+    if not chosen <= k <= chosen * (experts // groups):
+        raise ValueError(f"model.moe_router_topk={k} with model.moe_router_group_topk={chosen} "
+                         f"groups of {experts // groups} experts: each chosen group gives "
+                         f"topk / group_topk >= 1 of the token's experts, and they hold "
+                         f"{chosen * (experts // groups)}. Fix: a topk in [{chosen}, "
+                         f"{chosen * (experts // groups)}].")
 
 
 MOE = Part(
