@@ -248,6 +248,7 @@ def test_the_expert_bias_moves_towards_equal_counts_and_the_step_is_reported():
     (dict(moe_shared_expert_intermediate_size=16), "moe_shared_expert_intermediate_size=16"),
     (dict(moe_router_pre_softmax=True), "moe_router_pre_softmax=True: MixtralForCausalLM"),
     (dict(moe_layer_freq=[1, 0]), "moe_layer_freq=[1, 0]: MixtralForCausalLM"),
+    (dict(moe_router_num_groups=4, moe_router_group_topk=2), "moe_router_num_groups=4"),
 ])
 def test_an_export_no_hugging_face_family_holds_is_one_line(change, key):
     from trainer.checkpoint.hf_families import architecture_of

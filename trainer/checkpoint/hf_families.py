@@ -241,6 +241,8 @@ def architecture_of(model: ModelConfig) -> str:
          model.moe_shared_expert_intermediate_size is None),
         ("moe_router_enable_expert_bias", model.moe_router_enable_expert_bias,
          not model.moe_router_enable_expert_bias),
+        ("moe_router_num_groups", model.moe_router_num_groups,
+         model.moe_router_num_groups is None),
         *MAPPINGS[family.name].holds(model)) if not ok]
     if unmapped:
         key, value = unmapped[0]
