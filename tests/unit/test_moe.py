@@ -61,13 +61,18 @@ def relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-def test_sigmoid_routing_with_bias_and_scaling_equals_deepseek_v3():
+@pytest.mark.parametrize("groups, group_topk, topk", [(None, None, 3), (4, 2, 4)])
+def test_sigmoid_routing_with_bias_and_scaling_equals_deepseek_v3(groups, group_topk, topk):
+    """transformers' DeepSeek-V3 router, without groups and with them (n_group, topk_group: a
+    group ranked by its two best scores, as Megatron's topk / group_topk = 4 / 2 here)."""
     cfg = replace(MOE, moe_router_score_function="sigmoid", moe_router_topk_scaling_factor=2.5,
-                  moe_router_enable_expert_bias=True)
+                  moe_router_enable_expert_bias=True, moe_router_topk=topk,
+                  moe_router_num_groups=groups, moe_router_group_topk=group_topk)
     ours = moe_block(cfg).router
     theirs = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter(
-        transformers.DeepseekV3Config(hidden_size=32, n_routed_experts=8, num_experts_per_tok=3,
-                                      n_group=1, topk_group=1, norm_topk_prob=True,
+        transformers.DeepseekV3Config(hidden_size=32, n_routed_experts=8,
+                                      num_experts_per_tok=topk, n_group=groups or 1,
+                                      topk_group=group_topk or 1, norm_topk_prob=True,
                                       routed_scaling_factor=2.5)).double()
     bias = torch.linspace(-0.3, 0.3, 8)
     with torch.no_grad():
@@ -83,7 +88,7 @@ def test_sigmoid_routing_with_bias_and_scaling_equals_deepseek_v3():
     assert torch.allclose(weights.gather(-1, order),
                           their_weights.gather(-1, their_order).double(), rtol=0, atol=1e-6)
     # The bias chose other experts than the scores alone would, for some tokens.
-    unbiased = torch.sigmoid(F.linear(x.reshape(-1, 32), ours.weight)).topk(3).indices
+    unbiased = torch.sigmoid(F.linear(x.reshape(-1, 32), ours.weight)).topk(topk).indices
     assert not torch.equal(unbiased.sort(-1).values, experts.sort(-1).values)
 
 
@@ -121,31 +126,6 @@ def test_group_limited_routing_is_megatrons(router, groups, group_topk, topk):
         with torch.no_grad():
             ungrouped.router.expert_bias.copy_(ours.expert_bias)
     assert not torch.equal(ungrouped.router(x)[1].sort(-1).values, experts.sort(-1).values)
-
-
-def test_group_limited_sigmoid_routing_equals_deepseek_v3():
-    """transformers' DeepSeek-V3 router with its groups (n_group, topk_group; a group ranked by
-    its two best scores, as Megatron's topk / group_topk = 8 / 4 gives DeepSeek-V3)."""
-    cfg = replace(MOE, moe_router_score_function="sigmoid", moe_router_topk=4,
-                  moe_router_topk_scaling_factor=2.5, moe_router_enable_expert_bias=True,
-                  moe_router_num_groups=4, moe_router_group_topk=2)
-    ours = moe_block(cfg).router
-    theirs = transformers.models.deepseek_v3.modeling_deepseek_v3.DeepseekV3TopkRouter(
-        transformers.DeepseekV3Config(hidden_size=32, n_routed_experts=8, num_experts_per_tok=4,
-                                      n_group=4, topk_group=2, norm_topk_prob=True,
-                                      routed_scaling_factor=2.5)).double()
-    bias = torch.linspace(-0.3, 0.3, 8)
-    with torch.no_grad():
-        ours.expert_bias.copy_(bias)
-        theirs.weight.copy_(ours.weight)
-        theirs.e_score_correction_bias.copy_(bias)
-    x = torch.randn(2, 30, 32, dtype=torch.float64)
-    weights, experts, *_ = ours(x)
-    _, their_weights, their_experts = theirs(x)
-    order, their_order = experts.argsort(-1), their_experts.argsort(-1)
-    assert torch.equal(experts.gather(-1, order), their_experts.gather(-1, their_order))
-    assert torch.allclose(weights.gather(-1, order),
-                          their_weights.gather(-1, their_order).double(), rtol=0, atol=1e-6)
 
 
 def formulas(logits: torch.Tensor, experts: torch.Tensor, cfg: ModelConfig, b: int, s: int
