@@ -112,10 +112,6 @@ class Choice:
                 "budget_bytes": self.budget_bytes, "search_s": round(self.search_s, 3)}
 
 
-def _choices(fixed: dict[str, Any], key: str, options: list) -> list:
-    return [fixed[key]] if key in fixed else options
-
-
 def degrees(p: Problem, fixed: dict[str, Any], dropped: Counter):
     """The axes' degrees to offer the Layout (config key -> value), each axis offering its
     keys' values given the choices of the axes before it (trainer.plan.axis_costs, in the
@@ -145,9 +141,9 @@ def search(p: Problem) -> Choice:
     over = "planned peak over the device memory less its margin"
     fits: list[tuple[float, int, Candidate]] = []
     nearest: tuple[int, Candidate, int] | None = None  # (peak, layout, its stage's state)
-    recomputes = [RecomputeGranularity(r) if r else None for r in _choices(
-        fixed, "train.recompute_granularity",
-        list(RECOMPUTES[p.recompute_num_layers is not None:]))]
+    asked = Offer(p, fixed, dropped, {}).choices(
+        "train.recompute_granularity", list(RECOMPUTES[p.recompute_num_layers is not None:]))
+    recomputes = [RecomputeGranularity(r) if r else None for r in asked]
     layouts = []  # (the least its step could cost per sample, its place, the layout)
     variants = [costs.variants for costs in SEARCH_ORDER if costs.variants]
     stage_layers = {key.name: given[key.config_key] for key in PARALLEL_KEYS
