@@ -232,12 +232,33 @@ def shard_layers(build: Build) -> None:
     model, plan, sp = build.model, build.plan, build.sequence_parallel
     tp, gtp = build.groups.tp, build.groups.gtp_remat
     for name, child in list(model.named_modules()):
+        for hook in plan.tp_shared_hooks:
+            if tp.size > 1 and hasattr(child, hook):
+                setattr(child, hook, _SharedOverTP(tp, sp))
         if isinstance(child, nn.Embedding):
             replacement = VocabParallelEmbedding(child, tp, gtp, sp, name, build.dtypes)
         elif isinstance(child, nn.Linear):
             style, parts = plan.linear_style(name)
+            if style == "whole":  # kept as it is: whole on every rank
+                continue
             replacement = ParallelLinear(child, style, tp, gtp, sp, name, parts, build.dtypes)
         else:
             continue
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, replacement)
+
+
+class _SharedOverTP:
+    """A tensor every TP rank's heads read whole (the plan's tp_shared_hooks): with SP it is
+    computed from the rank's own tokens and gathered along the sequence (its gradient, each
+    rank's heads' share, reduce-scattered back); without, every rank computes it whole and
+    its gradient is summed over TP. A class, not a closure: compiled blocks guard on it
+    cheaply, and it pickles with the module."""
+
+    def __init__(self, tp: Group, sequence_parallel: bool):
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return gather_along(x, self.tp, SEQ_DIM)
+        return copy_to(x, self.tp)

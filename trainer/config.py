@@ -110,6 +110,30 @@ class ModelConfig:
     # an RMSNorm over each head of q and of k before the rotary embedding (Qwen3's q_norm and
     # k_norm)
     qk_layernorm: bool = False
+    # Rotary scaling (Megatron's --rope-type): rope (plain, or Llama 3's with use_rope_scaling)
+    # or yarn: frequencies interpolated by rotary_scaling_factor past the wavelengths the
+    # original context holds, sharply above beta_fast rotations and not below beta_slow, and
+    # cos/sin scaled by yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    # (DeepSeek-V3's and transformers' YaRN; docs/attention.md)
+    rope_type: str = "rope"
+    rotary_scaling_factor: float = 40.0  # yarn: DeepSeek-V3's 40
+    original_max_position_embeddings: int = 4096  # yarn: the context it was trained at
+    beta_fast: float = 32.0  # yarn: rotations over the original context kept unscaled
+    beta_slow: float = 1.0  # yarn: rotations under which frequencies are fully interpolated
+    mscale: float = 1.0  # yarn: the cos/sin magnitude's log coefficient
+    # yarn: of the softmax scale's correction in multi-latent attention (0: none)
+    mscale_all_dim: float = 0.0
+
+    # Multi-latent attention (DeepSeek-V2/V3's; Megatron's names; docs/attention.md): q and
+    # K/V each projected down to a latent, normed and projected up per head, with a decoupled
+    # rotary key of qk_pos_emb_head_dim shared by a token's heads. Replaces grouped-query
+    # attention (num_query_groups null, kv_channels unused).
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None  # the query's latent; null: q projected directly
+    kv_lora_rank: int = 512  # the keys' and values' latent
+    qk_head_dim: int = 128  # a query or key head's part without rotary positions
+    qk_pos_emb_head_dim: int = 64  # its rotary part (the key's shared by the heads)
+    v_head_dim: int = 128  # a value head
 
     # Mixture of experts (Megatron's names; docs/moe.md). Each MoE block routes every token to
     # moe_router_topk SwiGLU experts.

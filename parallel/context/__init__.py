@@ -36,7 +36,25 @@ def context_attention(cp_comm_type: str, context: Group, layout: Layout, rank: i
     """The attention_fn for runtime CP > 1."""
     if cp_comm_type not in ATTENTION:
         raise ValueError(f"cp_comm_type={cp_comm_type!r}: expected one of {CP_COMM_TYPES}")
-    return ATTENTION[cp_comm_type](context, layout, rank)
+    return NarrowValues(ATTENTION[cp_comm_type](context, layout, rank))
+
+
+class NarrowValues:
+    """Values narrower than queries and keys (multi-latent attention's) through an exchange
+    and kernels that take one width: v padded with zeros to q's width, the output's padding
+    cut off. Exact (the zero columns add nothing to any output and get no gradient); the cost
+    is the padding's share of the K/V exchanged and of the AV product."""
+
+    def __init__(self, attention: Callable[..., torch.Tensor]):
+        self.attention = attention
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 documents: torch.Tensor | None = None) -> torch.Tensor:
+        width = v.shape[-1]
+        if width == q.shape[-1]:
+            return self.attention(q, k, v, documents)
+        v = torch.nn.functional.pad(v, (0, q.shape[-1] - width))
+        return self.attention(q, k, v, documents)[..., :width]
 
 
 def inject_attention(build: Build) -> None:

@@ -25,6 +25,13 @@ class ParallelPlan:
     # Function attributes of a block's modules that selective recompute wraps (Megatron's
     # selective: the attention core and the MLP activation), by attribute name.
     recompute_hooks: tuple[str, ...] = ()
+    # Linears the plan keeps whole on every rank (multi-latent attention's down-projections),
+    # by module-name suffix: no TP style replaces them; their gradients are summed as a norm's.
+    whole_linears: tuple[str, ...] = ()
+    # Function attributes (identities on one process) through which a block's modules pass a
+    # tensor that every TP rank's heads read (multi-latent attention's shared rotary key): TP
+    # makes it whole-sequence on each rank (gathered under SP) with its gradient summed over TP.
+    tp_shared_hooks: tuple[str, ...] = ()
     # Whole weights applied to each attention head (qk_layernorm's norms), by module-name
     # suffix: a TP rank forms their gradient from its own heads only, so it is summed over TP
     # with sequence parallel or without (other whole weights only with it).
@@ -39,6 +46,9 @@ class ParallelPlan:
     expert_splits: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
 
     def linear_style(self, name: str) -> tuple[str, tuple[int, ...]]:
+        """(style, fused parts) of linear module `name`; ("whole", (1,)) where kept whole."""
+        if any(name == w or name.endswith("." + w) for w in self.whole_linears):
+            return "whole", (1,)
         return by_suffix(self.linears, name)
 
 

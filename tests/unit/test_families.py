@@ -23,7 +23,7 @@ def preset(name: str) -> ModelConfig:
 
 @pytest.mark.parametrize("name, family", [("qwen3_8b", "qwen3"), ("mixtral_8x7b", "mixtral"),
                                           ("qwen3_30b_a3b", "qwen3_moe"), ("llama3_1_8b", "llama"),
-                                          ("tiny_moe", "llama")])
+                                          ("tiny_moe", "llama"), ("tiny_deepseek", "deepseek_v3")])
 def test_each_preset_is_its_familys_and_an_older_llama_record_resumes_under_it(name, family):
     model = preset(name)
     check_model(model)
@@ -45,7 +45,9 @@ def test_llama_exports_as_the_family_its_keys_make():
     assert hf_family(replace(base, qk_layernorm=True)).name == "qwen3"
     assert hf_family(replace(base, num_moe_experts=4)).name == "mixtral"
     assert hf_family(replace(base, num_moe_experts=4, qk_layernorm=True)).name == "qwen3_moe"
-    assert {f.name for f in FAMILIES.values()} == {"llama", "qwen3", "mixtral", "qwen3_moe"}
+    assert hf_family(replace(base, multi_latent_attention=True)).name == "deepseek_v3"
+    assert {f.name for f in FAMILIES.values()} == {"llama", "qwen3", "mixtral", "qwen3_moe",
+                                                   "deepseek_v3"}
 
 
 def test_every_family_has_its_hugging_face_mapping():

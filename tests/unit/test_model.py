@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from trainer.config import ModelConfig
-from trainer.model.attention import apply_rotary
+from trainer.model.rotary import apply_rotary
 from trainer.model.transformer import Transformer
 
 TINY = ModelConfig(name="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,

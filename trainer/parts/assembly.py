@@ -17,7 +17,8 @@ EMBEDDING, HEAD, BLOCKS, FINAL_NORM = "embed", "head", "layers", "norm"
 TP_STYLES = {**{name: style for part in PARTS for name, style in
                 zip(part.prefixed(part.tp_styles), part.tp_styles.values())}, HEAD: "column"}
 # Weights no TP style splits: a mixture of experts' router (whole on every rank) and its experts
-# (3-D; split over expert parallel instead: EXPERTS; trainer.plan.axis_costs.tensor refuses TP).
+# (3-D; split over expert parallel instead: EXPERTS; trainer.plan.axis_costs.tensor refuses TP),
+# multi-latent attention's down-projections (whole on every rank).
 WHOLE = tuple(name for part in PARTS for name in part.prefixed(part.whole))
 # Buffers by name within a block, of every registered part (what a checkpoint may hold beside
 # the weights: trainer.checkpoint.match tells them from a dropped weight).
@@ -38,6 +39,8 @@ def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
         final_norm=FINAL_NORM,
         hidden_size=cfg.hidden_size,
         recompute_hooks=tuple(dict.fromkeys(p.hook for p in PARTS if p.hook)),
+        whole_linears=WHOLE,
+        tp_shared_hooks=tuple(dict.fromkeys(p.tp_shared for p in PARTS if p.tp_shared)),
         head_norms=tuple(n for p in PARTS for n in p.prefixed(p.head_norms)),
         experts=tuple(name for part in model_parts(cfg) for name in part.prefixed(part.experts)),
         expert_splits={name: split for part in PARTS for name, split in

@@ -7,12 +7,14 @@ from __future__ import annotations
 from trainer.config import CPCommType, ModelConfig, RecomputeGranularity
 from trainer.parts.part import HfNames, Part, Shapes
 from trainer.parts.tokens import FP32, Tokens
-from trainer.values import finite, positive_int
+from trainer.values import finite, one_of, positive_int
 
 # Llama 3's rope scaling constants (Meta's reference; Megatron fixes them too): frequencies
 # whose wavelength exceeds CONTEXT / LOW are divided by the factor, those under CONTEXT / HIGH
 # kept, and the ones between interpolated.
 LLAMA3_ROPE_CONTEXT, LLAMA3_ROPE_LOW, LLAMA3_ROPE_HIGH = 8192, 1.0, 4.0
+# model.rope_type (Megatron's --rope-type): plain rotary (Llama 3's scaling by its own keys), YaRN
+ROPE_TYPES = ("rope", "yarn")
 
 
 def shapes(cfg: ModelConfig) -> Shapes:
@@ -101,10 +103,34 @@ def rules(model: ModelConfig) -> None:
         raise ValueError(
             f"{width} is odd; rotary embeddings need an even head dim. Fix: change "
             f"model.kv_channels, model.num_heads or model.hidden_size.")
+    rope_rules(model)
+
+
+def rope_rules(model: ModelConfig) -> None:
+    """The rotary embedding's keys (trainer.model.rotary), of every attention part."""
     finite("model.rope_theta", model.rope_theta, 0, False, fix="use e.g. 10000.0")
+    one_of("model.rope_type", model.rope_type, ROPE_TYPES, "rotary embedding")
     if model.use_rope_scaling:
         finite("model.rope_scaling_factor", model.rope_scaling_factor, 1, True,
                fix="use Llama 3.1's 8.0 or Llama 3.2's 32.0")
+    if model.rope_type != "yarn":
+        return
+    if model.use_rope_scaling:
+        raise ValueError("model.use_rope_scaling=true with model.rope_type=yarn: two rotary "
+                         "scalings. Fix: set model.use_rope_scaling=false (YaRN scales by "
+                         "model.rotary_scaling_factor).")
+    finite("model.rotary_scaling_factor", model.rotary_scaling_factor, 1, True,
+           fix="use DeepSeek-V3's 40.0")
+    positive_int("model.original_max_position_embeddings",
+                 model.original_max_position_embeddings, "use DeepSeek-V3's 4096")
+    finite("model.beta_slow", model.beta_slow, 0, False, fix="use YaRN's 1.0")
+    if not model.beta_fast > model.beta_slow:
+        raise ValueError(f"model.beta_fast={model.beta_fast} must exceed model.beta_slow="
+                         f"{model.beta_slow}: the ramp runs from beta_fast rotations down to "
+                         f"beta_slow. Fix: use YaRN's 32.0 and 1.0.")
+    for key in ("mscale", "mscale_all_dim"):
+        finite(f"model.{key}", getattr(model, key), 0, True,
+               fix="use DeepSeek-V3's 1.0 (0: no correction)")
 
 
 GQA = Part(

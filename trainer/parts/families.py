@@ -9,6 +9,9 @@ requires of the keys. Presets of each live in conf/model/.
     mixtral    a mixture of experts in every block, a softmax over the top-k router logits
     qwen3_moe  Qwen3's attention, experts (normalised top-k), dense blocks where
                moe_layer_freq says
+    deepseek_v3  multi-latent attention; experts with sigmoid or softmax routing, group-limited
+               top-k, the expert bias, a shared expert and the first blocks dense (Kimi K2 and
+               Moonlight are this family)
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ from trainer.config import ModelConfig
 
 LLAMA, QWEN3 = "LlamaForCausalLM", "Qwen3ForCausalLM"
 MIXTRAL, QWEN3_MOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM"
+DEEPSEEK_V3 = "DeepseekV3ForCausalLM"  # Kimi K2's and Moonlight's too
 
 
 def _requires(name: str, **wanted: Callable[[ModelConfig], bool]) -> Callable:
@@ -26,12 +30,15 @@ def _requires(name: str, **wanted: Callable[[ModelConfig], bool]) -> Callable:
     says = {"qk_layernorm": "model.qk_layernorm=true",
             "no_qk_layernorm": "model.qk_layernorm=false",
             "experts": "model.num_moe_experts set (a mixture of experts)",
-            "dense": "model.num_moe_experts=null (a dense model)"}
+            "dense": "model.num_moe_experts=null (a dense model)",
+            "mla": "model.multi_latent_attention=true",
+            "gqa": "model.multi_latent_attention=false"}
 
     def rule(model: ModelConfig) -> None:
         for what, ok in wanted.items():
             if not ok(model):
-                key = "qk_layernorm" if "qk_layernorm" in what else "num_moe_experts"
+                key = ("qk_layernorm" if "qk_layernorm" in what else "multi_latent_attention"
+                       if what in ("mla", "gqa") else "num_moe_experts")
                 value = getattr(model, key)
                 value = "null" if value is None else str(value).lower()
                 raise ValueError(f"model.name={name} needs {says[what]}, not model.{key}="
@@ -58,11 +65,14 @@ FAMILIES = {f.name: f for f in (
                                      dense=lambda m: m.num_moe_experts is None)),
     Family("mixtral", MIXTRAL, _requires(
         "mixtral", no_qk_layernorm=lambda m: not m.qk_layernorm,
+        gqa=lambda m: not m.multi_latent_attention,
         experts=lambda m: m.num_moe_experts is not None),
         expert_names=("block_sparse_moe", ("w1", "w3", "w2"))),
     Family("qwen3_moe", QWEN3_MOE, _requires(
         "qwen3_moe", qk_layernorm=lambda m: m.qk_layernorm,
         experts=lambda m: m.num_moe_experts is not None)),
+    Family("deepseek_v3", DEEPSEEK_V3, _requires("deepseek_v3",
+                                                 mla=lambda m: m.multi_latent_attention)),
 )}
 # The family an imported checkpoint's architecture becomes (llama's is chosen from the keys on
 # export, and its own on import).
@@ -73,10 +83,13 @@ ARCHITECTURES = tuple(BY_ARCHITECTURE)
 
 def hf_family(model: ModelConfig) -> Family:
     """The family whose Hugging Face names a model's weights take: its own, or for llama the
-    one its keys make (qk_layernorm: Qwen3's; experts: Mixtral's or Qwen3-MoE's)."""
+    one its keys make (multi-latent attention: DeepSeek-V3's; qk_layernorm: Qwen3's; experts:
+    Mixtral's or Qwen3-MoE's)."""
     family = FAMILIES[model.name]
     if family.architecture is not None:
         return family
+    if model.multi_latent_attention:
+        return FAMILIES["deepseek_v3"]
     if model.num_moe_experts is None:
         return FAMILIES["qwen3"] if model.qk_layernorm else family
     return FAMILIES["qwen3_moe"] if model.qk_layernorm else FAMILIES["mixtral"]

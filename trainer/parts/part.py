@@ -55,6 +55,9 @@ class Part:
     # Selective recompute wraps this function attribute of the layer (the attention core, the
     # MLP's activation); context parallel replaces the attention's (what CP does for the part).
     hook: str | None = None
+    # A function attribute (the identity on one process) through which the layer passes a
+    # tensor every TP rank's heads read whole: TP replaces it (parallel.tensor).
+    tp_shared: str | None = None
     # Whole weights applied per attention head (qk_layernorm's norms): TP sums their gradients.
     head_norms: tuple[str, ...] = ()
     # Expert parallel: modules whose 3-D parameters ([experts, ...]) split over EP on dim 0 (and
