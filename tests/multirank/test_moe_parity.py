@@ -59,9 +59,15 @@ MODELS["sigmoid_bias_seq_capacity"] = replace(MODELS["sigmoid_bias_seq"],
                                               moe_expert_capacity_factor=1.0)
 # DeepSeek-V3's group-limited routing: 8 experts in 4 groups, each token's 4 within its 2 best
 # groups (ranked by their 2 best biased scores); and the softmax router's, 2 within 2 groups.
+# "deepseek": that router under DeepSeek-V3's multi-latent attention with YaRN (tiny_deepseek's
+# block; test_mla_parity has the attention alone on every axis).
 MODELS["sigmoid_bias_groups"] = replace(MODELS["sigmoid_bias_seq"], num_moe_experts=8,
                                         moe_router_topk=4, moe_router_num_groups=4,
                                         moe_router_group_topk=2)
+MODELS["deepseek"] = replace(MODELS["sigmoid_bias_groups"], multi_latent_attention=True,
+                             q_lora_rank=24, kv_lora_rank=32, qk_head_dim=16,
+                             qk_pos_emb_head_dim=8, v_head_dim=16, rope_type="yarn",
+                             original_max_position_embeddings=16, mscale_all_dim=1.0)
 MODELS["aux_z_groups"] = replace(MOE, num_moe_experts=8, moe_router_num_groups=4,
                                  moe_router_group_topk=2)
 TP2_SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True,
@@ -136,8 +142,9 @@ CASES = [  # (layout, cp_comm_type, model, dtype)
     ("tp2_sp_etp2_ep2", P2P, "sigmoid_bias_seq_capacity", torch.float64),
     ("cp2_ws2_ss2_ep4", P2P, "aux_z_capacity", torch.float64),
     ("ep4", P2P, "sigmoid_bias_groups", torch.float64),
-    ("tp2_sp_etp2_ep2", P2P, "sigmoid_bias_groups", torch.float64),
-    ("cp2", A2A, "sigmoid_bias_groups", torch.float32),
+    ("tp2_sp_etp2_ep2", P2P, "deepseek", torch.float64),
+    ("cp2", A2A, "deepseek", torch.float32),
+    ("tp2_sp_ep2_pp2", P2P, "deepseek", torch.float64),
     ("ep2", P2P, "aux_z_groups", torch.float64),
 ]
 

@@ -38,6 +38,7 @@ OPTIM = OptimConfig(name="adamw", weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1
 STEPS, MICRO, MICRO_BATCHES, SEQ, SEED = 3, 2, 2, 32, 1234
 TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-10}
 LRS = (1e-3, 1e-3, 5e-4)
+MOVED = "layers.0.attn.o.weight"  # a weight training must move
 
 # name -> (world size, Layout keyword arguments)
 LAYOUTS = {
@@ -108,10 +109,11 @@ ONE_PROCESS = type("Groups", (), {"token_distinct": _OneProcess()})()
 def reference_model(model_cfg: ModelConfig) -> tuple[Transformer, torch.optim.AdamW,
                                                      torch.Tensor]:
     """The plain model at the layouts' initial weights, torch's AdamW (decay on matrices only,
-    as the sharded optimizer) and a copy of the first qkv weight (training must move it)."""
+    as the sharded optimizer) and a copy of the first attention's output projection (training
+    must move it; every attention part has one)."""
     model = Transformer(model_cfg)
     model.init_weights(SEED)
-    initial_q = model.layers["0"].attn.qkv.weight.detach().clone()
+    initial_q = model.get_parameter(MOVED).detach().clone()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": OPTIM.weight_decay},
@@ -230,7 +232,7 @@ def assert_parity(results: list[dict], ref: dict, dtype: torch.dtype, label: str
     assert set(got["params"]) == set(ref["params"])
     assert all(value <= TOLERANCE[dtype] for value in worst.values()), worst
     # Training moved the weights: a parity of untouched weights would prove nothing.
-    assert relative(got["params"]["layers.0.attn.qkv.weight"], ref["initial_q"]) > 1e-3
+    assert relative(got["params"][MOVED], ref["initial_q"]) > 1e-3
 
 
 # fp64 shows the engine exact on the layouts that reach every code path: data parallel, TP with

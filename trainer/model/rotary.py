@@ -2,7 +2,8 @@
 (plain rope, Llama 3's scaling, or YaRN) and their application at global token positions.
 
 Positions are global, so a sequence split over ranks (SP, CP, sequence shards) rotates the same.
-The angles are formed in fp32 whatever the compute dtype, as Megatron and transformers do.
+The angles are formed in fp32 whatever the compute dtype, as Megatron and transformers do; the
+rotation runs in fp32 at least (fp64 for fp64 inputs).
 """
 from __future__ import annotations
 
@@ -75,5 +76,8 @@ def apply_rotary(x: torch.Tensor, positions: torch.Tensor, freqs: torch.Tensor,
     cos, sin = angles.cos()[:, :, None, :], angles.sin()[:, :, None, :]
     if factor != 1.0:
         cos, sin = cos * factor, sin * factor
-    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    # fp32 at least; fp64 stays fp64, so a gradient summed over ranks (MLA's shared key)
+    # is never rounded to fp32 on its way
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    x1, x2 = x[..., :half].to(dtype), x[..., half:].to(dtype)
     return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).type_as(x)
