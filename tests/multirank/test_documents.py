@@ -49,6 +49,10 @@ MODEL = replace(TINY, num_heads=8)  # a2a splits the heads over runtime CP 8
 MOE = replace(MODEL, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=48,
               moe_aux_loss_coeff=0.0, moe_z_loss_coeff=None)
 FOUR_LAYERS = replace(MODEL, num_layers=4)  # two chunks of one block on each of two stages
+# Multi-latent attention (test_mla_parity's, 8 heads for a2a): values narrower than q and k
+MLA = replace(MODEL, multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=32,
+              qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=8, rope_type="yarn",
+              original_max_position_embeddings=16, mscale_all_dim=1.0)
 ALL_RULES = DocumentRules(reset_attention_mask=True, reset_position_ids=True,
                           eod_mask_loss=True)
 STEPS = 2
@@ -174,12 +178,18 @@ CASES = {
     "one_process_compiled": (1, {}, COMPILED),
     "moe_one_process": (1, {}, EngineOptions(), MOE),
     "moe_ep2": (2, dict(expert_model_parallel_size=2), EngineOptions(), MOE),
+    "mla_one_process": (1, {}, EngineOptions(), MLA),
+    "mla_tp2_sp_cp2_a2a": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                   context_parallel_size=2),
+                           EngineOptions(cp_comm_type=CPCommType.a2a), MLA),
+    "mla_cp2_p2p": (2, LAYOUTS["cp2"][1], EngineOptions(), MLA),
     "pp2_virtual2_interleaved": (2, dict(pipeline_model_parallel_size=2,
                                          virtual_pipeline_model_parallel_size=2), INTERLEAVED,
                                  FOUR_LAYERS),
 }
 FP64 = ("one_process", "cp2_p2p", "runtime_cp8_all_gather", "pp2_cp2_full_recompute",
-        "moe_one_process", "moe_ep2", "pp2_virtual2_interleaved")
+        "moe_one_process", "moe_ep2", "pp2_virtual2_interleaved", "mla_one_process",
+        "mla_tp2_sp_cp2_a2a")
 # fp64 only: in fp32 AdamW carries the rounding of nearly cancelling gradients to 1.7e-5 in a
 # weight of the 4-block model (test_parity's note), past 1e-5; fp64 agrees to 3e-15.
 FP64_ONLY = ("pp2_virtual2_interleaved",)
