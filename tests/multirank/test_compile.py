@@ -106,6 +106,20 @@ def test_compiled_blocks_match_one_process(name, references):
     assert_parity(results, ref, torch.float32, f"{name} compiled (world {world})")
 
 
+def test_compiled_multi_latent_attention_under_tp_sp_matches_one_process(references):
+    """DeepSeek-V3's attention compiled under TP with SP: its shared key's gather (a
+    collective) is the only break."""
+    from test_mla_parity import MLA
+
+    world, kwargs = LAYOUTS["tp2_sp"]
+    layout = make_layout(world, kwargs)
+    batches, ref = references(layout.global_batch_size, torch.float32, MLA)
+    results = run_ranks(world, compiled_rank, layout, batches, torch.float32, COMPILED, MLA,
+                        timeout=300)
+    assert_compiled_once(results)
+    assert_parity(results, ref, torch.float32, f"MLA tp2_sp compiled (world {world})")
+
+
 def test_compiled_bf16_trains_close_to_fp32(references):
     """bf16 autocast inside the compiled blocks: losses within test_parity's bf16 bound of the
     fp32 reference, and not equal to it (autocast really ran)."""
