@@ -89,7 +89,7 @@ class ExpertDispatch(ABC):
             rows = all_to_all_rows(rows.repeat(k, 1), split, [n] * k, sizes)[order]
             rows = run(rows, everyone.sum(0))[_inverse(order)]
             rows = all_to_all_rows(rows, split, sizes, [n] * k)
-            return rows.view(k, n, -1).sum(0)
+            return rows.view(k, n, rows.shape[-1]).sum(0)  # n may be 0: no row routed here
         return across
 
     def local_shape(self, name: str) -> tuple[int, ...]:

@@ -176,3 +176,28 @@ def test_a_mixture_of_experts_matches_one_process(name, comm, model, dtype):
     assert (ref["moe"][0]["moe_dropped"] > 0) == (cfg.moe_expert_capacity_factor is not None)
     if cfg.moe_router_enable_expert_bias:  # it moved, by whole update steps
         assert ref["biases"]["layers.0.mlp.router.expert_bias"].abs().max() > 0
+
+
+def _split_with_no_rows_on_rank_1(rank: int) -> dict:
+    """Expert tensor parallel over 2 ranks where rank 1 routed no row at all (a tiny model's
+    routing can send every row of a rank elsewhere): rank 0's rows pass both slices and their
+    partial outputs are summed on rank 0; rank 1 gets its empty answer."""
+    import torch.distributed as dist
+
+    from parallel import comm
+    from parallel.experts import AllToAllDispatch, ExpertWeight
+
+    stats = comm.CommStats()
+    one = comm.Group("ep", [rank], rank, None, stats)
+    split = comm.Group("etp", [0, 1], rank, dist.group.WORLD, stats)
+    dispatch = AllToAllDispatch(one, split, {"w": ExpertWeight((2, 6, 4), 1)})
+    rows = torch.arange(12.0).view(3, 4) if rank == 0 else torch.zeros(0, 4)
+    counts = torch.tensor([2, 1]) if rank == 0 else torch.tensor([0, 0])
+    out = dispatch(rows, counts, lambda r, c: r * (split.rank + 1))  # slice i scales by i+1
+    return {"out": out}
+
+
+def test_expert_tensor_parallel_takes_a_rank_that_routed_no_row():
+    first, second = run_ranks(2, _split_with_no_rows_on_rank_1)
+    torch.testing.assert_close(first["out"], torch.arange(12.0).view(3, 4) * 3, rtol=0, atol=0)
+    assert second["out"].shape == (0, 4)
