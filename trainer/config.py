@@ -111,9 +111,9 @@ class ModelConfig:
     # k_norm)
     qk_layernorm: bool = False
     # Rotary scaling (Megatron's --rope-type): rope (plain, or Llama 3's with use_rope_scaling)
-    # or yarn: frequencies interpolated by rotary_scaling_factor past the wavelengths the
-    # original context holds, sharply above beta_fast rotations and not below beta_slow, and
-    # cos/sin scaled by yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    # or yarn: the frequencies that turn fewer than beta_slow times over the original context
+    # divided by rotary_scaling_factor, those turning more than beta_fast times kept, a ramp
+    # between; cos/sin scaled by m(mscale) / m(mscale_all_dim), m(x) = 0.1 x ln(factor) + 1
     # (DeepSeek-V3's and transformers' YaRN; docs/attention.md)
     rope_type: str = "rope"
     rotary_scaling_factor: float = 40.0  # yarn: DeepSeek-V3's 40
