@@ -41,13 +41,20 @@ from trainer.checkpoint.dcp import (
     saved_entries,
     write_meta,
 )
-from trainer.checkpoint.hf_families import ARCHITECTURES, hf_config, hf_parts, model_config
+from trainer.checkpoint.hf_families import (
+    ARCHITECTURES,
+    hf_config,
+    hf_parts,
+    model_config,
+    row_orders,
+    unbuilt,
+)
 from trainer.checkpoint.integrity import CHECKSUMS, METADATA, file_checksum
 from trainer.checkpoint.match import weights
 from trainer.checkpoint.safetensors_io import SafetensorsReader, write_streamed
 from trainer.checks import check_model
 from trainer.config import ModelConfig
-from trainer.parts.assembly import parameter_shapes
+from trainer.parts.assembly import buffer_shapes, parameter_shapes
 from trainer.units import duration, size
 
 WEIGHTS_ONLY = "weights_only"  # meta.json key of an imported checkpoint
@@ -87,15 +94,18 @@ def import_hf(hf_dir: Path, out_dir: Path, say: Callable[[str], None] | None = N
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} does not exist. Fix: point at a Hugging Face "
                                 f"model folder (config.json and *.safetensors).")
-    model = model_config(_read_mapping(config_path, str(config_path), "use the config.json "
-                                       "save_pretrained wrote for the model"), config_path)
-    reader, shapes, parts = SafetensorsReader(hf_dir), parameter_shapes(model), hf_parts(model)
+    config = _read_mapping(config_path, str(config_path), "use the config.json "
+                           "save_pretrained wrote for the model")
+    model = model_config(config, config_path)
+    reader, parts, orders = SafetensorsReader(hf_dir), hf_parts(model), row_orders(model, config)
+    shapes = _shapes(model, parts)
     _check_weights(reader, model, shapes, parts, config_path)
     paced = Paced(f"importing {hf_dir} into {out_dir} (fp32)",
                   sum(4 * torch.Size(shape).numel() for shape in shapes.values()), say)
 
     def value(name: str) -> torch.Tensor:  # asked by DCP one tensor at a time, while writing
-        pieces = [reader.get(hf_name).to(torch.float32) for hf_name, _ in parts[name]]
+        pieces = [_in_order(reader.get(hf_name).to(torch.float32), orders.get(hf_name))
+                  for hf_name, _ in parts[name]]
         full = torch.zeros(shapes[name], dtype=torch.float32)  # padding rows stay zero
         torch.cat(pieces, out=_rows(full)[:sum(rows for _, rows in parts[name])])
         paced.advance(full.nbytes)
@@ -104,6 +114,19 @@ def import_hf(hf_dir: Path, out_dir: Path, say: Callable[[str], None] | None = N
     with _new_folder(out_dir) as tmp:
         _write_import(tmp, shapes, value, hf_dir, model)
     return model
+
+
+def _shapes(model: ModelConfig, parts: dict[str, list[tuple[str, int]]]
+            ) -> dict[str, tuple[int, ...]]:
+    """What an import writes and an export reads: every parameter, and the buffers a family
+    names (DeepSeek-V3's expert bias)."""
+    return parameter_shapes(model) | {name: shape for name, shape in buffer_shapes(model).items()
+                                      if name in parts}
+
+
+def _in_order(rows: torch.Tensor, order: list[int] | None) -> torch.Tensor:
+    """`rows` taken in `order` (hf_families.row_orders), or as they are."""
+    return rows if order is None else rows[order]
 
 
 def _rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -145,6 +168,11 @@ def _check_weights(reader: SafetensorsReader, model: ModelConfig,
                 raise ValueError(f"{hf_dir}: {hf_name} is {spec[0]}, not one of "
                                  f"{', '.join(FLOAT_DTYPES)}. Fix: import an unquantized model.")
     unused = reader.names() - {n for p in parts.values() for n, _ in p} - {"lm_head.weight"}
+    what = unbuilt(model, unused)
+    if what:
+        raise ValueError(f"{hf_dir}: the weights hold {what}, which this trainer does not "
+                         f"build. Fix: import a copy of the folder without them: the model's own "
+                         f"blocks never read them (transformers drops them on load too).")
     if unused:
         raise ValueError(f"{hf_dir}: tensors this model does not have, e.g. "
                          f"{sorted(unused)[0]!r}. Fix: import a plain model of "
@@ -282,8 +310,11 @@ def export_hf(ckpt: Path, hf_dir: Path, model: ModelConfig, dtype: torch.dtype =
     """A checkpoint (any layout wrote it) -> HF_DIR with config.json and safetensors that
     transformers loads (the family: hf_families.architecture_of); one tensor in memory at a
     time. say: told the progress."""
-    shapes, parts = parameter_shapes(model), hf_parts(model)
-    hf_config(model, dtype)  # a router no family has is refused before anything is written
+    parts = hf_parts(model)
+    shapes, config = _shapes(model, parts), hf_config(model, dtype)  # refuses what no family holds
+    orders = {name: torch.tensor(order).argsort().tolist() for name, order in
+              row_orders(model, config).items()}  # back to their rows
+    saved = saved_entries(ckpt)
     specs = [(hf_name, (rows, *shapes[name][1:][-1:]))
              for name in parts for hf_name, rows in parts[name]]
 
@@ -292,14 +323,16 @@ def export_hf(ckpt: Path, hf_dir: Path, model: ModelConfig, dtype: torch.dtype =
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for name, pieces in parts.items():
-            full = torch.empty(shapes[name], dtype=torch.float32)
-            with one_process():
-                dcp.load({f"model.{name}": full}, checkpoint_id=ckpt, no_dist=True)
+            full = torch.zeros(shapes[name], dtype=torch.float32)
+            if f"model.{name}" in saved:  # a buffer it lacks is at its start, as load_model's
+                with one_process():
+                    dcp.load({f"model.{name}": full}, checkpoint_id=ckpt, no_dist=True)
             paced.advance(full.nbytes)
-            yield from zip((n for n, _ in pieces),
-                           _rows(full)[:sum(r for _, r in pieces)].split([r for _, r in pieces]))
+            split = _rows(full)[:sum(r for _, r in pieces)].split([r for _, r in pieces])
+            yield from ((hf_name, _in_order(rows, orders.get(hf_name)))
+                        for (hf_name, _), rows in zip(pieces, split))
 
     with _new_folder(hf_dir) as tmp:
         files = write_streamed(tmp, specs, dtype, tensors(), max_shard_bytes)
-        (tmp / "config.json").write_text(json.dumps(hf_config(model, dtype), indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
     return [hf_dir / f.name for f in files]

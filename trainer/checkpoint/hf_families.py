@@ -7,6 +7,11 @@ writing the tensors is trainer.checkpoint.hf's.
     MixtralForCausalLM     a mixture of experts in every block: softmax over the top-k logits
     Qwen3MoeForCausalLM    Qwen3's attention, experts (norm_topk_prob: normalised top-k, that is
                            moe_router_pre_softmax=false) and dense blocks in mlp_only_layers
+    DeepseekV3ForCausalLM  multi-latent attention, YaRN, the first first_k_dense_replace
+                           blocks dense, then experts routed by sigmoid scores with the expert
+                           bias (a buffer of ours), groups and a shared expert (Kimi K2's and
+                           Moonlight's architecture too); its interleaved rotary rows are
+                           reordered (row_orders), its multi-token prediction layers refused
 
 Which of their tensors each of our parameters is comes from the model's parts (trainer.parts:
 each part names its own); the family (trainer.parts.families) gives a model.name to an imported
@@ -16,6 +21,7 @@ fields only it reads and writes.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -99,9 +105,14 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
 
     fields = Fields(hf, source)
     architecture = (fields.get("architectures", TEXTS, None) or [LLAMA])[0]  # [] too
+    if architecture in UNBUILT_VARIANTS:
+        raise ValueError(f"{source}: architectures={[architecture]} needs "
+                         f"{UNBUILT_VARIANTS[architecture]}, which this trainer does not build. "
+                         f"Fix: import a model of one of {', '.join(ARCHITECTURES)}.")
     need("architectures", architecture in ARCHITECTURES,
          f"import a model of one of {', '.join(ARCHITECTURES)}")
     family = BY_ARCHITECTURE[architecture]
+    mapping = MAPPINGS[family.name]
     need("use_sliding_window", not fields.get("use_sliding_window", BOOL, False),
          "use a model with full attention in every layer")
     for key in REQUIRED_INTS:
@@ -115,9 +126,8 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
     rope = fields.inner("rope_parameters")  # transformers 5; 4 spells rope_theta/rope_scaling
     scaling = fields.inner("rope_scaling") if fields.get("rope_scaling", MAPPING) else (
         rope if rope.get("rope_type", TEXT, "default") != "default" else None)
-    factor = _llama3_rope_factor(scaling) if scaling else None
     groups = fields.get("num_key_value_heads", INT) or heads
-    model = ModelConfig(
+    shared = dict(
         name=family.name, vocab_size=hf["vocab_size"], hidden_size=hidden,
         num_layers=hf["num_hidden_layers"], num_heads=heads,
         ffn_hidden_size=hf["intermediate_size"],
@@ -127,9 +137,15 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
         init_std=float(fields.get("initializer_range", NUMBER, 0.02)),
         num_query_groups=None if groups == heads else groups,
         tie_word_embeddings=fields.get("tie_word_embeddings", BOOL, False),
-        use_rope_scaling=factor is not None, rope_scaling_factor=factor or 8.0,
-        kv_channels=None if head_dim * heads == hidden else head_dim,
-        **MAPPINGS[family.name].read(fields, need))
+        kv_channels=None if head_dim * heads == hidden else head_dim)
+    rotary = {}
+    if scaling is not None and mapping.rope_scaling == "yarn":
+        rotary = _yarn_keys(scaling, fields)
+    elif scaling is not None:
+        rotary = {"use_rope_scaling": True, "rope_scaling_factor": _llama3_rope_factor(scaling)}
+    # the family's own fields last: they may replace shared ones (multi-latent attention's
+    # num_key_value_heads and head_dim mean nothing of ours)
+    model = ModelConfig(**(shared | rotary | mapping.read(fields, need)))
     try:
         check_model(model)
     except ValueError as error:
@@ -148,6 +164,7 @@ class HfMapping:
     write: Callable[[ModelConfig], dict] = lambda model: {}
     holds: Callable[[ModelConfig], list[tuple[str, Any, bool]]] = lambda model: []
     intermediate_is_experts: bool = False  # its intermediate_size is an expert's (Mixtral)
+    rope_scaling: str = "llama3"  # the rope scaling its config.json may hold: llama3 or yarn
 
 
 def _read_mixtral(fields: Fields, need) -> dict:
@@ -193,12 +210,163 @@ def _write_qwen3_moe(model: ModelConfig) -> dict:
             **_full_attention(model), "router_aux_loss_coef": model.moe_aux_loss_coeff}
 
 
+def _softmax_router_holds(model: ModelConfig) -> list[tuple[str, Any, bool]]:
+    """Mixtral's and Qwen3-MoE's router: a softmax, unscaled, with no shared expert, expert
+    bias or groups."""
+    return [
+        ("moe_router_score_function", model.moe_router_score_function,
+         model.moe_router_score_function == "softmax"),
+        ("moe_router_topk_scaling_factor", model.moe_router_topk_scaling_factor,
+         model.moe_router_topk_scaling_factor in (None, 1.0)),
+        ("moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size,
+         model.moe_shared_expert_intermediate_size is None),
+        ("moe_router_enable_expert_bias", model.moe_router_enable_expert_bias,
+         not model.moe_router_enable_expert_bias),
+        ("moe_router_num_groups", model.moe_router_num_groups,
+         model.moe_router_num_groups is None)]
+
+
 def _mixtral_holds(model: ModelConfig) -> list[tuple[str, Any, bool]]:
     """Mixtral has no unnormalised top-k and no dense block."""
     every_block = all(model.is_moe_block(i) for i in range(model.num_layers))
-    return [("moe_router_pre_softmax", model.moe_router_pre_softmax,
+    return [*_softmax_router_holds(model),
+            ("moe_router_pre_softmax", model.moe_router_pre_softmax,
              not model.moe_router_pre_softmax),
             ("moe_layer_freq", model.moe_layer_freq, every_block)]
+
+
+# DeepSeek-V3's multi-latent attention fields: a config.json of the architecture lacking them
+# is another model's relabelled.
+MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
+              "v_head_dim")
+# Architectures we know and do not build, with what they need.
+UNBUILT_VARIANTS = {"DeepseekV32ForCausalLM": "DeepSeek-V3.2's sparse attention (its "
+                                              "lightning indexer)"}
+INDEXER_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")  # DeepSeek-V3.2's
+
+
+def _read_deepseek_v3(fields: Fields, need) -> dict:
+    """Multi-latent attention, and experts after the first first_k_dense_replace blocks (none:
+    a dense model)."""
+    values = fields.values
+    need("architectures", all(key in values for key in MLA_FIELDS),
+         f"a DeepseekV3ForCausalLM config.json names its multi-latent attention's "
+         f"{', '.join(MLA_FIELDS)}; use the config.json save_pretrained wrote for the model")
+    for key in INDEXER_FIELDS:
+        need(key, key not in values, f"import a model without "
+             f"{UNBUILT_VARIANTS['DeepseekV32ForCausalLM']}, which this trainer does not build")
+    fields.get("rope_interleave", BOOL)  # its type; row_orders reads it
+    # Every head has its own key and value, expanded from the latent, whatever
+    # num_key_value_heads says (transformers' SDPA path reads the heads from the tensors);
+    # head_dim is the rotary part's.
+    mla = {"multi_latent_attention": True, "num_query_groups": None, "kv_channels": None,
+           "q_lora_rank": fields.get("q_lora_rank", INT),
+           "kv_lora_rank": fields.get("kv_lora_rank", INT, REQUIRED),
+           "qk_head_dim": fields.get("qk_nope_head_dim", INT, REQUIRED),
+           "qk_pos_emb_head_dim": fields.get("qk_rope_head_dim", INT, REQUIRED),
+           "v_head_dim": fields.get("v_head_dim", INT, REQUIRED)}
+    dense = fields.get("first_k_dense_replace", INT, REQUIRED)
+    if dense >= values["num_hidden_layers"]:
+        return mla
+    return mla | _read_deepseek_experts(fields, need, dense)
+
+
+def _read_deepseek_experts(fields: Fields, need, dense: int) -> dict:
+    """DeepSeek-V3's router as transformers computes it: sigmoid scores, the expert bias
+    (e_score_correction_bias) choosing, the top-k normalised and scaled, groups ranked by their
+    2 best scores; the sequence-wise balance loss of DeepSeek's own config.json."""
+    # DeepSeek's own config.json fields, which transformers ignores: it would build
+    # DeepSeek-V3's routing and blocks whatever they say
+    for key, kind, want in (("scoring_func", TEXT, "sigmoid"), ("topk_method", TEXT, "noaux_tc"),
+                            ("moe_layer_freq", INT, 1)):
+        need(key, fields.get(key, kind, want) == want,
+             f"import a model that routes as DeepSeek-V3 ({key} {want}), the one "
+             f"transformers' DeepseekV3ForCausalLM builds")
+    k = fields.get("num_experts_per_tok", INT, REQUIRED)
+    need("norm_topk_prob", fields.get("norm_topk_prob", BOOL, REQUIRED) == (k > 1),
+         "import a model whose top-k weights are normalised: a sigmoid router here normalises "
+         "them" if k > 1 else "with num_experts_per_tok=1 a normalised weight is 1 and ours "
+         "the expert's score: import a model with norm_topk_prob false")
+    groups, chosen = fields.get("n_group", INT, REQUIRED), fields.get("topk_group", INT, REQUIRED)
+    limited = chosen < groups
+    need("topk_group", not limited or k // chosen == 2,
+         f"transformers ranks each of the n_group={groups} groups by its 2 best scores, this "
+         f"trainer (as Megatron) by num_experts_per_tok / topk_group = {k // chosen}: import a "
+         f"model whose num_experts_per_tok is twice its topk_group (DeepSeek-V3's 8 and 4), or "
+         f"whose topk_group is its n_group")
+    shared, ffn = (fields.get("n_shared_experts", INT, REQUIRED),
+                   fields.get("moe_intermediate_size", INT, REQUIRED))
+    need("n_shared_experts", shared >= 1, "import a model with a shared expert, as DeepSeek-V3")
+    layers = fields.values["num_hidden_layers"]
+    return {"num_moe_experts": fields.get("n_routed_experts", INT, REQUIRED),
+            "moe_router_topk": k, "moe_ffn_hidden_size": ffn,
+            "moe_shared_expert_intermediate_size": shared * ffn,
+            "moe_layer_freq": [int(i >= dense) for i in range(layers)] if dense else 1,
+            "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
+            "moe_router_topk_scaling_factor": float(fields.get("routed_scaling_factor", NUMBER,
+                                                               REQUIRED)),
+            "moe_router_num_groups": groups if limited else None,
+            "moe_router_group_topk": chosen if limited else None,
+            "moe_router_load_balancing_type": "seq_aux_loss" if fields.get("seq_aux", BOOL, True)
+            else "aux_loss",
+            "moe_aux_loss_coeff": float(fields.get("aux_loss_alpha", NUMBER, 0.0))}
+
+
+def _leading_dense(model: ModelConfig) -> int:
+    """The blocks before the first mixture of experts (DeepSeek's first_k_dense_replace)."""
+    return next((i for i in range(model.num_layers) if model.is_moe_block(i)), model.num_layers)
+
+
+def _write_deepseek_v3(model: ModelConfig) -> dict:
+    """What transformers needs to build the same model (a dense one: every block before
+    first_k_dense_replace), in interleaved rotary rows (row_orders), with no multi-token
+    prediction layer; DeepSeek's own router fields too, for its reference code."""
+    r = model.qk_pos_emb_head_dim
+    out = {"q_lora_rank": model.q_lora_rank, "kv_lora_rank": model.kv_lora_rank,
+           "qk_nope_head_dim": model.qk_head_dim, "qk_rope_head_dim": r,
+           "v_head_dim": model.v_head_dim, "head_dim": r, "rope_interleave": True,
+           "num_nextn_predict_layers": 0, "first_k_dense_replace": _leading_dense(model)}
+    if model.rope_type == "yarn":  # the context YaRN stretches to (transformers checks it)
+        out["max_position_embeddings"] = round(model.original_max_position_embeddings
+                                               * model.rotary_scaling_factor)
+    if model.num_moe_experts is None:
+        return out
+    ffn, groups = model.expert_ffn_size, model.moe_router_num_groups
+    return out | {
+        "n_routed_experts": model.num_moe_experts, "num_experts_per_tok": model.moe_router_topk,
+        "moe_intermediate_size": ffn,
+        "n_shared_experts": model.moe_shared_expert_intermediate_size // ffn,
+        "routed_scaling_factor": model.moe_router_topk_scaling_factor or 1.0,
+        "n_group": groups or 1, "topk_group": model.moe_router_group_topk if groups else 1,
+        "norm_topk_prob": model.moe_router_topk > 1, "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc", "moe_layer_freq": 1,
+        "aux_loss_alpha": model.moe_aux_loss_coeff,
+        "seq_aux": model.moe_router_load_balancing_type == "seq_aux_loss"}
+
+
+def _deepseek_v3_holds(model: ModelConfig) -> list[tuple[str, Any, bool]]:
+    """transformers' YaRN scales cos and sin by mscale / mscale_all_dim only with both set
+    (else YaRN's default, our mscale 1); its router is DeepSeek-V3's (_read_deepseek_experts),
+    with the first blocks dense and every later one MoE."""
+    all_dim, yarn = model.mscale_all_dim, model.rope_type == "yarn"
+    out = [("use_rope_scaling", model.use_rope_scaling, not model.use_rope_scaling),
+           ("mscale", model.mscale, not yarn or (model.mscale != 0 if all_dim
+                                                 else model.mscale == 1.0))]
+    if model.num_moe_experts is None:
+        return out
+    dense, shared = _leading_dense(model), model.moe_shared_expert_intermediate_size
+    groups, chosen = model.moe_router_num_groups, model.moe_router_group_topk
+    return out + [
+        ("moe_router_score_function", model.moe_router_score_function,
+         model.moe_router_score_function == "sigmoid"),
+        ("moe_router_enable_expert_bias", model.moe_router_enable_expert_bias,
+         model.moe_router_enable_expert_bias),
+        ("moe_shared_expert_intermediate_size", shared,
+         bool(shared) and shared % model.expert_ffn_size == 0),
+        ("moe_layer_freq", model.moe_layer_freq,
+         all(model.is_moe_block(i) == (i >= dense) for i in range(model.num_layers))),
+        ("moe_router_group_topk", chosen,
+         groups is None or chosen >= groups or model.moe_router_topk // chosen == 2)]
 
 
 # Each family's mapping, by model.name (tests/integration/test_hf.py checks each against
@@ -209,7 +377,10 @@ MAPPINGS = {
                        write=_full_attention),
     "mixtral": HfMapping("mixtral", read=_read_mixtral, write=_write_mixtral,
                          holds=_mixtral_holds, intermediate_is_experts=True),
-    "qwen3_moe": HfMapping("qwen3_moe", read=_read_qwen3_moe, write=_write_qwen3_moe),
+    "qwen3_moe": HfMapping("qwen3_moe", read=_read_qwen3_moe, write=_write_qwen3_moe,
+                           holds=_softmax_router_holds),
+    "deepseek_v3": HfMapping("deepseek_v3", read=_read_deepseek_v3, write=_write_deepseek_v3,
+                             holds=_deepseek_v3_holds, rope_scaling="yarn"),
 }
 
 
@@ -226,29 +397,52 @@ def _llama3_rope_factor(scaling: Fields) -> float:
     return float(scaling.get("factor", NUMBER, REQUIRED))
 
 
+def _yarn_keys(scaling: Fields, fields: Fields) -> dict:
+    """Our YaRN keys of a rope scaling as transformers reads it (beta_fast 32 and beta_slow 1
+    where unset, the original context max_position_embeddings where unset); what it would
+    compute that ours cannot is refused in one line."""
+    values = scaling.values
+
+    def refuse(why: str) -> None:
+        raise ValueError(f"{scaling.source}: rope scaling {values} is not supported: {why}. "
+                         f"Fix: import a model with YaRN's rope scaling as DeepSeek-V3 writes "
+                         f"it, or none.")
+    if values.get("rope_type", values.get("type")) != "yarn":
+        refuse("only YaRN (rope_type yarn) is modelled for DeepseekV3ForCausalLM")
+    if "attention_factor" in values:
+        refuse("an attention_factor of its own (ours follows from mscale and mscale_all_dim)")
+    if not scaling.get("truncate", BOOL, True):
+        refuse("truncate=false (ours rounds the ramp's ends to whole dims, as DeepSeek)")
+    mscale, all_dim = (float(scaling.get(key, NUMBER, 0.0)) for key in ("mscale",
+                                                                         "mscale_all_dim"))
+    if all_dim and not mscale:
+        refuse("mscale_all_dim without mscale (cos and sin then take YaRN's default scale "
+               "while the softmax takes mscale_all_dim's)")
+    return {"rope_type": "yarn", "rotary_scaling_factor": float(scaling.get("factor", NUMBER,
+                                                                            REQUIRED)),
+            "original_max_position_embeddings": scaling.get("original_max_position_embeddings",
+                                                            INT)
+            or fields.get("max_position_embeddings", INT, 4096),
+            "beta_fast": float(scaling.get("beta_fast", NUMBER) or 32.0),
+            "beta_slow": float(scaling.get("beta_slow", NUMBER) or 1.0),
+            # without mscale_all_dim, transformers scales cos and sin by YaRN's default
+            # 0.1 ln(factor) + 1 whatever mscale says: our mscale 1
+            "mscale": mscale if all_dim else 1.0, "mscale_all_dim": all_dim}
+
+
 def architecture_of(model: ModelConfig) -> str:
-    """The family an export writes; a router no family has is refused in one line."""
+    """The family an export writes; what it cannot hold (a router, a rope scaling, a block) is
+    refused in one line."""
     family = hf_family(model)
-    architecture = family.architecture or LLAMA
-    if model.num_moe_experts is None:
-        return architecture
+    architecture, mapping = family.architecture or LLAMA, MAPPINGS[family.name]
     unmapped = [(k, v) for k, v, ok in (
-        ("moe_router_score_function", model.moe_router_score_function,
-         model.moe_router_score_function == "softmax"),
-        ("moe_router_topk_scaling_factor", model.moe_router_topk_scaling_factor,
-         model.moe_router_topk_scaling_factor in (None, 1.0)),
-        ("moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size,
-         model.moe_shared_expert_intermediate_size is None),
-        ("moe_router_enable_expert_bias", model.moe_router_enable_expert_bias,
-         not model.moe_router_enable_expert_bias),
-        ("moe_router_num_groups", model.moe_router_num_groups,
-         model.moe_router_num_groups is None),
-        *MAPPINGS[family.name].holds(model)) if not ok]
+        ("rope_type", model.rope_type, model.rope_type == "rope"
+         or mapping.rope_scaling == "yarn"),
+        *mapping.holds(model)) if not ok]
     if unmapped:
         key, value = unmapped[0]
-        raise ValueError(f"model.{key}={value!r}: {architecture} (the family of a mixture of "
-                         f"experts {'with' if model.qk_layernorm else 'without'} qk_layernorm) "
-                         f"has no such router or block. Fix: export a model that "
+        raise ValueError(f"model.{key}={value!r}: {architecture} (the Hugging Face family "
+                         f"this model exports as) has no such setting. Fix: export a model that "
                          f"{architecture} can hold.")
     return architecture
 
@@ -262,12 +456,18 @@ def hf_config(model: ModelConfig, dtype: torch.dtype) -> dict:
         scaling = {"rope_type": "llama3", "factor": model.rope_scaling_factor,
                    "low_freq_factor": LLAMA3_ROPE_LOW, "high_freq_factor": LLAMA3_ROPE_HIGH,
                    "original_max_position_embeddings": LLAMA3_ROPE_CONTEXT}
+    elif model.rope_type == "yarn":
+        scaling = {"rope_type": "yarn", "factor": model.rotary_scaling_factor,
+                   "original_max_position_embeddings": model.original_max_position_embeddings,
+                   "beta_fast": model.beta_fast, "beta_slow": model.beta_slow,
+                   "mscale": model.mscale, "mscale_all_dim": model.mscale_all_dim}
+    if scaling:
         rope = {**scaling, "rope_theta": model.rope_theta}
     mapping = MAPPINGS[hf_family(model).name]
     dense_ffn = model.expert_ffn_size if mapping.intermediate_is_experts else model.ffn_hidden_size
-    family = {"model_type": mapping.model_type, **mapping.write(model)}
     return {
-        "architectures": [architecture], **family, "vocab_size": model.vocab_size,
+        "architectures": [architecture], "model_type": mapping.model_type,
+        "vocab_size": model.vocab_size,
         "hidden_size": model.hidden_size, "intermediate_size": dense_ffn,
         "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_heads,
         "num_key_value_heads": model.query_groups, "head_dim": model.head_dim,
@@ -276,6 +476,7 @@ def hf_config(model: ModelConfig, dtype: torch.dtype) -> dict:
         "attention_bias": False, "mlp_bias": False,
         "tie_word_embeddings": model.tie_word_embeddings, "initializer_range": model.init_std,
         "dtype": str(dtype).removeprefix("torch."),
+        **mapping.write(model),  # last: a family's own spelling of a shared field wins
     }
 
 
@@ -293,3 +494,36 @@ def hf_parts(model: ModelConfig) -> dict[str, list[tuple[str, int]]]:
     if not model.tie_word_embeddings:
         out["head.weight"] = [("lm_head.weight", vocab)]
     return out
+
+
+def row_orders(model: ModelConfig, config: dict) -> dict[str, list[int]]:
+    """Hugging Face tensor name -> the order its rows take as ours (ours = theirs[order]), for
+    the tensors whose rows the two lay out differently (`config`: their config.json). DeepSeek's
+    rotary dims are interleaved pairs (rope_interleave, transformers' default) where our rotary
+    turns halves (trainer.model.rotary): each q head's rotary rows and kv_down's are
+    de-interleaved on import and interleaved back on export, a permutation, bit for bit."""
+    if not model.multi_latent_attention or config.get("rope_interleave") is False:
+        return {}
+    nope, r, latent = model.qk_head_dim, model.qk_pos_emb_head_dim, model.kv_lora_rank
+    halves = [*range(0, r, 2), *range(1, r, 2)]  # pair j's two dims: ours j and r/2 + j
+    q = [head * (nope + r) + d for head in range(model.num_heads)
+         for d in (*range(nope), *(nope + j for j in halves))]
+    kv = [*range(latent), *(latent + j for j in halves)]
+    parts, orders = hf_parts(model), {}
+    for i in range(model.num_layers):
+        attn = f"layers.{i}.attn."
+        (q_name, _), = parts.get(f"{attn}q_up.weight") or parts[f"{attn}q.weight"]
+        (kv_name, _), = parts[f"{attn}kv_down.weight"]
+        orders |= {q_name: q, kv_name: kv}
+    return orders
+
+
+def unbuilt(model: ModelConfig, names: set[str]) -> str | None:
+    """What tensors beyond the model's are, where known: DeepSeek's multi-token prediction
+    layers, numbered after the last block (num_nextn_predict_layers); None otherwise."""
+    past = sorted(n for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))
+                  and int(m[1]) >= model.num_layers)
+    if not past or not model.multi_latent_attention:
+        return None
+    return (f"{len(past)} tensors of multi-token prediction layers past the last block (e.g. "
+            f"{past[0]!r})")

@@ -42,16 +42,28 @@ def shapes(cfg: ModelConfig) -> Shapes:
 def hf_names(cfg: ModelConfig, ours: str, theirs: str, family) -> HfNames:
     """Theirs are per expert on disk (gate, up and down projections, named by the family), so
     expert e's gate and up are rows 2Fe.. of our first weight and its down rows he.. of the
-    second, viewed 2-D."""
+    second, viewed 2-D. The shared expert and the expert bias (a buffer of ours) take
+    DeepSeek-V3's names, the only family that holds them (hf_families.architecture_of)."""
     E, f, h = cfg.num_moe_experts, cfg.expert_ffn_size, cfg.hidden_size
     module, (gate, up, down) = family.expert_names
     experts = f"{theirs}{module}.experts"
-    return {
+    names = {
         f"{ours}mlp.router.weight": [(f"{theirs}{module}.gate.weight", E)],
         f"{ours}mlp.experts.gate_up": [(f"{experts}.{e}.{p}.weight", f)
                                        for e in range(E) for p in (gate, up)],
         f"{ours}mlp.experts.down": [(f"{experts}.{e}.{down}.weight", h) for e in range(E)],
     }
+    if cfg.moe_router_enable_expert_bias:
+        names[f"{ours}mlp.{EXPERT_BIAS}"] = [(f"{theirs}{module}.gate.e_score_correction_bias",
+                                              E)]
+    shared = cfg.moe_shared_expert_intermediate_size
+    if shared:
+        names |= {
+            f"{ours}mlp.shared.gate_up.weight": [(f"{theirs}{module}.shared_experts.{p}.weight",
+                                                  shared) for p in (gate, up)],
+            f"{ours}mlp.shared.down.weight": [(f"{theirs}{module}.shared_experts.{down}.weight",
+                                               h)]}
+    return names
 
 
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
