@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from trainer.config import CPCommType, ModelConfig, RecomputeGranularity
 from trainer.parts.attention import rope_rules
-from trainer.parts.part import Part, Shapes
+from trainer.parts.part import HfNames, Part, Shapes
 from trainer.parts.tokens import FP32, Tokens
 from trainer.values import positive_int
 
@@ -40,6 +40,28 @@ def shapes(cfg: ModelConfig) -> Shapes:
                 "kv_latent_norm.weight": (cfg.kv_lora_rank,),
                 "kv_up.weight": (n * (cfg.qk_head_dim + cfg.v_head_dim), cfg.kv_lora_rank),
                 "o.weight": (h, n * cfg.v_head_dim)}
+
+
+def hf_names(cfg: ModelConfig, ours: str, theirs: str, family) -> HfNames:
+    """DeepSeek-V3's names (transformers' DeepseekV3Attention), row for row: q's heads are
+    [qk_head_dim | qk_pos_emb_head_dim] each, kv_down's rows the latent then the shared rotary
+    key, kv_up's heads [qk_head_dim | v_head_dim] each. Their rotary rows may be interleaved
+    pairs (rope_interleave): hf_families.row_orders reorders them."""
+    h, n, r = cfg.hidden_size, cfg.num_heads, cfg.qk_pos_emb_head_dim
+    dq, attn = cfg.qk_head_dim + r, f"{theirs}self_attn."
+    q = {f"{ours}attn.q.weight": [(f"{attn}q_proj.weight", n * dq)]} \
+        if cfg.q_lora_rank is None else {
+        f"{ours}attn.q_down.weight": [(f"{attn}q_a_proj.weight", cfg.q_lora_rank)],
+        f"{ours}attn.q_latent_norm.weight": [(f"{attn}q_a_layernorm.weight", cfg.q_lora_rank)],
+        f"{ours}attn.q_up.weight": [(f"{attn}q_b_proj.weight", n * dq)]}
+    return q | {
+        f"{ours}attn.kv_down.weight": [(f"{attn}kv_a_proj_with_mqa.weight",
+                                        cfg.kv_lora_rank + r)],
+        f"{ours}attn.kv_latent_norm.weight": [(f"{attn}kv_a_layernorm.weight",
+                                               cfg.kv_lora_rank)],
+        f"{ours}attn.kv_up.weight": [(f"{attn}kv_b_proj.weight",
+                                      n * (cfg.qk_head_dim + cfg.v_head_dim))],
+        f"{ours}attn.o.weight": [(f"{attn}o_proj.weight", h)]}
 
 
 def core_flops(cfg: ModelConfig, seq_length: int) -> float:
@@ -95,4 +117,4 @@ MLA = Part(
     residual_outputs=("o.weight",),
     hook="attention_fn",
     tp_shared="shared_key_fn",
-    core_flops=core_flops, kept_bytes=kept_bytes, rules=rules)
+    core_flops=core_flops, kept_bytes=kept_bytes, hf_names=hf_names, rules=rules)
