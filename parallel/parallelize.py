@@ -85,13 +85,14 @@ class ParallelModel(nn.Module):
         return self.forward_chunk(0, tokens, positions, documents)
 
     def forward_chunk(self, chunk: int, inputs: torch.Tensor, positions: torch.Tensor,
-                      documents: torch.Tensor | None = None) -> torch.Tensor:
+                      documents: torch.Tensor | None = None, *rest: torch.Tensor | None):
         """This rank's virtual pipeline chunk `chunk` (the whole model without pipelining):
         tokens or hidden states in, hidden states or logits out. documents: where each
-        position's document starts, for the whole sequence (the model's AttentionFn)."""
+        position's document starts, for the whole sequence (the model's AttentionFn); rest:
+        what the model's forward takes after them (multi-token prediction's ids)."""
         autocast = self.compute_dtype != torch.float32
         with torch.autocast(inputs.device.type, dtype=self.compute_dtype, enabled=autocast):
-            return self.stage.chunks[chunk](inputs, positions, documents)
+            return self.stage.chunks[chunk](inputs, positions, documents, *rest)
 
     @property
     def stage_copies(self) -> set[str]:

@@ -24,7 +24,7 @@ from trainer.config import (
     OptimConfig,
     Precision,
 )
-from trainer.parts import model_parts
+from trainer.parts import model_parts, mtp
 from trainer.parts.families import FAMILIES
 from trainer.parts.moe import MOE, check_moe
 from trainer.values import finite, one_of, positive_int
@@ -48,6 +48,7 @@ def check_model(model: ModelConfig) -> None:
     for part in model_parts(model):
         if part is not MOE:
             part.rules(model)
+    mtp.rules(model)
     family.rules(model)
 
 
@@ -234,6 +235,7 @@ def check_values(cfg: Config, layout: Layout) -> None:
     """Everything above, in the order a reader meets the config."""
     check_layout_inputs(cfg.parallel, cfg.cluster, cfg.train)
     check_model(cfg.model)
+    mtp.check_sequence(cfg.model, cfg.train.seq_length)
     check_memory_options(cfg, layout)
     check_compile(cfg)
     check_seeds(cfg)

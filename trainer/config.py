@@ -135,6 +135,13 @@ class ModelConfig:
     qk_pos_emb_head_dim: int = 64  # its rotary part (the key's shared by the heads)
     v_head_dim: int = 128  # a value head
 
+    # Multi-token prediction (DeepSeek-V3's; Megatron's names; docs/mtp.md): depth k predicts
+    # the token k + 1 ahead from depth k - 1's hidden state and the embedding of the token k
+    # ahead, through one more block; the embedding and the output head are the model's.
+    mtp_num_layers: Optional[int] = None  # the depths D; null: none
+    # the MTP losses' weight in the step's loss: factor / D times their sum (Megatron's 0.1)
+    mtp_loss_scaling_factor: float = 0.1
+
     # Mixture of experts (Megatron's names; docs/moe.md). Each MoE block routes every token to
     # moe_router_topk SwiGLU experts.
 

@@ -22,6 +22,9 @@ class ParallelPlan:
     blocks: str
     final_norm: str  # the norm before the head (on the last pipeline stage)
     hidden_size: int  # width of the hidden states between blocks (what crosses stages)
+    # Multi-token prediction's module (None: none): on the last stage, after the head, and it
+    # embeds tokens: that stage holds the embedding too (a copy, as for tied embeddings).
+    mtp: str | None = None
     # Function attributes of a block's modules that selective recompute wraps (Megatron's
     # selective: the attention core and the MLP activation), by attribute name.
     recompute_hooks: tuple[str, ...] = ()

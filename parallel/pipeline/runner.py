@@ -64,9 +64,10 @@ class PipelineRunner:
         # (the measured dry run's progress lines).
         self.progress: Callable[[int, int, Action], None] | None = None
 
-    def run(self, inputs: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    def run(self, inputs: Sequence[tuple[torch.Tensor | None, ...]],
             last: LastStage, train: bool = True) -> None:
-        """inputs: (tokens, positions, documents) of each micro-batch, as this rank keeps them
+        """inputs: (tokens, positions, documents, ...) of each micro-batch, as this rank keeps
+        them (what follows the documents is passed on to the model's forward as it is)
         (a stage after the first uses only the documents: its tokens and positions come with
         the hidden states). train=False runs the
         forwards only, in the schedule's order, without autograd."""
@@ -100,8 +101,10 @@ class PipelineRunner:
         with torch.set_grad_enabled(train), _SavedBytes(self.measure, self.model) as size:
             x, positions = self._inputs(action, inputs, train, flight)
             busy = time.perf_counter()
+            # the rest of the micro-batch's inputs: its documents (and what the model takes
+            # after them: multi-token prediction's ids), which every stage has
             out = self.model.forward_chunk(action.chunk, x, positions,
-                                           inputs[action.microbatch][2])
+                                           *inputs[action.microbatch][2:])
             if chunk == self.last_chunk:
                 out = last(action.microbatch, out)
             self.busy_s += time.perf_counter() - busy

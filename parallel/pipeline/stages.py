@@ -9,7 +9,9 @@ None, and then its forward takes hidden states and returns them.
 
 With tied embeddings the head's weight is the embedding's, on another stage. The last stage then
 keeps the embedding module too, as the holder of that weight: a copy the first stage owns, whose
-gradient the embedding group sums, and which the first stage's update refreshes.
+gradient the embedding group sums, and which the first stage's update refreshes. Multi-token
+prediction (on the last stage, after the head) embeds tokens: it makes the last stage a holder
+of the embedding in the same way.
 """
 from __future__ import annotations
 
@@ -30,10 +32,13 @@ def prune(model: nn.Module, plan: ParallelPlan, part: StagePart,
     for name in [n for n in blocks._modules if n not in keep]:
         del blocks._modules[name]
     ends = {plan.embedding: part.first, plan.final_norm: part.last, plan.head: part.last}
-    holders = [owner for module, owner in ties.items()
-               if ends.get(module, True) and not ends.get(owner, True)]
-    shared = [f"{owner}.weight" for module, owner in ties.items()
-              if ends.get(module, True) != ends.get(owner, True)]
+    if plan.mtp is not None:  # it runs after the head, and embeds: it needs the embedding
+        ends[plan.mtp] = part.last
+        ties = {**ties, plan.mtp: plan.embedding}
+    holders = list(dict.fromkeys(owner for module, owner in ties.items()
+                                 if ends.get(module, True) and not ends.get(owner, True)))
+    shared = list(dict.fromkeys(f"{owner}.weight" for module, owner in ties.items()
+                                if ends.get(module, True) != ends.get(owner, True)))
     for name, kept in ends.items():
         if not kept and name not in holders:
             setattr(model, name, None)
@@ -64,9 +69,11 @@ def chunk_view(model: nn.Module, plan: ParallelPlan, part: StagePart, chunk: int
     setattr(view, plan.blocks, type(blocks)(
         {str(i): blocks[str(i)] for i in part.chunks[chunk]}))
     embedding, head = part.runs(chunk)
-    if not embedding:
+    if not embedding and not (head and plan.mtp is not None):  # MTP embeds on the last chunk
         setattr(view, plan.embedding, None)
     if not head:
         setattr(view, plan.final_norm, None)
         setattr(view, plan.head, None)
+        if plan.mtp is not None:
+            setattr(view, plan.mtp, None)
     return view

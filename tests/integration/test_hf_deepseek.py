@@ -292,10 +292,7 @@ PUBLISHED["kimi_k2"] = {
 
 
 @pytest.mark.parametrize("name", [
-    "deepseek_v3", "moonlight_16b_a3b",
-    pytest.param("kimi_k2", marks=pytest.mark.xfail(
-        raises=ValueError, strict=True, reason="trainer/parts/attention.py rope_rules refuses "
-        "beta_fast == beta_slow (Kimi K2's 1.0 and 1.0), which YaRN and transformers allow"))])
+    "deepseek_v3", "moonlight_16b_a3b", "kimi_k2"])
 def test_each_preset_is_what_importing_its_published_config_gives(name):
     imported = model_config(dict(PUBLISHED[name]), Path(f"/models/{name}/config.json"))
     assert imported == preset(name)

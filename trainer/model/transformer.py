@@ -18,6 +18,7 @@ from torch import nn
 from trainer.checks import check_model
 from trainer.config import ModelConfig
 from trainer.model.init import normal_rectangle
+from trainer.model.mtp import MultiTokenPrediction
 from trainer.parts import block_parts
 from trainer.parts.assembly import RESIDUAL_OUTPUTS
 from trainer.parts.part import Part
@@ -44,8 +45,8 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """tokens [batch, seq] (+ positions [batch, seq], + documents: see trainer.model.attention's
-    AttentionFn) -> logits
-    [batch, seq, vocab].
+    AttentionFn) -> logits [batch, seq, vocab] (with multi-token prediction's ids ahead: and
+    each depth's logits).
 
     A pipeline stage (parallel.pipeline.stages) sets the embedding, or the final norm and head,
     to None where another stage runs them: it then takes hidden states [batch, seq, hidden]
@@ -65,16 +66,31 @@ class Transformer(nn.Module):
         self.head = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False)
         if cfg.tie_word_embeddings:  # one parameter, named embed.weight; both uses add grads
             self.head.weight = self.embed.weight
+        # Multi-token prediction's depths (model.mtp_num_layers), each with a block of the last
+        # block's kind; None without.
+        self.mtp = MultiTokenPrediction(cfg, lambda: Block(cfg, cfg.num_layers - 1)) \
+            if cfg.mtp_num_layers else None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+                documents: torch.Tensor | None = None, ahead: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """ahead [D, batch, seq]: multi-token prediction's token ids (trainer.model.mtp); with
+        them the last stage returns (logits, each depth's logits)."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device).expand(
                 tokens.shape[:2])
-        x = tokens if self.embed is None else self.embed(tokens)
+        # Token ids are embedded; a later pipeline stage is given hidden states (floats). The
+        # last stage may hold the embedding for multi-token prediction, not for its input.
+        x = tokens if tokens.is_floating_point() else self.embed(tokens)
         for block in self.layers.values():
             x = block(x, positions, documents)
-        return x if self.head is None else self.head(self.norm(x))
+        if self.head is None:
+            return x
+        hidden = self.norm(x)
+        logits = self.head(hidden)
+        if self.mtp is None or ahead is None:
+            return logits
+        return logits, *self.mtp(hidden, ahead, self.embed, self.head, positions, documents)
 
     def initial_values(self, name: str, full: tuple[int, ...], offsets: tuple[int, ...],
                        shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ import math
 from parallel.layout.parallel_plan import ParallelPlan, by_suffix
 from trainer.config import ModelConfig
 from trainer.parts import PARTS, block_parts, model_parts
+from trainer.parts.mtp import EH_PROJ, MTP, depth_shapes, depths
 from trainer.parts.norm import BLOCK_NORMS
 
 EMBEDDING, HEAD, BLOCKS, FINAL_NORM = "embed", "head", "layers", "norm"
@@ -18,8 +19,9 @@ TP_STYLES = {**{name: style for part in PARTS for name, style in
                 zip(part.prefixed(part.tp_styles), part.tp_styles.values())}, HEAD: "column"}
 # Weights no TP style splits: a mixture of experts' router (whole on every rank) and its experts
 # (3-D; split over expert parallel instead: EXPERTS; trainer.plan.axis_costs.tensor refuses TP),
-# multi-latent attention's down-projections (whole on every rank).
-WHOLE = tuple(name for part in PARTS for name in part.prefixed(part.whole))
+# multi-latent attention's down-projections and multi-token prediction's eh_proj (whole on
+# every rank).
+WHOLE = (*(name for part in PARTS for name in part.prefixed(part.whole)), EH_PROJ)
 # Buffers by name within a block, of every registered part (what a checkpoint may hold beside
 # the weights: trainer.checkpoint.match tells them from a dropped weight).
 BUFFER_NAMES = tuple(name for part in PARTS for name in part.prefixed(part.buffer_names))
@@ -36,6 +38,7 @@ def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
         embedding=EMBEDDING,  # vocab-parallel: rows split over TP like the head
         head=HEAD,
         blocks=BLOCKS,  # the transformer blocks by index: one weight-gather bundle each
+        mtp=MTP if depths(cfg) else None,
         final_norm=FINAL_NORM,
         hidden_size=cfg.hidden_size,
         recompute_hooks=tuple(dict.fromkeys(p.hook for p in PARTS if p.hook)),
@@ -68,8 +71,11 @@ def buffer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The Transformer's named_buffers() shapes from the config alone: each mixture-of-experts
     router's expert bias (model.moe_router_enable_expert_bias). A checkpoint saves them beside
     the weights (trainer.checkpoint.match checks they are there)."""
-    return {f"{BLOCKS}.{i}.{name}": shape for i in range(cfg.num_layers)
-            for part in block_parts(cfg, i) for name, shape in part.slot_buffers(cfg).items()}
+    last = block_parts(cfg, cfg.num_layers - 1)
+    return {**{f"{BLOCKS}.{i}.{name}": shape for i in range(cfg.num_layers)
+               for part in block_parts(cfg, i) for name, shape in part.slot_buffers(cfg).items()},
+            **{f"{MTP}.depths.{d}.block.{name}": shape for d in range(depths(cfg))
+               for part in last for name, shape in part.slot_buffers(cfg).items()}}
 
 
 def block_buffer_bytes(cfg: ModelConfig) -> list[int]:
@@ -115,4 +121,8 @@ def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes[f"{FINAL_NORM}.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes[f"{HEAD}.weight"] = (vocab, h)
+    last = block_shapes(cfg, cfg.num_layers - 1)
+    for d in range(depths(cfg)):  # multi-token prediction's depths (trainer.parts.mtp)
+        shapes |= {f"{MTP}.depths.{d}.{name}": shape
+                   for name, shape in depth_shapes(cfg, last).items()}
     return shapes

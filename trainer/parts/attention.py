@@ -124,8 +124,8 @@ def rope_rules(model: ModelConfig) -> None:
     positive_int("model.original_max_position_embeddings",
                  model.original_max_position_embeddings, "use DeepSeek-V3's 4096")
     finite("model.beta_slow", model.beta_slow, 0, False, fix="use YaRN's 1.0")
-    if not model.beta_fast > model.beta_slow:
-        raise ValueError(f"model.beta_fast={model.beta_fast} must exceed model.beta_slow="
+    if model.beta_fast < model.beta_slow:  # equal: a step, no ramp (Kimi K2's 1.0 and 1.0)
+        raise ValueError(f"model.beta_fast={model.beta_fast} is below model.beta_slow="
                          f"{model.beta_slow}: the ramp runs from beta_fast rotations down to "
                          f"beta_slow. Fix: use YaRN's 32.0 and 1.0.")
     for key in ("mscale", "mscale_all_dim"):

@@ -38,6 +38,11 @@ class MicroBatch:
     # seq_length], every position (not only this rank's), kept on the CPU; else None
     documents: torch.Tensor | None = None
     empty_samples: int = 0  # samples with no counted token (counted by one rank of each)
+    # Multi-token prediction (model.mtp_num_layers = D): [D, micro_batch_size, local seq], the
+    # token k ahead of each position (depth k's input) and the token k + 1 ahead (its label,
+    # IGNORE past the sample's end, across a document, or where the main label is ignored)
+    ahead: torch.Tensor | None = None
+    ahead_labels: torch.Tensor | None = None
 
 
 # Positions within the global batch -> those samples, [n, seq_length + 1] token ids.
@@ -89,10 +94,10 @@ NO_DOCUMENTS = DocumentRules()
 
 def rank_micro_batches(samples: Samples | Fetch, layout: Layout, rank: int,
                        device: torch.device | None = None, rules: DocumentRules = NO_DOCUMENTS,
-                       offset: int = 0) -> list[MicroBatch]:
+                       offset: int = 0, mtp_depths: int = 0) -> list[MicroBatch]:
     """Only this rank's samples are fetched (stream indices offset + their position in the
     global batch); every rank of a context group fetches the same. A plain fetch gives tokens
-    only."""
+    only. mtp_depths: multi-token prediction's D (model.mtp_num_layers), 0 for none."""
     source = samples if hasattr(samples, "document_starts") else _Tokens(samples)
     lane, keep = layout.batch_partition(rank), local_positions(layout, rank)
     seq = layout.seq_length
@@ -109,7 +114,7 @@ def rank_micro_batches(samples: Samples | Fetch, layout: Layout, rank: int,
             raise ValueError(f"fetched samples of shape {tuple(tokens.shape)}, expected "
                              f"{(layout.micro_batch_size, seq + 1)}")
         positions = torch.arange(seq).expand(tokens.shape[0], -1)
-        labels, documents = tokens[:, 1:], None
+        labels, documents, begin = tokens[:, 1:], None, None
         mask = source.loss_mask(indices)
         if mask is not None:
             # the dataset's own: a token that is no target (a prompt's)
@@ -125,8 +130,33 @@ def rank_micro_batches(samples: Samples | Fetch, layout: Layout, rank: int,
             if rules.reset_attention_mask:
                 documents = begin[:, :-1].contiguous()
         empty = int(((labels != IGNORE).sum(1) == 0).sum()) if counts_empty else 0
+        ahead = _ahead(tokens, labels, begin, mtp_depths) if mtp_depths else ()
         tensors = (keep_local(tokens[:, :-1], keep), keep_local(labels, keep),
-                   keep_local(positions, keep))
-        out.append(MicroBatch(*(t.to(device) if device else t for t in tensors), documents,
-                              empty))
+                   keep_local(positions, keep),
+                   *(torch.stack([keep_local(t, keep) for t in depth]) for depth in ahead))
+        tensors = [t.to(device) if device else t for t in tensors]
+        out.append(MicroBatch(*tensors[:3], documents, empty, *tensors[3:]))
     return out
+
+
+def _ahead(tokens: torch.Tensor, labels: torch.Tensor, begin: torch.Tensor | None,
+           depths: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Multi-token prediction's inputs and labels of each depth k = 1..D, over the whole
+    sequence (before a rank keeps its positions, so under context parallel the tokens ahead of
+    a chunk's last positions are there without asking the rank that holds them): at position
+    i the token i + k and the label i + k + 1 (the main label at i + k, so what the main loss
+    ignores is ignored), IGNORE past the sample's end and, where documents are known (begin:
+    each token's document start), where token i + k + 1 is not in token i's document."""
+    seq = labels.shape[1]
+    inputs, targets = [], []
+    for k in range(1, depths + 1):
+        ahead = torch.zeros_like(labels)
+        ahead[:, :seq - k + 1] = tokens[:, k:]
+        target = torch.full_like(labels, IGNORE)
+        target[:, :seq - k] = labels[:, k:]
+        if begin is not None:
+            crossing = begin[:, :seq - k] != begin[:, k + 1:]
+            target[:, :seq - k].masked_fill_(crossing, IGNORE)
+        inputs.append(ahead)
+        targets.append(target)
+    return inputs, targets

@@ -55,6 +55,7 @@ class Trainer:
         self.run_dir, self.timeout_s = run_dir, config.cluster.timeout_s
         self.plan, self.schedule, self.weight_decay = spec.plan, spec.schedule, spec.weight_decay
         self.save_interval = config.checkpoint.save_interval
+        self.mtp_depths = config.model.mtp_num_layers or 0  # multi-token prediction's D
         self.train_stream, self.valid_stream = open_streams(
             spec.data, self.layout.seq_length, config.data.seed, bool(self.plan.eval_interval),
             config.data.pack)
@@ -119,7 +120,8 @@ class Trainer:
             step_layout = plan.step_layout(layout, consumed)  # a ramp's, or a short last step
             samples = step_layout.global_batch_size
             micro_batches = rank_micro_batches(self.train_stream, step_layout, self.rank,
-                                               self.device, self.documents, consumed)
+                                               self.device, self.documents, consumed,
+                                               self.mtp_depths)
             data_s = time.perf_counter() - started
             # Megatron's scheduler is stepped after each update: a step trains at its values
             # for the samples consumed before it (the first warmup step at lr_warmup_init).
@@ -145,7 +147,9 @@ class Trainer:
                       "grad_norm": result.grad_norm, "loss_tokens": result.loss_tokens,
                       "empty_samples": result.empty_samples, **speed.as_dict(),
                       "comm_bytes": self.engine.groups.stats.by_op(),  # this rank, this step
-                      **result.moe}
+                      **result.moe,
+                      # multi-token prediction, by depth (Megatron logs "mtp_1 loss", ...)
+                      **{f"mtp_{d + 1}_loss": v for d, v in enumerate(result.mtp_losses)}}
             steps += 1
             if steps == 1:
                 logger.first_step(state.step, time.perf_counter() - started)

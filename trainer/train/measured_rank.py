@@ -95,7 +95,8 @@ def measure_rank(spec: RunSpec, rank: int, step: bool = True,
         def fetch(samples: list[int]) -> torch.Tensor:
             return torch.randint(0, vocab, (len(samples), layout.seq_length + 1), generator=gen)
 
-        micro_batches = rank_micro_batches(fetch, layout, rank, device)  # the loader's output
+        micro_batches = rank_micro_batches(  # the loader's output
+            fetch, layout, rank, device, mtp_depths=config.model.mtp_num_layers or 0)
         peak = PeakMemory(device)
         if device.type == "cpu":
             peak.fix_mmap_threshold()

@@ -38,6 +38,8 @@ class StepResult:
     loss_tokens: int
     empty_samples: int = 0  # samples of the global batch with no counted token (a loss mask)
     moe: dict = field(default_factory=dict)  # trainer.train.routing.finish (dense: empty)
+    # multi-token prediction: each depth's mean per-token loss over its own label tokens
+    mtp_losses: list[float] = field(default_factory=list)
 
 
 def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: list[MicroBatch],
@@ -50,28 +52,42 @@ def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: lis
     groups, device = model.groups, next(model.parameters()).device
     # Counted over token_distinct: TP ranks (and pipeline stages) share their tokens.
     # With them, the samples that count no token (each counted by one rank).
+    # Multi-token prediction's depths count their own label tokens, as the main loss does.
+    depths = 0 if micro_batches[0].ahead_labels is None else len(micro_batches[0].ahead_labels)
     local = [sum(int((mb.labels != IGNORE).sum()) for mb in micro_batches),
-             sum(mb.empty_samples for mb in micro_batches)]
+             sum(mb.empty_samples for mb in micro_batches),
+             *(sum(int((mb.ahead_labels[d] != IGNORE).sum()) for mb in micro_batches)
+               for d in range(depths))]
     counts = groups.token_distinct.all_reduce(
         torch.tensor(local, dtype=torch.float64, device=device)).tolist()
-    total_tokens, empty_samples = int(counts[0]), int(counts[1])
+    total_tokens, empty_samples, depth_tokens = int(counts[0]), int(counts[1]), counts[2:]
     if total_tokens == 0:
         raise ValueError("the global batch has no loss tokens (every label is ignored)")
     optimizer.zero_grad()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    sums = torch.zeros(1 + depths, dtype=torch.float64, device=device)  # main, each depth
     routing.begin(model.module, len(micro_batches))
     mark("micro_batches")
 
-    def last_stage(i: int, logits: torch.Tensor) -> torch.Tensor:
-        summed = _masked_sum(model.token_losses(logits, micro_batches[i].labels),
-                             micro_batches[i].labels)
-        loss_sum.add_(summed.detach().double())
-        return summed / total_tokens
+    def last_stage(i: int, out: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
+        mb = micro_batches[i]
+        logits, *ahead = out if isinstance(out, tuple) else (out,)
+        summed = _masked_sum(model.token_losses(logits, mb.labels), mb.labels)
+        sums[0] += summed.detach().double()
+        loss = summed / total_tokens
+        # Megatron's MTP loss: mtp_loss_scaling_factor / D times each depth's mean
+        for d, depth_logits in enumerate(ahead):
+            depth = _masked_sum(model.token_losses(depth_logits, mb.ahead_labels[d]),
+                                mb.ahead_labels[d])
+            sums[1 + d] += depth.detach().double()
+            loss = loss + model.module.mtp.loss_scale * depth / max(depth_tokens[d], 1.0)
+        return loss
 
     model.runner.run(_inputs(micro_batches), last_stage)
     model.finish_grads()  # sharded, replicated, then tied embeddings' (ParallelModel)
     # Both are global values, so every rank refuses a non-finite step together.
-    loss = _from_last_stage(model, loss_sum).item() / total_tokens
+    sums = _from_last_stage(model, sums)
+    loss = sums[0].item() / total_tokens
+    mtp_losses = [sums[1 + d].item() / max(depth_tokens[d], 1.0) for d in range(depths)]
     mark("update")
     grad_norm = optimizer.reduce_gradients()
     if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -81,7 +97,7 @@ def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: lis
     return StepResult(loss=loss, grad_norm=grad_norm, loss_tokens=total_tokens,
                       empty_samples=empty_samples, moe=routing.finish(model.module, groups,
                                          groups.pp if model.mixture else None,
-                                         model.sequence_parallel))
+                                         model.sequence_parallel), mtp_losses=mtp_losses)
 
 
 @torch.no_grad()
@@ -97,14 +113,16 @@ def evaluate(model: ParallelModel, micro_batches: list[MicroBatch]) -> float:
         loss_sum.add_(_masked_sum(model.token_losses(logits, labels), labels).double())
         return logits
 
-    model.runner.run(_inputs(micro_batches), last_stage,
-                     train=False)
+    model.runner.run(_inputs(micro_batches, train=False), last_stage, train=False)
     total = _from_last_stage(model, loss_sum).item()
     return total / model.groups.token_distinct.all_reduce(tokens).item()
 
 
-def _inputs(micro_batches: list[MicroBatch]) -> list[tuple]:
-    return [(mb.tokens, mb.positions, mb.documents) for mb in micro_batches]
+def _inputs(micro_batches: list[MicroBatch], train: bool = True) -> list[tuple]:
+    """What the model's forward takes of each micro-batch: with multi-token prediction's ids
+    when training (evaluation counts the main loss only)."""
+    return [(mb.tokens, mb.positions, mb.documents,
+             *((mb.ahead,) if train and mb.ahead is not None else ())) for mb in micro_batches]
 
 
 def _masked_sum(losses: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
