@@ -1,6 +1,7 @@
 """The README's DeepSeek-V3-class example, run as the README shows it (its fence read from the
-page): tiny_deepseek trains on eight processes under TP with SP, CP, EP and PP at once, every
-step logged, its loss falling, and each axis's collectives really used."""
+page): tiny_deepseek (multi-latent attention, DeepSeek's router, multi-token prediction) trains
+on eight processes under TP with SP, CP, EP and PP at once, every step logged, its losses
+falling, and each axis's collectives really used."""
 from __future__ import annotations
 
 import json
@@ -37,4 +38,7 @@ def test_the_readme_trains_tiny_deepseek_under_tp_sp_cp_ep_and_pp(tmp_path):
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5, [m["loss"] for m in steps]
     moved = steps[-1]["comm_bytes"]
     assert moved["all_to_all"] > 0 and moved["p2p"] > 0 and moved["all_gather"] > 0, moved
-    assert set(steps[-1]["moe_imbalance_per_layer"]) == {"1", "2", "3"}  # block 0 is dense
+    # block 0 is dense; the multi-token prediction depth's block reports as block 4
+    assert set(steps[-1]["moe_imbalance_per_layer"]) == {"1", "2", "3", "4"}
+    assert all(m["mtp_1_loss"] > 0 for m in steps)  # its depth trained and was logged
+    assert steps[-1]["mtp_1_loss"] < steps[0]["mtp_1_loss"]

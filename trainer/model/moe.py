@@ -78,6 +78,9 @@ class Router(nn.Module):
         self.loss_scale = 1.0
         self.records: list[Routed] = []
         self.key = torch.tensor(next(_ROUTER_KEYS), device="cpu")  # for _record_routing
+        # the block it reports its balance as, where its name does not say (a multi-token
+        # prediction depth's: after the model's blocks)
+        self.block: int | None = None
         _ROUTERS[int(self.key)] = self
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -70,6 +70,10 @@ class Transformer(nn.Module):
         # block's kind; None without.
         self.mtp = MultiTokenPrediction(cfg, lambda: Block(cfg, cfg.num_layers - 1)) \
             if cfg.mtp_num_layers else None
+        for d, depth in enumerate(self.mtp.depths.values() if self.mtp else ()):
+            for module in depth.modules():  # a router reports as block num_layers + d
+                if hasattr(module, "expert_bias"):
+                    module.block = cfg.num_layers + d
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
                 documents: torch.Tensor | None = None, ahead: torch.Tensor | None = None

@@ -73,7 +73,8 @@ def finish(model: nn.Module, groups: Groups, stages: Group | None = None,
         losses.append(sum(float(r.loss) for r in router.records) * router.loss_scale)
         dropped += sum(float(r.dropped) for r in router.records)  # the micro-batches' (global)
         pairs += float(counts.sum())
-        imbalance[_block(name)] = float(counts.max() / counts.mean())
+        block = _block(name) if router.block is None else router.block
+        imbalance[block] = float(counts.max() / counts.mean())
         if router.expert_bias is not None:
             step = torch.sign(counts.mean() - counts) * router.bias_update_rate
             router.expert_bias.add_(step.to(router.expert_bias.dtype))
