@@ -90,14 +90,32 @@ def block_weight_elements(cfg: ModelConfig) -> float:
     experts' (each token runs that many)."""
     if cfg.num_moe_experts is None:  # every block alike (the search asks this often)
         return sum(math.prod(s) for s in block_shapes(cfg).values() if len(s) == 2)
+    return sum(_elements_a_token_runs(cfg, block_shapes(cfg, block))
+               for block in range(cfg.num_layers)) / cfg.num_layers
+
+
+def _elements_a_token_runs(cfg: ModelConfig, shapes: dict[str, tuple[int, ...]]) -> float:
+    """Of these shapes, the weight elements one token multiplies by: every 2-D weight, and of
+    the experts moe_router_topk of num_moe_experts."""
     total = 0.0
-    for block in range(cfg.num_layers):
-        for shape in block_shapes(cfg, block).values():
-            if len(shape) == 2:
-                total += math.prod(shape)
-            elif len(shape) == 3:  # experts: a token passes through topk of them
-                total += math.prod(shape) * cfg.moe_router_topk / cfg.num_moe_experts
-    return total / cfg.num_layers
+    for shape in shapes.values():
+        if len(shape) == 2:
+            total += math.prod(shape)
+        elif len(shape) == 3:  # experts: a token passes through topk of them
+            total += math.prod(shape) * cfg.moe_router_topk / cfg.num_moe_experts
+    return total
+
+
+def mtp_token_flops(cfg: ModelConfig, seq_length: int) -> float:
+    """Multi-token prediction's forward FLOPs per token, all its depths: each depth's linears
+    (eh_proj and its block, of the last block's kind) 2*W, its block's core FLOPs, and the
+    head 2*h*V (trainer.parts.mtp)."""
+    last = block_shapes(cfg, cfg.num_layers - 1)
+    one = (2 * _elements_a_token_runs(cfg, depth_shapes(cfg, last))
+           + sum(part.core_flops(cfg, seq_length)
+                 for part in block_parts(cfg, cfg.num_layers - 1))
+           + 2 * cfg.hidden_size * cfg.padded_vocab_size)
+    return depths(cfg) * one
 
 
 def block_core_flops(cfg: ModelConfig, seq_length: int) -> float:

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from parallel.layout import Layout
 from trainer.config import ModelConfig, Precision, RecomputeGranularity
-from trainer.parts.assembly import block_core_flops, block_weight_elements
+from trainer.parts.assembly import block_core_flops, block_weight_elements, mtp_token_flops
 from trainer.parts.tokens import compute_bytes
 from trainer.plan.axis_costs import REGISTRY
 from trainer.plan.axis_costs.entry import Micro
@@ -50,23 +50,27 @@ class TokenFlops:
     """The forward FLOPs one token costs, counted from the config: a block's linears 2*W, its
     parts' core FLOPs (trainer.parts):
     causal attention 2*S*q (QK^T and AV, 2*S*q each over S keys, halved: a query sees the keys
-    before it), the head 2*h*V. The embedding is a lookup; norms and activations are not
-    counted (Megatron's and torchtitan's convention)."""
+    before it), the head 2*h*V, and multi-token prediction's depths (each its eh_proj, block
+    and head). The embedding is a lookup; norms and activations are not counted (Megatron's
+    and torchtitan's convention)."""
     block_linear: float
     block_attention: float
     head: float
     num_layers: int
+    mtp: float = 0.0
 
     @classmethod
     def of(cls, m: ModelConfig, seq_length: int) -> TokenFlops:
         return cls(2 * block_weight_elements(m), block_core_flops(m, seq_length),
-                   2 * m.hidden_size * m.padded_vocab_size, m.num_layers)
+                   2 * m.hidden_size * m.padded_vocab_size, m.num_layers,
+                   mtp_token_flops(m, seq_length))
 
     @property
     def training(self) -> float:
         """Model FLOPs of a trained token: forward and a backward of twice its FLOPs. What
         recompute runs again is not model FLOPs (MFU counts it as lost time)."""
-        return 3 * (self.num_layers * (self.block_linear + self.block_attention) + self.head)
+        return 3 * (self.num_layers * (self.block_linear + self.block_attention) + self.head
+                    + self.mtp)
 
 
 @dataclass(frozen=True)
@@ -94,7 +98,7 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
     attn_fwd = T * token.block_attention / t / flops
     extra = {RecomputeGranularity.full: linear_fwd + attn_fwd,
              RecomputeGranularity.selective: attn_fwd, None: 0.0}
-    head_fwd = T * token.head / t / flops
+    head_fwd = T * (token.head + token.mtp) / t / flops  # the last stage: head, MTP depths
     # Shared cores compute and move messages in turn: nothing overlaps.
     micro = Micro(m, layout, hw, options, T, e, W, attn_fwd, head_fwd, not hw.shares_cores)
 
@@ -161,7 +165,7 @@ def floor_s(m: ModelConfig, layout: Layout, precision: Precision, hw: Hardware) 
     for costs in REGISTRY:
         if costs.floor_block_s:
             block += costs.floor_block_s(micro)
-    step = blocks * block + 3 * T * token.head / t / flops
+    step = blocks * block + 3 * T * (token.head + token.mtp) / t / flops
     for costs in REGISTRY:
         if costs.floor_head_s:
             step += costs.floor_head_s(micro)

@@ -1,0 +1,50 @@
+"""The FLOPs the log's MFU counts (trainer.plan.cost.TokenFlops) against torch's own FLOP counter
+on a forward of the model: tiny_deepseek, whose blocks are multi-latent attention and experts
+and whose multi-token prediction depth adds a block, an eh_proj and the head.
+
+torch.utils.flop_counter counts every matmul (aten.mm: the linears, the router, the head) and
+the attention's batched matmuls in full (aten.bmm: QK^T and AV over all S keys, where causal
+attention does half; values narrower than queries take the math path on CPU, which it sees),
+and not the experts' grouped GEMM: those are counted here by hand, each token through
+moe_router_topk experts of 3 h x F weights in each expert block, the depth's included."""
+from __future__ import annotations
+
+import pytest
+import torch
+import yaml
+from omegaconf import OmegaConf
+from torch.utils.flop_counter import FlopCounterMode
+
+from config_helpers import ROOT
+from trainer.config import ModelConfig
+from trainer.model.transformer import Transformer
+from trainer.plan.cost import TokenFlops
+
+
+def preset(name: str) -> ModelConfig:
+    values = yaml.safe_load((ROOT / "conf" / "model" / f"{name}.yaml").read_text())
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), values))
+
+
+@pytest.mark.parametrize("seq", [16, 32])
+def test_mla_moe_and_mtp_flops_are_what_torch_counts(seq):
+    cfg = preset("tiny_deepseek")
+    assert cfg.multi_latent_attention and cfg.mtp_num_layers == 1
+    model = Transformer(cfg)
+    model.init_weights(1)
+    b = 2
+    tokens = torch.randint(0, cfg.vocab_size, (b, seq))
+    ahead = torch.randint(0, cfg.vocab_size, (cfg.mtp_num_layers, b, seq))
+    with FlopCounterMode(display=False) as counter:
+        model(tokens, None, None, ahead)
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    expert_blocks = sum(cfg.is_moe_block(i) for i in range(cfg.num_layers)) + cfg.mtp_num_layers
+    experts = (b * seq * expert_blocks * 2 * cfg.moe_router_topk
+               * 3 * cfg.hidden_size * cfg.expert_ffn_size)
+    causal_attention = counts["aten.bmm"] / 2
+    want = counts["aten.mm"] + causal_attention + experts
+    token = TokenFlops.of(cfg, seq)
+    ours = b * seq * (token.num_layers * (token.block_linear + token.block_attention)
+                      + token.head + token.mtp)
+    assert ours == pytest.approx(want, rel=1e-12)
+    assert token.mtp > 0.2 * (token.training / 3)  # the depth is a fifth of this tiny model
