@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from test_mla_parity import MLA
 
-from trainer.config import CPCommType
+from trainer.config import CPCommType, RecomputeGranularity
 from trainer.plan.options import EngineOptions
 from trainer.train.batch import IGNORE, _ahead, rank_micro_batches
 from trainer.train.engine import build_engine
@@ -122,6 +122,10 @@ LAYOUTS = {  # name -> (world, Layout keyword arguments, engine options)
     "pp2": (2, {"pipeline_model_parallel_size": 2}, EngineOptions()),
     "pp2_tp2_sp_cp2": (8, TP2_SP | {"pipeline_model_parallel_size": 2,
                                     "context_parallel_size": 2}, EngineOptions()),
+    "pp2_full_recompute": (2, {"pipeline_model_parallel_size": 2}, EngineOptions(
+        recompute_granularity=RecomputeGranularity.full)),
+    "tp2_sp_selective": (2, TP2_SP, EngineOptions(
+        recompute_granularity=RecomputeGranularity.selective)),
 }
 
 

@@ -15,10 +15,11 @@ import yaml
 from omegaconf import OmegaConf
 from torch.utils.flop_counter import FlopCounterMode
 
-from config_helpers import ROOT
 from trainer.config import ModelConfig
 from trainer.model.transformer import Transformer
 from trainer.plan.cost import TokenFlops
+
+from config_helpers import ROOT
 
 
 def preset(name: str) -> ModelConfig:

@@ -85,6 +85,10 @@ def apply_recompute(model: nn.Module, plan: ParallelPlan, options: EngineOptions
     for chunk in chunks:
         for position, block_index in enumerate(chunk):
             _apply(blocks[str(block_index)], block_index, options.recomputes(position), plan)
+    # Multi-token prediction's depths (on the last stage) recompute their blocks alike.
+    depths = getattr(model, plan.mtp, None) if plan.mtp else None
+    for d, depth in enumerate(depths.depths.values() if depths is not None else ()):
+        _apply(depth.block, len(blocks) + d, options.recompute_granularity, plan)
 
 
 def _apply(block: nn.Module, index: int, granularity: RecomputeGranularity | None,
