@@ -95,6 +95,16 @@ CHANGES = {
         ("model=tiny_moe", "cluster.procs_per_node=4", "parallel.tensor_model_parallel_size=2",
          "parallel.sequence_parallel=true"),
         ("model=tiny_moe", "cluster.procs_per_node=4", "parallel.expert_model_parallel_size=4")),
+    # DeepSeek-V3's model (multi-latent attention, its router's expert bias, a multi-token
+    # prediction depth whose stage holds a copy of the embedding) under TP 2 with SP, PP 2 and
+    # EP 2, then under CP 2 and EP 4 without stages.
+    "deepseek_tp2_sp_pp2_ep2_to_cp2_ep4": (
+        ("model=tiny_deepseek", "cluster.procs_per_node=4",
+         "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+         "parallel.pipeline_model_parallel_size=2", "parallel.expert_tensor_parallel_size=1",
+         "parallel.expert_model_parallel_size=2"),
+        ("model=tiny_deepseek", "cluster.procs_per_node=4", "parallel.context_parallel_size=2",
+         "parallel.expert_model_parallel_size=4")),
 }
 
 
