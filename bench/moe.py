@@ -83,8 +83,10 @@ def _engine(model: ModelConfig, layout: Layout):
     return build_engine(model, OPTIM, 0, layout, torch.device("cpu"))
 
 
-def _timed_steps(rank: int, engines: dict, batch: torch.Tensor, steps: int) -> dict:
-    """Each engine's step, alternating (the first of each a warm-up): seconds per step."""
+def _timed_steps(rank: int, engines: dict, batch: torch.Tensor, steps: int,
+                 mtp: dict[str, int] | None = None) -> dict:
+    """Each engine's step, alternating (the first of each a warm-up): seconds per step. mtp:
+    each engine's multi-token prediction depths (none where absent)."""
     from trainer.train.batch import rank_micro_batches
     from trainer.train.step import train_step
 
@@ -93,7 +95,8 @@ def _timed_steps(rank: int, engines: dict, batch: torch.Tensor, steps: int) -> d
         names = list(engines)[step % len(engines):] + list(engines)[:step % len(engines)]
         for name in names:
             engine = engines[name]
-            micro = rank_micro_batches(lambda idx: batch[idx], engine.layout, rank)
+            micro = rank_micro_batches(lambda idx: batch[idx], engine.layout, rank,
+                                       mtp_depths=(mtp or {}).get(name, 0))
             if dist.is_initialized():
                 dist.barrier()
             start = time.perf_counter()
