@@ -26,7 +26,13 @@ AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor |
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      documents: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention; with documents, within each document only
-    (trainer/model/documents.py)."""
+    (trainer/model/documents.py). Values narrower than queries (multi-latent attention's) are
+    padded with zeros to their width and the output cut back: the fused kernels take one
+    width, and without them torch falls back to forming every score (memory of S^2)."""
+    width = v.shape[-1]
+    if width != q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - width))
+        return causal_attention(q, k, v, documents)[..., :width]
     if documents is not None:
         return document_attention(q, k, v, documents)
     # The fused kernels read each K/V group for its query heads; nothing is repeated.
