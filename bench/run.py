@@ -26,6 +26,7 @@ import comm_memory  # noqa: E402
 import compile_blocks  # noqa: E402
 import compose  # noqa: E402
 import context  # noqa: E402
+import deepseek  # noqa: E402
 import documents  # noqa: E402
 import fsdp2  # noqa: E402
 import hf_interop  # noqa: E402
@@ -78,6 +79,7 @@ def sections(quick: bool) -> list[tuple[str, Callable[[dict], dict]]]:
         ("Hugging Face import and export", one("hf_interop", lambda: hf_interop.measure(quick))),
         ("checkpoint checksums", one("checkpoint_checksums", lambda: checksum.measure(quick))),
         ("mixture of experts", one("moe", lambda: moe.measure(quick))),
+        ("DeepSeek-V3's model", one("deepseek", lambda: deepseek.measure(quick))),
         ("documents", one("documents", lambda: documents.measure(quick))),
         ("compiled blocks", one("compile", lambda: compile_blocks.measure(quick))),
         ("soak (2 x 4,096 steps of 8 ranks)", one("soak", lambda: soak.measure(quick))),

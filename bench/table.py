@@ -168,7 +168,31 @@ def rows(figures: dict[str, Any]) -> list[dict[str, Any]]:
         out += _compile_rows(f["compile"])
     if "soak" in f:  # nor before bench/soak.py
         out += _soak_rows(f["soak"])
+    if "deepseek" in f:  # nor before bench/deepseek.py
+        out += _deepseek_rows(f["deepseek"])
     return out
+
+
+def _deepseek_rows(d: dict) -> list[dict[str, Any]]:
+    """DeepSeek-V3's model: beside a Mixtral-style one, MTP's cost against its FLOPs, and the
+    measured dry run of MLA + MTP + EP layouts."""
+    side, mtp, dry = d["deepseek_over_mixtral"], d["mtp_over_none"], d["dry_run"]
+    where = ", ".join(f"{op} {share}" for op, share in
+                      side["deepseek_self_cpu_share_by_op"].items())
+    worst = max(dry.values(), key=lambda r: abs(r["allocated_peak_over_planned"] - 1))
+    return [
+        _row("deepseek_step_time_over_mixtral_style",
+             side["step_time_deepseek_over_mixtral_style"], "-",
+             f"{side['setup']}; active parameters {side['active_parameters']}; DeepSeek's self "
+             f"CPU time by op: {where}"),
+        _row("mtp1_step_time_ratio_over_flop_ratio", mtp["time_ratio_over_flop_ratio"],
+             "0.9-1.1", f"step time with one MTP depth over without {mtp['step_time_ratio']}, "
+             f"their FLOP ratio {mtp['flop_ratio']}; {mtp['setup']}"),
+        _row("deepseek_dry_run_allocated_over_planned", worst["allocated_peak_over_planned"],
+             "0.98-1.02", "measured dry run of a mid-sized DeepSeek-style model (MLA, MTP 1, 8 "
+             "experts), the worst of " + ", ".join(
+                 f"{n} {r['allocated_peak_over_planned']}" for n, r in dry.items())),
+    ]
 
 
 def _compile_rows(c: dict) -> list[dict[str, Any]]:
