@@ -13,6 +13,9 @@ shape, so checkpoint.load reads it under any layout (with checkpoint.finetune=tr
 holds no optimizer state, step or data position), and OUT/model.yaml, the model config.
 Both ways check what they can before writing (the safetensors headers; the checkpoint's DCP
 .metadata against the model) and write into a hidden folder of their own, renamed into place.
+DeepSeek's multi-token prediction layers (hf_families.hf_parts) come in and go out with the
+model; their copies of the embedding and head are checked equal on the way in, kept once, and
+written again on the way out.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import shutil
 import time
 import uuid
 import warnings
-from dataclasses import asdict, fields
+from dataclasses import asdict, fields, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -44,7 +47,9 @@ from trainer.checkpoint.dcp import (
 from trainer.checkpoint.hf_families import (
     ARCHITECTURES,
     hf_config,
+    hf_copies,
     hf_parts,
+    layers_from,
     model_config,
     row_orders,
     unbuilt,
@@ -96,8 +101,10 @@ def import_hf(hf_dir: Path, out_dir: Path, say: Callable[[str], None] | None = N
                                 f"model folder (config.json and *.safetensors).")
     config = _read_mapping(config_path, str(config_path), "use the config.json "
                            "save_pretrained wrote for the model")
-    model = model_config(config, config_path)
-    reader, parts, orders = SafetensorsReader(hf_dir), hf_parts(model), row_orders(model, config)
+    model = model_config(config, config_path)  # first: a bad config.json is named as such
+    reader = SafetensorsReader(hf_dir)
+    model = _held_depths(model, reader, config_path, say)
+    parts, orders = hf_parts(model), row_orders(model, config)
     shapes = _shapes(model, parts)
     _check_weights(reader, model, shapes, parts, config_path)
     paced = Paced(f"importing {hf_dir} into {out_dir} (fp32)",
@@ -114,6 +121,21 @@ def import_hf(hf_dir: Path, out_dir: Path, say: Callable[[str], None] | None = N
     with _new_folder(out_dir) as tmp:
         _write_import(tmp, shapes, value, hf_dir, model)
     return model
+
+
+def _held_depths(model: ModelConfig, reader: SafetensorsReader, config_path: Path,
+                 say: Callable[[str], None] | None) -> ModelConfig:
+    """The model without multi-token prediction where its config.json names depths
+    (num_nextn_predict_layers) and the files hold no layer past the blocks: transformers saves
+    none (and writes its default of 1), so a fine-tune it saved imports as what it holds; files
+    holding part of them are refused by _check_weights, naming what is missing."""
+    if not model.mtp_num_layers or layers_from(reader.names(), model.num_layers):
+        return model
+    if say is not None:
+        say(f"{config_path.name} names num_nextn_predict_layers={model.mtp_num_layers}, and the "
+            f"weights hold no layer past the {model.num_layers} blocks: imported without "
+            f"multi-token prediction (model.mtp_num_layers null)")
+    return replace(model, mtp_num_layers=None)
 
 
 def _shapes(model: ModelConfig, parts: dict[str, list[tuple[str, int]]]
@@ -158,25 +180,45 @@ def _check_weights(reader: SafetensorsReader, model: ModelConfig,
         for hf_name, rows in pieces:
             spec, want = reader.spec(hf_name), (rows, *shapes[name][1:][-1:])
             if spec is None:
+                depths = f" and {model.mtp_num_layers} multi-token prediction layers" \
+                    if model.mtp_num_layers else ""
                 raise ValueError(f"{hf_dir}: the weights have no tensor {hf_name!r}, which "
-                                 f"{config_path.name} implies ({model.num_layers} layers). Fix: "
-                                 f"copy the whole model, or {fix}.")
+                                 f"{config_path.name} implies ({model.num_layers} layers"
+                                 f"{depths}). Fix: copy the whole model, or {fix}.")
             if spec[1] != want:
                 raise ValueError(f"{hf_dir}: {hf_name} has shape {spec[1]}; "
                                  f"{config_path.name} implies {want}. Fix: {fix}.")
             if spec[0] not in FLOAT_DTYPES:
                 raise ValueError(f"{hf_dir}: {hf_name} is {spec[0]}, not one of "
                                  f"{', '.join(FLOAT_DTYPES)}. Fix: import an unquantized model.")
-    unused = reader.names() - {n for p in parts.values() for n, _ in p} - {"lm_head.weight"}
+    copies = hf_copies(model)
+    unused = (reader.names() - {n for p in parts.values() for n, _ in p} - {"lm_head.weight"}
+              - set(copies))
     what = unbuilt(model, unused)
     if what:
-        raise ValueError(f"{hf_dir}: the weights hold {what}, which this trainer does not "
-                         f"build. Fix: import a copy of the folder without them: the model's own "
-                         f"blocks never read them (transformers drops them on load too).")
+        raise ValueError(f"{hf_dir}: the weights hold {what}. Fix: set num_nextn_predict_layers "
+                         f"to the multi-token prediction layers they hold, or import a copy of "
+                         f"the folder without them.")
     if unused:
         raise ValueError(f"{hf_dir}: tensors this model does not have, e.g. "
                          f"{sorted(unused)[0]!r}. Fix: import a plain model of "
                          f"{', '.join(ARCHITECTURES)}, or {fix}.")
+    _check_copies(reader, copies, hf_dir)
+
+
+def _check_copies(reader: SafetensorsReader, copies: dict[str, str], hf_dir: Path) -> None:
+    """Each copy of the embedding or head that a multi-token prediction layer holds
+    (hf_families.hf_copies) equals the model's own, as fp32 (what the import keeps): an import
+    keeps one. One absent is nothing lost."""
+    for name, source in copies.items():
+        if reader.spec(name) is None:
+            continue
+        theirs, own = reader.get(name), reader.get(source)
+        if theirs.shape != own.shape or not torch.equal(theirs.float(), own.float()):
+            raise ValueError(f"{hf_dir}: {name} differs from {source}, which DeepSeek's files "
+                             f"repeat there (a multi-token prediction layer shares the model's "
+                             f"embedding and head; this trainer keeps one). Fix: import a copy of "
+                             f"the folder whose {name} is {source}'s, or without it.")
 
 
 def _write_import(out_dir: Path, shapes: dict[str, tuple[int, ...]],
@@ -315,8 +357,12 @@ def export_hf(ckpt: Path, hf_dir: Path, model: ModelConfig, dtype: torch.dtype =
     orders = {name: torch.tensor(order).argsort().tolist() for name, order in
               row_orders(model, config).items()}  # back to their rows
     saved = saved_entries(ckpt)
-    specs = [(hf_name, (rows, *shapes[name][1:][-1:]))
-             for name in parts for hf_name, rows in parts[name]]
+    copies_of: dict[str, list[str]] = {}  # DeepSeek's copies of the embedding and head
+    for copy, source in hf_copies(model).items():
+        copies_of.setdefault(source, []).append(copy)
+    specs = [(written, (rows, *shapes[name][1:][-1:])) for name in parts
+             for hf_name, rows in parts[name] for written in (hf_name,
+                                                               *copies_of.get(hf_name, ()))]
 
     paced = Paced(f"exporting {ckpt} to {hf_dir} ({str(dtype).removeprefix('torch.')})",
                   sum(4 * torch.Size(shapes[name]).numel() for name in parts), say)
@@ -329,8 +375,10 @@ def export_hf(ckpt: Path, hf_dir: Path, model: ModelConfig, dtype: torch.dtype =
                     dcp.load({f"model.{name}": full}, checkpoint_id=ckpt, no_dist=True)
             paced.advance(full.nbytes)
             split = _rows(full)[:sum(r for _, r in pieces)].split([r for _, r in pieces])
-            yield from ((hf_name, _in_order(rows, orders.get(hf_name)))
-                        for (hf_name, _), rows in zip(pieces, split))
+            for (hf_name, _), rows in zip(pieces, split):
+                rows = _in_order(rows, orders.get(hf_name))
+                yield from ((written, rows) for written in (hf_name,
+                                                            *copies_of.get(hf_name, ())))
 
     with _new_folder(hf_dir) as tmp:
         files = write_streamed(tmp, specs, dtype, tensors(), max_shard_bytes)

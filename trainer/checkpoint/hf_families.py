@@ -11,7 +11,8 @@ writing the tensors is trainer.checkpoint.hf's.
                            blocks dense, then experts routed by sigmoid scores with the expert
                            bias (a buffer of ours), groups and a shared expert (Kimi K2's and
                            Moonlight's architecture too); its interleaved rotary rows are
-                           reordered (row_orders), its multi-token prediction layers refused
+                           reordered (row_orders), its multi-token prediction layers (layers
+                           num_hidden_layers.. of num_nextn_predict_layers) our mtp.depths
 
 Which of their tensors each of our parameters is comes from the model's parts (trainer.parts:
 each part names its own); the family (trainer.parts.families) gives a model.name to an imported
@@ -30,7 +31,7 @@ import torch
 
 from trainer.checks import check_model
 from trainer.config import ModelConfig
-from trainer.parts import block_parts
+from trainer.parts import block_parts, mtp
 from trainer.parts.attention import LLAMA3_ROPE_CONTEXT, LLAMA3_ROPE_HIGH, LLAMA3_ROPE_LOW
 from trainer.parts.families import (
     ARCHITECTURES,
@@ -165,6 +166,9 @@ class HfMapping:
     holds: Callable[[ModelConfig], list[tuple[str, Any, bool]]] = lambda model: []
     intermediate_is_experts: bool = False  # its intermediate_size is an expert's (Mixtral)
     rope_scaling: str = "llama3"  # the rope scaling its config.json may hold: llama3 or yarn
+    # its files hold multi-token prediction layers after the last block (DeepSeek's
+    # num_nextn_predict_layers)
+    mtp: bool = False
 
 
 def _read_mixtral(fields: Fields, need) -> dict:
@@ -264,7 +268,10 @@ def _read_deepseek_v3(fields: Fields, need) -> dict:
            "kv_lora_rank": fields.get("kv_lora_rank", INT, REQUIRED),
            "qk_head_dim": fields.get("qk_nope_head_dim", INT, REQUIRED),
            "qk_pos_emb_head_dim": fields.get("qk_rope_head_dim", INT, REQUIRED),
-           "v_head_dim": fields.get("v_head_dim", INT, REQUIRED)}
+           "v_head_dim": fields.get("v_head_dim", INT, REQUIRED),
+           # multi-token prediction's depths, layers num_hidden_layers.. of the files (an
+           # import whose files hold none of them drops it: trainer.checkpoint.hf)
+           "mtp_num_layers": fields.get("num_nextn_predict_layers", INT, 0) or None}
     dense = fields.get("first_k_dense_replace", INT, REQUIRED)
     if dense >= values["num_hidden_layers"]:
         return mla
@@ -319,13 +326,15 @@ def _leading_dense(model: ModelConfig) -> int:
 
 def _write_deepseek_v3(model: ModelConfig) -> dict:
     """What transformers needs to build the same model (a dense one: every block before
-    first_k_dense_replace), in interleaved rotary rows (row_orders), with no multi-token
-    prediction layer; DeepSeek's own router fields too, for its reference code."""
+    first_k_dense_replace), in interleaved rotary rows (row_orders), with the multi-token
+    prediction layers (transformers builds none: it skips their weights); DeepSeek's own router
+    fields too, for its reference code."""
     r = model.qk_pos_emb_head_dim
     out = {"q_lora_rank": model.q_lora_rank, "kv_lora_rank": model.kv_lora_rank,
            "qk_nope_head_dim": model.qk_head_dim, "qk_rope_head_dim": r,
            "v_head_dim": model.v_head_dim, "head_dim": r, "rope_interleave": True,
-           "num_nextn_predict_layers": 0, "first_k_dense_replace": _leading_dense(model)}
+           "num_nextn_predict_layers": mtp.depths(model),
+           "first_k_dense_replace": _leading_dense(model)}
     if model.rope_type == "yarn":  # the context YaRN stretches to (transformers checks it)
         out["max_position_embeddings"] = round(model.original_max_position_embeddings
                                                * model.rotary_scaling_factor)
@@ -380,7 +389,7 @@ MAPPINGS = {
     "qwen3_moe": HfMapping("qwen3_moe", read=_read_qwen3_moe, write=_write_qwen3_moe,
                            holds=_softmax_router_holds),
     "deepseek_v3": HfMapping("deepseek_v3", read=_read_deepseek_v3, write=_write_deepseek_v3,
-                             holds=_deepseek_v3_holds, rope_scaling="yarn"),
+                             holds=_deepseek_v3_holds, rope_scaling="yarn", mtp=True),
 }
 
 
@@ -438,6 +447,7 @@ def architecture_of(model: ModelConfig) -> str:
     unmapped = [(k, v) for k, v, ok in (
         ("rope_type", model.rope_type, model.rope_type == "rope"
          or mapping.rope_scaling == "yarn"),
+        ("mtp_num_layers", model.mtp_num_layers, model.mtp_num_layers is None or mapping.mtp),
         *mapping.holds(model)) if not ok]
     if unmapped:
         key, value = unmapped[0]
@@ -493,7 +503,24 @@ def hf_parts(model: ModelConfig) -> dict[str, list[tuple[str, int]]]:
     out["norm.weight"] = [("model.norm.weight", h)]
     if not model.tie_word_embeddings:
         out["head.weight"] = [("lm_head.weight", vocab)]
+    for d in range(mtp.depths(model)):  # layers after the last block, of the last block's kind
+        ours, theirs = f"mtp.depths.{d}.", f"model.layers.{model.num_layers + d}."
+        out |= mtp.hf_names(model, ours, theirs)
+        for part in block_parts(model, model.num_layers - 1):
+            out |= part.hf_names(model, f"{ours}block.", theirs, family)
     return out
+
+
+def hf_copies(model: ModelConfig) -> dict[str, str]:
+    """What DeepSeek's files repeat in each multi-token prediction layer: the model's embedding
+    and head (vLLM and SGLang read the model's own instead), name -> the tensor it copies. An
+    import checks them equal and keeps one; an export writes them."""
+    head = "model.embed_tokens.weight" if model.tie_word_embeddings else "lm_head.weight"
+    return {name: source for d in range(mtp.depths(model))
+            for name, source in ((f"model.layers.{model.num_layers + d}.embed_tokens.weight",
+                                  "model.embed_tokens.weight"),
+                                 (f"model.layers.{model.num_layers + d}.shared_head.head.weight",
+                                  head))}
 
 
 def row_orders(model: ModelConfig, config: dict) -> dict[str, list[int]]:
@@ -510,20 +537,28 @@ def row_orders(model: ModelConfig, config: dict) -> dict[str, list[int]]:
          for d in (*range(nope), *(nope + j for j in halves))]
     kv = [*range(latent), *(latent + j for j in halves)]
     parts, orders = hf_parts(model), {}
-    for i in range(model.num_layers):
-        attn = f"layers.{i}.attn."
+    for attn in (*(f"layers.{i}.attn." for i in range(model.num_layers)),
+                 *(f"mtp.depths.{d}.block.attn." for d in range(mtp.depths(model)))):
         (q_name, _), = parts.get(f"{attn}q_up.weight") or parts[f"{attn}q.weight"]
         (kv_name, _), = parts[f"{attn}kv_down.weight"]
         orders |= {q_name: q, kv_name: kv}
     return orders
 
 
+def layers_from(names: set[str], first: int) -> list[str]:
+    """The tensors of layers numbered `first` and up (model.layers.<i>.), sorted."""
+    return sorted(n for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))
+                  and int(m[1]) >= first)
+
+
 def unbuilt(model: ModelConfig, names: set[str]) -> str | None:
-    """What tensors beyond the model's are, where known: DeepSeek's multi-token prediction
-    layers, numbered after the last block (num_nextn_predict_layers); None otherwise."""
-    past = sorted(n for n in names if (m := re.match(r"model\.layers\.(\d+)\.", n))
-                  and int(m[1]) >= model.num_layers)
-    if not past or not model.multi_latent_attention:
+    """What tensors beyond the model's are, where known: a DeepSeek layer past its blocks and
+    multi-token prediction layers (num_hidden_layers + num_nextn_predict_layers); None
+    otherwise."""
+    first = model.num_layers + mtp.depths(model)
+    past = layers_from(names, first)
+    if not past or not MAPPINGS[hf_family(model).name].mtp:
         return None
-    return (f"{len(past)} tensors of multi-token prediction layers past the last block (e.g. "
-            f"{past[0]!r})")
+    return (f"{len(past)} tensors of layers from {first} on (e.g. {past[0]!r}), past the "
+            f"num_hidden_layers + num_nextn_predict_layers = {model.num_layers} + "
+            f"{mtp.depths(model)} layers its config.json names")

@@ -36,6 +36,18 @@ def depths(cfg: ModelConfig) -> int:
     return cfg.mtp_num_layers or 0
 
 
+def hf_names(cfg: ModelConfig, ours: str, theirs: str) -> dict[str, list[tuple[str, int]]]:
+    """A depth's own tensors as DeepSeek-V3's files name them (`theirs`: its layer,
+    model.layers.<num_hidden_layers + depth>., read so by vLLM's and SGLang's loaders), with
+    their rows; its block's tensors are its block parts' names under the same layer. eh_proj's
+    input is [enorm(e) ; hnorm(h)] there too, so its columns need no reordering."""
+    h = cfg.hidden_size
+    return {f"{ours}enorm.weight": [(f"{theirs}enorm.weight", h)],
+            f"{ours}hnorm.weight": [(f"{theirs}hnorm.weight", h)],
+            f"{ours}{EH_PROJ}.weight": [(f"{theirs}eh_proj.weight", h)],
+            f"{ours}norm.weight": [(f"{theirs}shared_head.norm.weight", h)]}
+
+
 def rules(model: ModelConfig) -> None:
     if model.mtp_num_layers is not None:
         positive_int("model.mtp_num_layers", model.mtp_num_layers,
