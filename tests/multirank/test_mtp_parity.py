@@ -34,6 +34,14 @@ from test_parity import (
 )
 
 MTP = replace(MLA, mtp_num_layers=2, mtp_loss_scaling_factor=0.3)
+# DeepSeek-V3's block: the depths' blocks are mixtures of experts with its router (no balance
+# loss, whose sums depend on how a layout groups the micro-batch: test_moe_parity covers them)
+DEEPSEEK = replace(MTP, num_layers=4, num_moe_experts=8, moe_router_topk=2,
+                   moe_ffn_hidden_size=32, moe_shared_expert_intermediate_size=32,
+                   moe_layer_freq=[0, 1, 1, 1], moe_router_score_function="sigmoid",
+                   moe_router_enable_expert_bias=True, moe_router_topk_scaling_factor=2.5,
+                   moe_router_num_groups=2, moe_router_group_topk=1, moe_aux_loss_coeff=0.0)
+MODELS = {"mla": MTP, "deepseek": DEEPSEEK, "mla_4_layers": replace(MTP, num_layers=4)}
 
 
 def _by_hand_and_by_the_step(rank: int) -> dict:
@@ -107,11 +115,12 @@ def trained(rank: int, layout, batches, dtype, options, model) -> dict:
     params = engine.model.full_state_dict()  # collective: every rank; this rank's stage
     first_of_stage = not any(layout.coords(rank)[:-1])
     return {"losses": losses, "norms": norms, "mtp": depths,
-            "params": params if first_of_stage else None}
+            "params": params if first_of_stage else None,
+            "biases": {n: b.detach() for n, b in engine.model.module.named_buffers()}}
 
 
 TP2_SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
-LAYOUTS = {  # name -> (world, Layout keyword arguments, engine options)
+LAYOUTS = {  # name -> (world, Layout keyword arguments, engine options[, model, dtype])
     "dp2": (2, {}, EngineOptions()),
     "tp2_sp": (2, TP2_SP, EngineOptions()),
     "cp2_p2p": (2, {"context_parallel_size": 2}, EngineOptions()),
@@ -126,18 +135,31 @@ LAYOUTS = {  # name -> (world, Layout keyword arguments, engine options)
         recompute_granularity=RecomputeGranularity.full)),
     "tp2_sp_selective": (2, TP2_SP, EngineOptions(
         recompute_granularity=RecomputeGranularity.selective)),
+    "pp2_virtual2": (2, {"pipeline_model_parallel_size": 2,
+                         "virtual_pipeline_model_parallel_size": 2},
+                     EngineOptions(pipeline_schedule="interleaved_1f1b"), "mla_4_layers"),
+    # fp32 within 1e-5
+    "tp2_sp_fp32": (2, TP2_SP, EngineOptions(), "mla", torch.float32),
+    "cp2_a2a_fp32": (2, {"context_parallel_size": 2}, EngineOptions(cp_comm_type=CPCommType.a2a),
+                     "mla", torch.float32),
+    # the depth's experts over EP (and each over ETP 2 with TP 2 x SP), the router identical
+    "deepseek_ep2": (2, {"expert_model_parallel_size": 2}, EngineOptions(), "deepseek"),
+    "deepseek_tp2_sp_etp2_ep2_pp2": (8, TP2_SP | {"expert_model_parallel_size": 2,
+                                                  "pipeline_model_parallel_size": 2},
+                                     EngineOptions(), "deepseek"),
 }
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_multi_token_prediction_matches_one_process(name):
-    world, kwargs, options = LAYOUTS[name]
+    world, kwargs, options, *rest = LAYOUTS[name]
+    model = MODELS[rest[0] if rest else "mla"]
+    dtype = rest[1] if len(rest) > 1 else torch.float64
     layout = make_layout(world, kwargs)
     one = make_layout(1, {}, layout.global_batch_size // MICRO)
-    batches = make_data(layout.global_batch_size, MTP)
-    dtype = torch.float64
-    (ref,) = run_ranks(1, trained, one, batches, dtype, EngineOptions(), MTP)
-    results = run_ranks(world, trained, layout, batches, dtype, options, MTP, timeout=180)
+    batches = make_data(layout.global_batch_size, model)
+    (ref,) = run_ranks(1, trained, one, batches, dtype, EngineOptions(), model)
+    results = run_ranks(world, trained, layout, batches, dtype, options, model, timeout=180)
     for got in results:
         for ours, theirs in zip(got["mtp"], ref["mtp"]):
             assert max(relative(a, b) for a, b in zip(ours, theirs)) <= TOLERANCE[dtype]
@@ -145,7 +167,12 @@ def test_multi_token_prediction_matches_one_process(name):
     for result in results:
         got |= result["params"] or {}
     worst = max(relative(got[k], v) for k, v in ref["params"].items())
-    print(f"\nMTP {name} (world {world}) fp64: params {worst:.1e}, losses "
+    print(f"\nMTP {name} (world {world}) {dtype}: params {worst:.1e}, losses "
           f"{max(relative(a, b) for a, b in zip(results[0]['losses'], ref['losses'])):.1e}")
     assert set(got) == set(ref["params"]) and worst <= TOLERANCE[dtype]
+    for result in results:  # the routing: each expert bias (its stage's) moved exactly alike
+        for key, bias in result["biases"].items():
+            assert torch.equal(bias, ref["biases"][key]), key
+    if model.moe_router_enable_expert_bias:  # the depth's router too, and they moved
+        assert ref["biases"]["mtp.depths.0.block.mlp.router.expert_bias"].abs().max() > 0
     assert "mtp.depths.1.eh_proj.weight" in got and ref["mtp"][0][0] > 0
