@@ -25,6 +25,11 @@ FP32 = 4
 # Grouped-query attention, tied embeddings and a vocabulary of 250 padded to 256.
 GQA_TIED = replace(TINY, vocab_size=250, num_heads=8, num_query_groups=2,
                    tie_word_embeddings=True)
+# Multi-latent attention at tiny_deepseek's shapes: its down-projections whole on every rank (the
+# optimizer's WHOLE buffer), its up-projections split by heads; and q projected directly.
+MLA = replace(TINY, name="deepseek_v3", multi_latent_attention=True, q_lora_rank=24,
+              kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)
+MLA_DIRECT_Q = replace(MLA, q_lora_rank=None)
 
 
 def held_after_one_step(rank, layout, batch, model=TINY) -> dict:
@@ -52,7 +57,11 @@ def held_after_one_step(rank, layout, batch, model=TINY) -> dict:
     (6, dict(tensor_parallel_num_weight_shards=3), TINY),  # padded shards, two replicas
     (4, dict(tensor_model_parallel_size=2, tensor_parallel_num_weight_shards=2), GQA_TIED),
     (4, dict(pipeline_model_parallel_size=2, tensor_parallel_num_weight_shards=2), GQA_TIED),
-], ids=["ws3", "tp2_sp_dp2", "ws3_dp2", "gqa_tied_tp2_ws2", "gqa_tied_pp2_ws2"])
+    (3, dict(tensor_parallel_num_weight_shards=3), MLA),  # kv_up's 128 rows padded to 3's
+    (4, dict(tensor_model_parallel_size=2, tensor_parallel_num_weight_shards=2), MLA),
+    (4, dict(tensor_model_parallel_size=2, sequence_parallel=True), MLA_DIRECT_Q),  # DP 2
+], ids=["ws3", "tp2_sp_dp2", "ws3_dp2", "gqa_tied_tp2_ws2", "gqa_tied_pp2_ws2", "mla_ws3",
+        "mla_tp2_ws2", "mla_direct_q_tp2_sp_dp2"])
 def test_planned_bytes_are_the_allocated_bytes(world, kwargs, model):
     layout = make_layout(world, kwargs)
     plans = memory_per_stage(parameter_shapes(model), model.num_layers, layout,

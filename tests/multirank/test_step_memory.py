@@ -190,13 +190,61 @@ MOE_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
     "moe_etp4_full_wide": (4, dict(expert_tensor_parallel_size=4),
                            dict(recompute_granularity=FULL), "moe_wide"),
 }
-ALL_CASES = {**CASES, **GQA_CASES, **QK_CASES, **{n: c[:3] for n, c in MOE_CASES.items()}}
+# Multi-latent attention (DeepSeek-V3's): q and K/V through latents of 96 and 128, q and k heads
+# of 64 + 32 rotary dims, values of 48 (narrower than q: padded to 96 for the fused kernels),
+# YaRN; q projected directly (q_lora_rank null), and DeepSeek-V3's experts after a dense block.
+MLA = ModelConfig(name="deepseek_v3", vocab_size=1024, hidden_size=256, num_layers=2,
+                  num_heads=4, ffn_hidden_size=688, rope_theta=1e4, norm_eps=1e-5,
+                  init_std=0.02, multi_latent_attention=True, q_lora_rank=96, kv_lora_rank=128,
+                  qk_head_dim=64, qk_pos_emb_head_dim=32, v_head_dim=48, rope_type="yarn",
+                  rotary_scaling_factor=4.0, original_max_position_embeddings=128,
+                  mscale_all_dim=1.0)
+MLA_MODELS = {
+    "mla": MLA,
+    "mla_direct_q": dataclasses.replace(MLA, q_lora_rank=None),
+    "mla_moe": dataclasses.replace(
+        MLA, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=256,
+        moe_layer_freq=[0, 1], moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True, moe_shared_expert_intermediate_size=256,
+        moe_router_num_groups=4, moe_router_group_topk=2, moe_router_topk_scaling_factor=2.5),
+}
+TP2_SP = dict(tensor_model_parallel_size=2, sequence_parallel=True)
+MLA_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
+    "mla_one_process": (1, {}, {}, "mla"),
+    "mla_tp2_sp": (2, TP2_SP, {}, "mla_direct_q"),
+    "mla_bf16": (1, {}, dict(precision=Precision.bf16), "mla"),
+    "mla_selective": (1, {}, dict(recompute_granularity=SELECTIVE), "mla"),
+    "mla_tp2_sp_selective": (2, TP2_SP, dict(recompute_granularity=SELECTIVE), "mla"),
+    "mla_full": (1, {}, dict(recompute_granularity=FULL), "mla"),
+    "mla_cp2_p2p": (2, dict(context_parallel_size=2), {}, "mla"),
+    "mla_cp2_all_gather": (2, dict(context_parallel_size=2),
+                           dict(cp_comm_type=CPCommType.all_gather), "mla"),
+    "mla_cp2_a2a": (2, dict(context_parallel_size=2), dict(cp_comm_type=CPCommType.a2a),
+                    "mla_direct_q"),
+    "mla_selective_cp2": (2, dict(context_parallel_size=2),
+                          dict(recompute_granularity=SELECTIVE), "mla"),
+    "mla_full_cp2_a2a": (2, dict(context_parallel_size=2),
+                         dict(recompute_granularity=FULL, cp_comm_type=CPCommType.a2a), "mla"),
+    "mla_tp2_cp2_all_gather": (4, dict(tensor_model_parallel_size=2, context_parallel_size=2),
+                               dict(cp_comm_type=CPCommType.all_gather), "mla_direct_q"),
+    "mla_tp2_sp_cp2_bf16": (4, TP2_SP | dict(context_parallel_size=2),
+                            dict(precision=Precision.bf16), "mla"),
+    "mla_ws2_ss2_bf16": (2, dict(tensor_parallel_num_weight_shards=2,
+                                 tensor_parallel_num_sequence_shards=2),
+                         dict(precision=Precision.bf16), "mla"),
+    "mla_moe_cp2_a2a": (2, dict(context_parallel_size=2), dict(cp_comm_type=CPCommType.a2a),
+                        "mla_moe"),
+}
+ALL_CASES = {**CASES, **GQA_CASES, **QK_CASES,
+             **{n: c[:3] for n, c in (MOE_CASES | MLA_CASES).items()}}
 
 
 def case(name: str) -> tuple[int, dict, dict, ModelConfig]:
     """(world, Layout kwargs, EngineOptions kwargs, model) of a named case."""
     if name in MOE_CASES:
         return (*ALL_CASES[name], MOE_MODELS[MOE_CASES[name][3]])
+    if name in MLA_CASES:
+        return (*ALL_CASES[name], MLA_MODELS[MLA_CASES[name][3]])
     model = QK if name in QK_CASES else GQA if name in GQA_CASES else MODEL
     return (*ALL_CASES[name], model)
 
@@ -291,6 +339,56 @@ def test_allocator_counted_transients_of_pipeline_stages(name, stage):
     assert plan["message_bytes"] > 0
     assert abs(transients / step - 1) < 0.02
     assert abs(update / state.update_bytes - 1) < 0.02
+
+
+def context_bytes(rank: int, layout: Layout, options: EngineOptions, model: ModelConfig
+                  ) -> tuple[int, int]:
+    """Bytes one rank sends over its context group in a micro-batch's forward, and in its
+    backward (the group's own counters, parallel.comm)."""
+    from trainer.train.batch import rank_micro_batches
+    from trainer.train.engine import build_engine
+
+    engine = build_engine(model, OPTIM, 0, layout, torch.device("cpu"), options)
+    fetch = lambda idx: torch.randint(0, model.vocab_size, (len(idx), layout.seq_length + 1))  # noqa: E731
+    mb = rank_micro_batches(fetch, layout, rank)[0]
+    stats = engine.groups.stats
+
+    def sent() -> int:
+        return sum(n for (group, _), n in stats.bytes.items() if group == "context")
+
+    stats.reset()
+    loss = engine.model.token_losses(engine.model(mb.tokens, mb.positions), mb.labels).sum()
+    forward = sent()
+    stats.reset()
+    loss.backward()
+    return forward, sent()
+
+
+@pytest.mark.parametrize("precision", list(Precision))
+@pytest.mark.parametrize("comm", list(CPCommType))
+@pytest.mark.parametrize("model", ["llama", "mla"])
+def test_planned_context_exchange_is_what_the_context_group_sends(model, comm, precision):
+    """The cost model's K/V exchange of a block (trainer.plan.axis_costs.context), timed on a
+    link of 1 B/s without latency, is the bytes the context group sends, forward and backward:
+    multi-latent attention's v padded to q's width, a2a's (C-1)/C of each local tensor."""
+    from trainer.plan.axis_costs.context import context_seconds
+    from trainer.plan.hardware import Hardware
+
+    config = MODEL if model == "llama" else MLA
+    layout = Layout(4, micro_batch_size=2, seq_length=512, context_parallel_size=4)
+    options = EngineOptions(precision, cp_comm_type=comm)
+    forward, backward = simulated(4, 0, context_bytes, layout, options, config)
+    byte_a_second = Hardware(80, 0.1, 1, 1, 1, nvlink_bandwidth_gbs=1e-9,
+                             network_bandwidth_gbs=1e-9, link_latency_us=0.0,
+                             gpus_per_nvlink_domain=8)
+    e = 2 if precision is Precision.bf16 else 4
+    planned = context_seconds(config, layout, comm, byte_a_second, layout.micro_batch_size
+                              * layout.context_local_length, e, 0.0, False)
+    blocks = config.num_layers
+    print(f"\n{model} {comm.value} {precision.value}: sent {forward // blocks:,} B forward, "
+          f"{backward // blocks:,} B backward a block; planned {planned[0]:,.0f}, "
+          f"{planned[1]:,.0f}")
+    assert planned == pytest.approx((forward / blocks, backward / blocks), rel=1e-9)
 
 
 def largest_tensor_of_build(rank: int, layout: Layout) -> int:

@@ -9,17 +9,31 @@ FLOP worth having. Under sequence parallel they run on the rank's own tokens and
 are gathered by the up-projections (as any column layer's input is); the shared rotary key is
 gathered by the layer's `shared_key_fn`; their gradients, like a norm's, are summed over TP.
 
-Its terms of the memory plan (symbols as in trainer.plan.activations; n heads, dq = qk_head_dim
-+ qk_pos_emb_head_dim a query or key head, dv = v_head_dim, r the rotary part, Lq = q_lora_rank,
-Lkv = kv_lora_rank; without CP):
+Its terms of the memory plan (kept_bytes), each a tensor autograd keeps, as
+tests/multirank/test_step_memory.py measures them; symbols as in trainer.plan.activations, and
+n = num_heads / t a rank's heads, a = qk_head_dim + qk_pos_emb_head_dim the width of a query or
+key head, dn = qk_head_dim, r = qk_pos_emb_head_dim, dv = v_head_dim, L = q_lora_rank or
+kv_lora_rank:
 
-    down          the block's normed input Tr*h*e (both projections read it)
-    latents       q: its norm's input and output Tr*Lq*e each, its rsqrt, the up-projection's
-                  gathered input T*Lq*e; kv: the same of Lkv, and the rotary key Tr*r*e
-    up            q's and kv's up-projection outputs T*n/t*(dq + (dq - r) + dv)*e
-    rotary        q's and the shared key's rotary inputs in fp32, cos/sin 8*T*r
-    attention     q and k as the kernels take them 2*T*n/t*dq*e, the output T*n/t*dv*e,
-                  the logsumexp 4*b*(n/t)*s
+    down        the normed input as the q and kv down-projections read it: once (T*h*e) in
+                fp32 without SP; else a copy each, as autocast casts it per linear and SP's
+                sequence-major input is copied by each: 2*Tr*h*e (T*h*e + Tr*h*e where q is
+                projected directly, q_lora_rank null: one column layer, its input gathered);
+                in bf16 also autocast's copies of their whole weights (q_down's, kv_down's)
+    latents     of each latent norm its input Tr*L*e (kv's: the whole down-projection output
+                Tr*(L + r)*e, the latent a view of it), rsqrt Tr*e and normalised latent Tr*L*e
+                (in the compute dtype: autocast runs the norm in it), the up-projection's input
+                T*L*e (gathered under SP)
+    rotary      cos and sin of q's rotation and of the shared key's, fp32: 8*T*r
+    attention   in units of A = T*n*a*e (q, k or v padded to a: the fused kernels take one
+                width; trainer.model.attention.causal_attention and, under CP,
+                parallel.context.NarrowValues) and O = T*n*dv*e (the output cut back to
+                dv, copied as o's input): q, k, padded v and output 4A + O without CP and with
+                p2p (the stacked K/V 2A) or a2a (head-split q, k, v 3A); all_gather: q, the
+                output, the gathered K and padded V, 2A + O + 2*b*S*n*a*e; the logsumexp
+                4*b*n*s
+    selective   keeps of the attention q and k 2A, v's base, kv_up's output T*n*(dn + dv)*e,
+                and O, with CP of any type or without
 """
 from __future__ import annotations
 
@@ -71,19 +85,55 @@ def core_flops(cfg: ModelConfig, seq_length: int) -> float:
     return seq_length * cfg.num_heads * (dq + cfg.v_head_dim)
 
 
+def exchanged_widths(cfg: ModelConfig) -> tuple[int, int]:
+    """(q's width, k's or v's) as context parallel's exchanges move them (its cost,
+    trainer.plan.axis_costs.context): every head's, v padded to q's (parallel.context's
+    NarrowValues); the output returns as wide."""
+    width = cfg.num_heads * (cfg.qk_head_dim + cfg.qk_pos_emb_head_dim)
+    return width, width
+
+
 def kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
                cp_comm_type: CPCommType = CPCommType.p2p) -> int:
     """What the part keeps for its backward without full recompute (the module docstring)."""
-    n, r, dv = m.num_heads // k.t, m.qk_pos_emb_head_dim, m.v_head_dim
-    dq = m.qk_head_dim + r
-    latents = sum(2 * k.Tr * width * e + FP32 * k.Tr + k.T * width * e
-                  for width in (m.q_lora_rank, m.kv_lora_rank) if width)
-    up = k.T * n * (dq + m.qk_head_dim + dv) * e
-    rotary = FP32 * k.T * (n + 1) * r + 8 * k.T * r
-    selective = recompute is RecomputeGranularity.selective
-    lse = 0 if selective else FP32 * k.b * n * k.s
-    attention = 2 * k.T * n * dq * e + k.T * n * dv * e + lse
-    return k.Tr * m.hidden_size * e + latents + k.Tr * r * e + up + rotary + attention
+    return (down_bytes(m, k, e) + latent_bytes(m, k, e) + 8 * k.T * m.qk_pos_emb_head_dim
+            + attention_bytes(m, k, e, recompute, cp_comm_type))
+
+
+def down_bytes(m: ModelConfig, k: Tokens, e: int) -> int:
+    """The normed input as q's and kv's projections keep it (one storage or a copy each), and
+    autocast's copies of the whole down-projections' weights (the plan's autocast term counts
+    the split ones)."""
+    h = m.hidden_size
+    q_input = (k.T if m.q_lora_rank is None else k.Tr) * h * e
+    shared = e == FP32 and not k.sp
+    whole = (m.q_lora_rank or 0) + m.kv_lora_rank + m.qk_pos_emb_head_dim
+    return q_input + (0 if shared else k.Tr * h * e) + (0 if e == FP32 else whole * h * e)
+
+
+def latent_bytes(m: ModelConfig, k: Tokens, e: int) -> int:
+    """Each latent norm's input, rsqrt and output, and its up-projection's input."""
+    kept = 0
+    for width, rotary in ((m.q_lora_rank, 0), (m.kv_lora_rank, m.qk_pos_emb_head_dim)):
+        if width:
+            kept += k.Tr * (width + rotary) * e + k.Tr * e + k.Tr * width * e + k.T * width * e
+    return kept
+
+
+def attention_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
+                    cp_comm_type: CPCommType) -> int:
+    """q, k, v (padded to q's width) and the output as the kernels keep them, by
+    context-parallel exchange, and o's input."""
+    n = m.num_heads // k.t
+    a = m.qk_head_dim + m.qk_pos_emb_head_dim
+    # the docstring's units A (q, k, padded v or output) and O (o's input)
+    a_bytes, o_bytes = k.T * n * a * e, k.T * n * m.v_head_dim * e
+    if recompute is RecomputeGranularity.selective:
+        return 2 * a_bytes + k.T * n * (m.qk_head_dim + m.v_head_dim) * e + o_bytes
+    lse = FP32 * k.b * n * k.s
+    if k.cp and cp_comm_type is CPCommType.all_gather:
+        return 2 * a_bytes + 2 * k.b * k.S * n * a * e + o_bytes + lse
+    return 4 * a_bytes + o_bytes + lse
 
 
 def rules(model: ModelConfig) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from parallel.layout import Layout
 from parallel.layout.axes.context import CONTEXT
 from trainer.config import CPCommType, ModelConfig
+from trainer.parts.mla import exchanged_widths
 from trainer.parts.tokens import FP32
 from trainer.plan.axis_costs.entry import AxisCosts, Micro, Offer, divisors
 from trainer.plan.hardware import Hardware
@@ -36,21 +37,25 @@ def context_seconds(m: ModelConfig, layout: Layout, cp_comm_type: CPCommType, hw
     """(forward, backward) exposed time of one block's K/V exchange over runtime CP C:
     p2p sends K/V (2*T*c/t*e) C-1 hops forward, C-1 and their fp32 gradients C hops in
     backward, hidden behind the attention (attention_s forward, twice that backward) where
-    ranks overlap; all_gather gathers K/V and reduce-scatters their gradients; a2a moves q, k,
-    v and the output between sequence and heads, both ways; neither is hidden."""
+    ranks overlap; all_gather gathers K/V and reduce-scatters their gradients (in the compute
+    dtype); a2a moves a rank's q, k, v and output between sequence and heads, both ways, (C-1)/C
+    of each leaving it; neither is hidden. Widths as the part exchanges them (multi-latent
+    attention's v padded to q's: trainer.parts.mla.exchanged_widths); the bytes the context
+    group sends (tests/multirank/test_step_memory.py)."""
     c, t = layout.runtime_context_parallel_size, layout.tp_size
     if c == 1:
         return 0.0, 0.0
     link = hw.link(layout, "context")
-    kv = 2 * T * m.kv_size / t * e
+    q_size, kv_size = exchanged_widths(m) if m.multi_latent_attention else (m.q_size, m.kv_size)
+    kv = 2 * T * kv_size / t * e
     if cp_comm_type is CPCommType.p2p:
         ring_fwd = (c - 1) * link.send(kv)
         ring_bwd = (c - 1) * link.send(kv) + c * link.send(kv / e * FP32)
         hides = attention_s if overlaps else 0.0
         return max(0.0, ring_fwd - hides), max(0.0, ring_bwd - 2 * hides)
     if cp_comm_type is CPCommType.all_gather:
-        return link.ring(c, c * kv), link.ring(c, c * kv / e * FP32)
-    moved = (2 * T * m.q_size / t * e + kv) * c
+        return link.ring(c, c * kv), link.ring(c, c * kv)
+    moved = 2 * T * q_size / t * e + kv
     return link.all_to_all(c, moved), link.all_to_all(c, moved)
 
 
