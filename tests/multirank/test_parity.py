@@ -261,8 +261,14 @@ def test_bf16_autocast_trains_close_to_fp32(name, references):
     batches, ref = references(layout.global_batch_size, torch.float32)
     got = run_ranks(world, train_rank, layout, batches, torch.float32,
                     EngineOptions(Precision.bf16), timeout=120)[0]
+    assert_close_to_fp32(got, ref, f"bf16 {name}")
+
+
+def assert_close_to_fp32(got: dict, ref: dict, label: str) -> None:
+    """A bf16 run's losses and norms within bf16 rounding of the fp32 reference, and not
+    equal to it (autocast really ran)."""
     losses = [relative(a, b) for a, b in zip(got["losses"], ref["losses"])]
     norms = [relative(a, b) for a, b in zip(got["norms"], ref["norms"])]
-    print(f"\nbf16 {name}: relative differences to fp32: loss {losses}, grad norm {norms}")
+    print(f"\n{label}: relative differences to fp32: loss {losses}, grad norm {norms}")
     assert max(losses) < 1e-2 and max(norms) < 5e-2
     assert max(norms) > 1e-4  # far above fp32 rounding (1e-7): the compute was bf16
