@@ -34,14 +34,15 @@ def rotary_frequencies(cfg: ModelConfig, dim: int, device: torch.device | None =
     """([dim / 2] fp32 frequencies, the factor cos and sin are multiplied by) for a rotary
     part `dim` wide."""
     half = dim // 2
-    exponents = torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim
-    freqs = 1.0 / cfg.rope_theta ** exponents
-    if cfg.rope_type == "yarn":
-        return _yarn(cfg, freqs, dim), (
+    if cfg.rope_type == "yarn":  # spelled as transformers' and DeepSeek's YaRN forms them
+        exponents = torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim
+        return _yarn(cfg, 1.0 / cfg.rope_theta ** exponents, dim), (
             yarn_mscale(cfg.rotary_scaling_factor, cfg.mscale)
             / yarn_mscale(cfg.rotary_scaling_factor, cfg.mscale_all_dim))
+    # theta^(-i / half): within an ulp of transformers' 1 / theta^(2i / d)
+    freqs = cfg.rope_theta ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
     if not cfg.use_rope_scaling:
-        return freqs[:half], 1.0
+        return freqs, 1.0
     factor = cfg.rope_scaling_factor
     context, low, high = LLAMA3_ROPE_CONTEXT, LLAMA3_ROPE_LOW, LLAMA3_ROPE_HIGH
     wavelength = 2 * math.pi / freqs
