@@ -30,12 +30,16 @@ GQA_TIED = replace(TINY, vocab_size=250, num_heads=8, num_query_groups=2,
 MLA = replace(TINY, name="deepseek_v3", multi_latent_attention=True, q_lora_rank=24,
               kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)
 MLA_DIRECT_Q = replace(MLA, q_lora_rank=None)
+# Multi-token prediction: a depth's block, eh_proj (whole on every rank) and norms on the last
+# stage, which under pipeline parallel also holds a copy of the embedding (its lookups).
+MTP = replace(TINY, mtp_num_layers=1)
 
 
 def held_after_one_step(rank, layout, batch, model=TINY) -> dict:
     engine = build_engine(model, OPTIM, SEED, layout, torch.device("cpu"))
-    train_step(engine.model, engine.optimizer, rank_micro_batches(lambda i: batch[i], layout, rank),
-               1e-3)
+    train_step(engine.model, engine.optimizer,
+               rank_micro_batches(lambda i: batch[i], layout, rank,
+                                  mtp_depths=model.mtp_num_layers or 0), 1e-3)
     opt, model = engine.optimizer, engine.model
     # the last stage's copy of a tied embedding lives outside the optimizer's flat buffers
     copies = sum(p.numel() for name, p in model.module.named_parameters()
@@ -60,8 +64,11 @@ def held_after_one_step(rank, layout, batch, model=TINY) -> dict:
     (3, dict(tensor_parallel_num_weight_shards=3), MLA),  # kv_up's 128 rows padded to 3's
     (4, dict(tensor_model_parallel_size=2, tensor_parallel_num_weight_shards=2), MLA),
     (4, dict(tensor_model_parallel_size=2, sequence_parallel=True), MLA_DIRECT_Q),  # DP 2
+    (3, dict(tensor_parallel_num_weight_shards=3), MTP),  # eh_proj in the WHOLE buffer
+    (4, dict(pipeline_model_parallel_size=2, tensor_parallel_num_weight_shards=2), MTP),
+    (4, dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2), MTP),
 ], ids=["ws3", "tp2_sp_dp2", "ws3_dp2", "gqa_tied_tp2_ws2", "gqa_tied_pp2_ws2", "mla_ws3",
-        "mla_tp2_ws2", "mla_direct_q_tp2_sp_dp2"])
+        "mla_tp2_ws2", "mla_direct_q_tp2_sp_dp2", "mtp_ws3", "mtp_pp2_ws2", "mtp_pp2_tp2"])
 def test_planned_bytes_are_the_allocated_bytes(world, kwargs, model):
     layout = make_layout(world, kwargs)
     plans = memory_per_stage(parameter_shapes(model), model.num_layers, layout,

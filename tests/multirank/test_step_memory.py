@@ -69,7 +69,7 @@ def saved_activation_bytes(rank: int, layout: Layout, options: EngineOptions,
 
     engine = build_engine(model, OPTIM, 0, layout, torch.device("cpu"), options)
     fetch = lambda idx: torch.randint(0, model.vocab_size, (len(idx), layout.seq_length + 1))  # noqa: E731
-    mb = rank_micro_batches(fetch, layout, rank)[0]
+    mb = rank_micro_batches(fetch, layout, rank, mtp_depths=model.mtp_num_layers or 0)[0]
     weights = {p.untyped_storage().data_ptr() for p in engine.model.parameters()}
     kept: dict[int, int] = {}
 
@@ -80,7 +80,12 @@ def saved_activation_bytes(rank: int, layout: Layout, options: EngineOptions,
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        engine.model.token_losses(engine.model(mb.tokens, mb.positions), mb.labels).sum()
+        # with multi-token prediction's ids ahead: the model's logits and each depth's
+        out = engine.model.forward_chunk(0, mb.tokens, mb.positions, None,
+                                         *(() if mb.ahead is None else (mb.ahead,)))
+        logits, *ahead = out if isinstance(out, tuple) else (out,)
+        labels = [mb.labels, *(() if mb.ahead_labels is None else mb.ahead_labels)]
+        sum(engine.model.token_losses(x, y).sum() for x, y in zip([logits, *ahead], labels))
     return sum(kept.values())
 
 
@@ -235,8 +240,45 @@ MLA_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
     "mla_moe_cp2_a2a": (2, dict(context_parallel_size=2), dict(cp_comm_type=CPCommType.a2a),
                         "mla_moe"),
 }
+# Multi-token prediction (trainer.parts.mtp): one or two depths after the blocks, each keeping
+# its norms, eh_proj's input, a block of the last block's kind (its stream in the compute dtype),
+# its norm, the head's input and its loss's softmax; and DeepSeek-V3's shape, multi-latent
+# attention with a dense block then experts, predicting one token more.
+MTP_MODELS = {
+    "mtp": dataclasses.replace(MODEL, mtp_num_layers=1),
+    "mtp2": dataclasses.replace(MODEL, mtp_num_layers=2),
+    "mla_moe_mtp": dataclasses.replace(MLA_MODELS["mla_moe"], mtp_num_layers=1),
+}
+WS2 = dict(tensor_parallel_num_weight_shards=2)
+FULL_BF16 = dict(recompute_granularity=FULL, precision=Precision.bf16)
+MTP_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
+    "mtp_one_process": (1, {}, {}, "mtp"),
+    "mtp2_one_process": (1, {}, {}, "mtp2"),
+    "mtp_tp2_sp": (2, TP2_SP, {}, "mtp"),
+    "mtp2_tp2_sp_bf16": (2, TP2_SP, dict(precision=Precision.bf16), "mtp2"),
+    "mtp_cp2": (2, dict(context_parallel_size=2), {}, "mtp"),
+    "mtp2_cp2_a2a": (2, dict(context_parallel_size=2), dict(cp_comm_type=CPCommType.a2a),
+                     "mtp2"),
+    "mtp_selective": (1, {}, dict(recompute_granularity=SELECTIVE), "mtp"),
+    "mtp2_tp2_sp_selective": (2, TP2_SP, dict(recompute_granularity=SELECTIVE), "mtp2"),
+    # full recompute: the peak is the depth's block rebuilt beside the model's kept head
+    "mtp_full": (1, {}, dict(recompute_granularity=FULL), "mtp"),
+    "mtp2_full": (1, {}, dict(recompute_granularity=FULL), "mtp2"),
+    "mtp_bf16": (1, {}, dict(precision=Precision.bf16), "mtp"),
+    "mtp_ws2_full_bf16": (2, WS2, FULL_BF16, "mtp"),
+    "mtp2_ws2_full_bf16": (2, WS2, FULL_BF16, "mtp2"),
+    "mla_moe_mtp_one_process": (1, {}, {}, "mla_moe_mtp"),
+    "mla_moe_mtp_selective": (1, {}, dict(recompute_granularity=SELECTIVE), "mla_moe_mtp"),
+    "mla_moe_mtp_cp2_a2a": (2, dict(context_parallel_size=2),
+                            dict(cp_comm_type=CPCommType.a2a), "mla_moe_mtp"),
+    # the measured dry run's shape of DeepSeek-V3: EP, full recompute, bf16, weight shards
+    "mla_moe_mtp_ep2_full_bf16": (2, dict(expert_model_parallel_size=2), FULL_BF16,
+                                  "mla_moe_mtp"),
+    "mla_moe_mtp_ws2_ep2_full_bf16": (2, WS2 | dict(expert_model_parallel_size=2), FULL_BF16,
+                                      "mla_moe_mtp"),
+}
 ALL_CASES = {**CASES, **GQA_CASES, **QK_CASES,
-             **{n: c[:3] for n, c in (MOE_CASES | MLA_CASES).items()}}
+             **{n: c[:3] for n, c in (MOE_CASES | MLA_CASES | MTP_CASES).items()}}
 
 
 def case(name: str) -> tuple[int, dict, dict, ModelConfig]:
@@ -245,6 +287,8 @@ def case(name: str) -> tuple[int, dict, dict, ModelConfig]:
         return (*ALL_CASES[name], MOE_MODELS[MOE_CASES[name][3]])
     if name in MLA_CASES:
         return (*ALL_CASES[name], MLA_MODELS[MLA_CASES[name][3]])
+    if name in MTP_CASES:
+        return (*ALL_CASES[name], MTP_MODELS[MTP_CASES[name][3]])
     model = QK if name in QK_CASES else GQA if name in GQA_CASES else MODEL
     return (*ALL_CASES[name], model)
 
@@ -275,7 +319,7 @@ def allocated_transients(rank: int, layout: Layout, options: EngineOptions,
 
     engine = build_engine(model, OPTIM, 0, layout, torch.device("cpu"), options)
     fetch = lambda idx: torch.randint(0, model.vocab_size, (len(idx), layout.seq_length + 1))  # noqa: E731
-    micro_batches = rank_micro_batches(fetch, layout, rank)
+    micro_batches = rank_micro_batches(fetch, layout, rank, mtp_depths=model.mtp_num_layers or 0)
     train_step(engine.model, engine.optimizer, micro_batches, 1e-4)
     with Allocations() as counted:
         train_step(engine.model, engine.optimizer, micro_batches, 1e-4, counted.mark)
@@ -314,6 +358,9 @@ PP_CASES = {  # name -> (world, Layout kwargs, schedule, model)
     # a mixture of experts in stages, its experts over EP 2 (a dense block on stage 0)
     "pp2_moe_ep2": (4, dict(pipeline_model_parallel_size=2, expert_model_parallel_size=2),
                     "1f1b", PP_MOE),
+    # multi-token prediction's depth on the last stage, beside its copy of the embedding
+    "pp2_mtp": (2, dict(pipeline_model_parallel_size=2), "1f1b",
+                dataclasses.replace(PP_MODEL, mtp_num_layers=1)),
 }
 
 

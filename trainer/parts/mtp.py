@@ -13,10 +13,39 @@ eh_proj (2h -> h) stays whole on every rank, as multi-latent attention's down-pr
 under sequence parallel it runs on the rank's own tokens, whose residual stream it starts, so
 nothing is gathered; Megatron splits it by columns and gathers its output instead. Its
 gradient is summed over TP as a norm's.
+
+Its terms of the memory plan (kept_bytes; trainer.plan.activations adds them to the head's),
+each a tensor autograd keeps, as tests/multirank/test_step_memory.py measures them; symbols as
+in trainer.plan.activations. Each depth keeps (beside its ids ahead and labels, the batch's, as
+the model's own ids are left out):
+
+    enorm       the embedding (fp32, on the residual stream's tokens) and its normalised copy
+                2*Tr*h fp32, and its rsqrt Tr fp32
+    hnorm       its input, the hidden state Tr*h fp32, unless that is the head's input already
+                (fp32 without SP: one storage); its normalised copy Tr*h and rsqrt Tr fp32
+    eh_proj     its input [enorm(e) ; hnorm(h)] Tr*2h*e, and under bf16 autocast's copy of its
+                whole weight 2*h*h*e
+    block       its block's kept bytes, recomputed as the model's blocks are: its residual
+                stream is eh_proj's output, in the compute dtype, so its two norms keep their
+                input, normalised input and rsqrt in e (2 x (2*Tr*h + Tr)*e), not fp32; full
+                recompute keeps that input only, Tr*h*e; under bf16 without weight sharding
+                autocast's copies of its block's weights (the plan's autocast term)
+    norm        its input, normalised input and rsqrt in the stream's dtype: (2*Tr*h + Tr)*e
+    head        the head's input T*h*e (gathered under SP) and the loss's softmax T*V/t fp32
+
+The losses' backward runs first, one at a time, the last depth's first (autograd takes the
+latest node first, and the losses were formed after every head), so the step's loss moment is
+the last depth's: all that is kept plus one loss's buffers, as without MTP; its forward holds
+every head's logits while the last loss is formed. Then the heads' and depths' backward, the
+last depth's first: a depth's block runs its backward with the model's blocks' and head's
+activations still kept (the other losses' softmax freed, their logits' gradients waiting for
+their heads, and the head weight's gradient of the depths' uses waiting for the model's head),
+its own norm, head input and softmax freed (after_block_bytes).
 """
 from __future__ import annotations
 
 from trainer.config import ModelConfig
+from trainer.parts.tokens import FP32, Tokens
 from trainer.values import finite, positive_int
 
 MTP = "mtp"  # the Transformer's module of the depths: mtp.<depth>.<name>
@@ -34,6 +63,24 @@ def depth_shapes(cfg: ModelConfig, block: dict[str, tuple[int, ...]]) -> dict[st
 
 def depths(cfg: ModelConfig) -> int:
     return cfg.mtp_num_layers or 0
+
+
+def kept_bytes(cfg: ModelConfig, k: Tokens, e: int, block: int) -> int:
+    """What one depth keeps for its backward (the module docstring); `block`: its block's
+    kept bytes (trainer.plan.activations.mtp_block_bytes)."""
+    h, Tr = cfg.hidden_size, k.Tr
+    embedded = 2 * Tr * h * FP32 + Tr * FP32
+    shared = e == FP32 and not k.sp  # hnorm's input is the head's input
+    hidden = (0 if shared else Tr * h * FP32) + Tr * h * FP32 + Tr * FP32
+    eh_proj = Tr * 2 * h * e + (0 if e == FP32 else 2 * h * h * e)
+    return embedded + hidden + eh_proj + block + after_block_bytes(cfg, k, e)
+
+
+def after_block_bytes(cfg: ModelConfig, k: Tokens, e: int) -> int:
+    """Of a depth's kept bytes, those after its block: its norm's (in the stream's dtype), the
+    head's input and the loss's softmax."""
+    h = cfg.hidden_size
+    return (2 * k.Tr * h + k.Tr) * e + k.T * h * e + k.T * (cfg.padded_vocab_size // k.t) * FP32
 
 
 def hf_names(cfg: ModelConfig, ours: str, theirs: str) -> dict[str, list[tuple[str, int]]]:

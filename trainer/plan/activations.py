@@ -35,11 +35,22 @@ norm (2*Tr*h fp32), the head input (T*h*e) and the loss's softmax (T*V/t fp32). 
 a mask. Under bf16 without weight sharding,
 autocast also keeps a bf16 copy of every local weight.
 
+With multi-token prediction (model.mtp_num_layers = D) the last stage also keeps, per depth,
+what trainer.parts.mtp lists: enorm's and hnorm's tensors (4*Tr*h + 2*Tr fp32, hnorm's input
+Tr*h fp32 more unless fp32 without SP), eh_proj's input Tr*2h*e (and under bf16 its whole
+weight's copy 2*h*h*e), a block of the last block's kind recomputed as the model's (its stream
+in the compute dtype: its norms keep e, not fp32; full recompute keeps Tr*h*e), its norm
+(2*Tr*h + Tr)*e, the head's input T*h*e and the loss's softmax T*V/t fp32. Counted with the
+head's, they are freed before the model's blocks' backward.
+
 A step's transients peak at one of two moments of a backward, never both: the loss's (all that
 is kept, and the logits' gradients) or a block's (the head's activations freed; the gradient
 entering the block, Tr*h fp32, its MLP's two products 2*T*f/t*e, a rebuilt block under full
-recompute, its gathered weights). tests/multirank/test_step_memory.py counts both with the
-allocator itself.
+recompute, its gathered weights). With multi-token prediction the loss's moment is the last
+depth's (its loss's backward runs first, beside all that is kept), and a depth's block's
+backward is a third moment: the model's blocks and head still kept, the depth's norm, head
+input and softmax freed. tests/multirank/test_step_memory.py counts them with the allocator
+itself.
 """
 from __future__ import annotations
 
@@ -48,9 +59,9 @@ from dataclasses import dataclass
 
 from parallel.layout import Layout
 from trainer.config import CPCommType, ModelConfig, RecomputeGranularity
-from trainer.parts import BlockParts, block_parts
+from trainer.parts import BlockParts, block_parts, mtp
 from trainer.parts.tokens import FP32, Tokens, compute_bytes
-from trainer.plan.axis_costs.gtp_remat import gathered_bytes
+from trainer.plan.axis_costs.gtp_remat import REDUCES_IN_FLIGHT, gathered_bytes
 from trainer.plan.options import EngineOptions
 
 
@@ -66,9 +77,29 @@ def block_activation_bytes(m: ModelConfig, k: Tokens, e: int,
     return sum(part.kept_bytes(m, k, e, recompute, cp_comm_type) for part in parts)
 
 
-def head_activation_bytes(m: ModelConfig, k: Tokens, e: int) -> int:
-    """The final norm, the head's input and the loss's saved softmax."""
-    return 2 * k.Tr * m.hidden_size * FP32 + k.T * m.hidden_size * e + loss_bytes(m, k)
+def head_activation_bytes(m: ModelConfig, k: Tokens, e: int,
+                          recompute: RecomputeGranularity | None = None,
+                          cp_comm_type: CPCommType = CPCommType.p2p) -> int:
+    """The final norm, the head's input and the loss's saved softmax; and multi-token
+    prediction's depths, after the head (their blocks recompute as `recompute` says)."""
+    return (2 * k.Tr * m.hidden_size * FP32 + k.T * m.hidden_size * e + loss_bytes(m, k)
+            + mtp.depths(m) * mtp.kept_bytes(m, k, e, mtp_block_bytes(m, k, e, recompute,
+                                                                      cp_comm_type)))
+
+
+def mtp_block_bytes(m: ModelConfig, k: Tokens, e: int,
+                    recompute: RecomputeGranularity | None,
+                    cp_comm_type: CPCommType = CPCommType.p2p) -> int:
+    """What a multi-token prediction depth's block (the last block's kind) keeps. Its residual
+    stream is eh_proj's output, in the compute dtype, so its norms keep that dtype where the
+    model's keep fp32 (the norm part's fp32 terms scaled by e / 4), and under full recompute
+    its input is Tr*h*e."""
+    if recompute is RecomputeGranularity.full:
+        return k.Tr * m.hidden_size * e
+    parts = block_parts(m, m.num_layers - 1)
+    return (parts.norm.kept_bytes(m, k, e, recompute, cp_comm_type) * e // FP32
+            + sum(part.kept_bytes(m, k, e, recompute, cp_comm_type)
+                  for part in (parts.attention, parts.mlp)))
 
 
 def loss_bytes(m: ModelConfig, k: Tokens) -> int:
@@ -121,20 +152,27 @@ def stage_chunk_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
     per_chunk = [chunk_activation_bytes(m, layout, options, chunk) for chunk in chunks]
     if last:
         per_chunk[-1] += head_activation_bytes(m, Tokens.of(layout),
-                                               compute_bytes(options.precision))
+                                               compute_bytes(options.precision),
+                                               options.recompute_granularity,
+                                               options.cp_comm_type)
     return per_chunk
 
 
 def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: list[range],
                 block_weights: int, head_weights: int, kept: int, last: bool = True,
-                first: bool = True, messages: int = 0) -> StepMemory:
+                first: bool = True, messages: int = 0,
+                depth_weights: tuple[int, int] = (0, 0),
+                kind_weights: dict[BlockParts, int] | None = None) -> StepMemory:
     """For a pipeline stage's blocks (`chunks`: its blocks by model chunk). block_weights:
     TP-local elements of one block's 2-D weights as gathered over GTP_remat (padding
     included); head_weights: the stage's head's or embedding's, the larger (0 for neither);
     kept: its activations in flight (trainer.plan.axis_costs.pipeline.stage_activation_bytes); last:
     it computes the loss; first: it holds the embedding; messages: its received pipeline
-    messages held at once (trainer.plan.axis_costs.pipeline). A block's terms are its kind's, the
-    larger where dense blocks and a mixture of experts' share the stage."""
+    messages held at once (trainer.plan.axis_costs.pipeline); depth_weights: a multi-token
+    prediction depth's block's 2-D weights, as block_weights, and the largest of them (on the
+    last stage). A block's backward is its kind's, the largest of the kinds' where dense blocks
+    and a mixture of experts' share the stage, each with its own weights (kind_weights: each
+    kind's block_weights) and activations."""
     k, e = Tokens.of(layout), compute_bytes(options.precision)
     comm, h = options.cp_comm_type, m.hidden_size
     kinds = {block_parts(m, i) for chunk in chunks for i in chunk} or {block_parts(m, 0)}
@@ -142,19 +180,30 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
     full = options.recompute_granularity is RecomputeGranularity.full and any(
         options.recomputes(p) for p in positions)
     # A fully recomputed block is rebuilt from its input, which the chunk keeps already.
-    rebuilt = max(block_activation_bytes(m, k, e, None, comm, parts) for parts in kinds) \
-        - k.Tr * h * FP32 if full else 0
+    rebuilt_of = {parts: block_activation_bytes(m, k, e, None, comm, parts) - k.Tr * h * FP32
+                  if full else 0 for parts in kinds}
+    rebuilt = max(rebuilt_of.values())
     sharded = layout.gtp_remat_size > 1
     autocast = 0
     if e != FP32 and not sharded:  # a fully recomputed block keeps no copy of its weights
         kept_copies = sum(options.recomputes(p) is not RecomputeGranularity.full
                           for p in positions)
-        autocast = (kept_copies * block_weights + head_weights) * e
+        if last and options.recompute_granularity is not RecomputeGranularity.full:
+            autocast += mtp.depths(m) * depth_weights[0] * e  # the depths' blocks' copies
+        autocast += (kept_copies * block_weights + head_weights) * e
     # Backward of the head: the gradient of the logits (fp32, and its scaled copy) beside the
     # saved softmax; under TP in bf16 also its bf16 cast, which autograd makes for the
     # vocab-parallel loss's input while the loss's own buffers are still held.
-    cast = k.T * (m.padded_vocab_size // k.t) * e if k.t > 1 and e != FP32 else 0
-    logits = 2 * loss_bytes(m, k) + cast if last else 0
+    local = k.T * (m.padded_vocab_size // k.t)
+    cast = local * e if k.t > 1 and e != FP32 else 0
+    # The loss's forward (the last depth's, with multi-token prediction): the step holds the
+    # model's and every depth's logits until their losses are formed, beside the loss's own
+    # buffers: under bf16 its fp32 copy of the logits, under TP the shifted logits the
+    # vocab-parallel loss forms before their exp (its softmax, kept). Without depths never
+    # above the backward's.
+    forward = (1 + mtp.depths(m)) * local * e + (local * FP32 if e != FP32 else 0) \
+        + (local * FP32 if k.t > 1 else 0)
+    logits = max(2 * loss_bytes(m, k) + cast, forward) if last else 0
     sizes = [len(chunk) for chunk in chunks] or [0]
     if sharded:
         freed = max(block_activation_bytes(m, k, e, options.recompute_granularity, comm, parts)
@@ -163,22 +212,112 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
                                      freed, first, last)
     else:  # weights are used in place; the head's gradient is formed before it is added
         block, head = 0, head_weights * FP32
-    head_kept = head_activation_bytes(m, k, e) if last else 0  # freed when blocks' backward starts
-    # A block's backward beside what it keeps; a fully recomputed block (the first
+    # freed when the model's blocks' backward starts (the depths' included)
+    head_kept = head_activation_bytes(m, k, e, options.recompute_granularity, comm) \
+        if last else 0
+    # A block's backward beside what it keeps, block by block (its kind's terms, and under
+    # weight sharding its neighbours' weights); a fully recomputed block (the first
     # recompute_num_layers of a chunk) is rebuilt after the chunk's later blocks have run their
     # backward and freed their activations.
-    counts = options.chunk_recompute(max(sizes))
     selective = options.recompute_granularity is RecomputeGranularity.selective
     backward = max(parts.mlp.backward_bytes(m, k, e, selective) for parts in kinds)
-    phases = [backward + block] if any(g is not RecomputeGranularity.full and n
-                                       for g, n in counts.items()) else []
-    if rebuilt:
-        largest = max(chunks, key=len)
-        kept_by_others = chunk_activation_bytes(m, layout, options, largest) - k.Tr * h * FP32 \
-            * sum(options.recomputes(p) is RecomputeGranularity.full for p in range(len(largest)))
-        # (and the rebuilt forward's own moment: a MoE block's exchange over ETP)
-        phases.append(max(max(parts.mlp.backward_bytes(m, k, e, False),
-                              parts.mlp.rebuild_bytes(m, k, e)) for parts in kinds)
-                      + rebuilt + block - kept_by_others)
+    phases, bundles = [], []
+    for chunk in chunks:
+        weights = [(kind_weights or {}).get(block_parts(m, i), block_weights) for i in chunk]
+        for phase, gathered in chunk_phases(m, layout, options, chunk, weights, rebuilt_of):
+            phases.append(phase)
+            bundles.append(gathered)
+    if not phases:  # a stage without blocks
+        phases = [backward]
+    block = max(bundles) if sharded and bundles else block
+    blocks_phase = max(phases) - head_kept
+    if last and mtp.depths(m):
+        # A weight used more than once holds its earlier uses' gradient in autograd's buffer
+        # until its last use's backward: the head's (its depths' uses wait for the model's)
+        # through the depths' blocks' backward, in the compute dtype (autocast's one cast of
+        # it takes them) or, sharded, its fp32 shard; and on a stage with the model's own
+        # embedding, the embedding's (fp32: autocast leaves lookups alone) through the model's
+        # blocks'.
+        g = layout.gtp_remat_size
+        held = head_weights // g * FP32 if sharded else head_weights * e
+        blocks_phase = max(blocks_phase + (head_weights // g * FP32 if first else 0),
+                           depth_phase(m, k, e, options, depth_weights[1] * e if sharded
+                                       else 0, depth_weights[0] * e if e != FP32 and
+                                       not sharded else 0) + held)
     return StepMemory(kept, backward, rebuilt, autocast, logits, max(block, head), messages,
-                      max(logits, head), max(phases) - head_kept)
+                      max(logits, head), blocks_phase)
+
+
+def chunk_phases(m: ModelConfig, layout: Layout, options: EngineOptions, chunk: range,
+                 weights: list[int], rebuilt_of: dict[BlockParts, int]) -> list[tuple[int, int]]:
+    """Each block's backward in a model chunk (`chunk`: its blocks; weights: their 2-D weights
+    as gathered; rebuilt_of: each kind's rebuilt activations under full recompute) beside what
+    the chunk keeps, and of it the gathered weights and gradient messages (0 unsharded)."""
+    k, e, comm = Tokens.of(layout), compute_bytes(options.precision), options.cp_comm_type
+    sharded = layout.gtp_remat_size > 1
+    selective = options.recompute_granularity is RecomputeGranularity.selective
+    parts = [block_parts(m, i) for i in chunk]
+    freed = [block_activation_bytes(m, k, e, options.recomputes(p), comm, kind)
+             for p, kind in enumerate(parts)]
+    # what the chunk's blocks that are not fully recomputed kept, freed by then
+    kept_by_others = sum(f for p, f in enumerate(freed)
+                         if options.recomputes(p) is not RecomputeGranularity.full)
+    out = []
+    for p, kind in enumerate(parts):
+        gathered = bundle_bytes(layout, options, e, weights, freed, p) if sharded else 0
+        if options.recomputes(p) is RecomputeGranularity.full:
+            # a block rebuilt under bf16 without weight sharding casts its weights again,
+            # kept through its backward (and the rebuilt forward's own moment: a MoE block's
+            # exchange over ETP)
+            copies = weights[p] * e if e != FP32 and not sharded else 0
+            out.append((max(kind.mlp.backward_bytes(m, k, e, False),
+                            kind.mlp.rebuild_bytes(m, k, e))
+                        + rebuilt_of[kind] + copies + gathered - kept_by_others, gathered))
+        else:
+            out.append((kind.mlp.backward_bytes(m, k, e, selective) + gathered, gathered))
+    return out
+
+
+def bundle_bytes(layout: Layout, options: EngineOptions, e: int, weights: list[int],
+                 freed: list[int], p: int) -> int:
+    """Under weight sharding, what block `p` of a chunk holds of gathered weights and gradient
+    messages in its backward (weights, freed: each block's gathered 2-D weights and what it
+    keeps, in forward order): its weights, and with overlap_param_gather the block before
+    it's (its backward prefetches them), both in the compute dtype; the message its gradients
+    are added into (fp32); with overlap_grad_reduce the packed gradients of up to
+    REDUCES_IN_FLIGHT blocks after it (done first) and their outputs, where they outweigh the
+    activations those blocks freed. trainer.plan.axis_costs.gtp_remat.gathered_bytes, block by
+    block: a dense block among a mixture of experts' gathers more than they do."""
+    previous = weights[p - 1] if options.overlap_param_gather and p > 0 else 0
+    held = (weights[p] + previous) * e + weights[p] * FP32
+    if options.overlap_grad_reduce:
+        reduce_bytes = 2 if options.grad_reduce_in_bf16 else FP32
+        done = range(p + 1, min(p + 1 + REDUCES_IN_FLIGHT, len(weights)))
+        g = layout.gtp_remat_size
+        held += max(0, sum((weights[j] + weights[j] // g) * reduce_bytes - freed[j]
+                           for j in done))
+    return held
+
+
+def depth_phase(m: ModelConfig, k: Tokens, e: int, options: EngineOptions, gathered: int,
+                copies: int = 0) -> int:
+    """The last multi-token prediction depth's block's backward, beside all that is kept but
+    that depth's norm, head input and softmax (freed by then): its MLP's backward and, under
+    full recompute, its rebuilt activations (beyond the input it keeps); `gathered`: the
+    weight its backward gathers (its linears are gathered one at a time, not bundled);
+    `copies`: autocast's copies of its weights, made again when it is rebuilt."""
+    parts = block_parts(m, m.num_layers - 1)
+    comm = options.cp_comm_type
+    if options.recompute_granularity is RecomputeGranularity.full:
+        rebuilt = mtp_block_bytes(m, k, e, None, comm) - k.Tr * m.hidden_size * e + copies
+        backward = max(parts.mlp.backward_bytes(m, k, e, False), parts.mlp.rebuild_bytes(m, k, e))
+    else:
+        selective = options.recompute_granularity is RecomputeGranularity.selective
+        rebuilt, backward = 0, parts.mlp.backward_bytes(m, k, e, selective)
+    # The gradient entering the block is its stream's, in the compute dtype (the MLP's term
+    # counts fp32). Every loss's backward runs before the heads' (the losses' nodes came last
+    # in the forward): the model's and the other depths' softmax are gone, the gradients of
+    # their logits, in the compute dtype, wait for their heads.
+    entering = k.Tr * m.hidden_size * (FP32 - e)
+    logits = mtp.depths(m) * k.T * (m.padded_vocab_size // k.t) * (FP32 - e)
+    return backward - entering + rebuilt + gathered - mtp.after_block_bytes(m, k, e) - logits

@@ -22,6 +22,7 @@ from parallel.layout.pipeline_schedules import (
     stage_actions,
 )
 from trainer.config import ModelConfig
+from trainer.parts import BlockParts, block_parts
 from trainer.parts.assembly import (
     BLOCKS,
     EMBEDDING,
@@ -30,6 +31,7 @@ from trainer.parts.assembly import (
     tp_style,
 )
 from trainer.parts.moe import dispatch_rows
+from trainer.parts.mtp import MTP
 from trainer.parts.tokens import Tokens, compute_bytes
 from trainer.plan.activations import StepMemory, stage_chunk_bytes, step_memory
 from trainer.plan.axis_costs.pipeline import message_sizes, stage_activation_bytes
@@ -40,6 +42,7 @@ from trainer.plan.options import EngineOptions
 # change what a rank keeps between steps.
 BYTES_PER_ELEMENT = (4, 4, 8)
 EMBEDDING_WEIGHT = f"{EMBEDDING}.weight"
+DEPTH_BLOCK = f"{MTP}.depths.0.block."  # the first multi-token prediction depth's block
 UPDATE_TEMPORARIES = 2  # fp32 tensors of a part's size alive at once in AdamW's update
 
 
@@ -83,6 +86,11 @@ class StageWeights:
     chunks: tuple[range, ...]  # its blocks by model chunk
     block_gathered: int  # one block's 2-D weights (the largest block's)
     ends_gathered: int  # the embedding's or the head's, the larger (0: neither is here)
+    # a multi-token prediction depth's block's 2-D weights, and the largest of them (each
+    # gathered on its own: the depths' blocks are not bundled); 0: no depth is here
+    depth_gathered: int = 0
+    depth_largest: int = 0
+    gathered_by_block: tuple[int, ...] = ()  # each of its blocks' 2-D weights, in order
 
 
 # The optimizer's flat buffers (trainer.train.optim.ShardedAdamW), each padded on its own:
@@ -130,7 +138,8 @@ class ModelWeights:
     read once (a stage sums its blocks by kind), so the search can size thousands of layouts;
     the embedding sits on the first stage, the final norm and head on the last. Tied
     embeddings across stages: the last stage holds a copy of the embedding's shard and its
-    gradient, outside the optimizer, and its head gathers that weight."""
+    gradient, outside the optimizer, and its head gathers that weight; so does it for
+    multi-token prediction's depths (trainer.parts.mtp), which embed the tokens ahead."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], num_layers: int,
                  tie_word_embeddings: bool = False, buffer_bytes: list[int] | None = None):
@@ -148,6 +157,7 @@ class ModelWeights:
         self.kind_of = [kinds.setdefault(tuple(b.items()), len(kinds)) for b in blocks]
         self.kinds = list(kinds)
         self.num_layers, self.tied = num_layers, tie_word_embeddings
+        self.mtp = any(name.startswith(f"{MTP}.") for name in shapes)
         self.embedding = shapes[EMBEDDING_WEIGHT]
         self.buffer_bytes = buffer_bytes or [0] * num_layers
 
@@ -170,14 +180,18 @@ class ModelWeights:
             blocks = tuple(i for chunk in chunks for i in chunk)
             held = [kinds[self.kind_of[i]] for i in blocks]
             buffers = [sum(k[0][buffer] for k in held) for buffer in BUFFERS]
-            ends = []
+            ends, depth = [], []
             for name, shape in self.outside:
                 if stage == (0 if name.startswith(f"{EMBEDDING}.") else pp - 1):
                     numel, buffer = local_numel(name, shape, layout)
                     buffers[buffer] += numel
-                    ends += [numel * g] if buffer == SHARDED else []
+                    if buffer == SHARDED and name.startswith(f"{MTP}."):
+                        depth += [numel * g] if name.startswith(DEPTH_BLOCK) else []
+                    elif buffer == SHARDED:
+                        ends.append(numel * g)
             copy = 0
-            if self.tied and stage == pp - 1:  # the head uses the embedding's weight
+            # the head uses the embedding's weight, or multi-token prediction's depths embed
+            if (self.tied or self.mtp) and stage == pp - 1:
                 ends.append(embedding * g)
                 copy = embedding if pp > 1 else 0
             own = [layout.optimizer_part(n, b == EXPERTS) for b, n in enumerate(buffers) if n]
@@ -189,7 +203,8 @@ class ModelWeights:
                                  UPDATE_TEMPORARIES * g_bytes * max(own, default=0), copy,
                                  sum(self.buffer_bytes[i] for i in blocks))
             out.append(StageWeights(memory, chunks, max((k[1] for k in held), default=0),
-                                    max(ends, default=0)))
+                                    max(ends, default=0), sum(depth), max(depth, default=0),
+                                    tuple(k[1] for k in held)))
         return out
 
 
@@ -199,10 +214,15 @@ def stage_step(m: ModelConfig, layout: Layout, options: EngineOptions, stage: St
     (`kept`: trainer.plan.axis_costs.pipeline.stage_activation_bytes, or its closed form) and the
     messages it holds at once (parallel.layout.pipeline_schedules.message_counts)."""
     number = stage.memory.stage
+    kinds: dict[BlockParts, int] = {}  # each kind's gathered weights (the larger, if two)
+    for block, gathered in zip(stage.memory.blocks, stage.gathered_by_block):
+        parts = block_parts(m, block)
+        kinds[parts] = max(kinds.get(parts, 0), gathered)
     return step_memory(m, layout, options, list(stage.chunks), stage.block_gathered,
                        stage.ends_gathered, kept,
                        number == layout.pp_size - 1, number == 0,
-                       message_bytes(messages, *message_sizes(m, layout)))
+                       message_bytes(messages, *message_sizes(m, layout)),
+                       (stage.depth_gathered, stage.depth_largest), kinds)
 
 
 def stage_peak(stage: StageWeights, step: StepMemory) -> int:
