@@ -17,11 +17,11 @@ writing the tensors is trainer.checkpoint.hf's.
 Which of their tensors each of our parameters is comes from the model's parts (trainer.parts:
 each part names its own); the family (trainer.parts.families) gives a model.name to an imported
 architecture and the names of its experts, and its HfMapping here (MAPPINGS) the config.json
-fields only it reads and writes.
+fields only it reads and writes (DeepSeek-V3's, the most, in trainer.checkpoint.hf_deepseek;
+config.json's typed fields in trainer.checkpoint.hf_fields).
 """
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,18 @@ from typing import Any, Callable
 
 import torch
 
+from trainer.checkpoint import hf_deepseek
+from trainer.checkpoint.hf_fields import (
+    BOOL,
+    INT,
+    INTS,
+    MAPPING,
+    NUMBER,
+    REQUIRED,
+    TEXT,
+    TEXTS,
+    Fields,
+)
 from trainer.checks import check_model
 from trainer.config import ModelConfig
 from trainer.parts import block_parts, mtp
@@ -44,59 +56,6 @@ REQUIRED_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attentio
                  "intermediate_size")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-# What a config.json field must hold: a name for the message, and the test.
-INT = ("an integer", _is_int)
-NUMBER = ("a number", lambda v: _is_int(v) or isinstance(v, float))
-BOOL = ("true or false", lambda v: isinstance(v, bool))
-TEXT = ("a string", lambda v: isinstance(v, str))
-MAPPING = ("a mapping", lambda v: isinstance(v, dict))
-INTS = ("a list of integers", lambda v: isinstance(v, list) and all(map(_is_int, v)))
-TEXTS = ("a list of strings", lambda v: isinstance(v, list) and all(isinstance(x, str)
-                                                                       for x in v))
-REQUIRED = object()  # a field get() must find
-
-
-class Fields:
-    """A config.json's fields, each read as the type it must hold: a string where a number
-    belongs ("8") is one line naming the file, the field, the value and the fix."""
-
-    def __init__(self, values: dict, source: Path, within: str = ""):
-        self.values, self.source, self.within = values, source, within
-
-    def get(self, key: str, kind: tuple[str, Any], default: Any = None) -> Any:
-        """The field's value; absent or null: `default` (REQUIRED: refused)."""
-        value = self.values.get(key)
-        if value is None:
-            if default is REQUIRED:
-                what = kind[0].split(" ", 1)[1]  # "an integer": "has no integer vocab_size"
-                raise ValueError(f"{self.source} has no {what} {self.within}{key}. Fix: use the "
-                                 f"config.json save_pretrained wrote for the model.")
-            return default
-        if not kind[1](value):
-            raise ValueError(f"{self.source}: {self.within}{key}={json.dumps(value)} is not "
-                             f"{kind[0]}. "
-                             f"Fix: write it as {kind[0]}{_as_number(value, kind)}, as "
-                             f"save_pretrained does.")
-        return value
-
-    def inner(self, key: str) -> Fields:
-        """A mapping field's own fields (rope_parameters)."""
-        return Fields(self.get(key, MAPPING, {}), self.source, f"{self.within}{key}.")
-
-
-def _as_number(value: Any, kind: tuple[str, Any]) -> str:
-    """' (8)' for the string "8" where a number belongs."""
-    try:
-        number = (int if kind is INT else float)(value) if isinstance(value, str) else None
-    except ValueError:
-        return ""
-    return f" ({number})" if number is not None and kind in (INT, NUMBER) else ""
-
-
 def model_config(hf: dict, source: Path) -> ModelConfig:
     """Our ModelConfig of a Hugging Face config.json; what we cannot model is refused in one
     line naming the key, and so is a field of the wrong type."""
@@ -106,10 +65,11 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
 
     fields = Fields(hf, source)
     architecture = (fields.get("architectures", TEXTS, None) or [LLAMA])[0]  # [] too
-    if architecture in UNBUILT_VARIANTS:
+    if architecture in hf_deepseek.UNBUILT_VARIANTS:
         raise ValueError(f"{source}: architectures={[architecture]} needs "
-                         f"{UNBUILT_VARIANTS[architecture]}, which this trainer does not build. "
-                         f"Fix: import a model of one of {', '.join(ARCHITECTURES)}.")
+                         f"{hf_deepseek.UNBUILT_VARIANTS[architecture]}, which this trainer "
+                         f"does not build. Fix: import a model of one of "
+                         f"{', '.join(ARCHITECTURES)}.")
     need("architectures", architecture in ARCHITECTURES,
          f"import a model of one of {', '.join(ARCHITECTURES)}")
     family = BY_ARCHITECTURE[architecture]
@@ -141,7 +101,7 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
         kv_channels=None if head_dim * heads == hidden else head_dim)
     rotary = {}
     if scaling is not None and mapping.rope_scaling == "yarn":
-        rotary = _yarn_keys(scaling, fields)
+        rotary = hf_deepseek.yarn_keys(scaling, fields)
     elif scaling is not None:
         rotary = {"use_rope_scaling": True, "rope_scaling_factor": _llama3_rope_factor(scaling)}
     # the family's own fields last: they may replace shared ones (multi-latent attention's
@@ -239,145 +199,6 @@ def _mixtral_holds(model: ModelConfig) -> list[tuple[str, Any, bool]]:
             ("moe_layer_freq", model.moe_layer_freq, every_block)]
 
 
-# DeepSeek-V3's multi-latent attention fields: a config.json of the architecture lacking them
-# is another model's relabelled.
-MLA_FIELDS = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim",
-              "v_head_dim")
-# Architectures we know and do not build, with what they need.
-UNBUILT_VARIANTS = {"DeepseekV32ForCausalLM": "DeepSeek-V3.2's sparse attention (its "
-                                              "lightning indexer)"}
-INDEXER_FIELDS = ("index_topk", "index_n_heads", "index_head_dim")  # DeepSeek-V3.2's
-
-
-def _read_deepseek_v3(fields: Fields, need) -> dict:
-    """Multi-latent attention, and experts after the first first_k_dense_replace blocks (none:
-    a dense model)."""
-    values = fields.values
-    need("architectures", all(key in values for key in MLA_FIELDS),
-         f"a DeepseekV3ForCausalLM config.json names its multi-latent attention's "
-         f"{', '.join(MLA_FIELDS)}; use the config.json save_pretrained wrote for the model")
-    for key in INDEXER_FIELDS:
-        need(key, key not in values, f"import a model without "
-             f"{UNBUILT_VARIANTS['DeepseekV32ForCausalLM']}, which this trainer does not build")
-    fields.get("rope_interleave", BOOL)  # its type; row_orders reads it
-    # Every head has its own key and value, expanded from the latent, whatever
-    # num_key_value_heads says (transformers' SDPA path reads the heads from the tensors);
-    # head_dim is the rotary part's.
-    mla = {"multi_latent_attention": True, "num_query_groups": None, "kv_channels": None,
-           "q_lora_rank": fields.get("q_lora_rank", INT),
-           "kv_lora_rank": fields.get("kv_lora_rank", INT, REQUIRED),
-           "qk_head_dim": fields.get("qk_nope_head_dim", INT, REQUIRED),
-           "qk_pos_emb_head_dim": fields.get("qk_rope_head_dim", INT, REQUIRED),
-           "v_head_dim": fields.get("v_head_dim", INT, REQUIRED),
-           # multi-token prediction's depths, layers num_hidden_layers.. of the files (an
-           # import whose files hold none of them drops it: trainer.checkpoint.hf)
-           "mtp_num_layers": fields.get("num_nextn_predict_layers", INT, 0) or None}
-    dense = fields.get("first_k_dense_replace", INT, REQUIRED)
-    if dense >= values["num_hidden_layers"]:
-        return mla
-    return mla | _read_deepseek_experts(fields, need, dense)
-
-
-def _read_deepseek_experts(fields: Fields, need, dense: int) -> dict:
-    """DeepSeek-V3's router as transformers computes it: sigmoid scores, the expert bias
-    (e_score_correction_bias) choosing, the top-k normalised and scaled, groups ranked by their
-    2 best scores; the sequence-wise balance loss of DeepSeek's own config.json."""
-    # DeepSeek's own config.json fields, which transformers ignores: it would build
-    # DeepSeek-V3's routing and blocks whatever they say
-    for key, kind, want in (("scoring_func", TEXT, "sigmoid"), ("topk_method", TEXT, "noaux_tc"),
-                            ("moe_layer_freq", INT, 1)):
-        need(key, fields.get(key, kind, want) == want,
-             f"import a model that routes as DeepSeek-V3 ({key} {want}), the one "
-             f"transformers' DeepseekV3ForCausalLM builds")
-    k = fields.get("num_experts_per_tok", INT, REQUIRED)
-    need("norm_topk_prob", fields.get("norm_topk_prob", BOOL, REQUIRED) == (k > 1),
-         "import a model whose top-k weights are normalised: a sigmoid router here normalises "
-         "them" if k > 1 else "with num_experts_per_tok=1 a normalised weight is 1 and ours "
-         "the expert's score: import a model with norm_topk_prob false")
-    groups, chosen = fields.get("n_group", INT, REQUIRED), fields.get("topk_group", INT, REQUIRED)
-    limited = chosen < groups
-    need("topk_group", not limited or k // chosen == 2,
-         f"transformers ranks each of the n_group={groups} groups by its 2 best scores, this "
-         f"trainer (as Megatron) by num_experts_per_tok / topk_group = {k // chosen}: import a "
-         f"model whose num_experts_per_tok is twice its topk_group (DeepSeek-V3's 8 and 4), or "
-         f"whose topk_group is its n_group")
-    shared, ffn = (fields.get("n_shared_experts", INT, REQUIRED),
-                   fields.get("moe_intermediate_size", INT, REQUIRED))
-    need("n_shared_experts", shared >= 1, "import a model with a shared expert, as DeepSeek-V3")
-    layers = fields.values["num_hidden_layers"]
-    return {"num_moe_experts": fields.get("n_routed_experts", INT, REQUIRED),
-            "moe_router_topk": k, "moe_ffn_hidden_size": ffn,
-            "moe_shared_expert_intermediate_size": shared * ffn,
-            "moe_layer_freq": [int(i >= dense) for i in range(layers)] if dense else 1,
-            "moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
-            "moe_router_topk_scaling_factor": float(fields.get("routed_scaling_factor", NUMBER,
-                                                               REQUIRED)),
-            "moe_router_num_groups": groups if limited else None,
-            "moe_router_group_topk": chosen if limited else None,
-            "moe_router_load_balancing_type": "seq_aux_loss" if fields.get("seq_aux", BOOL, True)
-            else "aux_loss",
-            "moe_aux_loss_coeff": float(fields.get("aux_loss_alpha", NUMBER, 0.0))}
-
-
-def _leading_dense(model: ModelConfig) -> int:
-    """The blocks before the first mixture of experts (DeepSeek's first_k_dense_replace)."""
-    return next((i for i in range(model.num_layers) if model.is_moe_block(i)), model.num_layers)
-
-
-def _write_deepseek_v3(model: ModelConfig) -> dict:
-    """What transformers needs to build the same model (a dense one: every block before
-    first_k_dense_replace), in interleaved rotary rows (row_orders), with the multi-token
-    prediction layers (transformers builds none: it skips their weights); DeepSeek's own router
-    fields too, for its reference code."""
-    r = model.qk_pos_emb_head_dim
-    out = {"q_lora_rank": model.q_lora_rank, "kv_lora_rank": model.kv_lora_rank,
-           "qk_nope_head_dim": model.qk_head_dim, "qk_rope_head_dim": r,
-           "v_head_dim": model.v_head_dim, "head_dim": r, "rope_interleave": True,
-           "num_nextn_predict_layers": mtp.depths(model),
-           "first_k_dense_replace": _leading_dense(model)}
-    if model.rope_type == "yarn":  # the context YaRN stretches to (transformers checks it)
-        out["max_position_embeddings"] = round(model.original_max_position_embeddings
-                                               * model.rotary_scaling_factor)
-    if model.num_moe_experts is None:
-        return out
-    ffn, groups = model.expert_ffn_size, model.moe_router_num_groups
-    return out | {
-        "n_routed_experts": model.num_moe_experts, "num_experts_per_tok": model.moe_router_topk,
-        "moe_intermediate_size": ffn,
-        "n_shared_experts": model.moe_shared_expert_intermediate_size // ffn,
-        "routed_scaling_factor": model.moe_router_topk_scaling_factor or 1.0,
-        "n_group": groups or 1, "topk_group": model.moe_router_group_topk if groups else 1,
-        "norm_topk_prob": model.moe_router_topk > 1, "scoring_func": "sigmoid",
-        "topk_method": "noaux_tc", "moe_layer_freq": 1,
-        "aux_loss_alpha": model.moe_aux_loss_coeff,
-        "seq_aux": model.moe_router_load_balancing_type == "seq_aux_loss"}
-
-
-def _deepseek_v3_holds(model: ModelConfig) -> list[tuple[str, Any, bool]]:
-    """transformers' YaRN scales cos and sin by mscale / mscale_all_dim only with both set
-    (else YaRN's default, our mscale 1); its router is DeepSeek-V3's (_read_deepseek_experts),
-    with the first blocks dense and every later one MoE."""
-    all_dim, yarn = model.mscale_all_dim, model.rope_type == "yarn"
-    out = [("use_rope_scaling", model.use_rope_scaling, not model.use_rope_scaling),
-           ("mscale", model.mscale, not yarn or (model.mscale != 0 if all_dim
-                                                 else model.mscale == 1.0))]
-    if model.num_moe_experts is None:
-        return out
-    dense, shared = _leading_dense(model), model.moe_shared_expert_intermediate_size
-    groups, chosen = model.moe_router_num_groups, model.moe_router_group_topk
-    return out + [
-        ("moe_router_score_function", model.moe_router_score_function,
-         model.moe_router_score_function == "sigmoid"),
-        ("moe_router_enable_expert_bias", model.moe_router_enable_expert_bias,
-         model.moe_router_enable_expert_bias),
-        ("moe_shared_expert_intermediate_size", shared,
-         bool(shared) and shared % model.expert_ffn_size == 0),
-        ("moe_layer_freq", model.moe_layer_freq,
-         all(model.is_moe_block(i) == (i >= dense) for i in range(model.num_layers))),
-        ("moe_router_group_topk", chosen,
-         groups is None or chosen >= groups or model.moe_router_topk // chosen == 2)]
-
-
 # Each family's mapping, by model.name (tests/integration/test_hf.py checks each against
 # transformers; a family without one cannot be imported or exported).
 MAPPINGS = {
@@ -388,8 +209,8 @@ MAPPINGS = {
                          holds=_mixtral_holds, intermediate_is_experts=True),
     "qwen3_moe": HfMapping("qwen3_moe", read=_read_qwen3_moe, write=_write_qwen3_moe,
                            holds=_softmax_router_holds),
-    "deepseek_v3": HfMapping("deepseek_v3", read=_read_deepseek_v3, write=_write_deepseek_v3,
-                             holds=_deepseek_v3_holds, rope_scaling="yarn", mtp=True),
+    "deepseek_v3": HfMapping("deepseek_v3", read=hf_deepseek.read, write=hf_deepseek.write,
+                             holds=hf_deepseek.holds, rope_scaling="yarn", mtp=True),
 }
 
 
@@ -404,39 +225,6 @@ def _llama3_rope_factor(scaling: Fields) -> float:
                          f"only Llama 3's (rope_type llama3 with {fixed}) is modelled. Fix: "
                          f"import a model with that rope scaling or none.")
     return float(scaling.get("factor", NUMBER, REQUIRED))
-
-
-def _yarn_keys(scaling: Fields, fields: Fields) -> dict:
-    """Our YaRN keys of a rope scaling as transformers reads it (beta_fast 32 and beta_slow 1
-    where unset, the original context max_position_embeddings where unset); what it would
-    compute that ours cannot is refused in one line."""
-    values = scaling.values
-
-    def refuse(why: str) -> None:
-        raise ValueError(f"{scaling.source}: rope scaling {values} is not supported: {why}. "
-                         f"Fix: import a model with YaRN's rope scaling as DeepSeek-V3 writes "
-                         f"it, or none.")
-    if values.get("rope_type", values.get("type")) != "yarn":
-        refuse("only YaRN (rope_type yarn) is modelled for DeepseekV3ForCausalLM")
-    if "attention_factor" in values:
-        refuse("an attention_factor of its own (ours follows from mscale and mscale_all_dim)")
-    if not scaling.get("truncate", BOOL, True):
-        refuse("truncate=false (ours rounds the ramp's ends to whole dims, as DeepSeek)")
-    mscale, all_dim = (float(scaling.get(key, NUMBER, 0.0)) for key in ("mscale",
-                                                                         "mscale_all_dim"))
-    if all_dim and not mscale:
-        refuse("mscale_all_dim without mscale (cos and sin then take YaRN's default scale "
-               "while the softmax takes mscale_all_dim's)")
-    return {"rope_type": "yarn", "rotary_scaling_factor": float(scaling.get("factor", NUMBER,
-                                                                            REQUIRED)),
-            "original_max_position_embeddings": scaling.get("original_max_position_embeddings",
-                                                            INT)
-            or fields.get("max_position_embeddings", INT, 4096),
-            "beta_fast": float(scaling.get("beta_fast", NUMBER) or 32.0),
-            "beta_slow": float(scaling.get("beta_slow", NUMBER) or 1.0),
-            # without mscale_all_dim, transformers scales cos and sin by YaRN's default
-            # 0.1 ln(factor) + 1 whatever mscale says: our mscale 1
-            "mscale": mscale if all_dim else 1.0, "mscale_all_dim": all_dim}
 
 
 def architecture_of(model: ModelConfig) -> str:
