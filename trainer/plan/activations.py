@@ -149,7 +149,14 @@ def stage_chunk_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
                       chunks: list[range], last: bool) -> list[int]:
     """What one micro-batch keeps in each of a stage's chunks (`chunks`: its blocks by virtual
     chunk; `last`: it holds the head, in its last chunk)."""
-    per_chunk = [chunk_activation_bytes(m, layout, options, chunk) for chunk in chunks]
+    alike: dict[int, int] = {}  # a dense model's chunks are known by their length
+    per_chunk = []
+    for chunk in chunks:
+        if m.num_moe_experts is None and len(chunk) in alike:
+            per_chunk.append(alike[len(chunk)])
+            continue
+        per_chunk.append(chunk_activation_bytes(m, layout, options, chunk))
+        alike[len(chunk)] = per_chunk[-1]
     if last:
         per_chunk[-1] += head_activation_bytes(m, Tokens.of(layout),
                                                compute_bytes(options.precision),
@@ -221,10 +228,16 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
     # backward and freed their activations.
     selective = options.recompute_granularity is RecomputeGranularity.selective
     backward = max(parts.mlp.backward_bytes(m, k, e, selective) for parts in kinds)
-    phases, bundles = [], []
+    phases, bundles, alike = [], [], {}
+    dense = m.num_moe_experts is None  # every block one kind: a chunk is known by its length
     for chunk in chunks:
-        weights = [(kind_weights or {}).get(block_parts(m, i), block_weights) for i in chunk]
-        for phase, gathered in chunk_phases(m, layout, options, chunk, weights, rebuilt_of):
+        kinds_of = [block_parts(m, 0)] * len(chunk) if dense else \
+            [block_parts(m, i) for i in chunk]
+        weights = [(kind_weights or {}).get(kind, block_weights) for kind in kinds_of]
+        key = (tuple(kinds_of), tuple(weights))  # the search asks of many alike chunks
+        if key not in alike:
+            alike[key] = chunk_phases(m, layout, options, chunk, weights, rebuilt_of)
+        for phase, gathered in alike[key]:
             phases.append(phase)
             bundles.append(gathered)
     if not phases:  # a stage without blocks
@@ -256,14 +269,28 @@ def chunk_phases(m: ModelConfig, layout: Layout, options: EngineOptions, chunk: 
     k, e, comm = Tokens.of(layout), compute_bytes(options.precision), options.cp_comm_type
     sharded = layout.gtp_remat_size > 1
     selective = options.recompute_granularity is RecomputeGranularity.selective
-    parts = [block_parts(m, i) for i in chunk]
-    freed = [block_activation_bytes(m, k, e, options.recomputes(p), comm, kind)
-             for p, kind in enumerate(parts)]
+    # (the search asks this of thousands of layouts: each kind's terms are counted once)
+    parts = [block_parts(m, i) for i in chunk] if m.num_moe_experts is not None \
+        else [block_parts(m, 0)] * len(chunk)
+    kept_of: dict = {}
+    for p, kind in enumerate(parts):
+        key = (options.recomputes(p), kind)
+        if key not in kept_of:
+            kept_of[key] = block_activation_bytes(m, k, e, key[0], comm, kind)
+    freed = [kept_of[options.recomputes(p), kind] for p, kind in enumerate(parts)]
     # what the chunk's blocks that are not fully recomputed kept, freed by then
     kept_by_others = sum(f for p, f in enumerate(freed)
                          if options.recomputes(p) is not RecomputeGranularity.full)
-    out = []
+    out, seen = [], {}
     for p, kind in enumerate(parts):
+        # what the block's phase reads: its kind and recompute, its weights, the block before
+        # it's and the few after it's (bundle_bytes); alike blocks are counted once
+        ahead = slice(p + 1, p + 1 + REDUCES_IN_FLIGHT)
+        key = (kind, options.recomputes(p), weights[p], weights[p - 1] if p else None,
+               tuple(weights[ahead]), tuple(freed[ahead]))
+        if key in seen:
+            out.append(seen[key])
+            continue
         gathered = bundle_bytes(layout, options, e, weights, freed, p) if sharded else 0
         if options.recomputes(p) is RecomputeGranularity.full:
             # a block rebuilt under bf16 without weight sharding casts its weights again,
@@ -275,6 +302,7 @@ def chunk_phases(m: ModelConfig, layout: Layout, options: EngineOptions, chunk: 
                         + rebuilt_of[kind] + copies + gathered - kept_by_others, gathered))
         else:
             out.append((kind.mlp.backward_bytes(m, k, e, selective) + gathered, gathered))
+        seen[key] = out[-1]
     return out
 
 
