@@ -143,4 +143,5 @@ GQA = Part(
     # its ring, gather or all-to-all attention over the whole sequence (parallel.context).
     hook="attention_fn",
     head_norms=("q_norm", "k_norm"),
-    core_flops=core_flops, kept_bytes=kept_bytes, hf_names=hf_names, rules=rules)
+    core_flops=core_flops, kept_bytes=kept_bytes, hf_names=hf_names, rules=rules,
+    exchanged_widths=lambda cfg: (cfg.q_size, cfg.kv_size))

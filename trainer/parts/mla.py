@@ -167,4 +167,5 @@ MLA = Part(
     residual_outputs=("o.weight",),
     hook="attention_fn",
     tp_shared="shared_key_fn",
-    core_flops=core_flops, kept_bytes=kept_bytes, hf_names=hf_names, rules=rules)
+    core_flops=core_flops, kept_bytes=kept_bytes, hf_names=hf_names, rules=rules,
+    exchanged_widths=exchanged_widths)

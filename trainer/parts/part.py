@@ -86,6 +86,9 @@ class Part:
         lambda cfg, ours, theirs, family: {}
     # Its compose-time rules: a ValueError naming the key, the value and the fix.
     rules: Callable[[ModelConfig], None] = _no_rules
+    # An attention part's widths as context parallel exchanges them: (q's, k's or v's), all of
+    # a rank's heads before TP (trainer.plan.axis_costs.context); None for other parts.
+    exchanged_widths: Callable[[ModelConfig], tuple[int, int]] | None = None
 
     def prefixed(self, names) -> tuple[str, ...]:
         return tuple(f"{self.slot}.{n}" for n in names)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from parallel.layout import Layout
 from parallel.layout.axes.context import CONTEXT
 from trainer.config import CPCommType, ModelConfig
-from trainer.parts.mla import exchanged_widths
+from trainer.parts import block_parts
 from trainer.parts.tokens import FP32
 from trainer.plan.axis_costs.entry import AxisCosts, Micro, Offer, divisors
 from trainer.plan.hardware import Hardware
@@ -39,14 +39,14 @@ def context_seconds(m: ModelConfig, layout: Layout, cp_comm_type: CPCommType, hw
     backward, hidden behind the attention (attention_s forward, twice that backward) where
     ranks overlap; all_gather gathers K/V and reduce-scatters their gradients (in the compute
     dtype); a2a moves a rank's q, k, v and output between sequence and heads, both ways, (C-1)/C
-    of each leaving it; neither is hidden. Widths as the part exchanges them (multi-latent
-    attention's v padded to q's: trainer.parts.mla.exchanged_widths); the bytes the context
+    of each leaving it; neither is hidden. Widths as the attention part exchanges them
+    (Part.exchanged_widths: multi-latent attention's v padded to q's); the bytes the context
     group sends (tests/multirank/test_step_memory.py)."""
     c, t = layout.runtime_context_parallel_size, layout.tp_size
     if c == 1:
         return 0.0, 0.0
     link = hw.link(layout, "context")
-    q_size, kv_size = exchanged_widths(m) if m.multi_latent_attention else (m.q_size, m.kv_size)
+    q_size, kv_size = block_parts(m, 0).attention.exchanged_widths(m)  # as the part moves them
     kv = 2 * T * kv_size / t * e
     if cp_comm_type is CPCommType.p2p:
         ring_fwd = (c - 1) * link.send(kv)
