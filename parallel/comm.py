@@ -312,6 +312,26 @@ class Group:
                        self.wait(P2P))
 
 
+    @kept_eager
+    def start_exchange(self, sends: list[tuple[int, torch.Tensor]],
+                       receives: list[tuple[int, tuple[int, ...]]], like: torch.Tensor
+                       ) -> Pending:
+        """Point-to-point messages in one batch: each (group rank, tensor) of `sends` sent, each
+        (group rank, shape) of `receives` received into a new buffer of like's dtype and
+        device (Pending.wait() returns them, in order). Every message's peer must post its
+        twin in the same order (two messages between a pair match in posting order)."""
+        sources = [t.contiguous() for _, t in sends]
+        received = [self._new(like, shape) for _, shape in receives]
+        ops = [dist.P2POp(dist.isend, t, group=self.handle, group_peer=peer)
+               for (peer, _), t in zip(sends, sources)]
+        ops += [dist.P2POp(dist.irecv, t, group=self.handle, group_peer=peer)
+                for (peer, _), t in zip(receives, received)]
+        self.stats.record(self.kind, P2P, sum(_nbytes(t) for t in sources), True)
+        if not ops:
+            return Pending(received, None)
+        return Pending(received, dist.batch_isend_irecv(ops), sources, len(sources),
+                       self.wait(P2P))
+
     def wait(self, op: str) -> Any:
         """What a blocking call enters: CommStats.waiting_in for this group and op."""
         return partial(self.stats.waiting_in, self.kind, op, self.ranks)

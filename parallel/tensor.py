@@ -235,6 +235,9 @@ def shard_layers(build: Build) -> None:
         for hook in plan.tp_shared_hooks:
             if tp.size > 1 and hasattr(child, hook):
                 setattr(child, hook, _SharedOverTP(tp, sp))
+        for hook in plan.tp_heads_hooks:
+            if tp.size > 1 and hasattr(child, hook):
+                setattr(child, hook, _HeadsOfRank(tp))
         if isinstance(child, nn.Embedding):
             replacement = VocabParallelEmbedding(child, tp, gtp, sp, name, build.dtypes)
         elif isinstance(child, nn.Linear):
@@ -262,3 +265,16 @@ class _SharedOverTP:
         if self.sequence_parallel:
             return gather_along(x, self.tp, SEQ_DIM)
         return copy_to(x, self.tp)
+
+
+class _HeadsOfRank:
+    """A weight with an entry per query head, whole on every rank (the plan's tp_heads_hooks):
+    this TP rank's heads' entries (the column-parallel q's share), a view, so its gradient
+    reaches only them; the plan's head_norms sum it over TP."""
+
+    def __init__(self, tp: Group):
+        self.tp = tp
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        share = weight.shape[0] // self.tp.size
+        return weight.narrow(0, self.tp.rank * share, share)

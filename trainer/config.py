@@ -124,6 +124,18 @@ class ModelConfig:
     # yarn: of the softmax scale's correction in multi-latent attention (0: none)
     mscale_all_dim: float = 0.0
 
+    # Local attention (Megatron's names; docs/attention.md). window_size: how far back a query
+    # may look (query i sees keys i - window_size .. i, within its document; Megatron's
+    # (window_size, 0), Hugging Face's sliding_window - 1); null: full causal attention.
+    window_size: Optional[int] = None
+    # which blocks use the window: null every block; an int k every block but each k-th
+    # (blocks k-1, 2k-1, ... global: gpt-oss's 2, Gemma 3's 6); or a list of 1 (windowed) and 0
+    # (global), one per block
+    window_attn_skip_freq: Any = None
+    # vanilla, or attention sinks: off-by-one (a zero logit in every softmax's denominator) or
+    # learnable (one logit per head, gpt-oss's sinks)
+    softmax_type: str = "vanilla"
+
     # Multi-latent attention (DeepSeek-V2/V3's; Megatron's names; docs/attention.md): q and
     # K/V each projected down to a latent, normed and projected up per head, with a decoupled
     # rotary key of qk_pos_emb_head_dim shared by a token's heads. Replaces grouped-query
@@ -226,6 +238,18 @@ class ModelConfig:
             return False
         freq = self.moe_layer_freq
         return bool(freq[block]) if isinstance(freq, (list, tuple)) else block % freq == 0
+
+    def window_of(self, block: int) -> int | None:
+        """Block `block`'s sliding window (window_attn_skip_freq, as Megatron's
+        is_layer_window_attention counts blocks from one); None: full causal attention."""
+        freq = self.window_attn_skip_freq
+        if self.window_size is None:
+            return None
+        if freq is None:
+            return self.window_size
+        if isinstance(freq, (list, tuple)):
+            return self.window_size if freq[block] else None
+        return self.window_size if (block + 1) % freq else None
 
     @property
     def padded_vocab_size(self) -> int:

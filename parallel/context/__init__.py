@@ -2,13 +2,15 @@
 shards) keeps two zigzag chunks of every sequence (chunks.py); attention over the whole
 sequence is one of three exchanges, Megatron's cp_comm_type:
 
-    p2p         ring.py      K/V blocks around a ring, overlapped with compute; O(local) memory
+    p2p         ring.py      K/V blocks around a ring, overlapped with compute; O(local) memory;
+                window.py    under a sliding window, only the chunks it reaches, from their owners
     all_gather  gather.py    K/V gathered whole, attention by chunk pairs; O(sequence) K/V
     a2a         alltoall.py  Ulysses: heads <-> sequence all-to-all; heads must divide by CP
 
 All three run PyTorch's fused attention kernels (kernels.py) and build no mask, also over
 packed documents (data.reset_attention_mask): calls.py cuts each chunk pair into kernel calls
-over the rows and keys a document allows.
+over the rows and keys a document and a sliding window allow, and attention sinks join each
+row's softmax once, after the merge (kernels.add_sinks).
 """
 from __future__ import annotations
 
@@ -49,12 +51,13 @@ class NarrowValues:
         self.attention = attention
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 documents: torch.Tensor | None = None) -> torch.Tensor:
+                 documents: torch.Tensor | None = None, window: int | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         width = v.shape[-1]
         if width == q.shape[-1]:
-            return self.attention(q, k, v, documents)
+            return self.attention(q, k, v, documents, window, sinks)
         v = torch.nn.functional.pad(v, (0, q.shape[-1] - width))
-        return self.attention(q, k, v, documents)[..., :width]
+        return self.attention(q, k, v, documents, window, sinks)[..., :width]
 
 
 def inject_attention(build: Build) -> None:

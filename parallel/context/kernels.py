@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from parallel.context.calls import Call
+from parallel.context.calls import ANTI, CAUSAL, Call
 
 aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -30,10 +30,19 @@ _LSE_ALIGN = 32  # the memory-efficient kernel pads its log-sum-exp to a multipl
 Aux = tuple  # what a CUDA kernel's forward returns for its backward besides out and lse
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shape: str
            ) -> tuple[torch.Tensor, torch.Tensor, Aux]:
-    """(out in q's dtype, log-sum-exp, aux for attend_backward). `causal` needs as many queries
-    as keys."""
+    """(out in q's dtype, log-sum-exp, aux for attend_backward) of a call's shape (calls.py):
+    CAUSAL and ANTI need as many queries as keys. ANTI runs causally on rows and keys both
+    reversed, so the kernels' own causal skipping does its work too."""
+    if shape == ANTI:
+        out, lse, aux = _attend(*_reversed(q, k, v), True)
+        return out.flip(2), lse.flip(2), aux
+    return _attend(q, k, v, shape == CAUSAL)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+            ) -> tuple[torch.Tensor, torch.Tensor, Aux]:
     if q.device.type == "cuda":
         k, v = _expand_groups(k, q), _expand_groups(v, q)
         if q.dtype in _HALF:
@@ -47,11 +56,25 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
 
 
 def attend_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    out: torch.Tensor, lse: torch.Tensor, causal: bool, aux: Aux
+                    out: torch.Tensor, lse: torch.Tensor, shape: str, aux: Aux
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of one block, given the row's merged out (q's dtype) and log-sum-exp, and
-    the aux of a forward call of the same shape (dropout-free dense calls: the same for all).
-    The CPU kernel takes strided slices as they are; the CUDA kernels get contiguous ones."""
+    """(dq, dk, dv) of one call, given the row's merged out (q's dtype) and log-sum-exp, and
+    the aux of a forward call of the same shape (dropout-free dense calls: the same for all)."""
+    if shape == ANTI:
+        grads = _attend_backward(*_reversed(grad_out, q, k, v, out, lse), True, aux)
+        return tuple(grad.flip(2) for grad in grads)
+    return _attend_backward(grad_out, q, k, v, out, lse, shape == CAUSAL, aux)
+
+
+def _reversed(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Rows (dim 2: the sequence of [batch, heads, seq, ...]) in reverse order."""
+    return tuple(t.flip(2) for t in tensors)
+
+
+def _attend_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     out: torch.Tensor, lse: torch.Tensor, causal: bool, aux: Aux
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The CPU kernel takes strided slices as they are; the CUDA kernels get contiguous ones."""
     if q.device.type == "cuda":
         grad_out, lse = grad_out.contiguous(), lse.contiguous()
         groups = k.shape[1]
@@ -106,9 +129,9 @@ def attend_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: list[
                  merge: Merge, aux: dict) -> None:
     """Every call (see calls.plan_calls) of local queries q over keys k, v, merged. aux:
     filled with each call's kernel aux, by its index."""
-    for i, (samples, rows, keys, causal) in enumerate(calls):
+    for i, (samples, rows, keys, shape) in enumerate(calls):
         out, lse, aux[i] = attend(q[samples, :, rows], k[samples, :, keys], v[samples, :, keys],
-                                  causal)
+                                  shape)
         merge.add(samples, rows, out, lse)
 
 
@@ -117,19 +140,71 @@ def call_gradients(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                    ) -> Iterator[tuple[slice, slice, slice, tuple[torch.Tensor, ...]]]:
     """The backward of attend_calls, call by call: (samples, query rows, key rows,
     (dq, dk, dv))."""
-    for i, (samples, rows, keys, causal) in enumerate(calls):
+    for i, (samples, rows, keys, shape) in enumerate(calls):
         yield samples, rows, keys, attend_backward(
             grad_out[samples, :, rows], q[samples, :, rows], k[samples, :, keys],
-            v[samples, :, keys], out[samples, :, rows], lse[samples, :, rows], causal, aux[i])
+            v[samples, :, keys], out[samples, :, rows], lse[samples, :, rows], shape, aux[i])
 
 
-def merged_output(merge: Merge, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse); out in like's dtype, laid out [b, s, heads, d] in memory as the kernels'
-    outputs are, so the model's reshape after attention is free."""
+def merged_output(merge: Merge, like: torch.Tensor, sinks: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse), with the sinks joined (add_sinks) where given; out in like's dtype, laid out
+    [b, s, heads, d] in memory as the kernels' outputs are, so the model's reshape after
+    attention is free."""
+    if sinks is not None:
+        add_sinks(merge, sinks)
     b, heads, s, d = like.shape
     out = like.new_empty(b, s, heads, d).transpose(1, 2)
     out.copy_(merge.out)
     return out, merge.lse
+
+
+def add_sinks(merge: Merge, sinks: torch.Tensor) -> None:
+    """Attention sinks (gpt-oss's; Megatron's softmax_type=learnable): a logit per head [heads]
+    that joins every row's softmax denominator once, with a value of zero. Added after every
+    block is merged, so once whatever the split of the keys: lse' = logaddexp(lse, sink) and
+    out' = out exp(lse - lse'). The kernels' backward, given out' and lse', then forms the
+    gradient of the softmax with the sink in it (its value adds nothing to dP)."""
+    total = torch.logaddexp(merge.lse, sinks.to(merge.lse.dtype)[None, :, None])
+    merge.out.mul_(torch.exp(merge.lse - total)[..., None])
+    merge.lse.copy_(total)
+
+
+def sink_gradient(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  sinks: torch.Tensor) -> torch.Tensor:
+    """The sinks' gradient from this rank's rows: -sum over rows of p_sink rowsum(dO o O),
+    p_sink = exp(sink - lse') (out and lse with the sinks joined)."""
+    rows = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # [b, heads, s]
+    p_sink = torch.exp(sinks.to(lse.dtype)[None, :, None] - lse)
+    return -(p_sink * rows).sum((0, 2)).to(sinks.dtype)
+
+
+class ChunkPairs(torch.autograd.Function):
+    """Local queries over keys and values in one buffer, by calls (calls.plan_calls), with
+    sinks or without (None)."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: list[Call],
+                sinks: torch.Tensor | None = None):
+        with torch.autocast(q.device.type, enabled=False):
+            merge, aux = Merge(q, lse_dtype(q)), {}
+            attend_calls(q, k, v, calls, merge, aux)
+            out, lse = merged_output(merge, q, sinks)
+        ctx.calls, ctx.aux = calls, aux
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dq, dk, dv = (torch.zeros(t.shape, dtype=lse.dtype, device=t.device) for t in (q, k, v))
+        for samples, rows, keys, grads in call_gradients(grad_out, q, k, v, out, lse, ctx.calls,
+                                                         ctx.aux):
+            for total, grad in zip((dq[samples, :, rows], dk[samples, :, keys],
+                                    dv[samples, :, keys]), grads):
+                total += grad
+        d_sinks = None if sinks is None else sink_gradient(grad_out, out, lse, sinks)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, d_sinks
 
 
 def lse_dtype(q: torch.Tensor) -> torch.dtype:

@@ -27,7 +27,9 @@ from parallel.context.kernels import (
     call_gradients,
     lse_dtype,
     merged_output,
+    sink_gradient,
 )
+from parallel.context.window import WindowedPeers, windowed_attention
 from parallel.layout import Layout
 
 
@@ -40,22 +42,24 @@ class Ring:
         self.mine = layout.context_chunk_ids(rank)
         # step i holds the K/V of the member i hops before this one
         self.held = [chunks[(group.rank - i) % self.size] for i in range(self.size)]
-        self._plain: dict[int, list[list[Call]]] = {}  # without documents: by chunk length
+        # without documents: by chunk length and window
+        self._plain: dict[tuple[int, int | None], list[list[Call]]] = {}
 
-    def steps(self, chunk: int, documents: torch.Tensor | None) -> list[list[Call]]:
-        """Each step's calls for chunks of `chunk` tokens (documents: see calls.py)."""
-        if documents is None and chunk in self._plain:
-            return self._plain[chunk]
-        steps = [plan_calls(self.mine, held, chunk, documents) for held in self.held]
+    def steps(self, chunk: int, documents: torch.Tensor | None, window: int | None = None
+              ) -> list[list[Call]]:
+        """Each step's calls for chunks of `chunk` tokens (documents, window: see calls.py)."""
+        if documents is None and (chunk, window) in self._plain:
+            return self._plain[chunk, window]
+        steps = [plan_calls(self.mine, held, chunk, documents, window) for held in self.held]
         if documents is None:
-            self._plain[chunk] = steps
+            self._plain[chunk, window] = steps
         return steps
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring,
-                steps: list[list[Call]]):
+                steps: list[list[Call]], sinks: torch.Tensor | None):
         with torch.autocast(q.device.type, enabled=False):
             kv = first = torch.stack((k, v))
             merge, aux = Merge(q, lse_dtype(q)), [{} for _ in steps]
@@ -64,11 +68,11 @@ class _RingAttention(torch.autograd.Function):
                 attend_calls(q, kv[0], kv[1], step, merge, aux[i])
                 if hop is not None:
                     kv = hop.wait()[0]
-            out, lse = merged_output(merge, q)
+            out, lse = merged_output(merge, q, sinks)
         ctx.ring, ctx.steps, ctx.aux = ring, steps, aux
         # K and V stacked (the ring's first block) are kept instead of k and v themselves, so
         # the qkv projection's output (v is a view of it) need not outlive the forward.
-        ctx.save_for_backward(q, first, out, lse)
+        ctx.save_for_backward(q, first, out, lse, sinks)
         return out
 
     @staticmethod
@@ -76,7 +80,7 @@ class _RingAttention(torch.autograd.Function):
         if ctx.ring is None:
             raise RuntimeError("ring attention's backward runs once per forward: it reuses "
                                "its saved K/V buffer (retain_graph is not supported)")
-        q, kv, out, lse = ctx.saved_tensors
+        q, kv, out, lse, sinks = ctx.saved_tensors
         ring, total = ctx.ring, lse.dtype
         ctx.ring = None
         dq = torch.zeros(q.shape, dtype=total, device=q.device)
@@ -100,7 +104,8 @@ class _RingAttention(torch.autograd.Function):
             if hop is not None:
                 kv, spare = hop.wait()[0], kv
         dkv = travelling.wait()[0]
-        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None
+        d_sinks = None if sinks is None else sink_gradient(grad_out, out, lse, sinks)
+        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, d_sinks
 
 
 def _gradients(grad_out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
@@ -127,12 +132,19 @@ def _added(dkv: torch.Tensor, key_grads: list) -> torch.Tensor:
 
 
 class RingAttention:
-    """The model's attention_fn under runtime CP > 1 with cp_comm_type=p2p."""
+    """The model's attention_fn under runtime CP > 1 with cp_comm_type=p2p: the ring, or under
+    a sliding window that leaves chunks unreached, the window's exchange (window.py)."""
 
     def __init__(self, context: Group, layout: Layout, rank: int):
         self.ring = Ring(context, layout, rank)
+        self.peers = WindowedPeers(context, layout, rank)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 documents: torch.Tensor | None = None) -> torch.Tensor:
+                 documents: torch.Tensor | None = None, window: int | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+        if window is not None:
+            out = windowed_attention(self.peers, q, k, v, documents, window, sinks)
+            if out is not None:
+                return out
         return _RingAttention.apply(q, k, v, self.ring,
-                                    self.ring.steps(q.shape[2] // 2, documents))
+                                    self.ring.steps(q.shape[2] // 2, documents, window), sinks)

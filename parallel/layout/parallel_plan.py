@@ -35,6 +35,10 @@ class ParallelPlan:
     # tensor that every TP rank's heads read (multi-latent attention's shared rotary key): TP
     # makes it whole-sequence on each rank (gathered under SP) with its gradient summed over TP.
     tp_shared_hooks: tuple[str, ...] = ()
+    # Function attributes (identities on one process) through which a block's modules pass a
+    # weight with an entry per query head, whole on every rank (attention sinks): TP narrows it
+    # to the rank's heads; the weight is named in head_norms, so its gradient is summed over TP.
+    tp_heads_hooks: tuple[str, ...] = ()
     # Whole weights applied to each attention head (qk_layernorm's norms), by module-name
     # suffix: a TP rank forms their gradient from its own heads only, so it is summed over TP
     # with sequence parallel or without (other whole weights only with it).

@@ -203,6 +203,20 @@ TABLE = [
     R("model.name=qwen3", ("model.name=qwen3", "model.qk_layernorm=true")),
     R("model.name=mixtral", ("model.name=mixtral", "model.num_moe_experts")),
     R("model.rope_theta=0", ("model.rope_theta=0",)),
+    # sliding windows and attention sinks (trainer/parts/attention.py local_rules)
+    R("model.window_size=0", ("model.window_size=0",)),
+    R("model.window_size=-4", ("model.window_size=-4",)),
+    R("model.window_attn_skip_freq=2", ("model.window_attn_skip_freq=2", "model.window_size=null")),
+    R("model.window_size=8 model.window_attn_skip_freq=1", ("model.window_attn_skip_freq=1",)),
+    R("model.window_size=8 model.window_attn_skip_freq=[0,0]",
+      ("model.window_attn_skip_freq=[0, 0]", "no block windowed")),
+    R("model.window_size=8 model.window_attn_skip_freq=[1,0,1]",
+      ("model.window_attn_skip_freq=[1, 0, 1]", "model.num_layers=2")),
+    R("model.softmax_type=sink", ("model.softmax_type='sink'",)),
+    R("model=tiny_deepseek model.window_size=8",
+      ("model.window_size=8", "multi_latent_attention=true")),
+    R("model.window_size=8 model.window_attn_skip_freq=2 model.softmax_type=learnable "
+      "parallel.context_parallel_size=2 cluster.procs_per_node=2 dry_run=true", (), OK),
     # multi-latent attention and YaRN (trainer/parts/mla.py, trainer/parts/attention.py)
     R("model=tiny_deepseek model.kv_lora_rank=0", ("model.kv_lora_rank=0",)),
     R("model=tiny_deepseek model.q_lora_rank=-8", ("model.q_lora_rank=-8",)),

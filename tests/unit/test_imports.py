@@ -124,13 +124,20 @@ def test_every_room_above_the_floor_sits_above_it():
 
 
 def test_the_model_does_not_know_it_is_parallel():
-    """Only the plan (pure data, sized from the model's config) is shared with parallel/; the
-    model's code and its parts import none of the rest."""
+    """Only the plan (pure data, sized from the model's config) is shared with parallel/, and
+    the attention kernels the model runs on one process too under a sliding window or sinks
+    (calls and kernels: torch and numpy only, no group, no layout); the model's code and its
+    parts import none of the rest."""
     model = [name for name in MODULES if name.startswith(("trainer.model", "trainer.parts"))]
     shared = {f"{name} -> {m}" for name in model for m in project_imports(name)
               if m.startswith("parallel")}
     assert shared == {"trainer.parts.assembly -> parallel.layout.parallel_plan",
-                      "trainer.parts.tokens -> parallel.layout"}
+                      "trainer.parts.tokens -> parallel.layout",
+                      "trainer.model.attention -> parallel.context.calls",
+                      "trainer.model.attention -> parallel.context.kernels"}
+    kernels = {m for name in ("parallel.context.calls", "parallel.context.kernels")
+               for m in project_imports(name)}
+    assert kernels == {"parallel.context.calls"}, kernels
 
 
 def test_launching_sits_on_top():

@@ -1,6 +1,7 @@
 """Grouped-query attention with rotary positions as plain single-device PyTorch (the part "gqa":
-trainer.parts.attention). `attention_fn` is a plain function attribute, so wrapping it changes
-no parameter name: context parallel replaces it, selective recompute wraps it.
+trainer.parts.attention), with a sliding window and attention sinks where the config asks.
+`attention_fn` is a plain function attribute, so wrapping it changes no parameter name: context
+parallel replaces it, selective recompute wraps it.
 """
 from __future__ import annotations
 
@@ -10,29 +11,39 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from parallel.context.calls import plan_calls
+from parallel.context.kernels import ChunkPairs
 from trainer.config import ModelConfig
 from trainer.model.documents import document_attention
 from trainer.model.norm import RMSNorm
 from trainer.model.rotary import apply_rotary, rotary_frequencies
 
 # q [batch, heads, seq, head_dim], k and v [batch, groups, seq, head_dim] (grouped-query
-# attention: groups divides heads), documents -> [batch, heads, seq, head_dim]. documents:
-# None (each sample one document), or for every position of the whole sequence where its
-# document starts ([batch, seq], on the CPU; data.reset_attention_mask).
-AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
-                       torch.Tensor]
+# attention: groups divides heads), documents, window, sinks -> [batch, heads, seq, head_dim].
+# documents: None (each sample one document), or for every position of the whole sequence where
+# its document starts ([batch, seq], on the CPU; data.reset_attention_mask). window: how far
+# back a query may look (None: to its document's start). sinks: [heads] logits that join every
+# row's softmax denominator (None: none).
+AttentionFn = Callable[..., torch.Tensor]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     documents: torch.Tensor | None = None) -> torch.Tensor:
+                     documents: torch.Tensor | None = None, window: int | None = None,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention; with documents, within each document only
     (trainer/model/documents.py). Values narrower than queries (multi-latent attention's) are
     padded with zeros to their width and the output cut back: the fused kernels take one
-    width, and without them torch falls back to forming every score (memory of S^2)."""
+    width, and without them torch falls back to forming every score (memory of S^2). A window
+    or sinks: kernel calls over the band the window and documents leave, merged by log-sum-exp
+    with the sinks joined once (parallel.context.calls and kernels, as context parallel runs
+    them on each chunk pair): no mask, and no work outside the window."""
     width = v.shape[-1]
     if width != q.shape[-1]:
         v = F.pad(v, (0, q.shape[-1] - width))
-        return causal_attention(q, k, v, documents)[..., :width]
+        return causal_attention(q, k, v, documents, window, sinks)[..., :width]
+    if window is not None or sinks is not None:
+        calls = plan_calls((0,), (0,), q.shape[2], documents, window)
+        return ChunkPairs.apply(q, k, v, calls, sinks)
     if documents is not None:
         return document_attention(q, k, v, documents)
     # The fused kernels read each K/V group for its query heads; nothing is repeated.
@@ -40,11 +51,21 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                           enable_gqa=k.shape[1] != q.shape[1])
 
 
+def _identity(weight: torch.Tensor) -> torch.Tensor:
+    return weight
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, block: int = 0):
         super().__init__()
         h = cfg.hidden_size
         self.cfg, self.head_dim = cfg, cfg.head_dim
+        self.window = cfg.window_of(block)  # this block's sliding window; None: global
+        # Attention sinks (softmax_type=learnable): a logit per head, read through heads_fn
+        # (tensor parallel narrows it to the rank's heads). off-by-one: a zero logit.
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads)) \
+            if cfg.softmax_type == "learnable" else None
+        self.heads_fn = _identity
         self.parts = cfg.qkv_heads  # q | k | v
         # q, k and v in one projection: one GEMM, and under TP one collective for all three.
         self.qkv = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=False)
@@ -69,5 +90,13 @@ class Attention(nn.Module):
         freqs, factor = rotary_frequencies(self.cfg, self.head_dim, x.device)
         q, k = apply_rotary(q, positions, freqs, factor), apply_rotary(k, positions, freqs, factor)
         out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                documents)
+                                documents, self.window, self._sinks(q))
         return self.o(out.transpose(1, 2).reshape(b, s, -1))
+
+    def _sinks(self, q: torch.Tensor) -> torch.Tensor | None:
+        """The sink logits of q's heads (this rank's under tensor parallel), or None."""
+        if self.sinks is not None:
+            return self.heads_fn(self.sinks)
+        if self.cfg.softmax_type == "off-by-one":
+            return torch.zeros(q.shape[2], dtype=torch.float32, device=q.device)
+        return None

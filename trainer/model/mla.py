@@ -32,7 +32,7 @@ def _unchanged(x: torch.Tensor) -> torch.Tensor:
 
 
 class MultiLatentAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, block: int = 0):
         super().__init__()
         h, n = cfg.hidden_size, cfg.num_heads
         self.cfg = cfg

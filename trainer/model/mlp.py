@@ -32,6 +32,6 @@ class SwiGLU(nn.Module):
         return self.down(self.activation_fn(gate, up))
 
 
-def dense_mlp(cfg: ModelConfig) -> SwiGLU:
+def dense_mlp(cfg: ModelConfig, block: int = 0) -> SwiGLU:
     """A dense block's MLP, of model.ffn_hidden_size."""
     return SwiGLU(cfg.hidden_size, cfg.ffn_hidden_size)

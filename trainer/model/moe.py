@@ -294,7 +294,7 @@ class MoE(nn.Module):
         return _RecordRouting.apply(out, loss, self.router, counts, dropped)
 
 
-def moe_mlp(cfg: ModelConfig) -> MoE:
+def moe_mlp(cfg: ModelConfig, block: int = 0) -> MoE:
     """A block's mixture of experts, with its shared expert (a SwiGLU) where
     model.moe_shared_expert_intermediate_size is set."""
     shared = cfg.moe_shared_expert_intermediate_size

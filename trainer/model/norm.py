@@ -18,6 +18,6 @@ class RMSNorm(nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
-def hidden_norm(cfg: ModelConfig) -> RMSNorm:
+def hidden_norm(cfg: ModelConfig, block: int = 0) -> RMSNorm:
     """The norm of hidden states: a block's pre-norms and the final norm."""
     return RMSNorm(cfg.hidden_size, cfg.norm_eps)

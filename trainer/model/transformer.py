@@ -24,18 +24,21 @@ from trainer.parts.assembly import RESIDUAL_OUTPUTS
 from trainer.parts.part import Part
 
 
-def build_layer(part: Part, cfg: ModelConfig) -> nn.Module:
-    """A part's single-device layer: its "module:factory" called with the config."""
+def build_layer(part: Part, cfg: ModelConfig, block: int = 0) -> nn.Module:
+    """A part's single-device layer: its "module:factory" called with the config and the
+    block's index (what varies by block: its sliding window)."""
     module, factory = part.layer.split(":")
-    return getattr(importlib.import_module(module), factory)(cfg)
+    return getattr(importlib.import_module(module), factory)(cfg, block)
 
 
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         parts = block_parts(cfg, index)
-        self.attn_norm, self.mlp_norm = build_layer(parts.norm, cfg), build_layer(parts.norm, cfg)
-        self.attn, self.mlp = build_layer(parts.attention, cfg), build_layer(parts.mlp, cfg)
+        self.attn_norm = build_layer(parts.norm, cfg, index)
+        self.mlp_norm = build_layer(parts.norm, cfg, index)
+        self.attn = build_layer(parts.attention, cfg, index)
+        self.mlp = build_layer(parts.mlp, cfg, index)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,8 +104,8 @@ class Transformer(nn.Module):
         """The rectangle `shape` at `offsets` of parameter `name`'s initial value (`full`: its
         single-device shape). The same seed gives the same full weights whatever the layout,
         and a rank asks only for its shards (trainer.model.init). Norms start at one, the
-        router's expert bias (a buffer) at zero."""
-        if name.endswith("expert_bias"):
+        router's expert bias (a buffer) and attention sinks at zero."""
+        if name.endswith(("expert_bias", "sinks")):  # the sinks start as off-by-one's
             return torch.zeros(shape)
         if len(full) == 1:
             return torch.ones(shape)

@@ -44,6 +44,7 @@ def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
         recompute_hooks=tuple(dict.fromkeys(p.hook for p in PARTS if p.hook)),
         whole_linears=WHOLE,
         tp_shared_hooks=tuple(dict.fromkeys(p.tp_shared for p in PARTS if p.tp_shared)),
+        tp_heads_hooks=tuple(dict.fromkeys(p.tp_heads for p in PARTS if p.tp_heads)),
         head_norms=tuple(n for p in PARTS for n in p.prefixed(p.head_norms)),
         experts=tuple(name for part in model_parts(cfg) for name in part.prefixed(part.experts)),
         expert_splits={name: split for part in PARTS for name, split in
@@ -112,7 +113,7 @@ def mtp_token_flops(cfg: ModelConfig, seq_length: int) -> float:
     head 2*h*V (trainer.parts.mtp)."""
     last = block_shapes(cfg, cfg.num_layers - 1)
     one = (2 * _elements_a_token_runs(cfg, depth_shapes(cfg, last))
-           + sum(part.core_flops(cfg, seq_length)
+           + sum(part.core_flops(cfg, seq_length, cfg.window_of(cfg.num_layers - 1))
                  for part in block_parts(cfg, cfg.num_layers - 1))
            + 2 * cfg.hidden_size * cfg.padded_vocab_size)
     return depths(cfg) * one
@@ -120,10 +121,12 @@ def mtp_token_flops(cfg: ModelConfig, seq_length: int) -> float:
 
 def block_core_flops(cfg: ModelConfig, seq_length: int) -> float:
     """A block's forward FLOPs per token beyond its weights' (its parts' core_flops: the
-    attention's QK^T and AV), averaged over the blocks."""
-    if cfg.num_moe_experts is None:  # every block alike (the search asks this often)
-        return sum(part.core_flops(cfg, seq_length) for part in block_parts(cfg, 0))
-    return sum(part.core_flops(cfg, seq_length) for block in range(cfg.num_layers)
+    attention's QK^T and AV, over the keys its window lets a query see), averaged over the
+    blocks."""
+    if cfg.num_moe_experts is None and cfg.window_size is None:  # every block alike (the
+        return sum(part.core_flops(cfg, seq_length) for part in block_parts(cfg, 0))  # search)
+    return sum(part.core_flops(cfg, seq_length, cfg.window_of(block))
+               for block in range(cfg.num_layers)
                for part in block_parts(cfg, block)) / cfg.num_layers
 
 

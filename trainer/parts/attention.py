@@ -15,18 +15,32 @@ from trainer.values import finite, one_of, positive_int
 LLAMA3_ROPE_CONTEXT, LLAMA3_ROPE_LOW, LLAMA3_ROPE_HIGH = 8192, 1.0, 4.0
 # model.rope_type (Megatron's --rope-type): plain rotary (Llama 3's scaling by its own keys), YaRN
 ROPE_TYPES = ("rope", "yarn")
+# model.softmax_type (Megatron's): plain; a zero logit in every denominator; a logit per head
+SOFTMAX_TYPES = ("vanilla", "off-by-one", "learnable")
 
 
 def shapes(cfg: ModelConfig) -> Shapes:
     norms = {"q_norm.weight": (cfg.head_dim,), "k_norm.weight": (cfg.head_dim,)} \
         if cfg.qk_layernorm else {}
-    return {"qkv.weight": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size),
+    sinks = {"sinks": (cfg.num_heads,)} if cfg.softmax_type == "learnable" else {}
+    return {**sinks, "qkv.weight": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size),
             "o.weight": (cfg.hidden_size, cfg.q_size), **norms}
 
 
-def core_flops(cfg: ModelConfig, seq_length: int) -> float:
-    """QK^T and AV, 2*S*q each over S keys, halved: a query sees the keys before it."""
-    return 2 * seq_length * cfg.q_size
+def core_flops(cfg: ModelConfig, seq_length: int, window: int | None = None) -> float:
+    """QK^T and AV, 2*q per key each, over the keys a query sees on average: S/2 causally,
+    fewer under a sliding window."""
+    return 4 * cfg.q_size * keys_seen(seq_length, window)
+
+
+def keys_seen(seq_length: int, window: int | None) -> float:
+    """The keys a query sees, averaged over a sequence of seq_length, less half the diagonal:
+    S/2 causally (Megatron's FLOPs formula: (S + 1)/2 exactly); query i sees min(i, W) + 1
+    under a window of W."""
+    if window is None or window >= seq_length - 1:
+        return seq_length / 2
+    exact = window * (window + 1) / 2 + (seq_length - window) * (window + 1)
+    return exact / seq_length - 0.5
 
 
 def attention_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
@@ -104,6 +118,41 @@ def rules(model: ModelConfig) -> None:
             f"{width} is odd; rotary embeddings need an even head dim. Fix: change "
             f"model.kv_channels, model.num_heads or model.hidden_size.")
     rope_rules(model)
+    local_rules(model)
+
+
+def local_rules(model: ModelConfig) -> None:
+    """The sliding window's keys and the softmax's sinks."""
+    one_of("model.softmax_type", model.softmax_type, SOFTMAX_TYPES, "softmax")
+    freq = model.window_attn_skip_freq
+    if model.window_size is None:
+        if freq is not None:
+            raise ValueError(f"model.window_attn_skip_freq={freq!r} chooses the blocks of a "
+                             f"sliding window, but model.window_size=null. Fix: set "
+                             f"model.window_size, or model.window_attn_skip_freq=null.")
+        return
+    if isinstance(model.window_size, bool) or not isinstance(model.window_size, int):
+        raise ValueError(f"model.window_size={model.window_size!r} must be an integer: how far "
+                         f"back a query may look. Fix: use e.g. 127 (gpt-oss's sliding window "
+                         f"of 128 keys), or null for full attention.")
+    positive_int("model.window_size", model.window_size,
+                 "set how far back a query may look (gpt-oss's 127, Gemma 3's 1023), or null "
+                 "for full attention")
+    layers = model.num_layers
+    if isinstance(freq, (list, tuple)):
+        if len(freq) != layers or any(v not in (0, 1) or isinstance(v, bool) for v in freq):
+            raise ValueError(f"model.window_attn_skip_freq={list(freq)} must be a list of 1 "
+                             f"(windowed) and 0 (global), one per block of model.num_layers="
+                             f"{layers}. Fix: give {layers} entries, or an integer k (every "
+                             f"k-th block global).")
+    elif freq is not None and (not isinstance(freq, int) or isinstance(freq, bool) or freq < 2):
+        raise ValueError(f"model.window_attn_skip_freq={freq!r} must be an integer >= 2 (every "
+                         f"k-th block global, the others windowed; 1 would leave no block "
+                         f"windowed), a list of 1/0 per block, or null (every block windowed). "
+                         f"Fix: use gpt-oss's 2 or Gemma 3's 6, or model.window_size=null.")
+    if not any(model.window_of(block) for block in range(layers)):
+        raise ValueError(f"model.window_attn_skip_freq={freq!r} leaves no block windowed. Fix: "
+                         f"set at least one 1, or model.window_size=null for full attention.")
 
 
 def rope_rules(model: ModelConfig) -> None:
@@ -142,6 +191,9 @@ GQA = Part(
     # Cheap to recompute, costly to keep: softmax(QK^T)V. Context parallel replaces it with
     # its ring, gather or all-to-all attention over the whole sequence (parallel.context).
     hook="attention_fn",
-    head_norms=("q_norm", "k_norm"),
+    # Attention sinks (softmax_type=learnable): a logit per head, whole on every rank, each TP
+    # rank's heads read through heads_fn.
+    tp_heads="heads_fn",
+    head_norms=("q_norm", "k_norm", "sinks"),
     core_flops=core_flops, kept_bytes=kept_bytes, hf_names=hf_names, rules=rules,
     exchanged_widths=lambda cfg: (cfg.q_size, cfg.kv_size))

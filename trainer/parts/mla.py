@@ -78,7 +78,7 @@ def hf_names(cfg: ModelConfig, ours: str, theirs: str, family) -> HfNames:
         f"{ours}attn.o.weight": [(f"{attn}o_proj.weight", h)]}
 
 
-def core_flops(cfg: ModelConfig, seq_length: int) -> float:
+def core_flops(cfg: ModelConfig, seq_length: int, window: int | None = None) -> float:
     """QK^T over heads of qk_head_dim + qk_pos_emb_head_dim and AV over v_head_dim, each
     2*S*width per token, halved: a query sees the keys before it."""
     dq = cfg.qk_head_dim + cfg.qk_pos_emb_head_dim
@@ -158,6 +158,12 @@ def rules(model: ModelConfig) -> None:
             f"model.qk_pos_emb_head_dim={model.qk_pos_emb_head_dim} is odd; rotary embeddings "
             f"turn pairs of dims. Fix: use an even width (DeepSeek-V3's is 64).")
     rope_rules(model)
+    if model.window_size is not None or model.softmax_type != "vanilla":
+        key = "window_size" if model.window_size is not None else "softmax_type"
+        raise ValueError(f"model.{key}={getattr(model, key)} with "
+                         f"model.multi_latent_attention=true: multi-latent attention has no "
+                         f"sliding window or sinks here. Fix: set model.{key} to "
+                         f"{'null' if key == 'window_size' else 'vanilla'}.")
 
 
 MLA = Part(

@@ -24,7 +24,7 @@ def _no_rules(cfg: ModelConfig) -> None:
     return None
 
 
-def _no_flops(cfg: ModelConfig, seq_length: int) -> float:
+def _no_flops(cfg: ModelConfig, seq_length: int, window: int | None = None) -> float:
     return 0.0
 
 
@@ -58,6 +58,11 @@ class Part:
     # A function attribute (the identity on one process) through which the layer passes a
     # tensor every TP rank's heads read whole: TP replaces it (parallel.tensor).
     tp_shared: str | None = None
+    # A function attribute (the identity on one process) through which the layer passes a
+    # weight with one entry per query head, whole on every rank (attention sinks): TP narrows
+    # it to the rank's heads (parallel.tensor); name it in head_norms too, so its gradient,
+    # each TP rank's heads' share, is summed over TP.
+    tp_heads: str | None = None
     # Whole weights applied per attention head (qk_layernorm's norms): TP sums their gradients.
     head_norms: tuple[str, ...] = ()
     # Expert parallel: modules whose 3-D parameters ([experts, ...]) split over EP on dim 0 (and
@@ -69,8 +74,9 @@ class Part:
     # have, and the shapes a config gives it.
     buffer_names: tuple[str, ...] = ()
     buffers: Callable[[ModelConfig], Shapes] = _none
-    # Forward FLOPs per token beyond its weights' 2*W (attention's QK^T and AV).
-    core_flops: Callable[[ModelConfig, int], float] = _no_flops
+    # Forward FLOPs per token beyond its weights' 2*W (attention's QK^T and AV), at a sequence
+    # length and the block's sliding window (None: none).
+    core_flops: Callable[..., float] = _no_flops
     # Its terms of the memory plan (trainer.plan.activations; symbols there, k: a rank's
     # trainer.parts.tokens.Tokens, e: bytes of the compute dtype). kept_bytes(cfg, k, e,
     # recompute, cp_comm_type): what it keeps for its backward without full recompute;
