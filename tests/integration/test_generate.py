@@ -133,3 +133,36 @@ def test_sample_prompts_at_evaluation_are_the_checkpoints_greedy_continuations(t
     for prompt, sample in zip(prompts, logged[0]):
         ids = generate(model, byte.encode(prompt).tolist(), 12)
         assert sample == {"prompt": prompt, "continuation": byte.decode(ids)}
+
+
+@pytest.mark.parametrize("softmax_type", ["vanilla", "learnable"])
+def test_a_sliding_window_cache_gives_the_whole_sequences_logits(softmax_type):
+    """Blocks windowed 3 back (and global ones between), with or without sinks: at every step
+    the cache, which keeps only the last 4 keys of a windowed block, gives the logits the model
+    gives over the whole sequence without a cache (prompt of 8, longer than the window)."""
+    from trainer.config import ModelConfig
+    from trainer.model.generate import kv_cache
+    from trainer.model.transformer import Transformer
+
+    cfg = ModelConfig(name="llama", vocab_size=256, hidden_size=64, num_layers=4, num_heads=4,
+                      num_query_groups=2, ffn_hidden_size=176, rope_theta=10000.0,
+                      norm_eps=1e-5, init_std=0.02, window_size=3, window_attn_skip_freq=2,
+                      softmax_type=softmax_type)
+    torch.manual_seed(0)
+    model = Transformer(cfg).double().eval()
+    model.init_weights(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):  # away from zero, so a dropped sink shows
+                p.copy_(torch.linspace(-2, 2, p.numel()))
+        tokens = generate(model, PROMPT, 6)
+        sequence = torch.tensor([PROMPT + tokens])
+        whole = model(sequence)[0, len(PROMPT) - 1:-1]
+        steps = []
+        with kv_cache(model):
+            steps.append(model(sequence[:, :len(PROMPT)])[0, -1])
+            for i in range(len(PROMPT), sequence.shape[1] - 1):
+                steps.append(model(sequence[:, i:i + 1], torch.tensor([[i]]))[0, -1])
+            kept = [model.layers[str(b)].attn.attention_fn.k.shape[2] for b in range(4)]
+        assert (torch.stack(steps) - whole).abs().max() < 1e-10
+        assert kept == [4, sequence.shape[1] - 1, 4, sequence.shape[1] - 1]  # windowed: 3 + 1

@@ -2,9 +2,10 @@
 
 The cache is applied from outside, as context parallelism is: each attention's attention_fn is
 replaced for the duration by one that keeps the keys and values it has seen and attends the new
-queries over all of them (the prompt at once, causally; then one token a step, over
-everything). The rest of the model runs as in training, on the new tokens only, at their
-positions.
+queries over them (the prompt at once, causally; then one token a step, over everything). A
+windowed block keeps only the last window + 1 keys (a sliding-window cache: all a new token may
+see), and sinks join the new token's softmax as in training. The rest of the model runs as in
+training, on the new tokens only, at their positions.
 
 Decoding: temperature 0 is greedy (the highest logit; transformers' do_sample=False picks the
 same tokens), otherwise the softmax of logits / temperature restricted to the smallest set of
@@ -20,6 +21,9 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from parallel.context.calls import ALL, FULL
+from parallel.context.kernels import ChunkPairs
+from trainer.model.attention import causal_attention
 from trainer.model.transformer import Transformer
 
 
@@ -29,14 +33,23 @@ class _CachedAttention:
         self.v: torch.Tensor | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 documents: torch.Tensor | None = None) -> torch.Tensor:
+                 documents: torch.Tensor | None = None, window: int | None = None,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
         first = self.k is None
-        self.k = k if first else torch.cat((self.k, k), dim=2)
-        self.v = v if first else torch.cat((self.v, v), dim=2)
         if not first and q.shape[2] != 1:
             raise ValueError("after the prompt, the cache takes one token at a time")
-        # the prompt: causal among itself; a new token: every cached key is before it
-        return F.scaled_dot_product_attention(q, self.k, self.v, is_causal=first,
+        keep = slice(None) if window is None else slice(-(window + 1), None)
+        self.k = k if first else torch.cat((self.k, k), dim=2)[:, :, keep]
+        self.v = v if first else torch.cat((self.v, v), dim=2)[:, :, keep]
+        if first:  # the prompt: causal among itself, as in training
+            out = causal_attention(q, k, v, None, window, sinks)
+            self.k, self.v = self.k[:, :, keep], self.v[:, :, keep]
+            return out
+        # a new token: every key kept is before it and within its window
+        if sinks is not None:
+            calls = [(ALL, slice(0, 1), slice(0, self.k.shape[2]), FULL)]
+            return ChunkPairs.apply(q, self.k, self.v, calls, sinks)
+        return F.scaled_dot_product_attention(q, self.k, self.v,
                                               enable_gqa=self.k.shape[1] != q.shape[1])
 
 
