@@ -136,6 +136,30 @@ class ModelConfig:
     # learnable (one logit per head, gpt-oss's sinks)
     softmax_type: str = "vanilla"
 
+    # Gemma 3's block (docs/attention.md; Megatron's names where it has the concept).
+    # Megatron's: every RMSNorm's weight stored zero-centred and applied as (1 + weight), in
+    # fp32 and cast back (Gemma's; the qk norms too); it starts at zero
+    layernorm_zero_centered_gamma: bool = False
+    # a norm after the attention and after the MLP too, before each residual add (Gemma 2/3's
+    # post_attention_layernorm and post_feedforward_layernorm; Megatron-Bridge's Gemma layer
+    # spec puts them after linear_proj and linear_fc2, core Megatron has no key)
+    sandwich_norm: bool = False
+    # the embedding's output times sqrt(hidden_size), rounded to fp32 then the compute dtype
+    # (Gemma's, as transformers' Gemma3TextScaledWordEmbedding; Megatron-Bridge's Gemma3
+    # embedding)
+    scale_embedding: bool = False
+    # the rotary base of the windowed blocks (Megatron-Bridge's rotary_base_local; Gemma 3's
+    # rope_local_base_freq, 10000); null: every block uses rope_theta
+    rotary_base_local: Optional[float] = None
+    # Megatron's linear rope scaling: positions divided by this in the blocks that use
+    # rope_theta (Gemma 3's global blocks, 8 for 4B/12B/27B; rotary_base_local's blocks are
+    # not scaled, as transformers'); null: none
+    seq_len_interpolation_factor: Optional[float] = None
+    # Megatron's: the attention softmax's scale; null: head_dim ** -0.5 (Gemma 3's
+    # query_pre_attn_scalar ** -0.5: q is scaled by softmax_scale * sqrt(head_dim) before the
+    # kernels, which use their default)
+    softmax_scale: Optional[float] = None
+
     # Multi-latent attention (DeepSeek-V2/V3's; Megatron's names; docs/attention.md): q and
     # K/V each projected down to a latent, normed and projected up per head, with a decoupled
     # rotary key of qk_pos_emb_head_dim shared by a token's heads. Replaces grouped-query
@@ -153,6 +177,17 @@ class ModelConfig:
     mtp_num_layers: Optional[int] = None  # the depths D; null: none
     # the MTP losses' weight in the step's loss: factor / D times their sum (Megatron's 0.1)
     mtp_loss_scaling_factor: float = 0.1
+
+    # The MLP's activation and the linear layers' biases (Megatron's names; gpt-oss's keys).
+    # Every MLP here is gated, act(gate) * (up + glu_linear_offset), the experts' and the
+    # shared expert's too; activation_func is the gate's function: silu (SwiGLU), fast_gelu
+    # (the tanh-approximate GELU: GeGLU, Gemma 3's) or quick_gelu (x * sigmoid(1.702 x),
+    # gpt-oss's)
+    activation_func: str = "silu"
+    glu_linear_offset: float = 0.0  # added to up before the product (gpt-oss's 1.0)
+    # gate clamped to at most this and up to [-this, this] before the activation (gpt-oss's
+    # 7.0); null: no clamp
+    activation_func_clamp_value: Optional[float] = None
 
     # Mixture of experts (Megatron's names; docs/moe.md). Each MoE block routes every token to
     # moe_router_topk SwiGLU experts.

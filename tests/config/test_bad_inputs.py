@@ -217,6 +217,15 @@ TABLE = [
       ("model.window_size=8", "multi_latent_attention=true")),
     R("model.window_size=8 model.window_attn_skip_freq=2 model.softmax_type=learnable "
       "parallel.context_parallel_size=2 cluster.procs_per_node=2 dry_run=true", (), OK),
+    # the gated MLP's activation (trainer/parts/mlp.py activation_rules), dense and experts
+    R("model.activation_func=relu", ("model.activation_func='relu'", "silu")),
+    R("model=tiny_moe model.activation_func=gelu", ("model.activation_func='gelu'",)),
+    R("model.glu_linear_offset=inf", ("model.glu_linear_offset=inf",)),
+    R("model.activation_func_clamp_value=0", ("model.activation_func_clamp_value=0",)),
+    R("model=tiny_moe model.activation_func_clamp_value=-7", (
+        "model.activation_func_clamp_value=-7",)),
+    R("model=tiny_moe model.activation_func=quick_gelu model.glu_linear_offset=1.0 "
+      "model.activation_func_clamp_value=7.0 dry_run=true", (), OK),
     # multi-latent attention and YaRN (trainer/parts/mla.py, trainer/parts/attention.py)
     R("model=tiny_deepseek model.kv_lora_rank=0", ("model.kv_lora_rank=0",)),
     R("model=tiny_deepseek model.q_lora_rank=-8", ("model.q_lora_rank=-8",)),

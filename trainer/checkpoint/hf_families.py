@@ -129,6 +129,9 @@ class HfMapping:
     # its files hold multi-token prediction layers after the last block (DeepSeek's
     # num_nextn_predict_layers)
     mtp: bool = False
+    # its own read, write and holds map the MLP activation's keys (else a SwiGLU's, hidden_act
+    # silu, is all it holds)
+    own_activation: bool = False
 
 
 def _read_mixtral(fields: Fields, need) -> dict:
@@ -227,6 +230,14 @@ def _llama3_rope_factor(scaling: Fields) -> float:
     return float(scaling.get("factor", NUMBER, REQUIRED))
 
 
+def _swiglu_holds(model: ModelConfig) -> list[tuple[str, Any, bool]]:
+    """hidden_act silu: a plain SwiGLU, no offset, no clamp."""
+    return [("activation_func", model.activation_func, model.activation_func == "silu"),
+            ("glu_linear_offset", model.glu_linear_offset, not model.glu_linear_offset),
+            ("activation_func_clamp_value", model.activation_func_clamp_value,
+             model.activation_func_clamp_value is None)]
+
+
 def architecture_of(model: ModelConfig) -> str:
     """The family an export writes; what it cannot hold (a router, a rope scaling, a block) is
     refused in one line."""
@@ -236,6 +247,7 @@ def architecture_of(model: ModelConfig) -> str:
         ("rope_type", model.rope_type, model.rope_type == "rope"
          or mapping.rope_scaling == "yarn"),
         ("mtp_num_layers", model.mtp_num_layers, model.mtp_num_layers is None or mapping.mtp),
+        *([] if mapping.own_activation else _swiglu_holds(model)),
         *mapping.holds(model)) if not ok]
     if unmapped:
         key, value = unmapped[0]

@@ -1,8 +1,8 @@
 """A mixture of experts as plain single-device PyTorch (Megatron's routing and balance losses).
 
 Router: each token's scores over E experts, its top-k experts and their weights, and the losses
-that balance them. Experts: E SwiGLU experts held as two 3-D weights ([E, 2F, h] and [E, h, F],
-the layout transformers and torchtitan use), run dropless: every token reaches its top-k
+that balance them. Experts: E gated MLPs (the dense MLP's activation) held as two 3-D weights
+([E, 2F, h] and [E, h, F], the layout transformers and torchtitan use), run dropless: every token reaches its top-k
 experts; the (token, expert) pairs are sorted by expert and each projection is one grouped GEMM
 over them. MoE: the router, the experts and an optional shared expert.
 
@@ -32,7 +32,7 @@ from torch import nn
 
 from trainer.config import ModelConfig
 from trainer.model.capacity import keep_within_capacity
-from trainer.model.mlp import SwiGLU, swiglu
+from trainer.model.mlp import GatedMLP, activation
 
 Sum = Callable[[torch.Tensor], torch.Tensor]
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (gate, up) -> hidden
@@ -284,7 +284,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, activation_fn: Activation, shared: nn.Module | None):
         super().__init__()
         self.router, self.experts = Router(cfg), Experts(cfg, activation_fn)
-        self.shared = shared  # a dense SwiGLU every token passes through (or None)
+        self.shared = shared  # a dense MLP every token passes through (or None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts, loss, counts, keep, dropped = self.router(x)
@@ -295,7 +295,7 @@ class MoE(nn.Module):
 
 
 def moe_mlp(cfg: ModelConfig, block: int = 0) -> MoE:
-    """A block's mixture of experts, with its shared expert (a SwiGLU) where
-    model.moe_shared_expert_intermediate_size is set."""
-    shared = cfg.moe_shared_expert_intermediate_size
-    return MoE(cfg, swiglu, SwiGLU(cfg.hidden_size, shared) if shared else None)
+    """A block's mixture of experts, with its shared expert (a dense MLP of the same
+    activation) where model.moe_shared_expert_intermediate_size is set."""
+    shared, fn = cfg.moe_shared_expert_intermediate_size, activation(cfg)
+    return MoE(cfg, fn, GatedMLP(cfg.hidden_size, shared, fn) if shared else None)

@@ -1,11 +1,18 @@
-"""The dense MLP: a SwiGLU, down(silu(gate(x)) * up(x)) with gate and up fused (the part
-"swiglu"; a mixture of experts' shared expert is one too). Its layer: trainer.model.mlp.
+"""The dense MLP: a gated linear unit, down(act(gate(x)) * up(x)) with gate and up fused, SwiGLU
+unless model.activation_func says (the part "swiglu"; a mixture of experts' shared expert is one
+too). Its layer: trainer.model.mlp; the activation keys' rules, which the experts share.
 """
 from __future__ import annotations
+
+import math
 
 from trainer.config import ModelConfig, RecomputeGranularity
 from trainer.parts.part import HfNames, Part, Shapes
 from trainer.parts.tokens import FP32, Tokens
+from trainer.values import finite, one_of
+
+# model.activation_func: the gate's function (trainer.model.mlp.GATE_FUNCTIONS builds them)
+ACTIVATION_FUNCS = ("silu", "fast_gelu", "quick_gelu")
 
 
 def swiglu_shapes(h: int, f: int, prefix: str = "") -> Shapes:
@@ -48,6 +55,20 @@ def hf_names(cfg: ModelConfig, ours: str, theirs: str, family) -> HfNames:
             f"{ours}mlp.down.weight": [(f"{theirs}mlp.down_proj.weight", h)]}
 
 
+def activation_rules(model: ModelConfig) -> None:
+    """The MLP activation's keys, of the dense MLP and the experts alike."""
+    one_of("model.activation_func", model.activation_func, ACTIVATION_FUNCS,
+           "gated MLP activation")
+    offset = model.glu_linear_offset
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)) \
+            or not math.isfinite(offset):
+        raise ValueError(f"model.glu_linear_offset={offset!r} must be a finite number (added to "
+                         f"up before the product). Fix: use 0.0, or gpt-oss's 1.0.")
+    if model.activation_func_clamp_value is not None:
+        finite("model.activation_func_clamp_value", model.activation_func_clamp_value, 0,
+               False, fix="use gpt-oss's 7.0, or null for no clamp")
+
+
 SWIGLU = Part(
     "swiglu", "mlp", "trainer.model.mlp:dense_mlp",
     lambda cfg: swiglu_shapes(cfg.hidden_size, cfg.ffn_hidden_size),
@@ -55,4 +76,5 @@ SWIGLU = Part(
     fused=lambda cfg: {"gate_up": (1, 1)},  # gate | up: each TP rank keeps rows of both
     residual_outputs=("down.weight",),
     hook="activation_fn",  # silu(gate) * up: recomputed rather than kept (selective)
-    kept_bytes=kept_bytes, backward_bytes=backward_bytes, hf_names=hf_names)
+    kept_bytes=kept_bytes, backward_bytes=backward_bytes, hf_names=hf_names,
+    rules=activation_rules)

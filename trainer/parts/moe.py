@@ -25,7 +25,7 @@ expert's size; the router runs in fp32 (4 bytes), int64 indices take 8:
 from __future__ import annotations
 
 from trainer.config import ModelConfig, RecomputeGranularity
-from trainer.parts.mlp import swiglu_shapes
+from trainer.parts.mlp import activation_rules, swiglu_shapes
 from trainer.parts.part import HfNames, Part, Shapes
 from trainer.parts.tokens import FP32, Tokens
 from trainer.values import finite, one_of, positive_int
@@ -129,6 +129,7 @@ def check_moe(model: ModelConfig) -> None:
                          "model.moe_router_score_function=sigmoid (DeepSeek-V3's), or "
                          "model.moe_router_pre_softmax=true.")
     check_groups(model)
+    activation_rules(model)  # the experts' activation is the dense MLP's
     if model.moe_router_topk_scaling_factor is not None:
         finite("model.moe_router_topk_scaling_factor", model.moe_router_topk_scaling_factor, 0,
                False, fix="use e.g. 2.5, or null for 1")
@@ -304,6 +305,6 @@ MOE = Part(
     expert_splits={"gate_up": (1, (1, 1)), "down": (2, (1,))},
     buffer_names=(EXPERT_BIAS,), buffers=buffers,
     residual_outputs=("experts.down", "shared.down.weight"),
-    hook="activation_fn",  # the experts' silu(gate) * up, as the dense MLP's
+    hook="activation_fn",  # the experts' act(gate) * up, as the dense MLP's
     kept_bytes=moe_mlp_bytes, backward_bytes=moe_backward_bytes, rebuild_bytes=moe_rebuild_bytes,
     hf_names=hf_names, rules=check_moe)
