@@ -184,6 +184,21 @@ def _ranges(sizes: torch.Tensor) -> torch.Tensor:
     return torch.arange(int(sizes.sum()), device=sizes.device) - starts.repeat_interleave(sizes)
 
 
+class _ColumnsOfRank:
+    """A row-split projection's bias as this ETP rank adds it ([experts, out / ETP, 1] ->
+    [experts, out, 1]): its slice at its columns, zeros elsewhere, so the partial outputs'
+    sum over ETP adds each entry once and each slice's gradient is its columns' (a class, not
+    a closure: compiled blocks guard on it cheaply)."""
+
+    def __init__(self, split: Group):
+        self.split = split
+
+    def __call__(self, bias: torch.Tensor) -> torch.Tensor:
+        width, rank = bias.shape[1], self.split.rank
+        return torch.nn.functional.pad(bias, (0, 0, rank * width,
+                                              (self.split.size - 1 - rank) * width))
+
+
 def expert_modules(model: nn.Module, suffixes: tuple[str, ...]) -> dict[str, nn.Module]:
     """The modules the plan names as experts (module-name suffixes), by name."""
     return {name: module for name, module in model.named_modules()
@@ -203,6 +218,8 @@ def shard_experts(build: Build) -> None:
                    for name, param in params.items()}
         module.dispatch = dispatcher(groups.expert_model_parallel,
                                      groups.expert_tensor_parallel, weights)
+        if groups.expert_tensor_parallel.size > 1 and hasattr(module, "row_bias_fn"):
+            module.row_bias_fn = _ColumnsOfRank(groups.expert_tensor_parallel)
         for pname, param in params.items():
             local = torch.empty(module.dispatch.local_shape(pname), dtype=param.dtype,
                                 device=param.device)

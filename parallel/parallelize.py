@@ -69,11 +69,13 @@ class ParallelModel(nn.Module):
         self.mixture = mixture
         # Whole on every rank of a weight tile (norms): gradients need a sum over gtp_remat, and
         # over TP too with SP (each TP rank saw different tokens); per-head norms (the plan's
-        # head_norms) first, as their gradients are summed over TP always (each TP rank saw
-        # other heads).
+        # head_norms) and column-parallel biases first, as their gradients are summed over TP
+        # always (each TP rank saw other heads, or used other rows of the bias).
         whole = [(n, p) for n, p in module.named_parameters() if n not in sharded]
-        per_head = {n for n, _ in whole
-                    if any(n.removesuffix(".weight").endswith(s) for s in head_norms)}
+        column_biases = {f"{n}.bias" for n, m in self.layers.items()
+                         if getattr(m, "bias", None) is not None and m.style == "column"}
+        per_head = {n for n, _ in whole if n in column_biases
+                    or any(n.removesuffix(".weight").endswith(s) for s in head_norms)}
         self.replicated = sorted(whole, key=lambda item: item[0] not in per_head)  # stable
         self.head_norm_count = len(per_head)
         self.vocab_start = (self.layers[head].tp.rank * self.layers[head].rows

@@ -5,7 +5,8 @@ rank's TP slice with 1/G of that slice's rows (parallel.sharding). Built from a 
 device it allocates nothing; ParallelModel.initialize then fills each shard from the model's
 initial values, so no rank ever holds a full weight. Built from a real layer it copies its slice.
 With SP, activations between layers are split along the sequence (dim 1) over TP: gathered
-before a column-parallel layer, reduce-scattered after a row-parallel one.
+before a column-parallel layer, reduce-scattered after a row-parallel one. A linear's bias is
+whole on every rank (ParallelLinear.bias).
 """
 from __future__ import annotations
 
@@ -39,7 +40,14 @@ class ParallelLinear(nn.Module):
     column layer (several `parts`, e.g. q|k|v, given as relative sizes: (heads, groups,
     groups) under grouped-query attention) splits each part over TP, so a rank's output is its
     slice of every part, in order and in the same proportions: the model still finds q, k and
-    v by their shares."""
+    v by their shares.
+
+    A bias (model.add_bias_linear, add_qkv_bias) stays whole on every rank, outside GTP_remat's
+    shards: a column layer adds its rows of it (each fused part's TP slice, as the weight's
+    rows), a row layer adds it once, after the all-reduce or the reduce-scatter. Whole, it is
+    saved, initialised and counted like any 1-D tensor (a norm's); its gradient is summed over
+    TP always for a column bias (each rank's covers its rows only: ParallelModel's per-head
+    tensors) and, for a row bias, under SP only (each rank's covers its tokens), as a norm's."""
 
     def __init__(self, full: nn.Linear, style: str, tp: Group, gtp: Group,
                  sequence_parallel: bool, name: str, parts: tuple[int, ...] = (1,),
@@ -47,8 +55,6 @@ class ParallelLinear(nn.Module):
         super().__init__()
         if style not in ("column", "row"):
             raise ValueError(f"{name}: style {style!r} is neither 'column' nor 'row'")
-        if full.bias is not None:
-            raise ValueError(f"{name}: linear layers with a bias are not supported")
         self.style, self.tp, self.gtp, self.sequence_parallel = style, tp, gtp, sequence_parallel
         self.tp_dim = 0 if style == "column" else 1
         self.full_shape = tuple(full.weight.shape)
@@ -68,6 +74,7 @@ class ParallelLinear(nn.Module):
         self.rows, local_cols = (rows // tp.size, cols) if style == "column" else (
             rows, cols // tp.size)
         self.weight = _shard_of(full.weight, self, (shard_rows(self.rows, gtp), local_cols))
+        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
         self.bundle: ShardBundle | None = None  # set by join_bundle
         self.bundle_index = -1
         self.bundle_key: torch.Tensor | None = None  # the bundle's, read by its operators
@@ -98,7 +105,19 @@ class ParallelLinear(nn.Module):
         if self.style == "row":
             sp = self.sequence_parallel
             y = scatter_along(y, self.tp, SEQ_DIM) if sp else reduce_from(y, self.tp)
+        if self.bias is not None:
+            bias = self.bias if self.style == "row" else self._rows_of_rank(self.bias)
+            y = y + bias.to(y.dtype)  # (fp32 master bias, y in the compute dtype)
         return y
+
+    def _rows_of_rank(self, full: torch.Tensor) -> torch.Tensor:
+        """This TP rank's rows of a column layer's output-sized tensor: its slice of each
+        fused part, in order (views joined: the gradient reaches only those rows)."""
+        if self.tp.size == 1:
+            return full
+        slices = [part.narrow(0, self.tp.rank * (rows // self.tp.size), rows // self.tp.size)
+                  for part, rows in zip(full.split(self.part_rows), self.part_rows)]
+        return slices[0] if len(slices) == 1 else torch.cat(slices)
 
 
 def global_chunks(layer: ParallelLinear | VocabParallelEmbedding, shard: torch.Tensor

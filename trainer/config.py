@@ -188,6 +188,12 @@ class ModelConfig:
     # gate clamped to at most this and up to [-this, this] before the activation (gpt-oss's
     # 7.0); null: no clamp
     activation_func_clamp_value: Optional[float] = None
+    # biases on the attention's qkv and output projections, the MLPs' linears, the router's
+    # logits and every expert's two projections (gpt-oss's; Megatron's default is true, ours
+    # false: Llama's and DeepSeek's have none). Each starts at zero; the 1-D ones are not
+    # decayed (as norms), the experts' are, with the experts' weights
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False  # a bias on the qkv projection only (Qwen2's)
 
     # Mixture of experts (Megatron's names; docs/moe.md). Each MoE block routes every token to
     # moe_router_topk SwiGLU experts.

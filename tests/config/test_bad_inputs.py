@@ -226,6 +226,11 @@ TABLE = [
         "model.activation_func_clamp_value=-7",)),
     R("model=tiny_moe model.activation_func=quick_gelu model.glu_linear_offset=1.0 "
       "model.activation_func_clamp_value=7.0 dry_run=true", (), OK),
+    # linear biases (gpt-oss's; trainer/parts/mla.py refuses them)
+    R("model=tiny_deepseek model.add_bias_linear=true",
+      ("model.add_bias_linear=true", "multi_latent_attention=true")),
+    R("model=tiny_deepseek model.add_qkv_bias=true", ("model.add_qkv_bias=true",)),
+    R(f"{TP2} model.add_bias_linear=true dry_run=true", (), OK),
     # multi-latent attention and YaRN (trainer/parts/mla.py, trainer/parts/attention.py)
     R("model=tiny_deepseek model.kv_lora_rank=0", ("model.kv_lora_rank=0",)),
     R("model=tiny_deepseek model.q_lora_rank=-8", ("model.q_lora_rank=-8",)),

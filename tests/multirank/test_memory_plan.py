@@ -33,6 +33,10 @@ MLA_DIRECT_Q = replace(MLA, q_lora_rank=None)
 # Multi-token prediction: a depth's block, eh_proj (whole on every rank) and norms on the last
 # stage, which under pipeline parallel also holds a copy of the embedding (its lookups).
 MTP = replace(TINY, mtp_num_layers=1)
+# gpt-oss's biases (model.add_bias_linear), whole on every rank (the NORMS buffer), and the
+# experts' [E, out, 1] split over EP and ETP with their weights
+BIASED = replace(GQA_TIED, add_bias_linear=True)
+BIASED_MOE = replace(TINY, add_bias_linear=True, num_moe_experts=4, moe_ffn_hidden_size=48)
 
 
 def held_after_one_step(rank, layout, batch, model=TINY) -> dict:
@@ -67,8 +71,12 @@ def held_after_one_step(rank, layout, batch, model=TINY) -> dict:
     (3, dict(tensor_parallel_num_weight_shards=3), MTP),  # eh_proj in the WHOLE buffer
     (4, dict(pipeline_model_parallel_size=2, tensor_parallel_num_weight_shards=2), MTP),
     (4, dict(pipeline_model_parallel_size=2, tensor_model_parallel_size=2), MTP),
+    (4, dict(tensor_model_parallel_size=2, tensor_parallel_num_weight_shards=2), BIASED),
+    (4, dict(expert_tensor_parallel_size=2, expert_model_parallel_size=2,
+             tensor_parallel_num_weight_shards=2), BIASED_MOE),
 ], ids=["ws3", "tp2_sp_dp2", "ws3_dp2", "gqa_tied_tp2_ws2", "gqa_tied_pp2_ws2", "mla_ws3",
-        "mla_tp2_ws2", "mla_direct_q_tp2_sp_dp2", "mtp_ws3", "mtp_pp2_ws2", "mtp_pp2_tp2"])
+        "mla_tp2_ws2", "mla_direct_q_tp2_sp_dp2", "mtp_ws3", "mtp_pp2_ws2", "mtp_pp2_tp2",
+        "biased_tp2_ws2", "biased_moe_etp2_ep2_ws2"])
 def test_planned_bytes_are_the_allocated_bytes(world, kwargs, model):
     layout = make_layout(world, kwargs)
     plans = memory_per_stage(parameter_shapes(model), model.num_layers, layout,

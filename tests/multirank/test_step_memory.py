@@ -153,6 +153,8 @@ MOE_MODELS = {
     "moe_seq": dataclasses.replace(MOE, moe_aux_loss_coeff=0.01,
                                    moe_router_load_balancing_type="seq_aux_loss"),
     "moe_wide": dataclasses.replace(MOE, moe_ffn_hidden_size=512),  # experts wider than h
+    # gpt-oss's biases (model.add_bias_linear): qkv, o, the router, each expert's two
+    "moe_biased": dataclasses.replace(MOE, add_bias_linear=True),
 }
 MOE_TP2_SP = dict(tensor_model_parallel_size=2, sequence_parallel=True,
                   expert_tensor_parallel_size=1)
@@ -194,6 +196,11 @@ MOE_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
                            dict(recompute_granularity=FULL), "moe_wide"),
     "moe_etp4_full_wide": (4, dict(expert_tensor_parallel_size=4),
                            dict(recompute_granularity=FULL), "moe_wide"),
+    # biases: a column one's rows of this TP rank, a row one's added after the reduce-scatter
+    "moe_biased_tp2_sp": (2, MOE_TP2_SP, {}, "moe_biased"),
+    "moe_biased_etp2_ep2_bf16": (4, dict(expert_tensor_parallel_size=2,
+                                         expert_model_parallel_size=2),
+                                 dict(precision=Precision.bf16), "moe_biased"),
 }
 # Multi-latent attention (DeepSeek-V3's): q and K/V through latents of 96 and 128, q and k heads
 # of 64 + 32 rotary dims, values of 48 (narrower than q: padded to 96 for the fused kernels),

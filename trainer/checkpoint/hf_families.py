@@ -129,9 +129,9 @@ class HfMapping:
     # its files hold multi-token prediction layers after the last block (DeepSeek's
     # num_nextn_predict_layers)
     mtp: bool = False
-    # its own read, write and holds map the MLP activation's keys (else a SwiGLU's, hidden_act
-    # silu, is all it holds)
-    own_activation: bool = False
+    # its own read, write and holds map the MLP activation's keys and the linear biases (else
+    # a SwiGLU without biases, hidden_act silu, is all it holds)
+    own_keys: bool = False
 
 
 def _read_mixtral(fields: Fields, need) -> dict:
@@ -231,8 +231,10 @@ def _llama3_rope_factor(scaling: Fields) -> float:
 
 
 def _swiglu_holds(model: ModelConfig) -> list[tuple[str, Any, bool]]:
-    """hidden_act silu: a plain SwiGLU, no offset, no clamp."""
-    return [("activation_func", model.activation_func, model.activation_func == "silu"),
+    """hidden_act silu: a plain SwiGLU, no offset, no clamp; no biases."""
+    return [("add_bias_linear", model.add_bias_linear, not model.add_bias_linear),
+            ("add_qkv_bias", model.add_qkv_bias, not model.add_qkv_bias),
+            ("activation_func", model.activation_func, model.activation_func == "silu"),
             ("glu_linear_offset", model.glu_linear_offset, not model.glu_linear_offset),
             ("activation_func_clamp_value", model.activation_func_clamp_value,
              model.activation_func_clamp_value is None)]
@@ -247,7 +249,7 @@ def architecture_of(model: ModelConfig) -> str:
         ("rope_type", model.rope_type, model.rope_type == "rope"
          or mapping.rope_scaling == "yarn"),
         ("mtp_num_layers", model.mtp_num_layers, model.mtp_num_layers is None or mapping.mtp),
-        *([] if mapping.own_activation else _swiglu_holds(model)),
+        *([] if mapping.own_keys else _swiglu_holds(model)),
         *mapping.holds(model)) if not ok]
     if unmapped:
         key, value = unmapped[0]

@@ -58,10 +58,10 @@ def activation(cfg: ModelConfig) -> ActivationFn:
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, h: int, f: int, activation_fn: ActivationFn = swiglu):
+    def __init__(self, h: int, f: int, activation_fn: ActivationFn = swiglu, bias: bool = False):
         super().__init__()
-        self.gate_up = nn.Linear(h, 2 * f, bias=False)  # fused like qkv
-        self.down = nn.Linear(f, h, bias=False)
+        self.gate_up = nn.Linear(h, 2 * f, bias=bias)  # fused like qkv
+        self.down = nn.Linear(f, h, bias=bias)
         self.activation_fn: ActivationFn = activation_fn
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -71,4 +71,4 @@ class GatedMLP(nn.Module):
 
 def dense_mlp(cfg: ModelConfig, block: int = 0) -> GatedMLP:
     """A dense block's MLP, of model.ffn_hidden_size."""
-    return GatedMLP(cfg.hidden_size, cfg.ffn_hidden_size, activation(cfg))
+    return GatedMLP(cfg.hidden_size, cfg.ffn_hidden_size, activation(cfg), cfg.add_bias_linear)

@@ -65,6 +65,10 @@ class Router(nn.Module):
         self.balancing = cfg.moe_router_load_balancing_type
         self.aux_coeff, self.z_coeff = cfg.moe_aux_loss_coeff, cfg.moe_z_loss_coeff or 0.0
         self.weight = nn.Parameter(torch.empty(cfg.num_moe_experts, cfg.hidden_size))
+        # gpt-oss's router bias (model.add_bias_linear): in the logits, so it both chooses and
+        # weighs (unlike the expert bias below)
+        self.bias = nn.Parameter(torch.empty(cfg.num_moe_experts)) if cfg.add_bias_linear \
+            else None
         # DeepSeek-V3's auxiliary-loss-free bias: chooses experts, never weighs them; moved by
         # the step (trainer.train.step), saved with the weights.
         self.bias_update_rate = cfg.moe_router_bias_update_rate
@@ -93,7 +97,8 @@ class Router(nn.Module):
         b, s, _ = x.shape
         dtype = torch.promote_types(x.dtype, torch.float32)
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.reshape(b * s, -1).to(dtype), self.weight.to(dtype))
+            logits = F.linear(x.reshape(b * s, -1).to(dtype), self.weight.to(dtype),
+                              None if self.bias is None else self.bias.to(dtype))
         weights, experts = self._route(logits)
         counts = expert_counts(experts.reshape(-1), self.experts)
         # One collective for the micro-batch's counts and its tokens, summed over the ranks.
@@ -223,6 +228,15 @@ class Experts(nn.Module):
         self.num_experts = E
         self.gate_up = nn.Parameter(torch.empty(E, 2 * f, h))  # each expert's gate | up
         self.down = nn.Parameter(torch.empty(E, h, f))
+        # Biases (model.add_bias_linear, gpt-oss's) as weights of one input column, [E, out, 1]:
+        # expert and expert tensor parallel split them as they split the weights' rows.
+        biased = cfg.add_bias_linear
+        self.gate_up_bias = nn.Parameter(torch.empty(E, 2 * f, 1)) if biased else None
+        self.down_bias = nn.Parameter(torch.empty(E, h, 1)) if biased else None
+        # down_bias as run adds it to the rows: ETP splits the down projection's inputs, so
+        # each ETP rank holds some of its outputs' bias and places them at their columns
+        # (zeros elsewhere): summed over ETP, every bias entry is added once (parallel.experts)
+        self.row_bias_fn: Sum = _unchanged
         self.activation_fn = activation_fn  # selective recompute wraps it, as the dense MLP's
         self.dispatch: Dispatch = _here  # expert parallel sends the rows to their experts' ranks
 
@@ -249,8 +263,20 @@ class Experts(nn.Module):
     def run(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert (counts[e] for the e-th expert this module holds) through
         their experts: [rows, h] -> [rows, h]."""
-        gate, up = grouped(rows, self.gate_up, counts).chunk(2, dim=-1)
-        return grouped(self.activation_fn(gate, up), self.down, counts)
+        gate_up = grouped(rows, self.gate_up, counts)
+        if self.gate_up_bias is not None:
+            gate_up = gate_up + _per_row(self.gate_up_bias, counts, gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = grouped(self.activation_fn(gate, up), self.down, counts)
+        if self.down_bias is not None:
+            out = out + _per_row(self.row_bias_fn(self.down_bias), counts, out)
+        return out
+
+
+def _per_row(bias: torch.Tensor, counts: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Each expert's bias [E, n, 1] repeated for its rows (counts[e] of them): [rows, n]."""
+    return bias.squeeze(-1).to(like.dtype).repeat_interleave(counts, dim=0,
+                                                            output_size=like.shape[0])
 
 
 # (rows sorted by expert, each expert's row count, Experts.run) -> the rows back, in order
@@ -298,4 +324,5 @@ def moe_mlp(cfg: ModelConfig, block: int = 0) -> MoE:
     """A block's mixture of experts, with its shared expert (a dense MLP of the same
     activation) where model.moe_shared_expert_intermediate_size is set."""
     shared, fn = cfg.moe_shared_expert_intermediate_size, activation(cfg)
-    return MoE(cfg, fn, GatedMLP(cfg.hidden_size, shared, fn) if shared else None)
+    return MoE(cfg, fn, GatedMLP(cfg.hidden_size, shared, fn, cfg.add_bias_linear)
+               if shared else None)

@@ -164,6 +164,11 @@ def rules(model: ModelConfig) -> None:
                          f"model.multi_latent_attention=true: multi-latent attention has no "
                          f"sliding window or sinks here. Fix: set model.{key} to "
                          f"{'null' if key == 'window_size' else 'vanilla'}.")
+    for key in ("add_bias_linear", "add_qkv_bias"):
+        if getattr(model, key):
+            raise ValueError(f"model.{key}=true with model.multi_latent_attention=true: "
+                             f"multi-latent attention's projections have no biases here. Fix: "
+                             f"set model.{key}=false.")
 
 
 MLA = Part(

@@ -15,8 +15,11 @@ from trainer.values import finite, one_of
 ACTIVATION_FUNCS = ("silu", "fast_gelu", "quick_gelu")
 
 
-def swiglu_shapes(h: int, f: int, prefix: str = "") -> Shapes:
-    return {f"{prefix}gate_up.weight": (2 * f, h), f"{prefix}down.weight": (h, f)}
+def swiglu_shapes(h: int, f: int, prefix: str = "", bias: bool = False) -> Shapes:
+    if not bias:
+        return {f"{prefix}gate_up.weight": (2 * f, h), f"{prefix}down.weight": (h, f)}
+    return {f"{prefix}gate_up.weight": (2 * f, h), f"{prefix}gate_up.bias": (2 * f,),
+            f"{prefix}down.weight": (h, f), f"{prefix}down.bias": (h,)}
 
 
 def kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
@@ -71,7 +74,7 @@ def activation_rules(model: ModelConfig) -> None:
 
 SWIGLU = Part(
     "swiglu", "mlp", "trainer.model.mlp:dense_mlp",
-    lambda cfg: swiglu_shapes(cfg.hidden_size, cfg.ffn_hidden_size),
+    lambda cfg: swiglu_shapes(cfg.hidden_size, cfg.ffn_hidden_size, "", cfg.add_bias_linear),
     tp_styles={"gate_up": "column", "down": "row"},
     fused=lambda cfg: {"gate_up": (1, 1)},  # gate | up: each TP rank keeps rows of both
     residual_outputs=("down.weight",),

@@ -36,7 +36,11 @@ def shapes(cfg: ModelConfig) -> Shapes:
                         cfg.moe_shared_expert_intermediate_size)
     out = {"router.weight": (E, h), "experts.gate_up": (E, 2 * fe, h),
            "experts.down": (E, h, fe)}
-    return out | (swiglu_shapes(h, shared, "shared.") if shared else {})
+    if cfg.add_bias_linear:  # in the layers' named_parameters() order
+        out = {"router.weight": (E, h), "router.bias": (E,), "experts.gate_up": (E, 2 * fe, h),
+               "experts.down": (E, h, fe), "experts.gate_up_bias": (E, 2 * fe, 1),
+               "experts.down_bias": (E, h, 1)}
+    return out | (swiglu_shapes(h, shared, "shared.", cfg.add_bias_linear) if shared else {})
 
 
 def hf_names(cfg: ModelConfig, ours: str, theirs: str, family) -> HfNames:
@@ -302,7 +306,10 @@ MOE = Part(
     whole=("router", "experts"),
     experts=("experts",),
     # [E, 2F, h]: each expert's gate|up rows split alike; [E, h, F]: its inputs split
-    expert_splits={"gate_up": (1, (1, 1)), "down": (2, (1,))},
+    expert_splits={"gate_up": (1, (1, 1)), "down": (2, (1,)),
+                   # [E, out, 1] biases: split with their weights' rows (down_bias: each ETP
+                   # rank adds its slice at its columns, trainer.model.moe.Experts.row_bias_fn)
+                   "gate_up_bias": (1, (1, 1)), "down_bias": (1, (1,))},
     buffer_names=(EXPERT_BIAS,), buffers=buffers,
     residual_outputs=("experts.down", "shared.down.weight"),
     hook="activation_fn",  # the experts' act(gate) * up, as the dense MLP's
