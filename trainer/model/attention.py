@@ -15,7 +15,7 @@ from parallel.context.calls import plan_calls
 from parallel.context.kernels import ChunkPairs
 from trainer.config import ModelConfig
 from trainer.model.documents import document_attention
-from trainer.model.norm import RMSNorm
+from trainer.model.norm import rms_norm
 from trainer.model.rotary import apply_rotary, rotary_frequencies
 
 # q [batch, heads, seq, head_dim], k and v [batch, groups, seq, head_dim] (grouped-query
@@ -68,12 +68,14 @@ class Attention(nn.Module):
         self.heads_fn = _identity
         self.parts = cfg.qkv_heads  # q | k | v
         # q, k and v in one projection: one GEMM, and under TP one collective for all three.
-        self.qkv = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size,
-                             bias=cfg.add_bias_linear or cfg.add_qkv_bias)
-        self.o = nn.Linear(cfg.q_size, h, bias=cfg.add_bias_linear)
+        self.qkv = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=False)
+        self.o = nn.Linear(cfg.q_size, h, bias=False)
         # qk_layernorm: one norm of head_dim shared by every head of q (and one of k).
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_layernorm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_layernorm else None
+        self.q_norm = rms_norm(cfg, cfg.head_dim) if cfg.qk_layernorm else None
+        self.k_norm = rms_norm(cfg, cfg.head_dim) if cfg.qk_layernorm else None
+        # model.softmax_scale: the kernels scale by head_dim ** -0.5, so q carries the rest
+        self.q_scale = 1.0 if cfg.softmax_scale is None else \
+            cfg.softmax_scale * cfg.head_dim ** 0.5
         self.attention_fn: AttentionFn = causal_attention
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
@@ -88,8 +90,10 @@ class Attention(nn.Module):
         q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        freqs, factor = rotary_frequencies(self.cfg, self.head_dim, x.device)
+        freqs, factor = rotary_frequencies(self.cfg, self.head_dim, x.device, self.window)
         q, k = apply_rotary(q, positions, freqs, factor), apply_rotary(k, positions, freqs, factor)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                 documents, self.window, self._sinks(q))
         return self.o(out.transpose(1, 2).reshape(b, s, -1))

@@ -1,5 +1,6 @@
 """Rotary position embeddings, shared by every attention part: the frequencies of model.rope_type
-(plain rope, Llama 3's scaling, or YaRN) and their application at global token positions.
+(plain rope, Llama 3's scaling, linear scaling, or YaRN; a windowed block's own base) and their
+application at global token positions.
 
 Positions are global, so a sequence split over ranks (SP, CP, sequence shards) rotates the same.
 The angles are formed in fp32 whatever the compute dtype, as Megatron and transformers do; the
@@ -29,11 +30,15 @@ def softmax_correction(cfg: ModelConfig) -> float:
     return yarn_mscale(cfg.rotary_scaling_factor, cfg.mscale_all_dim) ** 2
 
 
-def rotary_frequencies(cfg: ModelConfig, dim: int, device: torch.device | None = None
-                       ) -> tuple[torch.Tensor, float]:
+def rotary_frequencies(cfg: ModelConfig, dim: int, device: torch.device | None = None,
+                       window: int | None = None) -> tuple[torch.Tensor, float]:
     """([dim / 2] fp32 frequencies, the factor cos and sin are multiplied by) for a rotary
-    part `dim` wide."""
+    part `dim` wide, of a block whose sliding window is `window` (None: global): a windowed
+    block turns at model.rotary_base_local where it is set (Gemma 3's local layers), unscaled."""
     half = dim // 2
+    if window is not None and cfg.rotary_base_local is not None:
+        return cfg.rotary_base_local ** (
+            -torch.arange(half, device=device, dtype=torch.float32) / half), 1.0
     if cfg.rope_type == "yarn":  # spelled as transformers' and DeepSeek's YaRN forms them
         exponents = torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim
         return _yarn(cfg, 1.0 / cfg.rope_theta ** exponents, dim), (
@@ -41,6 +46,8 @@ def rotary_frequencies(cfg: ModelConfig, dim: int, device: torch.device | None =
             / yarn_mscale(cfg.rotary_scaling_factor, cfg.mscale_all_dim))
     # theta^(-i / half): within an ulp of transformers' 1 / theta^(2i / d)
     freqs = cfg.rope_theta ** (-torch.arange(half, device=device, dtype=torch.float32) / half)
+    if cfg.seq_len_interpolation_factor is not None:  # linear: positions / factor
+        freqs = freqs / cfg.seq_len_interpolation_factor
     if not cfg.use_rope_scaling:
         return freqs, 1.0
     factor = cfg.rope_scaling_factor
@@ -55,12 +62,15 @@ def rotary_frequencies(cfg: ModelConfig, dim: int, device: torch.device | None =
 def _yarn(cfg: ModelConfig, freqs: torch.Tensor, dim: int) -> torch.Tensor:
     """YaRN's frequencies: the dims that turn fewer than beta_slow times over the original
     context interpolated (divided by the factor), those turning more than beta_fast times kept,
-    a linear ramp between (its ends rounded outwards to whole dims, as DeepSeek's reference)."""
+    a linear ramp between (its ends rounded outwards to whole dims, as DeepSeek's reference,
+    unless model.yarn_correction_range_round_to_int=false: gpt-oss's truncate false)."""
     def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times
         return dim * math.log(cfg.original_max_position_embeddings
                               / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
-    low = max(math.floor(dim_of(cfg.beta_fast)), 0)
-    high = min(math.ceil(dim_of(cfg.beta_slow)), dim - 1)
+    low, high = dim_of(cfg.beta_fast), dim_of(cfg.beta_slow)
+    if cfg.yarn_correction_range_round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     high = high + 0.001 if low == high else high  # a ramp of no width
     ramp = ((torch.arange(dim // 2, device=freqs.device, dtype=torch.float32) - low)
             / (high - low)).clamp(0, 1)

@@ -31,19 +31,38 @@ def build_layer(part: Part, cfg: ModelConfig, block: int = 0) -> nn.Module:
     return getattr(importlib.import_module(module), factory)(cfg, block)
 
 
+def embedding_scale(cfg: ModelConfig, dtype: torch.dtype) -> torch.Tensor:
+    """model.scale_embedding's factor: sqrt(hidden_size) rounded to fp32, then to the compute
+    dtype `dtype` (transformers' Gemma3TextScaledWordEmbedding keeps it as an fp32 tensor cast
+    to its weight's dtype, so bf16 gives 55.5 for sqrt(3072), not 55.43)."""
+    return torch.tensor(cfg.hidden_size ** 0.5, dtype=torch.float32).to(dtype)
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the model computes in: autocast's where it is on (bf16 training keeps the
+    residual stream in fp32), else x's."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         parts = block_parts(cfg, index)
         self.attn_norm = build_layer(parts.norm, cfg, index)
         self.mlp_norm = build_layer(parts.norm, cfg, index)
+        # sandwich_norm (Gemma 2/3's): each branch's output normed too, before its residual add
+        self.post_attn_norm = build_layer(parts.norm, cfg, index) if cfg.sandwich_norm else None
+        self.post_mlp_norm = build_layer(parts.norm, cfg, index) if cfg.sandwich_norm else None
         self.attn = build_layer(parts.attention, cfg, index)
         self.mlp = build_layer(parts.mlp, cfg, index)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), positions, documents)
-        return x + self.mlp(self.mlp_norm(x))
+        out = self.attn(self.attn_norm(x), positions, documents)
+        x = x + (out if self.post_attn_norm is None else self.post_attn_norm(out))
+        out = self.mlp(self.mlp_norm(x))
+        return x + (out if self.post_mlp_norm is None else self.post_mlp_norm(out))
 
 
 class Transformer(nn.Module):
@@ -89,6 +108,8 @@ class Transformer(nn.Module):
         # Token ids are embedded; a later pipeline stage is given hidden states (floats). The
         # last stage may hold the embedding for multi-token prediction, not for its input.
         x = tokens if tokens.is_floating_point() else self.embed(tokens)
+        if self.cfg.scale_embedding and not tokens.is_floating_point():
+            x = x * embedding_scale(self.cfg, compute_dtype(x)).to(x.dtype)
         for block in self.layers.values():
             x = block(x, positions, documents)
         if self.head is None:
@@ -103,12 +124,14 @@ class Transformer(nn.Module):
                        shape: tuple[int, ...], seed: int) -> torch.Tensor:
         """The rectangle `shape` at `offsets` of parameter `name`'s initial value (`full`: its
         single-device shape). The same seed gives the same full weights whatever the layout,
-        and a rank asks only for its shards (trainer.model.init). Norms start at one, every
-        bias (the router's expert bias, a buffer, too) and attention sinks at zero."""
-        if name.endswith(("bias", "sinks")):  # the sinks start as off-by-one's
+        and a rank asks only for its shards (trainer.model.init). Norms start at one, the
+        router's expert bias (a buffer) and attention sinks at zero, and so do zero-centred
+        norms (model.layernorm_zero_centered_gamma: applied as 1 + weight)."""
+        if name.endswith(("expert_bias", "sinks")):  # the sinks start as off-by-one's
             return torch.zeros(shape)
         if len(full) == 1:
-            return torch.ones(shape)
+            return torch.zeros(shape) if self.cfg.layernorm_zero_centered_gamma \
+                else torch.ones(shape)
         std = self.cfg.init_std
         if name.endswith(RESIDUAL_OUTPUTS):
             # Residual-branch outputs shrink with depth so the residual stream keeps its scale.

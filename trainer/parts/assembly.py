@@ -10,7 +10,7 @@ from parallel.layout.parallel_plan import ParallelPlan, by_suffix
 from trainer.config import ModelConfig
 from trainer.parts import PARTS, block_parts, model_parts
 from trainer.parts.mtp import EH_PROJ, MTP, depth_shapes, depths
-from trainer.parts.norm import BLOCK_NORMS
+from trainer.parts.norm import block_norms
 
 EMBEDDING, HEAD, BLOCKS, FINAL_NORM = "embed", "head", "layers", "norm"
 # Module-name suffix -> TP style, of every registered part (by slot) and the head, whose
@@ -60,10 +60,11 @@ def tp_style(name: str) -> str:
 
 
 def block_shapes(cfg: ModelConfig, block: int = 0) -> dict[str, tuple[int, ...]]:
-    """Block `block`'s parameter shapes, by name within the block, in its order: its two norms,
-    then its attention's and its MLP's (trainer.parts.block_parts)."""
+    """Block `block`'s parameter shapes, by name within the block, in its order: its norms
+    (two, four with sandwich_norm), then its attention's and its MLP's
+    (trainer.parts.block_parts)."""
     parts = block_parts(cfg, block)
-    shapes = {f"{norm}.{name}": shape for norm in BLOCK_NORMS
+    shapes = {f"{norm}.{name}": shape for norm in block_norms(cfg)
               for name, shape in parts.norm.shapes(cfg).items()}
     return shapes | parts.attention.slot_shapes(cfg) | parts.mlp.slot_shapes(cfg)
 

@@ -23,11 +23,8 @@ def shapes(cfg: ModelConfig) -> Shapes:
     norms = {"q_norm.weight": (cfg.head_dim,), "k_norm.weight": (cfg.head_dim,)} \
         if cfg.qk_layernorm else {}
     sinks = {"sinks": (cfg.num_heads,)} if cfg.softmax_type == "learnable" else {}
-    qkv_rows = cfg.q_size + 2 * cfg.kv_size
-    qkv_bias = {"qkv.bias": (qkv_rows,)} if cfg.add_bias_linear or cfg.add_qkv_bias else {}
-    o_bias = {"o.bias": (cfg.hidden_size,)} if cfg.add_bias_linear else {}
-    return {**sinks, "qkv.weight": (qkv_rows, cfg.hidden_size), **qkv_bias,
-            "o.weight": (cfg.hidden_size, cfg.q_size), **o_bias, **norms}
+    return {**sinks, "qkv.weight": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size),
+            "o.weight": (cfg.hidden_size, cfg.q_size), **norms}
 
 
 def core_flops(cfg: ModelConfig, seq_length: int, window: int | None = None) -> float:
@@ -70,6 +67,10 @@ def qk_norm_bytes(m: ModelConfig, k: Tokens, e: int, keeps_qkv: bool) -> int:
     if not m.qk_layernorm:
         return 0
     heads = m.num_heads + m.query_groups
+    if m.layernorm_zero_centered_gamma and e != FP32:
+        # Gemma's norms compute in fp32: they keep an fp32 copy of their input (not the qkv
+        # output's view), the normalised input and the rsqrt, all fp32
+        return k.T * (2 * (m.q_size + m.kv_size) + heads) // k.t * FP32
     normalised = k.T * (m.q_size + m.kv_size + heads) // k.t * e
     return normalised + (k.T * (m.q_size + 2 * m.kv_size) // k.t * e if keeps_qkv else 0)
 
@@ -162,6 +163,7 @@ def rope_rules(model: ModelConfig) -> None:
     """The rotary embedding's keys (trainer.model.rotary), of every attention part."""
     finite("model.rope_theta", model.rope_theta, 0, False, fix="use e.g. 10000.0")
     one_of("model.rope_type", model.rope_type, ROPE_TYPES, "rotary embedding")
+    gemma_rules(model)
     if model.use_rope_scaling:
         finite("model.rope_scaling_factor", model.rope_scaling_factor, 1, True,
                fix="use Llama 3.1's 8.0 or Llama 3.2's 32.0")
@@ -183,6 +185,38 @@ def rope_rules(model: ModelConfig) -> None:
     for key in ("mscale", "mscale_all_dim"):
         finite(f"model.{key}", getattr(model, key), 0, True,
                fix="use DeepSeek-V3's 1.0 (0: no correction)")
+
+
+def gemma_rules(model: ModelConfig) -> None:
+    """Gemma 3's attention keys: the windowed blocks' rotary base, linear rope scaling and the
+    softmax scale (trainer.model.rotary, trainer.model.attention)."""
+    mla = model.multi_latent_attention
+    if model.rotary_base_local is not None:
+        finite("model.rotary_base_local", model.rotary_base_local, 0, False,
+               fix="use Gemma 3's 10000.0, or null for rope_theta in every block")
+        if model.window_size is None or mla:
+            but = "model.multi_latent_attention=true" if mla else "model.window_size=null"
+            raise ValueError(f"model.rotary_base_local={model.rotary_base_local} is the base of "
+                             f"grouped-query attention's windowed blocks, but {but}. Fix: set "
+                             f"model.rotary_base_local=null, or give model.window_size.")
+    factor = model.seq_len_interpolation_factor
+    if factor is not None:
+        finite("model.seq_len_interpolation_factor", factor, 1, True,
+               fix="use Gemma 3's 8.0, or null for no linear scaling")
+        other = ("model.use_rope_scaling=true" if model.use_rope_scaling else
+                 "model.rope_type=yarn" if model.rope_type == "yarn" else None)
+        if other:
+            raise ValueError(f"model.seq_len_interpolation_factor={factor} with {other}: two "
+                             f"rotary scalings. Fix: set model.seq_len_interpolation_factor=null, "
+                             f"or drop the other.")
+    if model.softmax_scale is not None:
+        finite("model.softmax_scale", model.softmax_scale, 0, False,
+               fix="use Gemma 3's query_pre_attn_scalar ** -0.5 (0.0625 for 256), or null for "
+                   "head_dim ** -0.5")
+        if mla:
+            raise ValueError(f"model.softmax_scale={model.softmax_scale} with model."
+                             f"multi_latent_attention=true: its scale is its own (YaRN's "
+                             f"mscale_all_dim). Fix: set model.softmax_scale=null.")
 
 
 GQA = Part(

@@ -1,5 +1,6 @@
-"""RMSNorm, the norm of every block (before its attention and before its MLP) and of the final
-hidden states: the part "rmsnorm". Its layer: trainer.model.norm.
+"""RMSNorm, the norm of every block (before its attention and before its MLP; with
+model.sandwich_norm after each too) and of the final hidden states: the part "rmsnorm", plain or
+zero-centred (model.layernorm_zero_centered_gamma, Gemma's). Its layer: trainer.model.norm.
 """
 from __future__ import annotations
 
@@ -10,22 +11,52 @@ from trainer.values import finite
 
 # A block's two pre-norms, by module name (the final norm is the model's: trainer.parts.assembly).
 BLOCK_NORMS = ("attn_norm", "mlp_norm")
+# sandwich_norm's two more: each branch's output, before its residual add.
+POST_NORMS = ("post_attn_norm", "post_mlp_norm")
+# Hugging Face's names of each, by ours (Llama's two; Gemma 2/3's four).
+HF_NORMS = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+HF_SANDWICH_NORMS = {"attn_norm": "input_layernorm", "post_attn_norm": "post_attention_layernorm",
+                     "mlp_norm": "pre_feedforward_layernorm",
+                     "post_mlp_norm": "post_feedforward_layernorm"}
+
+
+def block_norms(cfg: ModelConfig) -> tuple[str, ...]:
+    """A block's norms by module name, in its parameter order."""
+    return BLOCK_NORMS + POST_NORMS if cfg.sandwich_norm else BLOCK_NORMS
 
 
 def kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute=None, cp_comm_type=None) -> int:
-    """A block's two norms: each its input and its normalised input, fp32 on the residual
-    stream's tokens (2*Tr*h each), and its rsqrt (Tr)."""
-    return len(BLOCK_NORMS) * (2 * k.Tr * m.hidden_size * FP32 + k.Tr * FP32)
+    """A block's norms: each its input and its normalised input, fp32 on the residual stream's
+    tokens (2*Tr*h each), and its rsqrt (Tr). A post-norm's input is its branch's output, in
+    the compute dtype under bf16: the plain norm would compute in it, so sandwich_norm asks
+    for the zero-centred one (fp32 whatever its input, keeping the fp32 copy instead)."""
+    return len(block_norms(m)) * (2 * k.Tr * m.hidden_size * FP32 + k.Tr * FP32)
 
 
 def hf_names(cfg: ModelConfig, ours: str, theirs: str, family) -> HfNames:
-    h = cfg.hidden_size
-    return {f"{ours}attn_norm.weight": [(f"{theirs}input_layernorm.weight", h)],
-            f"{ours}mlp_norm.weight": [(f"{theirs}post_attention_layernorm.weight", h)]}
+    names = HF_SANDWICH_NORMS if cfg.sandwich_norm else HF_NORMS
+    return {f"{ours}{norm}.weight": [(f"{theirs}{hf}.weight", cfg.hidden_size)]
+            for norm, hf in names.items()}
 
 
 def rules(model: ModelConfig) -> None:
     finite("model.norm_eps", model.norm_eps, 0, False, fix="use e.g. 1e-5")
+    if model.sandwich_norm and not model.layernorm_zero_centered_gamma:
+        raise ValueError("model.sandwich_norm=true needs model.layernorm_zero_centered_gamma="
+                         "true: a post-norm's input is its branch's output, in bf16 under "
+                         "bf16 training, which only the zero-centred norm computes in fp32 "
+                         "(Gemma's). Fix: set model.layernorm_zero_centered_gamma=true.")
+    gemma = [key for key in ("layernorm_zero_centered_gamma", "sandwich_norm", "scale_embedding")
+             if getattr(model, key)]
+    if gemma and model.mtp_num_layers:
+        raise ValueError(f"model.{gemma[0]}=true with model.mtp_num_layers="
+                         f"{model.mtp_num_layers}: multi-token prediction's depths are not "
+                         f"built with Gemma's norms and embedding scale. Fix: set "
+                         f"model.mtp_num_layers=null, or model.{gemma[0]}=false.")
+    if model.multi_latent_attention and model.layernorm_zero_centered_gamma:
+        raise ValueError("model.layernorm_zero_centered_gamma=true with model."
+                         "multi_latent_attention=true: multi-latent attention's latent norms "
+                         "are not built zero-centred. Fix: set one of them to false.")
 
 
 RMSNORM = Part(
