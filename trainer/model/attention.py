@@ -68,8 +68,9 @@ class Attention(nn.Module):
         self.heads_fn = _identity
         self.parts = cfg.qkv_heads  # q | k | v
         # q, k and v in one projection: one GEMM, and under TP one collective for all three.
-        self.qkv = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size, bias=False)
-        self.o = nn.Linear(cfg.q_size, h, bias=False)
+        self.qkv = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size,
+                             bias=cfg.add_bias_linear or cfg.add_qkv_bias)
+        self.o = nn.Linear(cfg.q_size, h, bias=cfg.add_bias_linear)
         # qk_layernorm: one norm of head_dim shared by every head of q (and one of k).
         self.q_norm = rms_norm(cfg, cfg.head_dim) if cfg.qk_layernorm else None
         self.k_norm = rms_norm(cfg, cfg.head_dim) if cfg.qk_layernorm else None

@@ -124,10 +124,10 @@ class Transformer(nn.Module):
                        shape: tuple[int, ...], seed: int) -> torch.Tensor:
         """The rectangle `shape` at `offsets` of parameter `name`'s initial value (`full`: its
         single-device shape). The same seed gives the same full weights whatever the layout,
-        and a rank asks only for its shards (trainer.model.init). Norms start at one, the
-        router's expert bias (a buffer) and attention sinks at zero, and so do zero-centred
-        norms (model.layernorm_zero_centered_gamma: applied as 1 + weight)."""
-        if name.endswith(("expert_bias", "sinks")):  # the sinks start as off-by-one's
+        and a rank asks only for its shards (trainer.model.init). Norms start at one, every
+        bias (the router's expert bias, a buffer, too) and attention sinks at zero, and so do
+        zero-centred norms (model.layernorm_zero_centered_gamma: applied as 1 + weight)."""
+        if name.endswith(("bias", "sinks")):  # the sinks start as off-by-one's
             return torch.zeros(shape)
         if len(full) == 1:
             return torch.zeros(shape) if self.cfg.layernorm_zero_centered_gamma \

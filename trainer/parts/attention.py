@@ -23,8 +23,11 @@ def shapes(cfg: ModelConfig) -> Shapes:
     norms = {"q_norm.weight": (cfg.head_dim,), "k_norm.weight": (cfg.head_dim,)} \
         if cfg.qk_layernorm else {}
     sinks = {"sinks": (cfg.num_heads,)} if cfg.softmax_type == "learnable" else {}
-    return {**sinks, "qkv.weight": (cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size),
-            "o.weight": (cfg.hidden_size, cfg.q_size), **norms}
+    qkv_rows = cfg.q_size + 2 * cfg.kv_size
+    qkv_bias = {"qkv.bias": (qkv_rows,)} if cfg.add_bias_linear or cfg.add_qkv_bias else {}
+    o_bias = {"o.bias": (cfg.hidden_size,)} if cfg.add_bias_linear else {}
+    return {**sinks, "qkv.weight": (qkv_rows, cfg.hidden_size), **qkv_bias,
+            "o.weight": (cfg.hidden_size, cfg.q_size), **o_bias, **norms}
 
 
 def core_flops(cfg: ModelConfig, seq_length: int, window: int | None = None) -> float:
