@@ -194,6 +194,9 @@ class ModelConfig:
     # decayed (as norms), the experts' are, with the experts' weights
     add_bias_linear: bool = False
     add_qkv_bias: bool = False  # a bias on the qkv projection only (Qwen2's)
+    # yarn: the ramp's ends rounded outwards to whole dims (Megatron's, DeepSeek's); false:
+    # not rounded (gpt-oss's, transformers' truncate false)
+    yarn_correction_range_round_to_int: bool = True
 
     # Mixture of experts (Megatron's names; docs/moe.md). Each MoE block routes every token to
     # moe_router_topk SwiGLU experts.

@@ -231,6 +231,15 @@ TABLE = [
       ("model.add_bias_linear=true", "multi_latent_attention=true")),
     R("model=tiny_deepseek model.add_qkv_bias=true", ("model.add_qkv_bias=true",)),
     R(f"{TP2} model.add_bias_linear=true dry_run=true", (), OK),
+    # gpt-oss's family and YaRN's unrounded ramp (trainer/parts/families.py, attention.py)
+    R("model.yarn_correction_range_round_to_int=false",
+      ("model.yarn_correction_range_round_to_int=false", "model.rope_type=rope")),
+    R("model=tiny_gpt_oss model.add_bias_linear=false",
+      ("model.name=gpt_oss", "model.add_bias_linear=True")),
+    R("model=tiny_gpt_oss model.moe_layer_freq=[1,0,1,1]",
+      ("model.name=gpt_oss", "model.moe_layer_freq=[1, 0, 1, 1]")),
+    R("model=tiny_gpt_oss parallel.expert_model_parallel_size=2 cluster.procs_per_node=2 "
+      "dry_run=true", (), OK),
     # multi-latent attention and YaRN (trainer/parts/mla.py, trainer/parts/attention.py)
     R("model=tiny_deepseek model.kv_lora_rank=0", ("model.kv_lora_rank=0",)),
     R("model=tiny_deepseek model.q_lora_rank=-8", ("model.q_lora_rank=-8",)),

@@ -73,6 +73,9 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
     need("architectures", architecture in ARCHITECTURES,
          f"import a model of one of {', '.join(ARCHITECTURES)}")
     family = BY_ARCHITECTURE[architecture]
+    need("architectures", family.name in MAPPINGS, f"{architecture}'s Hugging Face mapping "
+         f"(its fused, interleaved experts) is not built yet; train it from "
+         f"conf/model/{family.name}_20b.yaml, or import a model of another family")
     mapping = MAPPINGS[family.name]
     need("use_sliding_window", not fields.get("use_sliding_window", BOOL, False),
          "use a model with full attention in every layer")
@@ -244,6 +247,11 @@ def architecture_of(model: ModelConfig) -> str:
     """The family an export writes; what it cannot hold (a router, a rope scaling, a block) is
     refused in one line."""
     family = hf_family(model)
+    if family.name not in MAPPINGS:
+        raise ValueError(f"model.name={family.name}: its Hugging Face mapping ({family.architecture}"
+                         f"'s fused, interleaved experts) is not built yet. Fix: keep the "
+                         f"checkpoint in this trainer's format, or export a model of another "
+                         f"family.")
     architecture, mapping = family.architecture or LLAMA, MAPPINGS[family.name]
     unmapped = [(k, v) for k, v, ok in (
         ("rope_type", model.rope_type, model.rope_type == "rope"

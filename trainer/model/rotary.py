@@ -62,12 +62,15 @@ def rotary_frequencies(cfg: ModelConfig, dim: int, device: torch.device | None =
 def _yarn(cfg: ModelConfig, freqs: torch.Tensor, dim: int) -> torch.Tensor:
     """YaRN's frequencies: the dims that turn fewer than beta_slow times over the original
     context interpolated (divided by the factor), those turning more than beta_fast times kept,
-    a linear ramp between (its ends rounded outwards to whole dims, as DeepSeek's reference)."""
+    a linear ramp between (its ends rounded outwards to whole dims, as DeepSeek's reference,
+    unless model.yarn_correction_range_round_to_int=false: gpt-oss's truncate false)."""
     def dim_of(rotations: float) -> float:  # the dim that turns `rotations` times
         return dim * math.log(cfg.original_max_position_embeddings
                               / (rotations * 2 * math.pi)) / (2 * math.log(cfg.rope_theta))
-    low = max(math.floor(dim_of(cfg.beta_fast)), 0)
-    high = min(math.ceil(dim_of(cfg.beta_slow)), dim - 1)
+    low, high = dim_of(cfg.beta_fast), dim_of(cfg.beta_slow)
+    if cfg.yarn_correction_range_round_to_int:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     high = high + 0.001 if low == high else high  # a ramp of no width
     ramp = ((torch.arange(dim // 2, device=freqs.device, dtype=torch.float32) - low)
             / (high - low)).clamp(0, 1)

@@ -171,6 +171,10 @@ def rope_rules(model: ModelConfig) -> None:
         finite("model.rope_scaling_factor", model.rope_scaling_factor, 1, True,
                fix="use Llama 3.1's 8.0 or Llama 3.2's 32.0")
     if model.rope_type != "yarn":
+        if not model.yarn_correction_range_round_to_int:
+            raise ValueError("model.yarn_correction_range_round_to_int=false is ignored by "
+                             f"model.rope_type={model.rope_type}. Fix: set it to true, or "
+                             "model.rope_type=yarn.")
         return
     if model.use_rope_scaling:
         raise ValueError("model.use_rope_scaling=true with model.rope_type=yarn: two rotary "

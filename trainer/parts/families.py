@@ -12,6 +12,9 @@ requires of the keys. Presets of each live in conf/model/.
     deepseek_v3  multi-latent attention; experts with sigmoid or softmax routing, group-limited
                top-k, the expert bias, a shared expert and the first blocks dense (Kimi K2 and
                Moonlight are this family)
+    gpt_oss    grouped-query attention with biases and learnable sinks, sliding windows where
+               window_attn_skip_freq says; experts in every block, a biased router (the top-k
+               logits' softmax), biased experts with the clamped SwiGLU (quick_gelu)
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from trainer.config import ModelConfig
 LLAMA, QWEN3 = "LlamaForCausalLM", "Qwen3ForCausalLM"
 MIXTRAL, QWEN3_MOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM"
 DEEPSEEK_V3 = "DeepseekV3ForCausalLM"  # Kimi K2's and Moonlight's too
+GPT_OSS = "GptOssForCausalLM"
 
 
 def _requires(name: str, **wanted: Callable[[ModelConfig], bool]) -> Callable:
@@ -45,6 +49,26 @@ def _requires(name: str, **wanted: Callable[[ModelConfig], bool]) -> Callable:
                                  f"{value}. Fix: set model.{key}, or model.name=llama for "
                                  f"Llama's block with any of its variants.")
     return rule
+
+
+def _gpt_oss_rules(model: ModelConfig) -> None:
+    """gpt-oss's block: what its keys must say (conf/model/gpt_oss_20b.yaml has them all)."""
+    wanted = (("multi_latent_attention", False), ("softmax_type", "learnable"),
+              ("add_bias_linear", True), ("activation_func", "quick_gelu"),
+              ("glu_linear_offset", 1.0), ("moe_router_score_function", "softmax"),
+              ("moe_router_pre_softmax", False), ("qk_layernorm", False),
+              ("moe_shared_expert_intermediate_size", None))
+    for key, want in wanted:
+        if getattr(model, key) != want:
+            raise ValueError(f"model.name=gpt_oss needs model.{key}={want!r}, not "
+                             f"{getattr(model, key)!r}. Fix: set it as conf/model/gpt_oss_20b.yaml"
+                             f" does, or model.name=llama for Llama's block with its variants.")
+    if model.num_moe_experts is None or not all(model.is_moe_block(i)
+                                                for i in range(model.num_layers)):
+        raise ValueError(f"model.name=gpt_oss needs experts in every block, not "
+                         f"model.num_moe_experts={model.num_moe_experts} with "
+                         f"model.moe_layer_freq={model.moe_layer_freq!r}. Fix: set "
+                         f"model.num_moe_experts and model.moe_layer_freq=1.")
 
 
 @dataclass(frozen=True)
@@ -73,6 +97,7 @@ FAMILIES = {f.name: f for f in (
         experts=lambda m: m.num_moe_experts is not None)),
     Family("deepseek_v3", DEEPSEEK_V3, _requires("deepseek_v3",
                                                  mla=lambda m: m.multi_latent_attention)),
+    Family("gpt_oss", GPT_OSS, _gpt_oss_rules),
 )}
 # The family an imported checkpoint's architecture becomes (llama's is chosen from the keys on
 # export, and its own on import).
