@@ -31,13 +31,9 @@ from parallel.context.kernels import (
     sink_gradient,
 )
 from parallel.layout import Layout
+from parallel.layout.axes.context import reached_slots, window_exchange
 
 KV_SEQ_DIM = 3  # K and V stacked: [2, batch, groups, seq, head_dim]
-
-
-def reaches(query_chunk: int, key_chunk: int, chunk: int, window: int) -> bool:
-    """Whether any query of `query_chunk` sees any key of `key_chunk` under the window."""
-    return key_chunk <= query_chunk and query_chunk * chunk - window <= (key_chunk + 1) * chunk - 1
 
 
 class Exchange(NamedTuple):
@@ -54,6 +50,7 @@ class WindowedPeers:
     def __init__(self, group: Group, layout: Layout, rank: int):
         self.group = group
         self.chunks = [layout.context_chunk_ids(member) for member in group.ranks]
+        self.positions = [layout.runtime_cp_rank(member) for member in group.ranks]
         self.mine = layout.context_chunk_ids(rank)
         self._exchanges: dict[tuple[int, int], Exchange | None] = {}
 
@@ -66,12 +63,11 @@ class WindowedPeers:
         return self._exchanges[key]
 
     def _plan(self, chunk: int, window: int) -> Exchange | None:
-        size, me = self.group.size, self.group.rank
+        size, me, at = self.group.size, self.group.rank, self.positions
 
         def needs(d: int, m: int) -> list[int]:  # slots of member m that member d reaches
-            return [s for s, kc in enumerate(self.chunks[m])
-                    if any(reaches(qc, kc, chunk, window) for qc in self.chunks[d])]
-        if all(len(needs(d, m)) == 2 for d in range(size) for m in range(size) if m != d):
+            return reached_slots(at[d], at[m], size, chunk, window)
+        if window_exchange(size, chunk, window) is None:
             return None
         sends = [(d, needs(d, me)) for d in range(size) if d != me and needs(d, me)]
         receives = [(m, needs(me, m)) for m in range(size) if m != me and needs(me, m)]

@@ -23,6 +23,7 @@ from parallel.layout.axes import (
     LayoutError,
     multiples_near,
 )
+from parallel.layout.axes.context import zigzag_chunks
 from parallel.layout.axes.pipeline import split_layers
 
 __all__ = ["AXES", "GROUP_AXES", "GROUP_NAMES", "GROUP_PURPOSE", "CONFIG_KEY", "Layout",
@@ -362,8 +363,7 @@ class Layout:
         """With runtime CP = C > 1 a sequence is cut into 2C chunks and runtime CP rank r keeps
         chunks r and 2C-1-r (in that local order), so every rank gets the same share of
         causal-attention work."""
-        r, cp = self.runtime_cp_rank(rank), self.runtime_context_parallel_size
-        return r, 2 * cp - 1 - r
+        return zigzag_chunks(self.runtime_cp_rank(rank), self.runtime_context_parallel_size)
 
     def context_chunks(self, rank: int) -> list[range]:
         """Token positions of a sequence that `rank` keeps (its chunks, see context_chunk_ids)."""

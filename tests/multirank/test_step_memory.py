@@ -284,7 +284,23 @@ MTP_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
     "mla_moe_mtp_ws2_ep2_full_bf16": (2, WS2 | dict(expert_model_parallel_size=2), FULL_BF16,
                                       "mla_moe_mtp"),
 }
-ALL_CASES = {**CASES, **GQA_CASES, **QK_CASES,
+# Local attention (gpt-oss's pattern): block 0 windowed 48 back, block 1 global, sinks. Under
+# CP 4 by p2p (chunks of 64) the windowed block's exchange receives chunks beside the ring's
+# block's own: 2 at runtime CP position 1 (the most; rank 0 receives 1), measured there.
+LOCAL = dataclasses.replace(GQA, window_size=48, window_attn_skip_freq=2,
+                            softmax_type="learnable")
+LOCAL_CASES = {
+    "local_one_process": (1, {}, {}),
+    "local_cp4_p2p": (4, dict(context_parallel_size=4), {}),
+    "local_cp4_p2p_bf16": (4, dict(context_parallel_size=4), dict(precision=Precision.bf16)),
+    "local_cp4_all_gather": (4, dict(context_parallel_size=4),
+                             dict(cp_comm_type=CPCommType.all_gather)),
+    "local_cp2_a2a": (2, dict(context_parallel_size=2), dict(cp_comm_type=CPCommType.a2a)),
+    "local_selective_cp4": (4, dict(context_parallel_size=4),
+                            dict(recompute_granularity=SELECTIVE)),
+}
+MEASURED_RANK = {"local_cp4_p2p": 1, "local_cp4_p2p_bf16": 1}
+ALL_CASES = {**CASES, **GQA_CASES, **QK_CASES, **LOCAL_CASES,
              **{n: c[:3] for n, c in (MOE_CASES | MLA_CASES | MTP_CASES).items()}}
 
 
@@ -296,7 +312,8 @@ def case(name: str) -> tuple[int, dict, dict, ModelConfig]:
         return (*ALL_CASES[name], MLA_MODELS[MLA_CASES[name][3]])
     if name in MTP_CASES:
         return (*ALL_CASES[name], MTP_MODELS[MTP_CASES[name][3]])
-    model = QK if name in QK_CASES else GQA if name in GQA_CASES else MODEL
+    model = QK if name in QK_CASES else GQA if name in GQA_CASES else \
+        LOCAL if name in LOCAL_CASES else MODEL
     return (*ALL_CASES[name], model)
 
 
@@ -305,7 +322,8 @@ def test_planned_activations_are_what_autograd_keeps(name):
     world, layout_kwargs, option_kwargs, model = case(name)
     layout = Layout(world, micro_batch_size=2, seq_length=512, **layout_kwargs)
     options = EngineOptions(**option_kwargs)
-    measured = simulated(world, 0, saved_activation_bytes, layout, options, model)
+    measured = simulated(world, MEASURED_RANK.get(name, 0), saved_activation_bytes, layout,
+                         options, model)
     plan = planned(layout, options, model)
     # autocast's bf16 copies of unsharded weights are kept for backward like activations
     expected = plan["activation_bytes"] + plan["autocast_weight_bytes"]

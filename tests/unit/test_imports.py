@@ -134,7 +134,9 @@ def test_the_model_does_not_know_it_is_parallel():
     assert shared == {"trainer.parts.assembly -> parallel.layout.parallel_plan",
                       "trainer.parts.tokens -> parallel.layout",
                       "trainer.model.attention -> parallel.context.calls",
-                      "trainer.model.attention -> parallel.context.kernels"}
+                      "trainer.model.attention -> parallel.context.kernels",
+                      "trainer.model.generate -> parallel.context.calls",
+                      "trainer.model.generate -> parallel.context.kernels"}
     kernels = {m for name in ("parallel.context.calls", "parallel.context.kernels")
                for m in project_imports(name)}
     assert kernels == {"parallel.context.calls"}, kernels

@@ -58,6 +58,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from parallel.layout import Layout
+from parallel.layout.axes.context import window_exchange
 from trainer.config import CPCommType, ModelConfig, RecomputeGranularity
 from trainer.parts import BlockParts, block_parts, mtp
 from trainer.parts.tokens import FP32, Tokens, compute_bytes
@@ -68,13 +69,37 @@ from trainer.plan.options import EngineOptions
 def block_activation_bytes(m: ModelConfig, k: Tokens, e: int,
                            recompute: RecomputeGranularity | None,
                            cp_comm_type: CPCommType = CPCommType.p2p,
-                           parts: BlockParts | None = None) -> int:
+                           parts: BlockParts | None = None, window: int | None = None) -> int:
     """What one block keeps for its backward: its parts' (trainer.parts; parts: the block's,
-    None for block 0's)."""
+    None for block 0's), and what its sliding window's exchange receives (window: the
+    block's)."""
     if recompute is RecomputeGranularity.full:
         return k.Tr * m.hidden_size * FP32
     parts = parts or block_parts(m, 0)
-    return sum(part.kept_bytes(m, k, e, recompute, cp_comm_type) for part in parts)
+    return (sum(part.kept_bytes(m, k, e, recompute, cp_comm_type) for part in parts)
+            + window_bytes(m, k, e, recompute, cp_comm_type, window))
+
+
+def window_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
+                 cp_comm_type: CPCommType, window: int | None) -> int:
+    """A windowed block under CP by p2p, where the window leaves chunks unreached: the K/V
+    chunks its exchange received, kept for backward beside the rank's own (selective
+    recompute receives them again in backward instead; parallel.context.window). Each is
+    K = T*c/t*e (one chunk's k and v); counted for the position that receives the most."""
+    if window is None or not k.cp or cp_comm_type is not CPCommType.p2p or recompute:
+        return 0
+    cp = k.S // k.s
+    exchange = window_exchange(cp, k.s // 2, window)
+    if exchange is None:
+        return 0
+    received = max(r for r, _ in exchange)
+    return received * k.T * m.kv_size // k.t * e
+
+
+def blocks_alike(m: ModelConfig) -> bool:
+    """Whether every block keeps the same: one kind of block, one window."""
+    return m.num_moe_experts is None and (m.window_size is None
+                                          or m.window_attn_skip_freq is None)
 
 
 def head_activation_bytes(m: ModelConfig, k: Tokens, e: int,
@@ -137,12 +162,15 @@ def chunk_activation_bytes(m: ModelConfig, layout: Layout, options: EngineOption
     """What one model chunk (its blocks, `chunk`) keeps of one micro-batch (without the
     head): its blocks counted by what each recomputes and by their parts."""
     k, e = Tokens.of(layout), compute_bytes(options.precision)
-    if m.num_moe_experts is None:  # every block alike
-        return sum(count * block_activation_bytes(m, k, e, recompute, options.cp_comm_type)
+    if blocks_alike(m):
+        return sum(count * block_activation_bytes(m, k, e, recompute, options.cp_comm_type,
+                                                  window=m.window_size)
                    for recompute, count in options.chunk_recompute(len(chunk)).items() if count)
-    kinds = Counter((options.recomputes(p), block_parts(m, i)) for p, i in enumerate(chunk))
-    return sum(count * block_activation_bytes(m, k, e, recompute, options.cp_comm_type, parts)
-               for (recompute, parts), count in kinds.items())
+    kinds = Counter((options.recomputes(p), block_parts(m, i), m.window_of(i))
+                    for p, i in enumerate(chunk))
+    return sum(count * block_activation_bytes(m, k, e, recompute, options.cp_comm_type, parts,
+                                              window)
+               for (recompute, parts, window), count in kinds.items())
 
 
 def stage_chunk_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
@@ -152,7 +180,7 @@ def stage_chunk_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
     alike: dict[int, int] = {}  # a dense model's chunks are known by their length
     per_chunk = []
     for chunk in chunks:
-        if m.num_moe_experts is None and len(chunk) in alike:
+        if blocks_alike(m) and len(chunk) in alike:
             per_chunk.append(alike[len(chunk)])
             continue
         per_chunk.append(chunk_activation_bytes(m, layout, options, chunk))
@@ -186,8 +214,11 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
     positions = [p for chunk in chunks for p in range(len(chunk))]
     full = options.recompute_granularity is RecomputeGranularity.full and any(
         options.recomputes(p) for p in positions)
-    # A fully recomputed block is rebuilt from its input, which the chunk keeps already.
-    rebuilt_of = {parts: block_activation_bytes(m, k, e, None, comm, parts) - k.Tr * h * FP32
+    # A fully recomputed block is rebuilt from its input, which the chunk keeps already (a
+    # windowed one with what its exchange receives: the kind's largest).
+    windows = {m.window_of(i) for chunk in chunks for i in chunk} or {m.window_of(0)}
+    rebuilt_of = {parts: max(block_activation_bytes(m, k, e, None, comm, parts, w)
+                             for w in windows) - k.Tr * h * FP32
                   if full else 0 for parts in kinds}
     rebuilt = max(rebuilt_of.values())
     sharded = layout.gtp_remat_size > 1
@@ -213,8 +244,8 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
     logits = max(2 * loss_bytes(m, k) + cast, forward) if last else 0
     sizes = [len(chunk) for chunk in chunks] or [0]
     if sharded:
-        freed = max(block_activation_bytes(m, k, e, options.recompute_granularity, comm, parts)
-                    for parts in kinds)
+        freed = max(block_activation_bytes(m, k, e, options.recompute_granularity, comm, parts,
+                                           w) for parts in kinds for w in windows)
         block, head = gathered_bytes(layout, options, e, sizes, block_weights, head_weights,
                                      freed, first, last)
     else:  # weights are used in place; the head's gradient is formed before it is added
@@ -229,12 +260,13 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
     selective = options.recompute_granularity is RecomputeGranularity.selective
     backward = max(parts.mlp.backward_bytes(m, k, e, selective) for parts in kinds)
     phases, bundles, alike = [], [], {}
-    dense = m.num_moe_experts is None  # every block one kind: a chunk is known by its length
+    dense = blocks_alike(m)  # every block one kind: a chunk is known by its length
     for chunk in chunks:
         kinds_of = [block_parts(m, 0)] * len(chunk) if dense else \
             [block_parts(m, i) for i in chunk]
         weights = [(kind_weights or {}).get(kind, block_weights) for kind in kinds_of]
-        key = (tuple(kinds_of), tuple(weights))  # the search asks of many alike chunks
+        # the search asks of many alike chunks
+        key = (tuple(kinds_of), tuple(weights), tuple(m.window_of(i) for i in chunk))
         if key not in alike:
             alike[key] = chunk_phases(m, layout, options, chunk, weights, rebuilt_of)
         for phase, gathered in alike[key]:
@@ -270,14 +302,15 @@ def chunk_phases(m: ModelConfig, layout: Layout, options: EngineOptions, chunk: 
     sharded = layout.gtp_remat_size > 1
     selective = options.recompute_granularity is RecomputeGranularity.selective
     # (the search asks this of thousands of layouts: each kind's terms are counted once)
-    parts = [block_parts(m, i) for i in chunk] if m.num_moe_experts is not None \
-        else [block_parts(m, 0)] * len(chunk)
+    parts = [block_parts(m, 0)] * len(chunk) if blocks_alike(m) \
+        else [block_parts(m, i) for i in chunk]
+    windows = [m.window_of(i) for i in chunk]
     kept_of: dict = {}
     for p, kind in enumerate(parts):
-        key = (options.recomputes(p), kind)
+        key = (options.recomputes(p), kind, windows[p])
         if key not in kept_of:
-            kept_of[key] = block_activation_bytes(m, k, e, key[0], comm, kind)
-    freed = [kept_of[options.recomputes(p), kind] for p, kind in enumerate(parts)]
+            kept_of[key] = block_activation_bytes(m, k, e, key[0], comm, kind, windows[p])
+    freed = [kept_of[options.recomputes(p), kind, windows[p]] for p, kind in enumerate(parts)]
     # what the chunk's blocks that are not fully recomputed kept, freed by then
     kept_by_others = sum(f for p, f in enumerate(freed)
                          if options.recomputes(p) is not RecomputeGranularity.full)

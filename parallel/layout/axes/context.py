@@ -32,6 +32,39 @@ def check_seq_length(layout) -> None:
         f"train.seq_length to a multiple of {multiple} ({multiples_near(seq, multiple)}).")
 
 
+def zigzag_chunks(position: int, cp: int) -> tuple[int, int]:
+    """The chunks runtime CP position `position` keeps of a sequence cut into 2 x cp: its own
+    and its mirror, so every position does the same causal work."""
+    return position, 2 * cp - 1 - position
+
+
+def window_reaches(query_chunk: int, key_chunk: int, chunk: int, window: int) -> bool:
+    """Whether any query of `query_chunk` sees any key of `key_chunk` (chunks of `chunk`
+    tokens) when a query may look `window` positions back: the key chunk is not after it and
+    its last key is within the window of the query chunk's first row."""
+    return key_chunk <= query_chunk and query_chunk * chunk - window <= (key_chunk + 1) * chunk - 1
+
+
+def reached_slots(reader: int, owner: int, cp: int, chunk: int, window: int) -> list[int]:
+    """Which of position `owner`'s two chunks (0: its own, 1: its mirror) some query of
+    position `reader` sees under the window."""
+    mine = zigzag_chunks(reader, cp)
+    return [slot for slot, key in enumerate(zigzag_chunks(owner, cp))
+            if any(window_reaches(query, key, chunk, window) for query in mine)]
+
+
+def window_exchange(cp: int, chunk: int, window: int) -> list[tuple[int, int]] | None:
+    """Under a sliding window, each runtime CP position's (chunks it receives, chunks it
+    sends) in a layer's forward (parallel.context.window; backward sends the received chunks'
+    gradients home); None where every position reaches both chunks of every other (the ring
+    runs then: it moves no more and holds less)."""
+    reach = [[reached_slots(d, m, cp, chunk, window) for m in range(cp)] for d in range(cp)]
+    if all(len(reach[d][m]) == 2 for d in range(cp) for m in range(cp) if m != d):
+        return None
+    return [(sum(len(reach[p][m]) for m in range(cp) if m != p),
+             sum(len(reach[d][p]) for d in range(cp) if d != p)) for p in range(cp)]
+
+
 CONTEXT = Axis(
     "context parallel", (off("context_parallel_size"),), {"cp": "context_parallel_size"},
     (Group("context", ("seq", "cp"), "runtime CP (configured CP x sequence shards): split one "

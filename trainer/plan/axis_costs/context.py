@@ -4,7 +4,7 @@ is the attention part's: trainer.parts.attention.)"""
 from __future__ import annotations
 
 from parallel.layout import Layout
-from parallel.layout.axes.context import CONTEXT
+from parallel.layout.axes.context import CONTEXT, window_exchange
 from trainer.config import CPCommType, ModelConfig
 from trainer.parts import block_parts
 from trainer.parts.tokens import FP32
@@ -34,14 +34,18 @@ def check_comm_type(model: ModelConfig, layout: Layout, cp_comm_type: CPCommType
 
 def context_seconds(m: ModelConfig, layout: Layout, cp_comm_type: CPCommType, hw: Hardware,
                     T: int, e: int, attention_s: float, overlaps: bool) -> tuple[float, float]:
-    """(forward, backward) exposed time of one block's K/V exchange over runtime CP C:
+    """(forward, backward) exposed time of a block's K/V exchange over runtime CP C, averaged
+    over the blocks (a sliding window's blocks exchange less):
     p2p sends K/V (2*T*c/t*e) C-1 hops forward, C-1 and their fp32 gradients C hops in
     backward, hidden behind the attention (attention_s forward, twice that backward) where
-    ranks overlap; all_gather gathers K/V and reduce-scatters their gradients (in the compute
-    dtype); a2a moves a rank's q, k, v and output between sequence and heads, both ways, (C-1)/C
-    of each leaving it; neither is hidden. Widths as the attention part exchanges them
-    (Part.exchanged_widths: multi-latent attention's v padded to q's); the bytes the context
-    group sends (tests/multirank/test_step_memory.py)."""
+    ranks overlap; under a window that leaves chunks unreached, the chunks it reaches (each
+    half the rank's K/V) in, those its peers reach out, and their fp32 gradients back
+    (Layout's window_exchange: the busiest position); all_gather gathers K/V and
+    reduce-scatters their gradients (in the compute dtype); a2a moves a rank's q, k, v and
+    output between sequence and heads, both ways, (C-1)/C of each leaving it; neither is
+    hidden. Widths as the attention part exchanges them (Part.exchanged_widths: multi-latent
+    attention's v padded to q's); the bytes the context group sends
+    (tests/multirank/test_context_parallel.py)."""
     c, t = layout.runtime_context_parallel_size, layout.tp_size
     if c == 1:
         return 0.0, 0.0
@@ -49,14 +53,29 @@ def context_seconds(m: ModelConfig, layout: Layout, cp_comm_type: CPCommType, hw
     q_size, kv_size = block_parts(m, 0).attention.exchanged_widths(m)  # as the part moves them
     kv = 2 * T * kv_size / t * e
     if cp_comm_type is CPCommType.p2p:
-        ring_fwd = (c - 1) * link.send(kv)
-        ring_bwd = (c - 1) * link.send(kv) + c * link.send(kv / e * FP32)
         hides = attention_s if overlaps else 0.0
-        return max(0.0, ring_fwd - hides), max(0.0, ring_bwd - 2 * hides)
+        windows = [m.window_of(block) for block in range(m.num_layers)] or [None]
+        times = {w: _p2p_seconds(layout, link, kv, e, w, hides) for w in set(windows)}
+        return tuple(sum(times[w][i] for w in windows) / len(windows) for i in (0, 1))
     if cp_comm_type is CPCommType.all_gather:
         return link.ring(c, c * kv), link.ring(c, c * kv)
     moved = 2 * T * q_size / t * e + kv
     return link.all_to_all(c, moved), link.all_to_all(c, moved)
+
+
+def _p2p_seconds(layout: Layout, link, kv: float, e: int, window: int | None,
+                 hides: float) -> tuple[float, float]:
+    """One block's p2p exchange, exposed: the ring's, or the window's (window.py)."""
+    c = layout.runtime_context_parallel_size
+    exchange = window_exchange(c, layout.context_local_length // 2, window) \
+        if window is not None and layout.seq_length else None
+    if exchange is None:
+        fwd = (c - 1) * link.send(kv)
+        bwd = (c - 1) * link.send(kv) + c * link.send(kv / e * FP32)
+    else:  # a chunk's K/V is half the rank's
+        fwd = max(link.send(sent * kv / 2) for _, sent in exchange)
+        bwd = max(link.send(received * kv / 2 / e * FP32) for received, _ in exchange)
+    return max(0.0, fwd - hides), max(0.0, bwd - 2 * hides)
 
 
 def block_s(k: Micro, recompute, fwd: float, bwd: float) -> float:
