@@ -59,10 +59,15 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
-        out = self.attn(self.attn_norm(x), positions, documents)
-        x = x + (out if self.post_attn_norm is None else self.post_attn_norm(out))
-        out = self.mlp(self.mlp_norm(x))
-        return x + (out if self.post_mlp_norm is None else self.post_mlp_norm(out))
+        # No name holds a branch's output past its add: under full recompute the rebuilt
+        # forward would keep the attention's output alive through the MLP's.
+        x = x + _normed(self.post_attn_norm, self.attn(self.attn_norm(x), positions, documents))
+        return x + _normed(self.post_mlp_norm, self.mlp(self.mlp_norm(x)))
+
+
+def _normed(norm: nn.Module | None, out: torch.Tensor) -> torch.Tensor:
+    """A branch's output, normed where the block has a sandwich norm."""
+    return out if norm is None else norm(out)
 
 
 class Transformer(nn.Module):
