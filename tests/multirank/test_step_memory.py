@@ -299,8 +299,24 @@ LOCAL_CASES = {
     "local_selective_cp4": (4, dict(context_parallel_size=4),
                             dict(recompute_granularity=SELECTIVE)),
 }
+# Gemma 3's block: zero-centred norms in fp32 whatever the compute dtype (qk norms included),
+# a norm after each branch, GeGLU, a 5:1-style window (block 0 windowed, block 1 global).
+# Under bf16 a post-norm's backward (fp32) is a block's largest moment under full recompute.
+GEMMA = dataclasses.replace(QK, layernorm_zero_centered_gamma=True, sandwich_norm=True,
+                            scale_embedding=True, activation_func="fast_gelu",
+                            rotary_base_local=1e4, rope_theta=1e6,
+                            seq_len_interpolation_factor=8.0, softmax_scale=48 ** -0.5,
+                            window_size=48, window_attn_skip_freq=2)
+GEMMA_CASES = {
+    "gemma_bf16": (1, {}, dict(precision=Precision.bf16)),
+    "gemma_tp2_sp_bf16": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True),
+                          dict(precision=Precision.bf16)),
+    "gemma_cp2_p2p_bf16": (2, dict(context_parallel_size=2), dict(precision=Precision.bf16)),
+    "gemma_selective": (1, {}, dict(recompute_granularity=SELECTIVE)),
+    "gemma_full_bf16": (1, {}, FULL_BF16),
+}
 MEASURED_RANK = {"local_cp4_p2p": 1, "local_cp4_p2p_bf16": 1}
-ALL_CASES = {**CASES, **GQA_CASES, **QK_CASES, **LOCAL_CASES,
+ALL_CASES = {**CASES, **GQA_CASES, **QK_CASES, **LOCAL_CASES, **GEMMA_CASES,
              **{n: c[:3] for n, c in (MOE_CASES | MLA_CASES | MTP_CASES).items()}}
 
 
@@ -313,7 +329,7 @@ def case(name: str) -> tuple[int, dict, dict, ModelConfig]:
     if name in MTP_CASES:
         return (*ALL_CASES[name], MTP_MODELS[MTP_CASES[name][3]])
     model = QK if name in QK_CASES else GQA if name in GQA_CASES else \
-        LOCAL if name in LOCAL_CASES else MODEL
+        LOCAL if name in LOCAL_CASES else GEMMA if name in GEMMA_CASES else MODEL
     return (*ALL_CASES[name], model)
 
 

@@ -33,6 +33,17 @@ def kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute=None, cp_comm_type=N
     return len(block_norms(m)) * (2 * k.Tr * m.hidden_size * FP32 + k.Tr * FP32)
 
 
+def backward_bytes(m: ModelConfig, k: Tokens, e: int, selective: bool = False) -> int:
+    """A zero-centred norm's backward, the most it forms at once beside what the block keeps:
+    the gradient entering the block (Tr*h fp32), its own fp32 gradients of the scaled, the
+    normalised and the widened input and of its rsqrt's chain (4*Tr*h fp32), and the gradient
+    it hands on in the stream's dtype (Tr*h*e). A post-norm runs first in a block's backward,
+    beside every activation of its branch; a plain norm's never outgrows the MLP's (0)."""
+    if not m.layernorm_zero_centered_gamma:
+        return 0
+    return k.Tr * m.hidden_size * (5 * FP32 + e)
+
+
 def hf_names(cfg: ModelConfig, ours: str, theirs: str, family) -> HfNames:
     names = HF_SANDWICH_NORMS if cfg.sandwich_norm else HF_NORMS
     return {f"{ours}{norm}.weight": [(f"{theirs}{hf}.weight", cfg.hidden_size)]
@@ -62,4 +73,4 @@ def rules(model: ModelConfig) -> None:
 RMSNORM = Part(
     "rmsnorm", "norm", "trainer.model.norm:hidden_norm",
     lambda cfg: {"weight": (cfg.hidden_size,)},
-    kept_bytes=kept_bytes, hf_names=hf_names, rules=rules)
+    kept_bytes=kept_bytes, backward_bytes=backward_bytes, hf_names=hf_names, rules=rules)

@@ -127,6 +127,14 @@ def mtp_block_bytes(m: ModelConfig, k: Tokens, e: int,
                   for part in (parts.attention, parts.mlp)))
 
 
+def block_backward_bytes(parts: BlockParts, m: ModelConfig, k: Tokens, e: int,
+                         selective: bool) -> int:
+    """The most a block's backward forms beside what it keeps: its MLP's moments, or a
+    zero-centred norm's (fp32 whatever the compute dtype: trainer.parts.norm), the larger."""
+    return max(parts.mlp.backward_bytes(m, k, e, selective),
+               parts.norm.backward_bytes(m, k, e, selective))
+
+
 def loss_bytes(m: ModelConfig, k: Tokens) -> int:
     """One [T, V/t] fp32 buffer: the softmax (or log-softmax) of the local logits."""
     return k.T * (m.padded_vocab_size // k.t) * FP32
@@ -258,7 +266,7 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
     # recompute_num_layers of a chunk) is rebuilt after the chunk's later blocks have run their
     # backward and freed their activations.
     selective = options.recompute_granularity is RecomputeGranularity.selective
-    backward = max(parts.mlp.backward_bytes(m, k, e, selective) for parts in kinds)
+    backward = max(block_backward_bytes(parts, m, k, e, selective) for parts in kinds)
     phases, bundles, alike = [], [], {}
     dense = blocks_alike(m)  # every block one kind: a chunk is known by its length
     for chunk in chunks:
@@ -330,11 +338,12 @@ def chunk_phases(m: ModelConfig, layout: Layout, options: EngineOptions, chunk: 
             # kept through its backward (and the rebuilt forward's own moment: a MoE block's
             # exchange over ETP)
             copies = weights[p] * e if e != FP32 and not sharded else 0
-            out.append((max(kind.mlp.backward_bytes(m, k, e, False),
+            out.append((max(block_backward_bytes(kind, m, k, e, False),
                             kind.mlp.rebuild_bytes(m, k, e))
                         + rebuilt_of[kind] + copies + gathered - kept_by_others, gathered))
         else:
-            out.append((kind.mlp.backward_bytes(m, k, e, selective) + gathered, gathered))
+            out.append((block_backward_bytes(kind, m, k, e, selective) + gathered,
+                        gathered))
         seen[key] = out[-1]
     return out
 
