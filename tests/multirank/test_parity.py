@@ -223,12 +223,14 @@ def assert_parity(results: list[dict], ref: dict, dtype: torch.dtype, label: str
     got = {**results[0], "params": {}}  # every pipeline stage's first rank has its stage's
     for result in results:
         got["params"] |= result["params"] or {}
+    by_param = {k: relative(got["params"][k], v) for k, v in ref["params"].items()}
     worst = {
         "loss": max(relative(a, b) for a, b in zip(got["losses"], ref["losses"])),
         "grad_norm": max(relative(a, b) for a, b in zip(got["norms"], ref["norms"])),
-        "params": max(relative(got["params"][k], v) for k, v in ref["params"].items()),
+        "params": max(by_param.values()),
     }
-    print(f"\nparity {label} {dtype}: max relative difference {worst}")
+    print(f"\nparity {label} {dtype}: max relative difference {worst} (worst parameter: "
+          f"{max(by_param, key=by_param.get)})")
     assert set(got["params"]) == set(ref["params"])
     assert all(value <= TOLERANCE[dtype] for value in worst.values()), worst
     # Training moved the weights: a parity of untouched weights would prove nothing.
