@@ -122,7 +122,8 @@ def reached_chunks(layout: Layout, reader: int, owner: int, window: int) -> int:
     counted token by token (query i sees key j when i - window <= j <= i)."""
     seq = layout.seq_length
     chunk = seq // (2 * layout.runtime_context_parallel_size)
-    queries = [i for c in layout.context_chunk_ids(reader) for i in range(c * chunk, (c + 1) * chunk)]
+    queries = [i for c in layout.context_chunk_ids(reader)
+               for i in range(c * chunk, (c + 1) * chunk)]
     return sum(any(i - window <= j <= i for i in queries for j in range(c * chunk, (c + 1) * chunk))
                for c in layout.context_chunk_ids(owner))
 

@@ -8,8 +8,8 @@ Losses, gradient norms and every weight after the steps match within the parity 
 with sequence shards, TP with SP, pipeline stages with recompute, interleaved stages, a mixture
 of experts (one process and EP 2), gpt-oss's sliding windows and sinks (one process, CP 4
 p2p's window exchange, runtime CP 8 all_gather, TP 2 x SP x CP 2 a2a), and blocks compiled
-(one graph, no break, no recompile); in bf16 within test_parity's bf16 bounds. Documents of 1 to 20 tokens and one of 45 cross the CP
-chunks (4 or 2 tokens) and the samples (32)."""
+(one graph, no break, no recompile); in bf16 within test_parity's bf16 bounds. Documents of 1
+to 20 tokens and one of 45 cross the CP chunks (4 or 2 tokens) and the samples (32)."""
 from __future__ import annotations
 
 from dataclasses import replace

@@ -16,8 +16,16 @@ import torch
 from trainer.plan.options import EngineOptions
 
 from harness import run_ranks
-from test_parity import LAYOUTS, MICRO, TINY, assert_parity, make_data, make_layout, reference, \
-    train_rank
+from test_parity import (
+    LAYOUTS,
+    MICRO,
+    TINY,
+    assert_parity,
+    make_data,
+    make_layout,
+    reference,
+    train_rank,
+)
 
 CLAMPED = dict(activation_func="quick_gelu", glu_linear_offset=1.0,
                activation_func_clamp_value=0.1)

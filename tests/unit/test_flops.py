@@ -10,6 +10,7 @@ experts of 3 h x F weights in each expert block, the depth's included."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -61,3 +62,43 @@ def test_mla_moe_and_mtp_flops_are_what_torch_counts(seq):
                       + token.head + token.mtp)
     assert ours == pytest.approx(want, rel=1e-12)
     assert token.mtp > 0.2 * (token.training / 3)  # the depth is a fifth of this tiny model
+
+
+def banded_attention(q, k, v, documents=None, window=None, sinks=None):
+    """Attention as one matmul pair per query row over exactly the keys it sees (i - window ..
+    i), so the FLOP counter sees the band and nothing outside it."""
+    rows = []
+    for i in range(q.shape[2]):
+        lo = 0 if window is None else max(0, i - window)
+        keys, values = (t[:, :, lo:i + 1].repeat_interleave(q.shape[1] // t.shape[1], 1)
+                        for t in (k, v))
+        scores = q[:, :, i:i + 1] @ keys.transpose(-1, -2) / math.sqrt(q.shape[-1])
+        rows.append(scores.softmax(-1) @ values)
+    return torch.cat(rows, dim=2)
+
+
+@pytest.mark.parametrize("window", [3, 8, 40])
+def test_window_flops_are_what_torch_counts_over_the_band(window):
+    """Blocks windowed every other block: each query's QK^T and AV over the keys its window
+    lets it see, counted by torch. Megatron's count of causal attention is S/2 keys a query
+    (S(S+1)/2 pairs less half the diagonal); the plan counts a window's band the same way."""
+    cfg = ModelConfig(name="llama", vocab_size=256, hidden_size=64, num_layers=4, num_heads=4,
+                      num_query_groups=2, ffn_hidden_size=176, rope_theta=1e4, norm_eps=1e-5,
+                      init_std=0.02, window_size=window, window_attn_skip_freq=2)
+    model = Transformer(cfg)
+    model.init_weights(1)
+    for module in model.modules():
+        if hasattr(module, "attention_fn"):
+            module.attention_fn = banded_attention
+    b, seq = 2, 24
+    with FlopCounterMode(display=False) as counter:
+        model(torch.randint(0, cfg.vocab_size, (b, seq)))
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    half_diagonal = cfg.num_layers * b * seq * 2 * cfg.q_size  # half a key a query, QK and AV
+    want = counts["aten.mm"] + counts["aten.bmm"] - half_diagonal
+    token = TokenFlops.of(cfg, seq)
+    ours = b * seq * (token.num_layers * (token.block_linear + token.block_attention)
+                      + token.head)
+    assert ours == pytest.approx(want, rel=1e-12)
+    full = TokenFlops.of(replace(cfg, window_size=None, window_attn_skip_freq=None), seq)
+    assert (token.block_attention < full.block_attention) == (window < seq - 1)

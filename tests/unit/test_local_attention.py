@@ -61,7 +61,8 @@ def test_window_and_sinks_are_the_masked_softmax(window, sinks, packed):
     assert (got - want).abs().max() < 1e-12
     grad = torch.randn_like(want)
     leaves = [t for t in (q, k, v, s) if t is not None]
-    for a, b in zip(torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad)):
+    ours, theirs = torch.autograd.grad(got, leaves, grad), torch.autograd.grad(want, leaves, grad)
+    for a, b in zip(ours, theirs):
         assert (a - b).abs().max() < 1e-12
 
 

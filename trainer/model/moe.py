@@ -2,9 +2,10 @@
 
 Router: each token's scores over E experts, its top-k experts and their weights, and the losses
 that balance them. Experts: E gated MLPs (the dense MLP's activation) held as two 3-D weights
-([E, 2F, h] and [E, h, F], the layout transformers and torchtitan use), run dropless: every token reaches its top-k
-experts; the (token, expert) pairs are sorted by expert and each projection is one grouped GEMM
-over them. MoE: the router, the experts and an optional shared expert.
+([E, 2F, h] and [E, h, F], the layout transformers and torchtitan use), run dropless: every
+token reaches its top-k experts; the (token, expert) pairs are sorted by expert and each
+projection is one grouped GEMM over them. MoE: the router, the experts and an optional shared
+expert.
 
 Like the attention, it knows nothing of ranks. Four attributes are the hooks set from outside:
     Router.token_sum     sums a tensor over every rank that holds other tokens of this
