@@ -6,7 +6,9 @@ the window of the query chunk's first row. With zigzag chunks and a window no lo
 rank r needs only chunk r - 1 (from member r - 1) and chunk 2C - 2 - r (from member r + 1): two
 chunks in, two chunks out, whatever C is, where the ring moves 2(C - 1) chunks each way and back
 again in backward. Only the chunks someone reaches are sent; every rank computes the same plan from
-the layout, so each send meets its receive.
+the layout (parallel.layout.axes.context.window_exchange), so each send meets its receive. Where
+a rank would receive more than two chunks (a window longer than about a chunk) the ring runs
+instead: it skips the pairs the window never reaches and holds one block in flight, not all.
 
 Forward: the messages start, the rank's own chunks are computed while they travel, then the
 received ones; sinks are joined after both (kernels.add_sinks). The received K/V are kept for
@@ -55,8 +57,8 @@ class WindowedPeers:
         self._exchanges: dict[tuple[int, int], Exchange | None] = {}
 
     def exchange(self, chunk: int, window: int) -> Exchange | None:
-        """The exchange for chunks of `chunk` tokens; None where every member needs all of
-        every other's chunks (the ring moves no more, and holds less)."""
+        """The exchange for chunks of `chunk` tokens; None where the window reaches more than
+        a ring step holds (Layout's window_exchange: the ring runs then)."""
         key = (chunk, window)
         if key not in self._exchanges:
             self._exchanges[key] = self._plan(chunk, window)

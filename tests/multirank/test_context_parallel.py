@@ -114,7 +114,7 @@ def test_context_bytes_per_step_match_the_formula(name):
           f"{ {c.value: r for c, r in zip(comms, results[0])} }")
 
 
-WINDOWED = replace(HEADS8, window_size=5)
+WINDOWS = {"cp2": 5, "cp4": 3, "runtime_cp8": 1}  # each reaches at most two other chunks
 
 
 def reached_chunks(layout: Layout, reader: int, owner: int, window: int) -> int:
@@ -128,32 +128,35 @@ def reached_chunks(layout: Layout, reader: int, owner: int, window: int) -> int:
                for c in layout.context_chunk_ids(owner))
 
 
-@pytest.mark.parametrize("name", ["cp4", "runtime_cp8"])
+@pytest.mark.parametrize("name", list(WINDOWS))
 def test_a_window_moves_only_the_chunks_it_reaches(name):
-    """p2p under a window of 5 over 32 tokens (chunks of 4 and 2): each rank sends the chunks
-    its peers reach and, in backward, the gradients of the chunks it received (fp32 here, as
-    the K/V): one batched exchange each way a layer, against a token-by-token count (a window
-    past one chunk reaches two back here; bench/ measures a 1k window over 16k tokens)."""
+    """p2p under windows of 5, 3 and 1 over 32 tokens (chunks of 8, 4 and 2): each rank sends
+    the chunks its peers reach and, in backward, the gradients of the chunks it received (fp32
+    here, as the K/V): one batched exchange each way a layer, against a token-by-token count
+    (bench/ measures a 1k window over 16k tokens)."""
     world, kwargs = CONTEXT_LAYOUTS[name]
     layout = make_layout(world, kwargs)
-    batch = make_data(layout.global_batch_size, WINDOWED)[0]
-    got = run_ranks(world, windowed_stats, layout, batch, timeout=120)
+    window = WINDOWS[name]
+    model = replace(HEADS8, window_size=window)
+    batch = make_data(layout.global_batch_size, model)[0]
+    got = run_ranks(world, windowed_stats, layout, batch, model, timeout=120)
     c, per_layer = layout.runtime_context_parallel_size, layout.num_microbatches * TINY.num_layers
     chunk_bytes = (layout.micro_batch_size * layout.context_local_length // 2
                    * TINY.hidden_size * 4 * 2)  # k and v of one chunk, fp32
     ring = expected_context_traffic(layout, CPCommType.p2p)["p2p"][0]
     for rank, (stats, members) in enumerate(got):
-        sent = sum(reached_chunks(layout, d, rank, 5) for d in members if d != rank)
-        received = sum(reached_chunks(layout, rank, m, 5) for m in members if m != rank)
+        sent = sum(reached_chunks(layout, d, rank, window) for d in members if d != rank)
+        received = sum(reached_chunks(layout, rank, m, window) for m in members if m != rank)
         want = per_layer * (sent + received) * chunk_bytes
         assert stats == {"p2p": (want, 2 * per_layer, 2 * per_layer)}, rank
         assert stats["p2p"][0] < ring / 2
-    print(f"\nwindow 5 over {c} ranks: p2p bytes per rank per step {got[0][0]['p2p'][0]:,} "
-          f"(ring without a window {ring:,})")
+    print(f"\nwindow {window} over {c} ranks: p2p bytes per rank per step "
+          f"{got[0][0]['p2p'][0]:,} (ring without a window {ring:,})")
 
 
-def windowed_stats(rank: int, layout: Layout, batch: torch.Tensor) -> tuple[dict, list[int]]:
-    engine = build_engine(WINDOWED, OPTIM, SEED, layout, torch.device("cpu"),
+def windowed_stats(rank: int, layout: Layout, batch: torch.Tensor, model
+                   ) -> tuple[dict, list[int]]:
+    engine = build_engine(model, OPTIM, SEED, layout, torch.device("cpu"),
                           EngineOptions(cp_comm_type=CPCommType.p2p))
     stats = engine.groups.stats
     stats.reset()

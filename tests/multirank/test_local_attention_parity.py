@@ -3,10 +3,12 @@ losses, gradient norms and every weight (test_parity's method and tolerances), t
 real gloo ranks. The one process itself is checked against a dense masked softmax with a sink
 column in tests/unit/test_local_attention.py, and against transformers' gpt-oss.
 
-What each layout reaches: p2p with a window shorter than the sequence runs the window's exchange
-(parallel/context/window.py: only the chunks it reaches, from their owners; 1, 2 and 3 chunks
-back at runtime CP 2, 4 and 8 over 32 tokens with a window of 5), and the ring where it reaches
-everything; all_gather and a2a run the window's calls over the whole sequence; the sinks are
+What each layout reaches: p2p with a window that reaches at most two other chunks runs the
+window's exchange (parallel/context/window.py: only the chunks it reaches, from their owners):
+at runtime CP 2 (chunks of 8, a window of 5), 4 (chunks of 4, a window of 3) and 8 (chunks of
+2, a window of 1); a longer window runs the ring, which skips the pairs it never reaches (CP 4
+with a window of 5, and one past the sequence); all_gather and a2a run the window's calls over
+the whole sequence; the sinks are
 joined once after every merge, narrowed to a TP rank's heads (parallel.tensor._HeadsOfRank) and
 under a2a to the context rank's; their gradients summed over TP as a per-head weight's.
 """
@@ -42,6 +44,8 @@ MODELS = {
     "sinks": replace(TINY, num_heads=8, softmax_type="learnable"),  # sinks, full attention
     "off_by_one": replace(TINY, num_heads=8, window_size=3, softmax_type="off-by-one"),
     "wide": replace(GPT_OSS, window_size=40),  # reaches every chunk: the ring, with sinks
+    "gpt_oss_w3": replace(GPT_OSS, window_size=3),  # CP 4's exchange
+    "gpt_oss_w1": replace(GPT_OSS, window_size=1),  # runtime CP 8's exchange
     "gpt_oss_4_layers": replace(GPT_OSS, num_layers=4),
 }
 TP2 = {"tensor_model_parallel_size": 2}
@@ -59,7 +63,8 @@ CASES = [  # (layout, model, dtype, options)
     ("ws4_ss2", "gpt_oss", torch.float64, EngineOptions()),
     ("cp2", "gpt_oss", torch.float64, EngineOptions(cp_comm_type=P2P)),
     ("cp4", "gpt_oss", torch.float64, EngineOptions(cp_comm_type=P2P)),
-    ("runtime_cp8", "gpt_oss", torch.float64, EngineOptions(cp_comm_type=P2P)),
+    ("runtime_cp8", "gpt_oss_w1", torch.float64, EngineOptions(cp_comm_type=P2P)),
+    ("cp4", "gpt_oss_w3", torch.float64, EngineOptions(cp_comm_type=P2P)),
     ("cp4", "gpt_oss", torch.float32, EngineOptions(cp_comm_type=P2P)),
     ("cp4", "window", torch.float64, EngineOptions(cp_comm_type=P2P)),
     ("cp4", "off_by_one", torch.float64, EngineOptions(cp_comm_type=P2P)),

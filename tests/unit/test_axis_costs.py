@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from parallel.build import CommOptions, comm_options
 from parallel.layout import Layout
 from parallel.layout.axes import COMM_KEYS
@@ -61,3 +63,35 @@ def test_the_dry_runs_inputs_line_is_the_axes_inputs_in_order():
                     pipeline_model_parallel_size=2)
     assert describe_inputs(layout) == ("TP=2 SP=on weight_shards=8 sequence_shards=4 CP=2 "
                                        "EP=2 ETP=2 PP=2")
+
+
+def test_a_windows_p2p_exchange_costs_the_chunks_it_reaches():
+    """Under CP 8 over 16k tokens (chunks of 1k), a 1k window's block sends two chunks' K/V
+    (each of a rank's chunks to the rank whose next chunk reaches it) and takes two chunks'
+    fp32 gradients back, where the ring sends 7 hops of both chunks forward and 7 + 8 in
+    backward; a model windowed every other block pays the mean; a window past the sequence
+    pays the ring's."""
+    from trainer.plan.hardware import Hardware
+
+    hw = Hardware(80, 0.9, 989, 67, 0.5, nvlink_bandwidth_gbs=450, network_bandwidth_gbs=50,
+                  link_latency_us=0.0, gpus_per_nvlink_domain=8)
+    layout = Layout(8, context_parallel_size=8, seq_length=16384, micro_batch_size=1)
+    full = ModelConfig(name="llama", vocab_size=1024, hidden_size=4096, num_layers=4,
+                       num_heads=32, num_query_groups=8, ffn_hidden_size=11008, rope_theta=1e4,
+                       norm_eps=1e-5, init_std=0.02)
+    every = dataclasses.replace(full, window_size=1024)
+    alternate = dataclasses.replace(every, window_attn_skip_freq=2)
+    wide = dataclasses.replace(every, window_size=16384)
+    T, e, link = layout.context_local_length, 2, hw.link(layout, "context")
+    kv = 2 * T * full.kv_size * e  # the rank's K/V: two chunks
+
+    def seconds(m):
+        return context.context_seconds(m, layout, CPCommType.p2p, hw, T, e, 0.0, False)
+    ring = (7 * link.send(kv), 7 * link.send(kv) + 8 * link.send(kv / e * 4))
+    window = (link.send(kv), link.send(kv / e * 4))
+    assert seconds(full) == pytest.approx(ring, rel=1e-12)
+    assert seconds(wide) == pytest.approx(ring, rel=1e-12)
+    assert seconds(every) == pytest.approx(window, rel=1e-12)
+    assert seconds(alternate) == pytest.approx(tuple((a + b) / 2 for a, b in zip(ring, window)),
+                                               rel=1e-12)
+    assert sum(seconds(every)) < 0.1 * sum(ring)

@@ -53,16 +53,21 @@ def reached_slots(reader: int, owner: int, cp: int, chunk: int, window: int) -> 
             if any(window_reaches(query, key, chunk, window) for query in mine)]
 
 
+# The most chunks a window's exchange may receive: what one ring step holds in flight. It keeps
+# them for backward, where the ring keeps only its own; past this the ring runs.
+EXCHANGED_CHUNKS = 2
+
+
 def window_exchange(cp: int, chunk: int, window: int) -> list[tuple[int, int]] | None:
     """Under a sliding window, each runtime CP position's (chunks it receives, chunks it
     sends) in a layer's forward (parallel.context.window; backward sends the received chunks'
-    gradients home); None where every position reaches both chunks of every other (the ring
-    runs then: it moves no more and holds less)."""
+    gradients home); None where some position would receive more than EXCHANGED_CHUNKS (a
+    window longer than about a chunk): the ring runs then, skipping the pairs it never
+    reaches, and holds one block in flight instead of all it reaches."""
     reach = [[reached_slots(d, m, cp, chunk, window) for m in range(cp)] for d in range(cp)]
-    if all(len(reach[d][m]) == 2 for d in range(cp) for m in range(cp) if m != d):
-        return None
-    return [(sum(len(reach[p][m]) for m in range(cp) if m != p),
-             sum(len(reach[d][p]) for d in range(cp) if d != p)) for p in range(cp)]
+    counts = [(sum(len(reach[p][m]) for m in range(cp) if m != p),
+               sum(len(reach[d][p]) for d in range(cp) if d != p)) for p in range(cp)]
+    return None if max(received for received, _ in counts) > EXCHANGED_CHUNKS else counts
 
 
 CONTEXT = Axis(
