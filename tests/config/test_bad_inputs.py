@@ -240,6 +240,26 @@ TABLE = [
       ("model.name=gpt_oss", "model.moe_layer_freq=[1, 0, 1, 1]")),
     R("model=tiny_gpt_oss parallel.expert_model_parallel_size=2 cluster.procs_per_node=2 "
       "dry_run=true", (), OK),
+    # Gemma 3's block (trainer/parts/norm.py, attention.py gemma_rules, families.py)
+    R("model.sandwich_norm=true", ("model.sandwich_norm=true",
+                                   "model.layernorm_zero_centered_gamma=true")),
+    R("model=tiny_deepseek model.layernorm_zero_centered_gamma=true",
+      ("model.layernorm_zero_centered_gamma=true", "model.mtp_num_layers=1")),
+    R("model=tiny_gemma3 model.rotary_base_local=0", ("model.rotary_base_local=0",)),
+    R("model.rotary_base_local=10000.0", ("model.rotary_base_local=10000.0",
+                                          "model.window_size=null")),
+    R("model.seq_len_interpolation_factor=0.5", ("model.seq_len_interpolation_factor=0.5",)),
+    R("model.seq_len_interpolation_factor=8.0 model.use_rope_scaling=true",
+      ("model.seq_len_interpolation_factor=8.0", "model.use_rope_scaling=true")),
+    R("model.softmax_scale=-0.1", ("model.softmax_scale=-0.1",)),
+    R("model=tiny_deepseek model.mtp_num_layers=null model.softmax_scale=0.1",
+      ("model.softmax_scale=0.1", "multi_latent_attention=true")),
+    R("model=tiny_gemma3 model.sandwich_norm=false",
+      ("model.name=gemma3", "model.sandwich_norm=True")),
+    R("model=tiny_gemma3 model.activation_func=silu",
+      ("model.name=gemma3", "model.activation_func='fast_gelu'")),
+    R("model=tiny_gemma3 parallel.tensor_model_parallel_size=2 parallel.sequence_parallel=true "
+      "parallel.context_parallel_size=2 cluster.procs_per_node=4 dry_run=true", (), OK),
     # multi-latent attention and YaRN (trainer/parts/mla.py, trainer/parts/attention.py)
     R("model=tiny_deepseek model.kv_lora_rank=0", ("model.kv_lora_rank=0",)),
     R("model=tiny_deepseek model.q_lora_rank=-8", ("model.q_lora_rank=-8",)),

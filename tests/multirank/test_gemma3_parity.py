@@ -27,18 +27,18 @@ from test_parity import (
     assert_parity,
     make_layout,
     reference_cache,
-    relative,
     train_rank,
 )
 
 # 6 blocks, 5 windowed (5 back) and block 5 global; 4 heads of 32 over 2 K/V groups; a softmax
 # scale of 24 ** -0.5 where the heads are 32 wide (27B's query_pre_attn_scalar differs from
 # its head_dim too).
-GEMMA3 = replace(TINY, num_layers=6, num_query_groups=2, kv_channels=32, qk_layernorm=True,
-                 layernorm_zero_centered_gamma=True, sandwich_norm=True, scale_embedding=True,
-                 activation_func="fast_gelu", rope_theta=1e6, rotary_base_local=10000.0,
-                 seq_len_interpolation_factor=8.0, softmax_scale=24 ** -0.5, window_size=5,
-                 window_attn_skip_freq=6, tie_word_embeddings=True)
+GEMMA3 = replace(TINY, name="gemma3", num_layers=6, num_query_groups=2, kv_channels=32,
+                 qk_layernorm=True, layernorm_zero_centered_gamma=True, sandwich_norm=True,
+                 scale_embedding=True, activation_func="fast_gelu", rope_theta=1e6,
+                 rotary_base_local=10000.0, seq_len_interpolation_factor=8.0,
+                 softmax_scale=24 ** -0.5, window_size=5, window_attn_skip_freq=6,
+                 tie_word_embeddings=True)
 TP2_SP = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
 LAYOUTS = LAYOUTS | {"pp2": (2, {"pipeline_model_parallel_size": 2})}
 P2P = EngineOptions(cp_comm_type=CPCommType.p2p)

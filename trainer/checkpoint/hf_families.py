@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from trainer.checkpoint import hf_deepseek
+from trainer.checkpoint import hf_deepseek, hf_gemma3
 from trainer.checkpoint.hf_fields import (
     BOOL,
     INT,
@@ -65,9 +65,10 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
 
     fields = Fields(hf, source)
     architecture = (fields.get("architectures", TEXTS, None) or [LLAMA])[0]  # [] too
-    if architecture in hf_deepseek.UNBUILT_VARIANTS:
+    unbuilt_variants = hf_deepseek.UNBUILT_VARIANTS | hf_gemma3.UNBUILT_VARIANTS
+    if architecture in unbuilt_variants:
         raise ValueError(f"{source}: architectures={[architecture]} needs "
-                         f"{hf_deepseek.UNBUILT_VARIANTS[architecture]}, which this trainer "
+                         f"{unbuilt_variants[architecture]}, which this trainer "
                          f"does not build. Fix: import a model of one of "
                          f"{', '.join(ARCHITECTURES)}.")
     need("architectures", architecture in ARCHITECTURES,
@@ -81,7 +82,7 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
          "use a model with full attention in every layer")
     for key in REQUIRED_INTS:
         fields.get(key, INT, REQUIRED)
-    need("hidden_act", fields.get("hidden_act", TEXT, "silu") == "silu",
+    need("hidden_act", mapping.own_keys or fields.get("hidden_act", TEXT, "silu") == "silu",
          "use a SwiGLU (silu) model")
     for key in ("attention_bias", "mlp_bias"):
         need(key, not fields.get(key, BOOL, False), "use a model without biases")
@@ -105,7 +106,7 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
     rotary = {}
     if scaling is not None and mapping.rope_scaling == "yarn":
         rotary = hf_deepseek.yarn_keys(scaling, fields)
-    elif scaling is not None:
+    elif scaling is not None and mapping.rope_scaling == "llama3":
         rotary = {"use_rope_scaling": True, "rope_scaling_factor": _llama3_rope_factor(scaling)}
     # the family's own fields last: they may replace shared ones (multi-latent attention's
     # num_key_value_heads and head_dim mean nothing of ours)
@@ -128,13 +129,17 @@ class HfMapping:
     write: Callable[[ModelConfig], dict] = lambda model: {}
     holds: Callable[[ModelConfig], list[tuple[str, Any, bool]]] = lambda model: []
     intermediate_is_experts: bool = False  # its intermediate_size is an expert's (Mixtral)
-    rope_scaling: str = "llama3"  # the rope scaling its config.json may hold: llama3 or yarn
+    # the rope scaling its config.json may hold: llama3 or yarn (own: its read maps it)
+    rope_scaling: str = "llama3"
     # its files hold multi-token prediction layers after the last block (DeepSeek's
     # num_nextn_predict_layers)
     mtp: bool = False
     # its own read, write and holds map the MLP activation's keys and the linear biases (else
     # a SwiGLU without biases, hidden_act silu, is all it holds)
     own_keys: bool = False
+    # its own read, write and holds map Gemma's block keys (hf_gemma3.GEMMA_KEYS; else it holds
+    # none of them)
+    gemma_block: bool = False
 
 
 def _read_mixtral(fields: Fields, need) -> dict:
@@ -217,6 +222,9 @@ MAPPINGS = {
                            holds=_softmax_router_holds),
     "deepseek_v3": HfMapping("deepseek_v3", read=hf_deepseek.read, write=hf_deepseek.write,
                              holds=hf_deepseek.holds, rope_scaling="yarn", mtp=True),
+    "gemma3": HfMapping("gemma3_text", read=hf_gemma3.read, write=hf_gemma3.write,
+                        holds=hf_gemma3.holds, rope_scaling="own", own_keys=True,
+                        gemma_block=True),
 }
 
 
@@ -258,6 +266,7 @@ def architecture_of(model: ModelConfig) -> str:
          or mapping.rope_scaling == "yarn"),
         ("mtp_num_layers", model.mtp_num_layers, model.mtp_num_layers is None or mapping.mtp),
         *([] if mapping.own_keys else _swiglu_holds(model)),
+        *([] if mapping.gemma_block else hf_gemma3.not_held(model)),
         *mapping.holds(model)) if not ok]
     if unmapped:
         key, value = unmapped[0]

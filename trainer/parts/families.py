@@ -15,6 +15,9 @@ requires of the keys. Presets of each live in conf/model/.
     gpt_oss    grouped-query attention with biases and learnable sinks, sliding windows where
                window_attn_skip_freq says; experts in every block, a biased router (the top-k
                logits' softmax), biased experts with the clamped SwiGLU (quick_gelu)
+    gemma3     Gemma 3's text model: zero-centred sandwich norms, qk norms, GeGLU, the embedding
+               scaled by sqrt(hidden), windowed layers with their own rotary base between
+               global ones (5:1), a softmax scale of its own
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ LLAMA, QWEN3 = "LlamaForCausalLM", "Qwen3ForCausalLM"
 MIXTRAL, QWEN3_MOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM"
 DEEPSEEK_V3 = "DeepseekV3ForCausalLM"  # Kimi K2's and Moonlight's too
 GPT_OSS = "GptOssForCausalLM"
+GEMMA3 = "Gemma3ForCausalLM"
 
 
 def _requires(name: str, **wanted: Callable[[ModelConfig], bool]) -> Callable:
@@ -71,6 +75,18 @@ def _gpt_oss_rules(model: ModelConfig) -> None:
                          f"model.num_moe_experts and model.moe_layer_freq=1.")
 
 
+def _gemma3_rules(model: ModelConfig) -> None:
+    """Gemma 3's block: what its keys must say (conf/model/gemma3_27b.yaml has them all)."""
+    wanted = (("layernorm_zero_centered_gamma", True), ("sandwich_norm", True),
+              ("scale_embedding", True), ("qk_layernorm", True), ("activation_func", "fast_gelu"),
+              ("multi_latent_attention", False), ("num_moe_experts", None))
+    for key, want in wanted:
+        if getattr(model, key) != want:
+            raise ValueError(f"model.name=gemma3 needs model.{key}={want!r}, not "
+                             f"{getattr(model, key)!r}. Fix: set it as conf/model/gemma3_27b.yaml"
+                             f" does, or model.name=llama for Llama's block with its variants.")
+
+
 @dataclass(frozen=True)
 class Family:
     name: str  # model.name
@@ -98,6 +114,7 @@ FAMILIES = {f.name: f for f in (
     Family("deepseek_v3", DEEPSEEK_V3, _requires("deepseek_v3",
                                                  mla=lambda m: m.multi_latent_attention)),
     Family("gpt_oss", GPT_OSS, _gpt_oss_rules),
+    Family("gemma3", GEMMA3, _gemma3_rules),
 )}
 # The family an imported checkpoint's architecture becomes (llama's is chosen from the keys on
 # export, and its own on import).
