@@ -40,6 +40,7 @@ import prepare_speed  # noqa: E402
 import soak  # noqa: E402
 import stamp  # noqa: E402
 import table  # noqa: E402
+import window  # noqa: E402
 
 from trainer.units import duration  # noqa: E402
 
@@ -81,6 +82,7 @@ def sections(quick: bool) -> list[tuple[str, Callable[[dict], dict]]]:
         ("mixture of experts", one("moe", lambda: moe.measure(quick))),
         ("DeepSeek-V3's model", one("deepseek", lambda: deepseek.measure(quick))),
         ("documents", one("documents", lambda: documents.measure(quick))),
+        ("sliding windows", one("window", lambda: window.measure(quick))),
         ("compiled blocks", one("compile", lambda: compile_blocks.measure(quick))),
         ("soak (2 x 4,096 steps of 8 ranks)", one("soak", lambda: soak.measure(quick))),
     ]

@@ -166,6 +166,8 @@ def rows(figures: dict[str, Any]) -> list[dict[str, Any]]:
         out += _document_rows(f["documents"])
     if "compile" in f:  # nor before bench/compile_blocks.py
         out += _compile_rows(f["compile"])
+    if "window" in f:  # nor before bench/window.py
+        out += _window_rows(f["window"])
     if "soak" in f:  # nor before bench/soak.py
         out += _soak_rows(f["soak"])
     if "deepseek" in f:  # nor before bench/deepseek.py
@@ -192,6 +194,24 @@ def _deepseek_rows(d: dict) -> list[dict[str, Any]]:
              "0.98-1.02", "measured dry run of a mid-sized DeepSeek-style model (MLA, MTP 1, 8 "
              "experts), the worst of " + ", ".join(
                  f"{n} {r['allocated_peak_over_planned']}" for n, r in dry.items())),
+    ]
+
+
+def _window_rows(w: dict) -> list[dict[str, Any]]:
+    """Sliding windows: CP 8 p2p's bytes and step time over the ring's, one process's step."""
+    cp, one = w["context_parallel"], w["one_process"]
+    return [
+        _row("window_p2p_bytes_over_ring", cp["bytes_window_over_ring"], "<= 0.25",
+             f"the busiest rank's context bytes a step; analytic "
+             f"{cp['analytic_window_over_ring']} (measured over analytic: "
+             f"{', '.join(f'{k} {v}' for k, v in cp['bytes_over_analytic'].items())}); "
+             f"{cp['setup']}"),
+        _row("window_p2p_step_over_ring", cp["step_time_window_over_ring"], "<= 0.5",
+             f"all_gather with the window over without "
+             f"{cp['all_gather_step_time_window_over_none']}; p2p's window over all_gather's "
+             f"{cp['step_time_window_p2p_over_window_all_gather']}; step s {cp['step_s']}"),
+        _row("window_one_process_step_over_full", one["step_time_window_over_full"], "<= 0.6",
+             f"step s {one['step_s']}; {one['setup']}"),
     ]
 
 
