@@ -17,13 +17,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from trainer.config import CPCommType
+from trainer.config import CPCommType, Precision
 from trainer.plan.options import EngineOptions
 
 from harness import run_ranks
 from test_parity import (
     LAYOUTS,
     TINY,
+    assert_close_to_fp32,
     assert_parity,
     make_layout,
     reference_cache,
@@ -48,6 +49,7 @@ CASES = [  # (layout, options)
     ("ws4_ss2", EngineOptions()),
     ("pp2", EngineOptions()),
     ("every_axis", P2P),  # TP 2 x SP x WS x SS x CP on 8 ranks
+    ("cp2", EngineOptions(cp_comm_type=CPCommType.a2a)),
 ]
 
 
@@ -56,7 +58,9 @@ def references():
     return reference_cache()
 
 
-@pytest.mark.parametrize("name,options", [pytest.param(*c, id=c[0]) for c in CASES])
+@pytest.mark.parametrize("name,options", [
+    pytest.param(*c, id=f"{c[0]}_{c[1].cp_comm_type.value}" if "cp" in c[0] else c[0])
+    for c in CASES])
 def test_gemma3_matches_one_process(name, options, references):
     world, kwargs = LAYOUTS[name]
     layout = make_layout(world, kwargs)
@@ -67,3 +71,14 @@ def test_gemma3_matches_one_process(name, options, references):
     # the zero-centred norms trained away from zero, the post-norms and qk norms included
     for norm in ("attn_norm", "post_attn_norm", "post_mlp_norm", "attn.q_norm"):
         assert ref["params"][f"layers.0.{norm}.weight"].abs().max() > 1e-4, norm
+
+
+def test_bf16_gemma3_trains_close_to_fp32(references):
+    """bf16 under TP with SP (test_parity's bound): the zero-centred norms in fp32, the
+    embedding's scale rounded to bf16 (8.0 exactly here); close to fp32, and not equal."""
+    world, kwargs = LAYOUTS["tp2_sp"]
+    layout = make_layout(world, kwargs)
+    batches, ref = references(layout.global_batch_size, torch.float32, GEMMA3)
+    got = run_ranks(world, train_rank, layout, batches, torch.float32,
+                    EngineOptions(Precision.bf16), GEMMA3, timeout=120)[0]
+    assert_close_to_fp32(got, ref, "bf16 gemma3 tp2_sp")
