@@ -316,8 +316,26 @@ GEMMA_CASES = {
     "gemma_full_bf16": (1, {}, FULL_BF16),
 }
 MEASURED_RANK = {"local_cp4_p2p": 1, "local_cp4_p2p_bf16": 1}
+# gpt-oss's MLP: biases and the clamped SwiGLU (quick_gelu, an offset of 1, a clamp), dense and
+# experts (with a shared expert), and the clamp without an offset (the clamped up kept).
+GPT_OSS_MLP = dataclasses.replace(LOCAL, add_bias_linear=True, activation_func="quick_gelu",
+                                  glu_linear_offset=1.0, activation_func_clamp_value=7.0)
+GPT_OSS_MOE = dataclasses.replace(GPT_OSS_MLP, num_moe_experts=8, moe_router_topk=2,
+                                  moe_ffn_hidden_size=256,
+                                  moe_shared_expert_intermediate_size=128)
+CLAMPED_SILU = dataclasses.replace(GQA, activation_func_clamp_value=7.0)
+ACTIVATION_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
+    "gpt_oss_mlp_one_process": (1, {}, {}, GPT_OSS_MLP),
+    "gpt_oss_mlp_tp2_sp_bf16": (2, TP2_SP, dict(precision=Precision.bf16), GPT_OSS_MLP),
+    "gpt_oss_moe_one_process": (1, {}, {}, GPT_OSS_MOE),
+    "gpt_oss_moe_ep2_cp2": (4, dict(expert_model_parallel_size=2, context_parallel_size=2), {},
+                            GPT_OSS_MOE),
+    "gpt_oss_moe_selective": (1, {}, dict(recompute_granularity=SELECTIVE), GPT_OSS_MOE),
+    "clamped_silu_one_process": (1, {}, {}, CLAMPED_SILU),
+}
 ALL_CASES = {**CASES, **GQA_CASES, **QK_CASES, **LOCAL_CASES, **GEMMA_CASES,
-             **{n: c[:3] for n, c in (MOE_CASES | MLA_CASES | MTP_CASES).items()}}
+             **{n: c[:3] for n, c in (MOE_CASES | MLA_CASES | MTP_CASES
+                                      | ACTIVATION_CASES).items()}}
 
 
 def case(name: str) -> tuple[int, dict, dict, ModelConfig]:
@@ -328,6 +346,8 @@ def case(name: str) -> tuple[int, dict, dict, ModelConfig]:
         return (*ALL_CASES[name], MLA_MODELS[MLA_CASES[name][3]])
     if name in MTP_CASES:
         return (*ALL_CASES[name], MTP_MODELS[MTP_CASES[name][3]])
+    if name in ACTIVATION_CASES:
+        return ACTIVATION_CASES[name]
     model = QK if name in QK_CASES else GQA if name in GQA_CASES else \
         LOCAL if name in LOCAL_CASES else GEMMA if name in GEMMA_CASES else MODEL
     return (*ALL_CASES[name], model)

@@ -24,10 +24,22 @@ def swiglu_shapes(h: int, f: int, prefix: str = "", bias: bool = False) -> Shape
 
 def kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
                cp_comm_type=None) -> int:
-    """gate_up's input T*h*e, its output, silu(gate) and the product 4*T*f/t*e (selective
-    recompute drops silu(gate))."""
-    kept = 3 if recompute is RecomputeGranularity.selective else 4
+    """gate_up's input T*h*e, its output, act(gate) and the product 4*T*f/t*e, and what the
+    activation keeps beyond (activation_units); selective recompute keeps only gate_up's
+    output and the product."""
+    kept = 3 if recompute is RecomputeGranularity.selective else 4 + activation_units(m)
     return k.T * m.hidden_size * e + kept * k.T * m.ffn_hidden_size // k.t * e
+
+
+def activation_units(m: ModelConfig) -> int:
+    """What the gated activation keeps beyond SwiGLU's, in tensors as wide as the MLP's inner
+    width (the experts' too; none under selective recompute, which keeps its inputs alone):
+    quick_gelu its sigmoid, glu_linear_offset the shifted up, a clamp the clamped gate and,
+    without an offset, the clamped up (which the product then keeps). silu and fast_gelu keep
+    what SwiGLU keeps: their input, a view of gate_up's output."""
+    clamp = m.activation_func_clamp_value is not None
+    return ((m.activation_func == "quick_gelu") + bool(m.glu_linear_offset)
+            + (clamp * (2 if not m.glu_linear_offset else 1)))
 
 
 def backward_bytes(m: ModelConfig, k: Tokens, e: int, selective: bool) -> int:

@@ -25,7 +25,7 @@ expert's size; the router runs in fp32 (4 bytes), int64 indices take 8:
 from __future__ import annotations
 
 from trainer.config import ModelConfig, RecomputeGranularity
-from trainer.parts.mlp import activation_rules, swiglu_shapes
+from trainer.parts.mlp import activation_rules, activation_units, swiglu_shapes
 from trainer.parts.part import HfNames, Part, Shapes
 from trainer.parts.tokens import FP32, Tokens
 from trainer.values import finite, one_of, positive_int
@@ -189,7 +189,8 @@ def moe_mlp_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranula
     T, h, F, E = k.Tr, m.hidden_size, m.expert_ffn_size, m.num_moe_experts
     Tk = T * m.moe_router_topk
     selective = recompute is RecomputeGranularity.selective
-    experts = Tk * (3 * h + 2 * F + (1 if selective else 2) * F + 1) * e + 2 * Tk * INDEX
+    act = 1 if selective else 2 + activation_units(m)  # act(gate) and the product
+    experts = Tk * (3 * h + 2 * F + act * F + 1) * e + 2 * Tk * INDEX
     if k.ep > 1:  # parallel.experts: the permutations that regroup what arrived, and back
         experts += 2 * Tk * INDEX
     if k.etp > 1:  # every ETP peer's rows, regrouped, are the grouped GEMM's input here
@@ -199,7 +200,7 @@ def moe_mlp_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranula
     if m.moe_shared_expert_intermediate_size:
         fs = m.moe_shared_expert_intermediate_size
         # TP-split as a dense MLP; its input is a new tensor when gathered over TP or cast
-        shared = (3 if selective else 4) * k.T * fs // k.t * e + (
+        shared = (3 if selective else 4 + activation_units(m)) * k.T * fs // k.t * e + (
             k.T * h * e if e != FP32 or k.sp else 0)
     return router_bytes(m, T) + experts + copies + shared
 
@@ -248,7 +249,8 @@ def dispatch_rows(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranula
         return {}
     sent = k.Tr * m.moe_router_topk
     selective = recompute is RecomputeGranularity.selective
-    per_row = (m.hidden_size + (3 if selective else 4) * m.expert_ffn_size // k.etp) * e \
+    per_row = (m.hidden_size + (3 if selective else 4 + activation_units(m))
+               * m.expert_ffn_size // k.etp) * e \
         + 2 * INDEX
     expected, most = sent * k.etp, sent * k.ep * k.etp
     if m.moe_expert_capacity_factor is not None:  # (a factor under 1 bounds both)
