@@ -314,6 +314,7 @@ GEMMA_CASES = {
     "gemma_cp2_p2p_bf16": (2, dict(context_parallel_size=2), dict(precision=Precision.bf16)),
     "gemma_selective": (1, {}, dict(recompute_granularity=SELECTIVE)),
     "gemma_full_bf16": (1, {}, FULL_BF16),
+    "gemma_ws2_bf16": (2, WS2, dict(precision=Precision.bf16)),
 }
 MEASURED_RANK = {"local_cp4_p2p": 1, "local_cp4_p2p_bf16": 1}
 # gpt-oss's MLP: biases and the clamped SwiGLU (quick_gelu, an offset of 1, a clamp), dense and

@@ -128,11 +128,13 @@ def mtp_block_bytes(m: ModelConfig, k: Tokens, e: int,
 
 
 def block_backward_bytes(parts: BlockParts, m: ModelConfig, k: Tokens, e: int,
-                         selective: bool) -> int:
+                         selective: bool, gathered: int = 0, message: int = 0) -> int:
     """The most a block's backward forms beside what it keeps: its MLP's moments, or a
-    zero-centred norm's (fp32 whatever the compute dtype: trainer.parts.norm), the larger."""
-    return max(parts.mlp.backward_bytes(m, k, e, selective),
-               parts.norm.backward_bytes(m, k, e, selective))
+    zero-centred norm's (fp32 whatever the compute dtype: trainer.parts.norm), the larger;
+    with `gathered`, what weight sharding holds then, of which the fp32 gradient message
+    (`message`) is not made yet at a norm's moment (no weight's gradient is)."""
+    return max(parts.mlp.backward_bytes(m, k, e, selective) + gathered,
+               parts.norm.backward_bytes(m, k, e, selective) + gathered - message)
 
 
 def loss_bytes(m: ModelConfig, k: Tokens) -> int:
@@ -333,16 +335,17 @@ def chunk_phases(m: ModelConfig, layout: Layout, options: EngineOptions, chunk: 
             out.append(seen[key])
             continue
         gathered = bundle_bytes(layout, options, e, weights, freed, p) if sharded else 0
+        message = weights[p] * FP32 if sharded else 0  # bundle_bytes' gradient message
         if options.recomputes(p) is RecomputeGranularity.full:
             # a block rebuilt under bf16 without weight sharding casts its weights again,
             # kept through its backward (and the rebuilt forward's own moment: a MoE block's
             # exchange over ETP)
             copies = weights[p] * e if e != FP32 and not sharded else 0
-            out.append((max(block_backward_bytes(kind, m, k, e, False),
-                            kind.mlp.rebuild_bytes(m, k, e))
-                        + rebuilt_of[kind] + copies + gathered - kept_by_others, gathered))
+            out.append((max(block_backward_bytes(kind, m, k, e, False, gathered, message),
+                            kind.mlp.rebuild_bytes(m, k, e) + gathered)
+                        + rebuilt_of[kind] + copies - kept_by_others, gathered))
         else:
-            out.append((block_backward_bytes(kind, m, k, e, selective) + gathered,
+            out.append((block_backward_bytes(kind, m, k, e, selective, gathered, message),
                         gathered))
         seen[key] = out[-1]
     return out
