@@ -107,7 +107,9 @@ def test_every_part_names_a_layer_that_builds_with_its_shapes():
                                      {"num_moe_experts": 4, "moe_layer_freq": [0, 1]},
                                      {"num_moe_experts": 4, "moe_layer_freq": [1, 0, 1],
                                       "num_layers": 3, "moe_router_score_function": "sigmoid",
-                                      "moe_router_enable_expert_bias": True}])
+                                      "moe_router_enable_expert_bias": True},
+                                     {"layernorm_zero_centered_gamma": True,  # Gemma 3's
+                                      "sandwich_norm": True, "qk_layernorm": True}])
 def test_parameter_shapes_from_the_config_are_the_built_models(changes):
     """The compose-time shapes (no torch) against the Transformer itself, names and order; its
     buffers (a router's expert bias) too."""
