@@ -155,3 +155,30 @@ def test_what_we_do_not_build_is_one_line(change, names, tmp_path):
     refused("-m", "trainer.hf", "import", str(tmp_path / "hf"), str(tmp_path / "ours"),
             names=names)
     assert not (tmp_path / "ours").exists()
+
+
+def test_norm_and_embedding_scale_are_transformers_in_bf16():
+    """The zero-centred norm bit for bit as transformers' Gemma3RMSNorm on bf16 inputs (fp32
+    inside, cast back after the scale), and the embedding's scale rounded as theirs."""
+    from transformers.models.gemma3.modeling_gemma3 import (
+        Gemma3RMSNorm,
+        Gemma3TextScaledWordEmbedding,
+    )
+
+    from trainer.model.norm import RMSNorm
+    from trainer.model.transformer import embedding_scale
+
+    torch.manual_seed(0)
+    weight = torch.randn(3072).bfloat16()  # values both hold exactly
+    theirs, ours = Gemma3RMSNorm(3072, 1e-6).bfloat16(), RMSNorm(3072, 1e-6, zero_centered=True)
+    with torch.no_grad():
+        theirs.weight.copy_(weight)
+        ours.weight.copy_(weight.float())
+    x = (torch.randn(4, 3072) * 3).bfloat16()
+    assert torch.equal(ours(x), theirs(x))
+    embedding = Gemma3TextScaledWordEmbedding(8, 3072, 0, embed_scale=3072 ** 0.5).bfloat16()
+    scale = embedding_scale(ModelConfig(name="gemma3", vocab_size=8, hidden_size=3072,
+                                        num_layers=1, num_heads=1, ffn_hidden_size=1,
+                                        rope_theta=1.0, norm_eps=1e-6, init_std=0.02),
+                            torch.bfloat16)
+    assert scale.item() == embedding.embed_scale.to(torch.bfloat16).item() == 55.5
