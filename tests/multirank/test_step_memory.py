@@ -536,17 +536,26 @@ def test_a_rank_never_builds_a_full_weight():
     assert 0 < largest <= own < smallest
 
 
-def test_measured_dry_run_of_a_64_rank_world_matches_the_plan(tmp_path):
+WORLD_64 = ["cluster.num_nodes=8", "cluster.procs_per_node=8",
+            "parallel.tensor_parallel_num_weight_shards=8",
+            "parallel.tensor_parallel_num_sequence_shards=8", "parallel.context_parallel_size=2",
+            "model.hidden_size=512", "model.num_heads=8", "model.ffn_hidden_size=1376",
+            "train.seq_length=8192", "train.micro_batch_size=2", "train.eval_interval=null"]
+# gpt-oss's dense block at that size: windows 255 back in every other block (runtime CP 16,
+# chunks of 256: the window's exchange), sinks, biases, the clamped SwiGLU, YaRN
+GPT_OSS_DENSE = ["model=tiny_gpt_oss", "model.name=llama", "model.num_moe_experts=null",
+                 "model.moe_ffn_hidden_size=null", "model.moe_aux_loss_coeff=0.0",
+                 "model.kv_channels=64", "model.num_query_groups=4", "model.window_size=255",
+                 "model.original_max_position_embeddings=4096"]
+
+
+@pytest.mark.parametrize("model", [[], GPT_OSS_DENSE], ids=["llama", "gpt_oss_dense"])
+def test_measured_dry_run_of_a_64_rank_world_matches_the_plan(tmp_path, model):
     """The real CLI: rank 9 of 64 (WS 8, SS 8, CP 2, DP 4), its engine built and one step run
     in this one process; the state it allocated is the plan's to the byte, what its allocator
     held is the plan's terms, and its resident peak is near the planned peak."""
     run_dir = tmp_path / "run"
-    overrides = ["cluster.num_nodes=8", "cluster.procs_per_node=8",
-                 "parallel.tensor_parallel_num_weight_shards=8",
-                 "parallel.tensor_parallel_num_sequence_shards=8",
-                 "parallel.context_parallel_size=2", "model.hidden_size=512",
-                 "model.num_heads=8", "model.ffn_hidden_size=1376", "train.seq_length=8192",
-                 "train.micro_batch_size=2", "train.eval_interval=null"]
+    overrides = [*model, *WORLD_64]
     result = subprocess.run(
         [sys.executable, "launch.py", *overrides, "dry_run=true", "dry_run_rank=9",
          f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
