@@ -4,36 +4,19 @@ on eight processes under TP with SP, CP, EP and PP at once, every step logged, i
 falling, and each axis's collectives really used."""
 from __future__ import annotations
 
-import json
-import re
-import shlex
-import subprocess
-import sys
-
-from config_helpers import ROOT
+from config_helpers import ROOT, page_command, run_logged
 
 HEADING = "## A DeepSeek-V3-class model on every axis"
 
 
-def readme_command() -> list[str]:
-    section = (ROOT / "README.md").read_text().split(HEADING, 1)[1]
-    fence = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
-    return shlex.split(fence.replace("\\\n", " "))
-
-
 def test_the_readme_trains_tiny_deepseek_under_tp_sp_cp_ep_and_pp(tmp_path):
-    argv = readme_command()
+    argv = page_command(ROOT / "README.md", HEADING)
     assert argv[:3] == ["python", "launch.py", "model=tiny_deepseek"], argv
     for axis in ("tensor_model_parallel_size=2", "sequence_parallel=true",
                  "context_parallel_size=2", "expert_model_parallel_size=2",
                  "pipeline_model_parallel_size=2"):
         assert f"parallel.{axis}" in argv, axis
-    done = subprocess.run([sys.executable, *argv[1:], f"hydra.run.dir={tmp_path}",
-                           "logger.log_interval=1"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    steps = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    steps = [m for m in steps if "loss" in m]
+    steps = run_logged(argv, tmp_path)
     assert [m["step"] for m in steps] == list(range(1, 17))
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5, [m["loss"] for m in steps]
     moved = steps[-1]["comm_bytes"]

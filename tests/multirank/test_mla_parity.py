@@ -25,6 +25,7 @@ from test_parity import (
     TINY,
     assert_close_to_fp32,
     assert_parity,
+    case_id,
     make_layout,
     reference_cache,
     relative,
@@ -81,15 +82,7 @@ def references():
     return reference_cache()
 
 
-def _id(case) -> str:
-    layout, model, dtype, options = case
-    extra = [options.cp_comm_type.value] if "cp" in layout or layout == "every_axis" else []
-    if options.recompute_granularity is not None:
-        extra.append(options.recompute_granularity.value)
-    return "_".join([layout, model, *extra]) + f"-{str(dtype)[6:]}"
-
-
-@pytest.mark.parametrize("name,model,dtype,options", [pytest.param(*c, id=_id(c))
+@pytest.mark.parametrize("name,model,dtype,options", [pytest.param(*c, id=case_id(c))
                                                        for c in CASES])
 def test_multi_latent_attention_matches_one_process(name, model, dtype, options, references):
     world, kwargs = LAYOUTS[name]

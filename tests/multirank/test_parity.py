@@ -188,6 +188,16 @@ def train_rank(rank: int, layout: Layout, batches: list[torch.Tensor], dtype: to
             "graphs": graphs}
 
 
+def case_id(case: tuple) -> str:
+    """A (layout, model, dtype, options) case's test id: the layout, the model, the CP type
+    where the layout has CP and the recompute granularity where set, then the dtype."""
+    layout, model, dtype, options = case
+    extra = [options.cp_comm_type.value] if "cp" in layout or layout == "every_axis" else []
+    if options.recompute_granularity is not None:
+        extra.append(options.recompute_granularity.value)
+    return "_".join([layout, model, *extra]) + f"-{str(dtype)[6:]}"
+
+
 def relative(a: torch.Tensor | float, b: torch.Tensor | float) -> float:
     """||a - b|| / ||b|| (a scalar's relative error; a tensor's in the 2-norm)."""
     a, b = torch.as_tensor(a, dtype=torch.float64), torch.as_tensor(b, dtype=torch.float64)
