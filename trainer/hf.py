@@ -1,4 +1,5 @@
-"""Command line: Hugging Face models (Llama, Qwen3, Mixtral, Qwen3-MoE) in and out of checkpoints.
+"""Command line: Hugging Face models in and out of checkpoints (Llama, Qwen3, Mixtral, Qwen3-MoE,
+DeepSeek-V3, gpt-oss, Gemma 3: trainer.checkpoint.hf_families).
 
     python -m trainer.hf import HF_DIR OUT_DIR
         HF_DIR: config.json and model.safetensors (or a sharded set with its index).

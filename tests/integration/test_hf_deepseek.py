@@ -406,7 +406,6 @@ REFUSED = [
     ({"n_group": 4, "topk_group": 1, "num_experts_per_tok": 4}, "by its 2 best scores"),
     ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
     ({"n_shared_experts": 0}, "n_shared_experts=0"),
-    ({"rope_parameters": {**YARN, "truncate": False}}, "truncate=false"),
     ({"rope_parameters": {**YARN, "attention_factor": 1.2}}, "attention_factor"),
     ({"rope_parameters": {**YARN, "mscale": 0.0}}, "mscale_all_dim without mscale"),
     ({"rope_parameters": {**YARN, "rope_type": "llama3"}}, "only YaRN"),
@@ -431,6 +430,16 @@ def test_what_we_cannot_build_is_one_line(saved_config, change, message):
         model_config(config, source)
     text = str(refusal.value)
     assert message in text and "Fix:" in text and "\n" not in text, text
+
+
+def test_yarn_truncate_false_is_the_ramp_unrounded(saved_config):
+    """transformers' truncate false (its YaRN ramp's ends not rounded to whole dims) is
+    model.yarn_correction_range_round_to_int=false, as gpt-oss's (tests/integration/
+    test_hf_gpt_oss.py checks the logits); absent, the rounded ramp."""
+    source = Path("/models/x/config.json")
+    assert model_config(dict(saved_config), source).yarn_correction_range_round_to_int
+    unrounded = {**saved_config, "rope_parameters": {**YARN, "truncate": False}}
+    assert not model_config(unrounded, source).yarn_correction_range_round_to_int
 
 
 def test_the_cli_refuses_a_deepseek_v32_folder_in_one_line(tmp_path):

@@ -54,18 +54,7 @@ def test_every_family_has_its_hugging_face_mapping():
     """What a new family adds: its description and its config.json mapping, one for one."""
     from trainer.checkpoint.hf_families import MAPPINGS
 
-    # gpt-oss's (fused, interleaved, transposed experts) is not built yet: its import and
-    # export are refused in one line (test_gpt_oss_is_refused_by_the_hugging_face_mapping)
-    assert set(MAPPINGS) == set(FAMILIES) - {"gpt_oss"}
-
-
-def test_gpt_oss_is_refused_by_the_hugging_face_mapping():
-    from trainer.checkpoint.hf_families import architecture_of, model_config
-
-    with pytest.raises(ValueError, match="model.name=gpt_oss: its Hugging Face mapping"):
-        architecture_of(preset("tiny_gpt_oss"))
-    with pytest.raises(ValueError, match="architectures=.*GptOssForCausalLM.* not built yet"):
-        model_config({"architectures": ["GptOssForCausalLM"]}, "config.json")
+    assert set(MAPPINGS) == set(FAMILIES)
 
 
 @pytest.mark.parametrize("name, changes_, needs", [

@@ -15,7 +15,9 @@ Both ways check what they can before writing (the safetensors headers; the check
 .metadata against the model) and write into a hidden folder of their own, renamed into place.
 DeepSeek's multi-token prediction layers (hf_families.hf_parts) come in and go out with the
 model; their copies of the embedding and head are checked equal on the way in, kept once, and
-written again on the way out.
+written again on the way out. A tensor a family's files lay out otherwise than our rows
+(hf_families.layouts: DeepSeek's interleaved rotary rows, gpt-oss's fused experts) is moved
+into our rows on the way in and back on the way out, element for element.
 """
 from __future__ import annotations
 
@@ -50,10 +52,11 @@ from trainer.checkpoint.hf_families import (
     hf_copies,
     hf_parts,
     layers_from,
+    layouts,
     model_config,
-    row_orders,
     unbuilt,
 )
+from trainer.checkpoint.hf_layout import Layout
 from trainer.checkpoint.integrity import CHECKSUMS, METADATA, file_checksum
 from trainer.checkpoint.match import weights
 from trainer.checkpoint.safetensors_io import SafetensorsReader, write_streamed
@@ -104,14 +107,14 @@ def import_hf(hf_dir: Path, out_dir: Path, say: Callable[[str], None] | None = N
     model = model_config(config, config_path)  # first: a bad config.json is named as such
     reader = SafetensorsReader(hf_dir)
     model = _held_depths(model, reader, config_path, say)
-    parts, orders = hf_parts(model), row_orders(model, config)
+    parts, stored = hf_parts(model), layouts(model, config)
     shapes = _shapes(model, parts)
-    _check_weights(reader, model, shapes, parts, config_path)
+    _check_weights(reader, model, shapes, parts, stored, config_path)
     paced = Paced(f"importing {hf_dir} into {out_dir} (fp32)",
                   sum(4 * torch.Size(shape).numel() for shape in shapes.values()), say)
 
     def value(name: str) -> torch.Tensor:  # asked by DCP one tensor at a time, while writing
-        pieces = [_in_order(reader.get(hf_name).to(torch.float32), orders.get(hf_name))
+        pieces = [_ours(reader.get(hf_name).to(torch.float32), stored.get(hf_name))
                   for hf_name, _ in parts[name]]
         full = torch.zeros(shapes[name], dtype=torch.float32)  # padding rows stay zero
         torch.cat(pieces, out=_rows(full)[:sum(rows for _, rows in parts[name])])
@@ -146,9 +149,15 @@ def _shapes(model: ModelConfig, parts: dict[str, list[tuple[str, int]]]
                                       if name in parts}
 
 
-def _in_order(rows: torch.Tensor, order: list[int] | None) -> torch.Tensor:
-    """`rows` taken in `order` (hf_families.row_orders), or as they are."""
-    return rows if order is None else rows[order]
+def _ours(tensor: torch.Tensor, layout: Layout | None) -> torch.Tensor:
+    """A tensor as read from the files, as our rows (its Layout's), or as it is."""
+    return tensor if layout is None else layout.to_ours(tensor)
+
+
+def _on_disk(rows: int, shape: tuple[int, ...], layout: Layout | None) -> tuple[int, ...]:
+    """The shape a Hugging Face tensor of `rows` of our parameter (`shape`) has in the files:
+    its Layout's, else those rows of the parameter's last dim."""
+    return layout.shape if layout is not None and layout.shape else (rows, *shape[1:][-1:])
 
 
 def _rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -172,13 +181,14 @@ def _read_mapping(path: Path, name: str, fix: str) -> dict:
 
 def _check_weights(reader: SafetensorsReader, model: ModelConfig,
                    shapes: dict[str, tuple[int, ...]], parts: dict[str, list[tuple[str, int]]],
-                   config_path: Path) -> None:
+                   stored: dict[str, Layout], config_path: Path) -> None:
     """Before anything is written: every tensor the config implies is in the safetensors
     headers, at its shape and a float dtype, and no other is (a model we would import in part)."""
     hf_dir, fix = config_path.parent, "use the config.json these weights were saved with"
     for name, pieces in parts.items():
         for hf_name, rows in pieces:
-            spec, want = reader.spec(hf_name), (rows, *shapes[name][1:][-1:])
+            spec = reader.spec(hf_name)
+            want = _on_disk(rows, shapes[name], stored.get(hf_name))
             if spec is None:
                 depths = f" and {model.mtp_num_layers} multi-token prediction layers" \
                     if model.mtp_num_layers else ""
@@ -354,13 +364,12 @@ def export_hf(ckpt: Path, hf_dir: Path, model: ModelConfig, dtype: torch.dtype =
     time. say: told the progress."""
     parts = hf_parts(model)
     shapes, config = _shapes(model, parts), hf_config(model, dtype)  # refuses what no family holds
-    orders = {name: torch.tensor(order).argsort().tolist() for name, order in
-              row_orders(model, config).items()}  # back to their rows
+    stored = layouts(model, config)
     saved = saved_entries(ckpt)
     copies_of: dict[str, list[str]] = {}  # DeepSeek's copies of the embedding and head
     for copy, source in hf_copies(model).items():
         copies_of.setdefault(source, []).append(copy)
-    specs = [(written, (rows, *shapes[name][1:][-1:])) for name in parts
+    specs = [(written, _on_disk(rows, shapes[name], stored.get(hf_name))) for name in parts
              for hf_name, rows in parts[name] for written in (hf_name,
                                                                *copies_of.get(hf_name, ()))]
 
@@ -376,7 +385,8 @@ def export_hf(ckpt: Path, hf_dir: Path, model: ModelConfig, dtype: torch.dtype =
             paced.advance(full.nbytes)
             split = _rows(full)[:sum(r for _, r in pieces)].split([r for _, r in pieces])
             for (hf_name, _), rows in zip(pieces, split):
-                rows = _in_order(rows, orders.get(hf_name))
+                if hf_name in stored:
+                    rows = stored[hf_name].to_theirs(rows)
                 yield from ((written, rows) for written in (hf_name,
                                                             *copies_of.get(hf_name, ())))
 

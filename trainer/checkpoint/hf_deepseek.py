@@ -152,20 +152,19 @@ def holds(model: ModelConfig) -> list[tuple[str, Any, bool]]:
 
 def yarn_keys(scaling: Fields, fields: Fields) -> dict:
     """Our YaRN keys of a rope scaling as transformers reads it (beta_fast 32 and beta_slow 1
-    where unset, the original context max_position_embeddings where unset); what it would
-    compute that ours cannot is refused in one line."""
+    where unset, the original context max_position_embeddings where unset, the ramp's ends
+    rounded unless truncate is false); what it would compute that ours cannot is refused in one
+    line. DeepSeek-V3's and gpt-oss's alike."""
     values = scaling.values
 
     def refuse(why: str) -> None:
         raise ValueError(f"{scaling.source}: rope scaling {values} is not supported: {why}. "
-                         f"Fix: import a model with YaRN's rope scaling as DeepSeek-V3 writes "
-                         f"it, or none.")
+                         f"Fix: import a model with YaRN's rope scaling as DeepSeek-V3 or "
+                         f"gpt-oss write it, or none.")
     if values.get("rope_type", values.get("type")) != "yarn":
-        refuse("only YaRN (rope_type yarn) is modelled for DeepseekV3ForCausalLM")
+        refuse("only YaRN (rope_type yarn) is modelled for this architecture")
     if "attention_factor" in values:
         refuse("an attention_factor of its own (ours follows from mscale and mscale_all_dim)")
-    if not scaling.get("truncate", BOOL, True):
-        refuse("truncate=false (ours rounds the ramp's ends to whole dims, as DeepSeek)")
     mscale, all_dim = (float(scaling.get(key, NUMBER, 0.0)) for key in ("mscale",
                                                                          "mscale_all_dim"))
     if all_dim and not mscale:
@@ -180,4 +179,5 @@ def yarn_keys(scaling: Fields, fields: Fields) -> dict:
             "beta_slow": float(scaling.get("beta_slow", NUMBER) or 1.0),
             # without mscale_all_dim, transformers scales cos and sin by YaRN's default
             # 0.1 ln(factor) + 1 whatever mscale says: our mscale 1
-            "mscale": mscale if all_dim else 1.0, "mscale_all_dim": all_dim}
+            "mscale": mscale if all_dim else 1.0, "mscale_all_dim": all_dim,
+            "yarn_correction_range_round_to_int": scaling.get("truncate", BOOL, True)}

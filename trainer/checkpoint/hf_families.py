@@ -13,12 +13,16 @@ writing the tensors is trainer.checkpoint.hf's.
                            Moonlight's architecture too); its interleaved rotary rows are
                            reordered (row_orders), its multi-token prediction layers (layers
                            num_hidden_layers.. of num_nextn_predict_layers) our mtp.depths
+    GptOssForCausalLM      biases, sinks, sliding windows by layer_types, YaRN with truncate;
+                           experts in every block, fused, transposed, gate and up interleaved
+                           (their Layouts: trainer.checkpoint.hf_gpt_oss)
 
 Which of their tensors each of our parameters is comes from the model's parts (trainer.parts:
 each part names its own); the family (trainer.parts.families) gives a model.name to an imported
 architecture and the names of its experts, and its HfMapping here (MAPPINGS) the config.json
 fields only it reads and writes (DeepSeek-V3's, the most, in trainer.checkpoint.hf_deepseek;
-config.json's typed fields in trainer.checkpoint.hf_fields).
+config.json's typed fields in trainer.checkpoint.hf_fields), the names its files give where
+they are not the parts' and the tensors they lay out otherwise than our rows (layouts).
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ from typing import Any, Callable
 
 import torch
 
-from trainer.checkpoint import hf_deepseek, hf_gemma3
+from trainer.checkpoint import hf_deepseek, hf_gemma3, hf_gpt_oss
 from trainer.checkpoint.hf_fields import (
     BOOL,
     INT,
@@ -41,6 +45,7 @@ from trainer.checkpoint.hf_fields import (
     TEXTS,
     Fields,
 )
+from trainer.checkpoint.hf_layout import Layout, reordered
 from trainer.checks import check_model
 from trainer.config import ModelConfig
 from trainer.parts import block_parts, mtp
@@ -51,6 +56,7 @@ from trainer.parts.families import (
     LLAMA,
     hf_family,
 )
+from trainer.parts.part import HfNames
 
 REQUIRED_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
                  "intermediate_size")
@@ -74,9 +80,6 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
     need("architectures", architecture in ARCHITECTURES,
          f"import a model of one of {', '.join(ARCHITECTURES)}")
     family = BY_ARCHITECTURE[architecture]
-    need("architectures", family.name in MAPPINGS, f"{architecture}'s Hugging Face mapping "
-         f"(its fused, interleaved experts) is not built yet; train it from "
-         f"conf/model/{family.name}_20b.yaml, or import a model of another family")
     mapping = MAPPINGS[family.name]
     need("use_sliding_window", not fields.get("use_sliding_window", BOOL, False),
          "use a model with full attention in every layer")
@@ -85,7 +88,8 @@ def model_config(hf: dict, source: Path) -> ModelConfig:
     need("hidden_act", mapping.own_keys or fields.get("hidden_act", TEXT, "silu") == "silu",
          "use a SwiGLU (silu) model")
     for key in ("attention_bias", "mlp_bias"):
-        need(key, not fields.get(key, BOOL, False), "use a model without biases")
+        need(key, mapping.biases or not fields.get(key, BOOL, False),
+             "use a model without biases")
     heads, hidden = hf["num_attention_heads"], hf["hidden_size"]
     head_dim = fields.get("head_dim", INT) or hidden // heads
     rope = fields.inner("rope_parameters")  # transformers 5; 4 spells rope_theta/rope_scaling
@@ -134,8 +138,15 @@ class HfMapping:
     # its files hold multi-token prediction layers after the last block (DeepSeek's
     # num_nextn_predict_layers)
     mtp: bool = False
-    # its own read, write and holds map the MLP activation's keys and the linear biases (else
-    # a SwiGLU without biases, hidden_act silu, is all it holds)
+    # its files hold linear biases (gpt-oss's): its read maps attention_bias
+    biases: bool = False
+    # a block's names where its files differ from the parts' (ours and theirs: the block's
+    # prefixes; gpt-oss's fused experts), replacing the parts' names of the same parameters
+    names: Callable[[ModelConfig, str, str], HfNames] = lambda model, ours, theirs: {}
+    # its tensors laid out otherwise than our rows, by their name (gpt-oss's experts)
+    layouts: Callable[[ModelConfig], dict[str, Layout]] = lambda model: {}
+    # its own read, write and holds map the MLP activation's keys, the linear biases, windows
+    # and sinks (else a SwiGLU without biases, hidden_act silu, full attention, is all it holds)
     own_keys: bool = False
     # its own read, write and holds map Gemma's block keys (hf_gemma3.GEMMA_KEYS; else it holds
     # none of them)
@@ -222,6 +233,10 @@ MAPPINGS = {
                            holds=_softmax_router_holds),
     "deepseek_v3": HfMapping("deepseek_v3", read=hf_deepseek.read, write=hf_deepseek.write,
                              holds=hf_deepseek.holds, rope_scaling="yarn", mtp=True),
+    "gpt_oss": HfMapping("gpt_oss", read=hf_gpt_oss.read, write=hf_gpt_oss.write,
+                         holds=hf_gpt_oss.holds, intermediate_is_experts=True,
+                         rope_scaling="yarn", biases=True, own_keys=True,
+                         names=hf_gpt_oss.names, layouts=hf_gpt_oss.layouts),
     "gemma3": HfMapping("gemma3_text", read=hf_gemma3.read, write=hf_gemma3.write,
                         holds=hf_gemma3.holds, rope_scaling="own", own_keys=True,
                         gemma_block=True),
@@ -242,24 +257,22 @@ def _llama3_rope_factor(scaling: Fields) -> float:
 
 
 def _swiglu_holds(model: ModelConfig) -> list[tuple[str, Any, bool]]:
-    """hidden_act silu: a plain SwiGLU, no offset, no clamp; no biases."""
+    """hidden_act silu: a plain SwiGLU, no offset, no clamp; no biases; full attention without
+    sinks (their config.json has no window or sinks that transformers would apply)."""
     return [("add_bias_linear", model.add_bias_linear, not model.add_bias_linear),
             ("add_qkv_bias", model.add_qkv_bias, not model.add_qkv_bias),
             ("activation_func", model.activation_func, model.activation_func == "silu"),
             ("glu_linear_offset", model.glu_linear_offset, not model.glu_linear_offset),
             ("activation_func_clamp_value", model.activation_func_clamp_value,
-             model.activation_func_clamp_value is None)]
+             model.activation_func_clamp_value is None),
+            ("window_size", model.window_size, model.window_size is None),
+            ("softmax_type", model.softmax_type, model.softmax_type == "vanilla")]
 
 
 def architecture_of(model: ModelConfig) -> str:
     """The family an export writes; what it cannot hold (a router, a rope scaling, a block) is
     refused in one line."""
     family = hf_family(model)
-    if family.name not in MAPPINGS:
-        raise ValueError(f"model.name={family.name}: its Hugging Face mapping ({family.architecture}"
-                         f"'s fused, interleaved experts) is not built yet. Fix: keep the "
-                         f"checkpoint in this trainer's format, or export a model of another "
-                         f"family.")
     architecture, mapping = family.architecture or LLAMA, MAPPINGS[family.name]
     unmapped = [(k, v) for k, v, ok in (
         ("rope_type", model.rope_type, model.rope_type == "rope"
@@ -288,8 +301,11 @@ def hf_config(model: ModelConfig, dtype: torch.dtype) -> dict:
     elif model.rope_type == "yarn":
         scaling = {"rope_type": "yarn", "factor": model.rotary_scaling_factor,
                    "original_max_position_embeddings": model.original_max_position_embeddings,
-                   "beta_fast": model.beta_fast, "beta_slow": model.beta_slow,
-                   "mscale": model.mscale, "mscale_all_dim": model.mscale_all_dim}
+                   "beta_fast": model.beta_fast, "beta_slow": model.beta_slow}
+        if model.mscale_all_dim:  # else transformers' default scale, our mscale 1 (holds)
+            scaling |= {"mscale": model.mscale, "mscale_all_dim": model.mscale_all_dim}
+        if not model.yarn_correction_range_round_to_int:  # the ramp unrounded (gpt-oss's)
+            scaling["truncate"] = False
     if scaling:
         rope = {**scaling, "rope_theta": model.rope_theta}
     mapping = MAPPINGS[hf_family(model).name]
@@ -314,11 +330,13 @@ def hf_parts(model: ModelConfig) -> dict[str, list[tuple[str, int]]]:
     the parameter viewed 2-D: [rows, its last dim]), with their rows: each block's parts name
     theirs (trainer.parts). The vocabulary rows are the unpadded ones."""
     h, vocab, family = model.hidden_size, model.vocab_size, hf_family(model)
+    mapping = MAPPINGS[family.name]
     out = {"embed.weight": [("model.embed_tokens.weight", vocab)]}
     for i in range(model.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
         for part in block_parts(model, i):
             out |= part.hf_names(model, ours, theirs, family)
+        out |= mapping.names(model, ours, theirs)
     out["norm.weight"] = [("model.norm.weight", h)]
     if not model.tie_word_embeddings:
         out["head.weight"] = [("lm_head.weight", vocab)]
@@ -327,6 +345,7 @@ def hf_parts(model: ModelConfig) -> dict[str, list[tuple[str, int]]]:
         out |= mtp.hf_names(model, ours, theirs)
         for part in block_parts(model, model.num_layers - 1):
             out |= part.hf_names(model, f"{ours}block.", theirs, family)
+        out |= mapping.names(model, f"{ours}block.", theirs)
     return out
 
 
@@ -362,6 +381,14 @@ def row_orders(model: ModelConfig, config: dict) -> dict[str, list[int]]:
         (kv_name, _), = parts[f"{attn}kv_down.weight"]
         orders |= {q_name: q, kv_name: kv}
     return orders
+
+
+def layouts(model: ModelConfig, config: dict) -> dict[str, Layout]:
+    """Hugging Face tensor name -> how its files lay it out, for the tensors they do not hold
+    as our rows (`config`: their config.json): the family's own (gpt-oss's fused experts) and
+    DeepSeek's rotary rows (row_orders). trainer.checkpoint.hf applies them both ways."""
+    return ({name: reordered(order) for name, order in row_orders(model, config).items()}
+            | MAPPINGS[hf_family(model).name].layouts(model))
 
 
 def layers_from(names: set[str], first: int) -> list[str]:

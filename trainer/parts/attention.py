@@ -89,11 +89,18 @@ def kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularit
 
 
 def hf_names(cfg: ModelConfig, ours: str, theirs: str, family) -> HfNames:
+    """q, k and v's projections (and their biases) fused in ours; gpt-oss's sinks."""
     q, kv, h, d = cfg.q_size, cfg.kv_size, cfg.hidden_size, cfg.head_dim
+    qkv = (("q", q), ("k", kv), ("v", kv))
+    kinds = ("weight", "bias") if cfg.add_bias_linear or cfg.add_qkv_bias else ("weight",)
     return {
-        f"{ours}attn.qkv.weight": [(f"{theirs}self_attn.{p}_proj.weight", rows)
-                                   for p, rows in (("q", q), ("k", kv), ("v", kv))],
+        **{f"{ours}attn.qkv.{kind}": [(f"{theirs}self_attn.{p}_proj.{kind}", rows)
+                                      for p, rows in qkv] for kind in kinds},
         f"{ours}attn.o.weight": [(f"{theirs}self_attn.o_proj.weight", h)],
+        **({f"{ours}attn.o.bias": [(f"{theirs}self_attn.o_proj.bias", h)]}
+           if cfg.add_bias_linear else {}),
+        **({f"{ours}attn.sinks": [(f"{theirs}self_attn.sinks", cfg.num_heads)]}
+           if cfg.softmax_type == "learnable" else {}),
         **({f"{ours}attn.{p}_norm.weight": [(f"{theirs}self_attn.{p}_norm.weight", d)]
             for p in ("q", "k")} if cfg.qk_layernorm else {}),
     }
