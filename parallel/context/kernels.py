@@ -146,6 +146,31 @@ def call_gradients(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
             v[samples, :, keys], out[samples, :, rows], lse[samples, :, rows], shape, aux[i])
 
 
+def kv_gradients(grad_out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
+               lse: torch.Tensor, step: list[Call], aux: dict, dq: torch.Tensor,
+               dkv: torch.Tensor | None = None) -> list:
+    """The gradients of calls over one K/V buffer `kv` (k and v stacked; a ring step's, the
+    window exchange's): their dq added into dq; their (samples, key rows, dk, dv) added into
+    dkv as they come, or returned without dkv (the ring adds them once the block's arrive)."""
+    key_grads = []
+    for samples, rows, keys, (dq_call, dk, dv) in call_gradients(grad_out, q, kv[0], kv[1], out,
+                                                                 lse, step, aux):
+        dq[samples, :, rows] += dq_call
+        key_grads.append((samples, keys, dk, dv))
+        if dkv is not None:
+            added_kv(dkv, key_grads)
+            key_grads.clear()
+    return key_grads
+
+
+def added_kv(dkv: torch.Tensor, key_grads: list) -> torch.Tensor:
+    """kv_gradients' returned (samples, key rows, dk, dv) added into dkv."""
+    for samples, keys, dk, dv in key_grads:
+        dkv[0][samples, :, keys] += dk
+        dkv[1][samples, :, keys] += dv
+    return dkv
+
+
 def merged_output(merge: Merge, like: torch.Tensor, sinks: torch.Tensor | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse), with the sinks joined (add_sinks) where given; out in like's dtype, laid out

@@ -23,8 +23,9 @@ from parallel.comm import Group
 from parallel.context.calls import Call, plan_calls
 from parallel.context.kernels import (
     Merge,
+    added_kv,
     attend_calls,
-    call_gradients,
+    kv_gradients,
     lse_dtype,
     merged_output,
     sink_gradient,
@@ -94,10 +95,10 @@ class _RingAttention(torch.autograd.Function):
                 travelling.wait_sent()
             if travelling is None:  # our own block: its gradients start here
                 dkv = torch.zeros(kv.shape, dtype=total, device=q.device)
-                _gradients(grad_out, q, kv, out, lse, step, ctx.aux[i], dq, dkv)
+                kv_gradients(grad_out, q, kv, out, lse, step, ctx.aux[i], dq, dkv)
             else:  # added into the gradients arriving for this block, once they are here
-                key_grads = _gradients(grad_out, q, kv, out, lse, step, ctx.aux[i], dq)
-                dkv = _added(travelling.wait()[0], key_grads)
+                key_grads = kv_gradients(grad_out, q, kv, out, lse, step, ctx.aux[i], dq)
+                dkv = added_kv(travelling.wait()[0], key_grads)
                 del key_grads
             travelling = ring.group.start_shift([dkv])  # after the last step: home
             del dkv  # the shift holds it while it is sent
@@ -106,29 +107,6 @@ class _RingAttention(torch.autograd.Function):
         dkv = travelling.wait()[0]
         d_sinks = None if sinks is None else sink_gradient(grad_out, out, lse, sinks)
         return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, d_sinks
-
-
-def _gradients(grad_out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
-               lse: torch.Tensor, step: list[Call], aux: dict, dq: torch.Tensor,
-               dkv: torch.Tensor | None = None) -> list:
-    """One step's calls: their dq added into dq; their (samples, key rows, dk, dv) added into
-    dkv as they come, or returned without dkv."""
-    key_grads = []
-    for samples, rows, keys, (dq_call, dk, dv) in call_gradients(grad_out, q, kv[0], kv[1], out,
-                                                                 lse, step, aux):
-        dq[samples, :, rows] += dq_call
-        key_grads.append((samples, keys, dk, dv))
-        if dkv is not None:
-            _added(dkv, key_grads)
-            key_grads.clear()
-    return key_grads
-
-
-def _added(dkv: torch.Tensor, key_grads: list) -> torch.Tensor:
-    for samples, keys, dk, dv in key_grads:
-        dkv[0][samples, :, keys] += dk
-        dkv[1][samples, :, keys] += dv
-    return dkv
 
 
 class RingAttention:

@@ -27,7 +27,7 @@ from parallel.context.calls import Call, plan_calls
 from parallel.context.kernels import (
     Merge,
     attend_calls,
-    call_gradients,
+    kv_gradients,
     lse_dtype,
     merged_output,
     sink_gradient,
@@ -123,30 +123,19 @@ class _WindowedAttention(torch.autograd.Function):
         exchange, total = ctx.exchange, lse.dtype
         dq = torch.zeros(q.shape, dtype=total, device=q.device)
         d_far = torch.zeros(far.shape, dtype=total, device=q.device)
-        _gradients(grad_out, q, far, out, lse, ctx.calls[1], ctx.aux[1], dq, d_far)
+        kv_gradients(grad_out, q, far, out, lse, ctx.calls[1], ctx.aux[1], dq, d_far)
         home = d_far.split([len(slots) * far.shape[KV_SEQ_DIM] // len(exchange.far)
                             for _, slots in exchange.receives], KV_SEQ_DIM)
         pending = ctx.group.start_exchange(
             [(m, piece) for (m, _), piece in zip(exchange.receives, home)],
             [(d, _shape(kv, slots)) for d, slots in exchange.sends], d_far)
         dkv = torch.zeros(kv.shape, dtype=total, device=q.device)
-        _gradients(grad_out, q, kv, out, lse, ctx.calls[0], ctx.aux[0], dq, dkv)
+        kv_gradients(grad_out, q, kv, out, lse, ctx.calls[0], ctx.aux[0], dq, dkv)
         for (_, slots), grads in zip(exchange.sends, pending.wait()):
             _slots(dkv, slots).add_(grads)
         d_sinks = None if sinks is None else sink_gradient(grad_out, out, lse, sinks)
         return (dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None,
                 d_sinks)
-
-
-def _gradients(grad_out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
-               lse: torch.Tensor, calls: list[Call], aux: dict, dq: torch.Tensor,
-               dkv: torch.Tensor) -> None:
-    """The calls' gradients added into dq and dkv."""
-    for samples, rows, keys, (dq_call, dk, dv) in call_gradients(grad_out, q, kv[0], kv[1], out,
-                                                                 lse, calls, aux):
-        dq[samples, :, rows] += dq_call
-        dkv[0][samples, :, keys] += dk
-        dkv[1][samples, :, keys] += dv
 
 
 def windowed_attention(peers: WindowedPeers, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
