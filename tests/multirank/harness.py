@@ -80,6 +80,10 @@ def _child(rank: int, world_size: int, tmp: str, pg_timeout: float, parent: int,
         store = dist.FileStore(os.path.join(tmp, "store"), world_size)
         dist.init_process_group(backend="gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout))
+        # Every rank's mesh is whole before any fn runs: a rank whose fn needs no collective
+        # could otherwise return, exit and close its sockets while a slower peer is still in
+        # gloo's connectFullMesh, which then fails with "Connection closed by peer".
+        dist.barrier()
         result = fn(rank, *args, **kwargs)
         out = os.path.join(tmp, f"result{rank}.pt")
         torch.save(_to_cpu(result), out + ".part")
