@@ -25,13 +25,23 @@ from trainer.config import (
     Precision,
 )
 from trainer.parts import model_parts, mtp
+from trainer.parts.assembly import parameter_shapes
 from trainer.parts.families import FAMILIES
+from trainer.parts.matrices import unmatched_patterns
 from trainer.parts.moe import MOE, check_moe
 from trainer.values import finite, one_of, positive_int
 
 # What optim.name selects; the implementation lives in train/ (which imports torch). A model
 # family (model.name) is a description in trainer.parts.families.
-OPTIMIZERS = ("adamw",)
+OPTIMIZERS = ("adamw", "muon")
+# Megatron's muon_scale_mode values (emerging_optimizers' get_muon_scale_factor: the factor the
+# orthogonalised update of a rows x cols matrix is multiplied by; trainer.plan.muon), and where
+# the Newton-Schulz iteration runs: master, the master weights' dtype (fp32, or fp64 in the exact
+# tests), or bf16, its input rounded first as torch.optim.Muon does.
+SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
+NS_DTYPES = ("master", "bf16")
+MUON_KEYS = ("muon_momentum", "muon_nesterov", "muon_num_ns_steps", "muon_scale_mode",
+             "muon_extra_scale_factor", "muon_split_qkv", "muon_ns_dtype", "adamw_params")
 
 
 def check_model(model: ModelConfig) -> None:
@@ -61,6 +71,32 @@ def check_optim(optim: OptimConfig) -> None:
     if optim.clip_grad is not None:
         finite("optim.clip_grad", optim.clip_grad, 0, False,
                fix="use e.g. 1.0, or null for no clipping")
+    if optim.name != "muon":
+        unused = [f"optim.{k}={getattr(optim, k)!r}" for k in MUON_KEYS
+                  if getattr(optim, k) != getattr(OptimConfig, k, [])]
+        if unused:
+            raise ValueError(f"{unused[0]} applies to Muon only, but optim.name={optim.name!r}. "
+                             f"Fix: select optim=muon, or drop the override.")
+        return
+    finite("optim.muon_momentum", optim.muon_momentum, 0, True, 1, False, fix="use e.g. 0.95")
+    positive_int("optim.muon_num_ns_steps", optim.muon_num_ns_steps, "use e.g. 5")
+    one_of("optim.muon_scale_mode", optim.muon_scale_mode, SCALE_MODES, "Muon scale mode")
+    finite("optim.muon_extra_scale_factor", optim.muon_extra_scale_factor, 0, False,
+           fix="use 0.2 with spectral (AdamW's update RMS), or 1.0")
+    one_of("optim.muon_ns_dtype", optim.muon_ns_dtype, NS_DTYPES, "Newton-Schulz dtype")
+
+
+def check_muon_params(model: ModelConfig, optim: OptimConfig) -> None:
+    """optim.adamw_params: each pattern names a parameter of the model."""
+    if optim.name != "muon":
+        return
+    shapes = parameter_shapes(model)
+    missing = unmatched_patterns(shapes, list(optim.adamw_params))
+    if missing:
+        raise ValueError(f"optim.adamw_params has {missing[0]!r}, which matches no parameter of "
+                         f"model={model.name}. Fix: use a name pattern such as "
+                         f"'layers.*.attn.o.weight' (dry_run=true lists the split), or remove "
+                         f"it.")
 
 
 def check_cluster(cluster: ClusterConfig) -> None:
@@ -240,6 +276,7 @@ def check_values(cfg: Config, layout: Layout) -> None:
     check_compile(cfg)
     check_seeds(cfg)
     check_optim(cfg.optim)
+    check_muon_params(cfg.model, cfg.optim)
     check_logger(cfg.logger)
     check_sample_prompts(cfg)
     check_checkpoint(cfg.checkpoint)

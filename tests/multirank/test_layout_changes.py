@@ -132,8 +132,8 @@ def state_chunks(engine) -> dict:
     chunks, shapes = {}, {}
     for name, param in model.module.named_parameters():
         shapes[name] = model.global_shape(name)
-        moments = () if name in model.stage_copies else views[name]  # its owner has them
-        for kind, tensor in zip(("param", "exp_avg", "exp_avg_sq"), (param.data, *moments)):
+        moments = {} if name in model.stage_copies else views[name]  # its owner has them
+        for kind, tensor in {"param": param.data, **moments}.items():
             chunks[kind, name] = [(o, t.clone()) for o, t in model.global_chunks(name, tensor)]
     return {"chunks": chunks, "shapes": shapes}
 

@@ -167,9 +167,10 @@ def reference(rank: int, batches: list[torch.Tensor], dtype: torch.dtype,
 
 
 def train_rank(rank: int, layout: Layout, batches: list[torch.Tensor], dtype: torch.dtype,
-               options: EngineOptions = EngineOptions(), model: ModelConfig = TINY) -> dict:
+               options: EngineOptions = EngineOptions(), model: ModelConfig = TINY,
+               optim: OptimConfig = OPTIM) -> dict:
     torch.set_default_dtype(dtype)
-    engine = build_engine(model, OPTIM, SEED, layout, torch.device("cpu"), options)
+    engine = build_engine(model, optim, SEED, layout, torch.device("cpu"), options)
     losses, norms, moe, graphs = [], [], [], []
     for batch, lr in zip(batches, LRS):
         micro_batches = rank_micro_batches(lambda idx, b=batch: b[idx], layout, rank)

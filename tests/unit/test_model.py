@@ -9,6 +9,7 @@ import torch
 from trainer.config import ModelConfig
 from trainer.model.rotary import apply_rotary
 from trainer.model.transformer import Transformer
+from trainer.plan.muon import scale_factor
 
 TINY = ModelConfig(name="llama", vocab_size=256, hidden_size=64, num_layers=2, num_heads=4,
                    ffn_hidden_size=176, rope_theta=10000.0, norm_eps=1e-5, init_std=0.02)
@@ -83,9 +84,11 @@ def test_training_refuses_what_the_engine_cannot_split():
 
 def test_the_names_checked_at_compose_time_are_the_implementations_built():
     from trainer import checks
-    from trainer.train import engine
+    from trainer.train import optim
 
-    assert set(checks.OPTIMIZERS) == set(engine.OPTIMIZERS)
+    assert set(checks.NS_DTYPES) == set(optim.NS_DTYPES)
+    for mode in checks.SCALE_MODES:  # each names a scale (an unknown one raises)
+        assert scale_factor(6, 3, mode) > 0
 
 
 def test_every_part_names_a_layer_that_builds_with_its_shapes():

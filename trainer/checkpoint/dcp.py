@@ -140,9 +140,8 @@ def _tensors(engine: Engine, moments_views: dict) -> dict[str, Chunked]:
         out[f"model.{name}"] = Chunked(shape, model.global_chunks(name, param.data))
         if name in model.stage_copies:  # the same values as its owner's; no moments here
             continue
-        avg, avg_sq = moments_views[name]
-        out[f"optim.exp_avg.{name}"] = Chunked(shape, model.global_chunks(name, avg))
-        out[f"optim.exp_avg_sq.{name}"] = Chunked(shape, model.global_chunks(name, avg_sq))
+        for kind, view in moments_views[name].items():  # AdamW's moments or Muon's momentum
+            out[f"optim.{kind}.{name}"] = Chunked(shape, model.global_chunks(name, view))
     return out
 
 

@@ -22,6 +22,8 @@ TP_STYLES = {**{name: style for part in PARTS for name, style in
 # multi-latent attention's down-projections and multi-token prediction's eh_proj (whole on
 # every rank).
 WHOLE = (*(name for part in PARTS for name in part.prefixed(part.whole)), EH_PROJ)
+# Linears whose weights optim=muon leaves to AdamW (a router), by module-name suffix.
+ADAMW_LINEARS = tuple(name for part in PARTS for name in part.prefixed(part.adamw_linears))
 # Buffers by name within a block, of every registered part (what a checkpoint may hold beside
 # the weights: trainer.checkpoint.match tells them from a dropped weight).
 BUFFER_NAMES = tuple(name for part in PARTS for name in part.prefixed(part.buffer_names))

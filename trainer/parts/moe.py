@@ -306,6 +306,7 @@ MOE = Part(
     # The router is whole on every rank; the experts are split over expert parallel instead
     # (parallel.experts; trainer.plan.axis_costs.tensor refuses TP without SP for them).
     whole=("router", "experts"),
+    adamw_linears=("router",),
     experts=("experts",),
     # [E, 2F, h]: each expert's gate|up rows split alike; [E, h, F]: its inputs split
     expert_splits={"gate_up": (1, (1, 1)), "down": (2, (1,)),

@@ -49,6 +49,9 @@ class Part:
     tp_styles: dict[str, str] = field(default_factory=dict)
     fused: Callable[[ModelConfig], dict[str, tuple[int, ...]]] = _none
     whole: tuple[str, ...] = ()  # modules whose weights no TP style splits (whole on each rank)
+    # Linears whose 2-D weight optim=muon leaves to AdamW: a router classifies tokens over
+    # experts, it is no hidden map for Muon to orthogonalise (trainer.plan.muon).
+    adamw_linears: tuple[str, ...] = ()
     # Initialisation: parameters on the residual branch's output, whose std shrinks with depth
     # so the residual stream keeps its scale (the rest: init_std; 1-D ones start at one).
     residual_outputs: tuple[str, ...] = ()

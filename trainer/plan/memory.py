@@ -93,7 +93,7 @@ class StageWeights:
     gathered_by_block: tuple[int, ...] = ()  # each of its blocks' 2-D weights, in order
 
 
-# The optimizer's flat buffers (trainer.train.optim.ShardedAdamW), each padded on its own:
+# The optimizer's flat buffers (trainer.train.optim.ShardedOptimizer), each padded on its own:
 # sharded weights, weights every rank holds whole (a router), norms (no decay), and experts
 # (split over EP and ETP; their parts spread over expert DP, the others' over weight_replica).
 SHARDED, WHOLE, NORMS, EXPERTS = BUFFERS = range(4)

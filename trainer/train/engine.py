@@ -19,17 +19,19 @@ from parallel.layout import Layout
 from parallel.parallelize import ParallelModel, parallelize
 from trainer.config import ModelConfig, OptimConfig, Precision
 from trainer.model.transformer import Transformer
-from trainer.parts.assembly import parallel_plan
+from trainer.parts.assembly import parallel_plan, parameter_shapes
+from trainer.parts.matrices import muon_parameters
 from trainer.plan.axis_costs import check_model_fits_layout
+from trainer.plan.muon import row_splits
 from trainer.plan.options import EngineOptions
 from trainer.train import routing
 from trainer.train.compile import compile_blocks
-from trainer.train.optim import ShardedAdamW
+from trainer.train.optim import MuonChoice, ShardedOptimizer
 from trainer.train.recompute import apply_recompute
 
-# What optim.name selects (trainer.checks lists the names, without torch). Every model family
-# (model.name) is the Transformer over its parts (trainer.parts.families).
-OPTIMIZERS = {"adamw": ShardedAdamW}
+# Every optim.name (trainer.checks lists them, without torch) is the sharded optimizer: AdamW
+# alone, or Muon on the hidden matrices with AdamW on the rest. Every model family (model.name)
+# is the Transformer over its parts (trainer.parts.families).
 
 
 @dataclass
@@ -37,7 +39,7 @@ class Engine:
     layout: Layout
     groups: Groups
     model: ParallelModel
-    optimizer: ShardedAdamW
+    optimizer: ShardedOptimizer
 
 
 COMPUTE_DTYPE = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16}
@@ -68,6 +70,15 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layo
     routing.wire(model, groups, parallel.sequence_parallel)
     # The optimizer moves the (still untouched) parameters into its flat buffers first, so the
     # values are written once, in place, and no second copy of them is ever resident.
-    optimizer = OPTIMIZERS[optim_cfg.name](parallel, optim_cfg, layout)
+    optimizer = ShardedOptimizer(parallel, optim_cfg, layout, muon_choice(model_cfg, optim_cfg))
     parallel.initialize(functools.partial(model.initial_values, seed=seed))
     return Engine(layout, groups, parallel, optimizer)
+
+
+def muon_choice(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> MuonChoice | None:
+    """The parameters optim=muon orthogonalises and their row blocks; None under adamw."""
+    if optim_cfg.name != "muon":
+        return None
+    shapes, plan = parameter_shapes(model_cfg), parallel_plan(model_cfg)
+    return MuonChoice(frozenset(muon_parameters(shapes, list(optim_cfg.adamw_params))),
+                      lambda name: row_splits(name, shapes[name], plan, optim_cfg.muon_split_qkv))

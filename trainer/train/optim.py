@@ -1,4 +1,5 @@
-"""AdamW with its state sharded over weight_replica (ZeRO-1 on top of the GTP weight shards).
+"""AdamW (or Muon with AdamW) with its state sharded over weight_replica (ZeRO-1 on top of the GTP
+weight shards).
 
 Parameters live as views into flat buffers: GTP-sharded weights, weights whole on every rank of
 a weight tile (a router), norms (not decayed), and a mixture of experts' experts. Each rank of a
@@ -11,6 +12,7 @@ there, as every rank of it saw other tokens).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -18,6 +20,14 @@ from parallel.comm import Group
 from parallel.layout import Layout
 from parallel.parallelize import ParallelModel
 from trainer.config import OptimConfig
+from trainer.train.muon import MuonExchange
+
+# AdamW's state tensors (torch's names), and the buffers by kind in their order
+# (trainer.plan.memory.BUFFERS).
+ADAM_STATES = ("exp_avg", "exp_avg_sq")
+BUFFER_KINDS = ("sharded", "whole", "norms", "experts", "muon_sharded", "muon_whole",
+                "muon_experts")
+NS_DTYPES = {"master": None, "bf16": torch.bfloat16}
 
 # Gradient elements squared in fp64 at a time for the norm: its transient is one fp64 chunk
 # (8 MiB), where widening a whole part would cost 8 bytes per element the rank updates.
@@ -61,43 +71,68 @@ class FlatBuffer:
         return cls(flat, grads, part, counted, slots, replica)
 
 
-class ShardedAdamW:
-    def __init__(self, model: ParallelModel, cfg: OptimConfig, layout: Layout):
+class ShardedOptimizer:
+    """optim=adamw: AdamW on every parameter. optim=muon: Muon on the hidden matrices
+    (trainer.plan.muon.muon_parameters; trainer.train.muon orthogonalises them), AdamW on the
+    rest. Both keep their state sharded over each buffer's replicas."""
+
+    def __init__(self, model: ParallelModel, cfg: OptimConfig, layout: Layout,
+                 muon: MuonChoice | None = None):
         groups = model.groups
-        self.world, self.clip = groups.world, cfg.clip_grad
-        # Four flat buffers (trainer.plan.memory: SHARDED, WHOLE, NORMS, EXPERTS): sharded
-        # weights; weights every rank of a weight tile holds whole (a router), decayed too;
-        # norms, whole and not decayed; experts, split over EP, decayed.
-        sharded, whole, norms, experts = [], [], [], []
+        self.world, self.clip, self.cfg = groups.world, cfg.clip_grad, cfg
+        muon = muon or MuonChoice(frozenset(), lambda name: ())
+        # Flat buffers (trainer.plan.memory: SHARDED, WHOLE, NORMS, EXPERTS, then Muon's):
+        # sharded weights; weights every rank of a weight tile holds whole (a router), decayed
+        # too; norms, whole and not decayed; experts, split over EP, decayed; and the matrices
+        # Muon takes of the sharded, whole and expert ones.
+        kinds: dict[str, list] = {k: [] for k in BUFFER_KINDS}
         for name, param in model.module.named_parameters():
             if name in model.stage_copies:  # another stage owns it (tied embeddings)
                 continue
             if model.is_expert(name):
-                experts.append((name, param))
+                kind = "experts"
             elif model.is_sharded(name):
                 assert param.ndim == 2, f"{name}: a sharded weight is 2-D"
-                sharded.append((name, param))
+                kind = "sharded"
             else:
-                (whole if param.ndim >= 2 else norms).append((name, param))
+                kind = "whole" if param.ndim >= 2 else "norms"
+            if name in muon.names:
+                kind = "muon_" + kind
+            kinds[kind].append((name, param))
         # Whole tensors are on every rank of a weight tile: count them once. Each rank's part
         # of the experts' buffer is its own (other experts over EP, other parts over expert DP).
         tile_root = groups.tp.rank == 0 and groups.gtp_remat.rank == 0
         replica, expert_replica = groups.weight_replica, groups.expert_data_parallel
-        self.buffers, param_groups = [], []
-        # wd_mult: Megatron's multiplier of the step's weight decay (0: norms, never decayed).
-        for params, wd_mult, counted, group in ((sharded, 1.0, True, replica),
-                                                (whole, 1.0, tile_root, replica),
-                                                (norms, 0.0, tile_root, replica),
-                                                (experts, 1.0, True, expert_replica)):
-            if params:
-                buffer = FlatBuffer.build(params, group, layout, counted,
-                                          group is expert_replica)
-                self.buffers.append(buffer)
-                param_groups.append({"params": [buffer.part], "wd_mult": wd_mult,
-                                     "weight_decay": cfg.weight_decay * wd_mult})
+        self.buffers, param_groups, self.muon = [], [], []
+        steps, split = cfg.muon_num_ns_steps, muon.blocks_of
+        for kind in BUFFER_KINDS:
+            params = kinds[kind]
+            if not params:
+                continue
+            experts = kind.endswith("experts")
+            group = expert_replica if experts else replica
+            counted = tile_root if kind.endswith(("whole", "norms")) else True
+            buffer = FlatBuffer.build(params, group, layout, counted, experts)
+            self.buffers.append(buffer)
+            if kind.startswith("muon_"):
+                tile = groups.expert_tensor_parallel if experts else groups.weight_tile
+                whole = {name for name, _ in params} if kind == "muon_whole" else set()
+                exchange = MuonExchange(model, buffer.slots, tile, group, split, whole, steps,
+                                        cfg.muon_scale_mode, cfg.muon_extra_scale_factor,
+                                        NS_DTYPES[cfg.muon_ns_dtype])
+                start = group.rank * buffer.part.numel()
+                self.muon.append(MuonBuffer(buffer, exchange,
+                                            exchange.runs(start, buffer.part.numel()),
+                                            torch.zeros_like(buffer.part)))
+                continue
+            # wd_mult: Megatron's multiplier of the step's weight decay (0: norms, never).
+            wd_mult = 0.0 if kind == "norms" else 1.0
+            param_groups.append({"params": [buffer.part], "wd_mult": wd_mult,
+                                 "weight_decay": cfg.weight_decay * wd_mult})
         # foreach=False: the same per-tensor kernels as a plain single-process AdamW.
-        self.adam = torch.optim.AdamW(param_groups, lr=0.0, betas=(cfg.beta1, cfg.beta2),
-                                      eps=cfg.eps, foreach=False)
+        self.adam = torch.optim.AdamW(param_groups or [{"params": []}], lr=0.0,
+                                      betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                                      foreach=False)
 
     def zero_grad(self) -> None:
         for buffer in self.buffers:
@@ -135,58 +170,111 @@ class ShardedAdamW:
                     buffer.part.grad.mul_(scale)
         for group in self.adam.param_groups:
             group["lr"] = lr
-            if weight_decay is not None:
+            if weight_decay is not None and "wd_mult" in group:
                 group["weight_decay"] = weight_decay * group["wd_mult"]
         self.adam.step()
+        decay = self.cfg.weight_decay if weight_decay is None else weight_decay
+        for muon in self.muon:
+            muon.step(lr, decay, self.cfg.muon_momentum, self.cfg.muon_nesterov)
         for buffer in self.buffers:  # with one replica the part is the whole buffer, in place
             if buffer.replica.size > 1:
                 buffer.replica.all_gather_into(buffer.params, buffer.part.clone())
 
     # ------------------------------------------------------------------ checkpoint support
-    # Adam moments leave and enter as whole flat buffers (every replica's part), so each
-    # moment can be viewed at its parameter's local shape and saved at the parameter's offsets.
+    # The state leaves and enters as whole flat buffers (every replica's part), so each state
+    # tensor can be viewed at its parameter's local shape and saved at the parameter's offsets:
+    # AdamW's exp_avg and exp_avg_sq, Muon's momentum_buffer (torch's names).
+
+    def _states(self, buffer: FlatBuffer) -> dict[str, torch.Tensor] | None:
+        """This rank's part of each state tensor of `buffer` (None before AdamW's first step:
+        every moment is zero)."""
+        muon = next((m for m in self.muon if m.buffer is buffer), None)
+        if muon is not None:
+            return {"momentum_buffer": muon.momentum}
+        state = self.adam.state.get(buffer.part)
+        return {k: state[k] for k in ADAM_STATES} if state else None
 
     def gather_moments(self) -> Moments:
         """Collective over each buffer's replicas."""
         moments = self.empty_moments()
-        for buffer, avg, avg_sq in zip(self.buffers, moments.exp_avg, moments.exp_avg_sq):
+        for buffer, whole in zip(self.buffers, moments.states):
+            parts = self._states(buffer)
+            for kind, flat in whole.items():
+                if parts:
+                    buffer.replica.all_gather_into(flat, parts[kind])
             state = self.adam.state.get(buffer.part)
-            if state:  # before the first step every moment is zero
-                buffer.replica.all_gather_into(avg, state["exp_avg"])
-                buffer.replica.all_gather_into(avg_sq, state["exp_avg_sq"])
+            if state:
                 moments.step = int(state["step"].item())
         return moments
 
     def empty_moments(self) -> Moments:
-        return Moments(0, [torch.zeros_like(b.params) for b in self.buffers],
-                       [torch.zeros_like(b.params) for b in self.buffers])
+        kinds = [("momentum_buffer",) if any(m.buffer is b for m in self.muon) else ADAM_STATES
+                 for b in self.buffers]
+        return Moments(0, [{k: torch.zeros_like(b.params) for k in ks}
+                           for b, ks in zip(self.buffers, kinds)])
 
-    def moment_views(self, moments: Moments) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Parameter name -> (exp_avg, exp_avg_sq) views shaped like the local parameter."""
+    def moment_views(self, moments: Moments) -> dict[str, dict[str, torch.Tensor]]:
+        """Parameter name -> {state name: view shaped like the local parameter}."""
         views = {}
-        for buffer, avg, avg_sq in zip(self.buffers, moments.exp_avg, moments.exp_avg_sq):
+        for buffer, whole in zip(self.buffers, moments.states):
             for name, offset, shape in buffer.slots:
                 n = shape.numel()
-                views[name] = (avg[offset:offset + n].view(shape),
-                               avg_sq[offset:offset + n].view(shape))
+                views[name] = {k: flat[offset:offset + n].view(shape)
+                               for k, flat in whole.items()}
         return views
 
     def load_moments(self, moments: Moments) -> None:
-        for buffer, avg, avg_sq in zip(self.buffers, moments.exp_avg, moments.exp_avg_sq):
-            if moments.step == 0:
+        for buffer, whole in zip(self.buffers, moments.states):
+            muon = next((m for m in self.muon if m.buffer is buffer), None)
+            if muon is not None:
+                muon.momentum.copy_(buffer.part_of(whole["momentum_buffer"]))
+            elif moments.step == 0:
                 self.adam.state.pop(buffer.part, None)
-                continue
-            self.adam.state[buffer.part] = {
-                "step": torch.tensor(float(moments.step)),
-                "exp_avg": buffer.part_of(avg).clone(),
-                "exp_avg_sq": buffer.part_of(avg_sq).clone(),
-            }
+            else:
+                self.adam.state[buffer.part] = {
+                    "step": torch.tensor(float(moments.step)),
+                    **{k: buffer.part_of(whole[k]).clone() for k in ADAM_STATES}}
 
 
 @dataclass
 class Moments:
-    """AdamW's state as whole flat buffers (one per FlatBuffer), and its step count."""
+    """The optimizer's state as whole flat buffers (per FlatBuffer: state name -> tensor), and
+    AdamW's step count."""
 
     step: int
-    exp_avg: list[torch.Tensor]
-    exp_avg_sq: list[torch.Tensor]
+    states: list[dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class MuonChoice:
+    """Which parameters Muon takes (single-device names), and each one's row blocks
+    (trainer.plan.muon.row_splits)."""
+
+    names: frozenset[str]
+    blocks_of: Callable[[str], tuple[int, ...]]
+
+
+@dataclass
+class MuonBuffer:
+    """A Muon flat buffer, its exchange, its part's scale runs and its momentum (the part's)."""
+
+    buffer: FlatBuffer
+    exchange: MuonExchange
+    runs: list[tuple[int, int, float]]
+    momentum: torch.Tensor
+
+    def step(self, lr: float, weight_decay: float, momentum: float, nesterov: bool) -> None:
+        """torch.optim.Muon's update of this rank's part, each matrix orthogonalised whole."""
+        buffer, grad = self.buffer, self.buffer.part.grad  # a view into buffer.grads
+        self.momentum.lerp_(grad, 1 - momentum)
+        if nesterov:
+            grad.lerp_(self.momentum, momentum)
+        else:
+            grad.copy_(self.momentum)
+        if buffer.replica.size > 1:
+            buffer.replica.all_gather_into(buffer.grads, grad.clone())
+        self.exchange.orthogonalise(buffer.grads)
+        update = buffer.replica.reduce_scatter(buffer.grads)  # one replica: the buffer itself
+        buffer.part.mul_(1 - lr * weight_decay)
+        for start, end, ratio in self.runs:
+            buffer.part[start:end].add_(update[start:end], alpha=-(lr * ratio))

@@ -18,7 +18,7 @@ import torch
 from parallel.parallelize import ParallelModel
 from trainer.train import routing
 from trainer.train.batch import IGNORE, MicroBatch
-from trainer.train.optim import ShardedAdamW
+from trainer.train.optim import ShardedOptimizer
 
 
 class NonFiniteStep(Exception):
@@ -42,7 +42,7 @@ class StepResult:
     mtp_losses: list[float] = field(default_factory=list)
 
 
-def train_step(model: ParallelModel, optimizer: ShardedAdamW, micro_batches: list[MicroBatch],
+def train_step(model: ParallelModel, optimizer: ShardedOptimizer, micro_batches: list[MicroBatch],
                lr: float, mark: Callable[[str], None] | None = None,
                weight_decay: float | None = None) -> StepResult:
     """mark: told "micro_batches" and then "update" as each part of the step begins (the

@@ -1,0 +1,149 @@
+"""optim=muon: one process equals torch.optim.Muon, and every layout equals one process.
+
+The oracle is torch's own Muon (torch.optim.Muon, which rounds the momentum to bf16 before its
+Newton-Schulz iteration): given the same parameters and gradients, our one-process optimizer
+with optim.muon_ns_dtype=bf16 makes the same step, for both of torch's scale modes. A layout's
+rounding differs from one process's (its sums run in another order), and bf16 would turn an
+ulp into a different bf16 value, so the layouts run the iteration in the master dtype
+(muon_ns_dtype=master) and are held to the trainer in one process: fp64 at 1e-10, fp32 at 1e-5.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from parallel.layout import Layout
+from trainer.config import OptimConfig
+from trainer.model.transformer import Transformer
+from trainer.parts.assembly import parameter_shapes
+from trainer.parts.matrices import muon_parameters
+from trainer.plan.options import EngineOptions
+from trainer.train.engine import build_engine
+
+from harness import run_ranks
+from test_moe_parity import MODELS
+from test_parity import TINY, TOLERANCE, make_data, make_layout, relative, train_rank
+
+SEED = 1234
+MUON = OptimConfig(name="muon", weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
+                   clip_grad=1.0, muon_momentum=0.95, muon_nesterov=True, muon_num_ns_steps=5,
+                   muon_scale_mode="spectral", muon_extra_scale_factor=0.2,
+                   muon_split_qkv=True, muon_ns_dtype="master")
+# torch.optim.Muon's adjust_lr_fn -> (our muon_scale_mode, muon_extra_scale_factor)
+TORCH_MODES = {"original": ("shape_scaling", 1.0), "match_rms_adamw": ("spectral", 0.2)}
+
+
+def _random_grads(model: Transformer, step: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    return {n: torch.randn(p.shape, generator=gen) * 0.01 for n, p in model.named_parameters()}
+
+
+def _against_torch(rank: int, mode: str, nesterov: bool) -> dict:
+    """Three steps of our optimizer (one process) and of torch's Muon + AdamW from the same
+    parameters with the same gradients."""
+    scale_mode, extra = TORCH_MODES[mode]
+    optim = replace(MUON, clip_grad=None, muon_ns_dtype="bf16", muon_split_qkv=False,
+                    muon_scale_mode=scale_mode, muon_extra_scale_factor=extra,
+                    muon_nesterov=nesterov)
+    layout = Layout(1, micro_batch_size=1, seq_length=8, global_batch_size=1)
+    engine = build_engine(TINY, optim, SEED, layout, torch.device("cpu"))
+    ours = dict(engine.model.module.named_parameters())
+    initial = {n: p.detach().clone() for n, p in ours.items()}
+    theirs = Transformer(TINY)
+    with torch.no_grad():
+        for name, p in theirs.named_parameters():
+            p.copy_(ours[name])
+    names = set(muon_parameters(parameter_shapes(TINY), []))
+    params = dict(theirs.named_parameters())
+    muon = torch.optim.Muon([params[n] for n in sorted(names)], lr=1.0, weight_decay=0.1,
+                            momentum=0.95, nesterov=nesterov, adjust_lr_fn=mode)
+    rest = [n for n in params if n not in names]
+    adamw = torch.optim.AdamW([{"params": [params[n] for n in rest if params[n].ndim >= 2],
+                                "weight_decay": 0.1},
+                               {"params": [params[n] for n in rest if params[n].ndim < 2],
+                                "weight_decay": 0.0}],
+                              lr=1.0, betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    for step, lr in enumerate((0.02, 0.01, 0.005)):
+        grads = _random_grads(theirs, step)
+        engine.optimizer.zero_grad()
+        for name, p in ours.items():
+            p.grad.copy_(grads[name])
+        for name, p in params.items():
+            p.grad = grads[name].clone()
+        engine.optimizer.update(lr, engine.optimizer.reduce_gradients())
+        for opt in (muon, adamw):
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+    return {"ours": {n: p.detach().clone() for n, p in ours.items()},
+            "theirs": {n: p.detach().clone() for n, p in params.items()},
+            "muon": sorted(names), "initial": initial}
+
+
+@pytest.mark.parametrize("nesterov", [True, False], ids=["nesterov", "plain"])
+@pytest.mark.parametrize("mode", list(TORCH_MODES))
+def test_one_process_muon_equals_torch_optim_muon(mode, nesterov):
+    (got,) = run_ranks(1, _against_torch, mode, nesterov)
+    assert "layers.0.attn.qkv.weight" in got["muon"] and "embed.weight" not in got["muon"]
+    worst = {n: relative(got["ours"][n], got["theirs"][n]) for n in got["theirs"]}
+    print(f"\nMuon {mode} nesterov={nesterov} against torch.optim.Muon: largest relative "
+          f"difference {max(worst.values()):.2e} ({max(worst, key=worst.get)})")
+    assert max(worst.values()) == 0.0, worst
+    for name in got["muon"]:  # the steps moved every matrix: equal because both updated
+        assert relative(got["ours"][name], got["initial"][name]) > 1e-3, name
+
+
+# name -> (world, Layout keywords, model)
+MOE = MODELS["aux_z"]
+DEEPSEEK = MODELS["deepseek"]
+LAYOUTS = {
+    "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), TINY),
+    "ws4_ss2_cp2": (8, dict(tensor_parallel_num_weight_shards=4,
+                            tensor_parallel_num_sequence_shards=2, context_parallel_size=2),
+                    TINY),
+    "dp2_ws2": (4, dict(tensor_parallel_num_weight_shards=2), TINY),
+    "ws3_padded": (3, dict(tensor_parallel_num_weight_shards=3), TINY),
+    "ep4": (4, dict(expert_model_parallel_size=4), MOE),
+    "tp2_sp_etp2_ep2": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                expert_tensor_parallel_size=2, expert_model_parallel_size=2),
+                        MOE),
+    "pp2_virtual2": (2, dict(pipeline_model_parallel_size=2,
+                             virtual_pipeline_model_parallel_size=2),
+                     replace(TINY, num_layers=4)),
+    "mla_tp2_sp_ep2_pp2": (8, dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                   expert_model_parallel_size=2,
+                                   pipeline_model_parallel_size=2), DEEPSEEK),
+}
+CASES = [("tp2_sp", torch.float64), ("tp2_sp", torch.float32),
+         ("ws4_ss2_cp2", torch.float64), ("ws4_ss2_cp2", torch.float32),
+         ("dp2_ws2", torch.float64), ("dp2_ws2", torch.float32),
+         ("ws3_padded", torch.float64),
+         ("ep4", torch.float64), ("ep4", torch.float32),
+         ("tp2_sp_etp2_ep2", torch.float64),
+         ("pp2_virtual2", torch.float64), ("pp2_virtual2", torch.float32),
+         ("mla_tp2_sp_ep2_pp2", torch.float64), ("mla_tp2_sp_ep2_pp2", torch.float32)]
+
+
+@pytest.mark.parametrize("name,dtype", [pytest.param(n, d, id=f"{n}-{str(d)[6:]}")
+                                        for n, d in CASES])
+def test_muon_under_a_layout_matches_one_process(name, dtype):
+    world, kwargs, model = LAYOUTS[name]
+    layout = make_layout(world, kwargs)
+    batches = make_data(layout.global_batch_size, model)
+    one = Layout(1, micro_batch_size=layout.micro_batch_size * layout.batch_parallel_size,
+                 seq_length=layout.seq_length, global_batch_size=layout.global_batch_size)
+    (ref,) = run_ranks(1, train_rank, one, batches, dtype, EngineOptions(), model, MUON)
+    schedule = "interleaved_1f1b" if layout.virtual_pipeline_size > 1 else "1f1b"
+    results = run_ranks(world, train_rank, layout, batches, dtype,
+                        EngineOptions(pipeline_schedule=schedule), model, MUON, timeout=180)
+    params = {}
+    for result in results:
+        params |= result["params"] or {}
+    worst = {k: relative(params[k], v) for k, v in ref["params"].items()}
+    loss = max(relative(a, b) for a, b in zip(results[0]["losses"], ref["losses"]))
+    print(f"\nMuon {name} {dtype}: loss {loss:.2e}, parameters {max(worst.values()):.2e} "
+          f"(worst {max(worst, key=worst.get)})")
+    assert set(params) == set(ref["params"])
+    assert loss <= TOLERANCE[dtype] and max(worst.values()) <= TOLERANCE[dtype], worst
