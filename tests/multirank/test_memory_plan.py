@@ -12,11 +12,13 @@ import torch
 from trainer.checkpoint.dcp import TrainState, stage
 from trainer.parts.assembly import parameter_shapes
 from trainer.plan.memory import memory_per_stage
+from trainer.plan.muon import muon_plan
 from trainer.train.batch import rank_micro_batches
 from trainer.train.engine import build_engine
 from trainer.train.step import train_step
 
 from harness import run_ranks
+from test_muon import MUON
 from test_parity import OPTIM, SEED, TINY, make_data, make_layout
 
 FP32 = 4
@@ -39,8 +41,8 @@ BIASED = replace(GQA_TIED, add_bias_linear=True)
 BIASED_MOE = replace(TINY, add_bias_linear=True, num_moe_experts=4, moe_ffn_hidden_size=48)
 
 
-def held_after_one_step(rank, layout, batch, model=TINY) -> dict:
-    engine = build_engine(model, OPTIM, SEED, layout, torch.device("cpu"))
+def held_after_one_step(rank, layout, batch, model=TINY, optim=OPTIM) -> dict:
+    engine = build_engine(model, optim, SEED, layout, torch.device("cpu"))
     train_step(engine.model, engine.optimizer,
                rank_micro_batches(lambda i: batch[i], layout, rank,
                                   mtp_depths=model.mtp_num_layers or 0), 1e-3)
@@ -52,8 +54,9 @@ def held_after_one_step(rank, layout, batch, model=TINY) -> dict:
         "parameters": sum(p.numel() for p in model.module.parameters()),
         "param_bytes": (sum(b.params.numel() for b in opt.buffers) + copies) * FP32,
         "grad_bytes": (sum(b.grads.numel() for b in opt.buffers) + copies) * FP32,
-        "optim_bytes": sum(t.numel() for state in opt.adam.state.values()
-                           for key, t in state.items() if key != "step") * FP32,
+        "optim_bytes": (sum(t.numel() for state in opt.adam.state.values()
+                            for key, t in state.items() if key != "step")
+                        + sum(m.momentum.numel() for m in opt.muon)) * FP32,
         # what checkpoint.async_save copies to host memory: every rectangle the rank writes
         "staging_bytes": stage(engine, TrainState()).nbytes,
     }
@@ -94,3 +97,38 @@ def test_planned_bytes_are_the_allocated_bytes(world, kwargs, model):
         assert stage_bytes <= planned.pop("staging_bytes"), (rank, stage_bytes)
         assert held == planned, (rank, held, planned)
     assert staged == [plan.staging_bytes for plan in plans]
+
+
+# optim=muon: its matrices in three buffers of their own, one fp32 momentum per element (the
+# sharded, whole and expert matrices; the rest with AdamW), each buffer padded on its own.
+MUON_CASES = {
+    "ws3": (3, dict(tensor_parallel_num_weight_shards=3), TINY),
+    "tp2_sp_dp2": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True), TINY),
+    "mla_tp2_ws2": (4, dict(tensor_model_parallel_size=2, tensor_parallel_num_weight_shards=2),
+                    MLA),
+    "mtp_pp2_ws2": (4, dict(pipeline_model_parallel_size=2, tensor_parallel_num_weight_shards=2),
+                    MTP),
+    "biased_moe_etp2_ep2_ws2": (4, dict(expert_tensor_parallel_size=2,
+                                        expert_model_parallel_size=2,
+                                        tensor_parallel_num_weight_shards=2), BIASED_MOE),
+}
+
+
+@pytest.mark.parametrize("name", MUON_CASES)
+def test_planned_bytes_under_muon_are_the_allocated_bytes(name):
+    world, kwargs, model = MUON_CASES[name]
+    layout = make_layout(world, kwargs)
+    shapes = parameter_shapes(model)
+    muon = muon_plan(model, MUON)
+    plans = memory_per_stage(shapes, model.num_layers, layout, model.tie_word_embeddings, muon)
+    adamw = memory_per_stage(shapes, model.num_layers, layout, model.tie_word_embeddings)
+    batch = make_data(layout.global_batch_size, model)[0]
+    results = run_ranks(world, held_after_one_step, layout, batch, model, MUON, timeout=120)
+    for rank, held in enumerate(results):
+        stage = layout.coords(rank).pp
+        plan = plans[stage]
+        planned = {key: getattr(plan, key) for key in held}
+        stage_bytes = held.pop("staging_bytes")
+        assert stage_bytes <= planned.pop("staging_bytes"), (rank, stage_bytes)
+        assert held == planned, (rank, held, planned)
+        assert plan.optim_bytes < adamw[stage].optim_bytes  # one momentum, not two moments

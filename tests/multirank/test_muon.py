@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from parallel.layout import Layout
-from trainer.config import OptimConfig
+from trainer.config import ModelConfig, OptimConfig
 from trainer.model.transformer import Transformer
 from trainer.parts.assembly import parameter_shapes
 from trainer.parts.matrices import muon_parameters
@@ -147,3 +147,47 @@ def test_muon_under_a_layout_matches_one_process(name, dtype):
           f"(worst {max(worst, key=worst.get)})")
     assert set(params) == set(ref["params"])
     assert loss <= TOLERANCE[dtype] and max(worst.values()) <= TOLERANCE[dtype], worst
+
+
+def _update_transient(rank: int, layout: Layout, model: ModelConfig) -> int:
+    """What the allocator holds at most during a second step's optimizer update, above what
+    the rank held before it (its state, made by the first step)."""
+    from trainer.train.allocations import Allocations
+    from trainer.train.batch import rank_micro_batches
+    from trainer.train.step import train_step
+
+    engine = build_engine(model, MUON, SEED, layout, torch.device("cpu"))
+    batch = make_data(layout.global_batch_size, model)[0].clamp(min=0)
+    micro_batches = rank_micro_batches(lambda idx: batch[idx], layout, rank)
+    train_step(engine.model, engine.optimizer, micro_batches, 1e-3)
+    with Allocations() as counted:
+        train_step(engine.model, engine.optimizer, micro_batches, 1e-3, counted.mark)
+    return counted.phase("update").transient_bytes
+
+
+WIDE = replace(TINY, hidden_size=128, ffn_hidden_size=352)  # matrices above the AdamW update's
+TRANSIENT_CASES = {
+    "one_process": (1, {}, WIDE),
+    "ws4": (4, dict(tensor_parallel_num_weight_shards=4), WIDE),
+    "tp2_dp2": (4, dict(tensor_model_parallel_size=2), WIDE),
+    "ep2_etp2": (4, dict(expert_model_parallel_size=2, expert_tensor_parallel_size=2),
+                 replace(MOE, hidden_size=128, moe_ffn_hidden_size=256)),
+}
+
+
+@pytest.mark.parametrize("name", TRANSIENT_CASES)
+def test_the_planned_muon_update_is_what_the_allocator_holds(name):
+    """The busiest rank's update transient, counted by the allocator on gloo ranks, is the
+    plan's update term within 2% (trainer.plan.muon.exchange_bytes: the owner's whole
+    matrices, the messages, one block's Newton-Schulz iterate)."""
+    from trainer.plan.memory import memory_per_stage
+    from trainer.plan.muon import muon_plan
+
+    world, kwargs, model = TRANSIENT_CASES[name]
+    layout = make_layout(world, kwargs)
+    measured = max(run_ranks(world, _update_transient, layout, model, timeout=180))
+    (state,) = memory_per_stage(parameter_shapes(model), model.num_layers, layout, False,
+                                muon_plan(model, MUON))
+    print(f"\nMuon update {name}: measured {measured:,} B, planned {state.update_bytes:,} B "
+          f"({measured / state.update_bytes - 1:+.2%})")
+    assert abs(measured / state.update_bytes - 1) < 0.02

@@ -20,6 +20,7 @@ from trainer.plan.accounting import RunPlan
 from trainer.plan.axis_costs import check_model_fits_layout
 from trainer.plan.lr_schedule import LrSchedule, WeightDecaySchedule
 from trainer.plan.memory import memory_plan
+from trainer.plan.muon import muon_plan
 from trainer.plan.options import EngineOptions
 
 
@@ -88,7 +89,7 @@ def settle(cfg: DictConfig) -> RunSpec:
                              f"the data's tokenizer, and data.path={config.data.path} (a Megatron "
                              f"dataset) records none. Fix: set logger.sample_prompts=null, and "
                              f"sample a checkpoint with python -m trainer.generate --tokenizer.")
-        memory = memory_plan(config.model, layout, options)
+        memory = memory_plan(config.model, layout, options, muon_plan(config.model, config.optim))
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return RunSpec(config, layout, plan, schedule, weight_decay, data, memory, auto)

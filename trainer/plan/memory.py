@@ -35,6 +35,7 @@ from trainer.parts.mtp import MTP
 from trainer.parts.tokens import Tokens, compute_bytes
 from trainer.plan.activations import StepMemory, stage_chunk_bytes, step_memory
 from trainer.plan.axis_costs.pipeline import message_sizes, stage_activation_bytes
+from trainer.plan.muon import HeldMatrix, MuonPlan, exchange_bytes, held_matrices, row_splits
 from trainer.plan.options import EngineOptions
 
 # (param, grad, optimizer) bytes per element. Weights, gradients and both AdamW moments are fp32
@@ -60,6 +61,7 @@ class StageMemory:
     update_bytes: int = 0
     copy_elements: int = 0  # of `parameters`: a tied embedding's copy on the last stage
     buffer_bytes: int = 0  # the model's buffers here (a router's expert bias)
+    muon_elements: int = 0  # of `parameters`: those optim=muon updates (one momentum each)
 
     @property
     def total_bytes(self) -> int:
@@ -68,9 +70,11 @@ class StageMemory:
     @property
     def staging_bytes(self) -> int:
         """What checkpoint.async_save copies to host memory (trainer.checkpoint.saver): each
-        parameter and its two Adam moments (a copy has none), and the buffers."""
+        parameter and its two Adam moments or its Muon momentum (a copy has none), and the
+        buffers."""
         p_bytes = BYTES_PER_ELEMENT[0]
-        return p_bytes * (3 * self.parameters - 2 * self.copy_elements) + self.buffer_bytes
+        return p_bytes * (3 * self.parameters - 2 * self.copy_elements
+                          - self.muon_elements) + self.buffer_bytes
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "total_bytes": self.total_bytes,
@@ -96,14 +100,24 @@ class StageWeights:
 # The optimizer's flat buffers (trainer.train.optim.ShardedOptimizer), each padded on its own:
 # sharded weights, weights every rank holds whole (a router), norms (no decay), and experts
 # (split over EP and ETP; their parts spread over expert DP, the others' over weight_replica).
-SHARDED, WHOLE, NORMS, EXPERTS = BUFFERS = range(4)
+# Under optim=muon its matrices of the sharded, whole and expert ones are three buffers more,
+# with one momentum per element where AdamW keeps two moments.
+SHARDED, WHOLE, NORMS, EXPERTS, MUON_SHARDED, MUON_WHOLE, MUON_EXPERTS = BUFFERS = range(7)
+TO_MUON = {SHARDED: MUON_SHARDED, WHOLE: MUON_WHOLE, EXPERTS: MUON_EXPERTS}
+MUON_STATE_BYTES = 4  # Muon's momentum (fp32) per element
 
 
-def local_numel(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[int, int]:
+def local_numel(name: str, shape: tuple[int, ...], layout: Layout, muon: bool = False
+                ) -> tuple[int, int]:
     """(elements this rank stores of parameter `name`, the optimizer buffer it is in): the TP
     slice of a planned weight, its rows padded to a multiple of GTP_remat as parallel.sharding
     pads them; experts (3-D) split over EP and ETP; a weight the plan keeps whole, and norms,
-    whole."""
+    whole. muon: a matrix optim=muon takes (its buffer is Muon's counterpart)."""
+    numel, buffer = _local_numel(name, shape, layout)
+    return numel, TO_MUON[buffer] if muon else buffer
+
+
+def _local_numel(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[int, int]:
     module = name.removesuffix(".weight")
     if len(shape) == 3:  # parallel.experts: dim 0 over EP, each expert over ETP
         return math.prod(shape) // layout.expert_split_size, EXPERTS
@@ -142,15 +156,19 @@ class ModelWeights:
     multi-token prediction's depths (trainer.parts.mtp), which embed the tokens ahead."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], num_layers: int,
-                 tie_word_embeddings: bool = False, buffer_bytes: list[int] | None = None):
-        """buffer_bytes: each block's buffers (model_buffer_bytes), whole on every rank."""
+                 tie_word_embeddings: bool = False, buffer_bytes: list[int] | None = None,
+                 muon: MuonPlan | None = None):
+        """buffer_bytes: each block's buffers (model_buffer_bytes), whole on every rank;
+        muon: optim=muon's matrices (None: AdamW on every parameter)."""
         prefix = f"{BLOCKS}."
-        blocks: list[dict[str, tuple[int, ...]]] = [{} for _ in range(num_layers)]
+        self.muon = muon
+        names = muon.names if muon else frozenset()
+        blocks: list[dict[str, tuple]] = [{} for _ in range(num_layers)]
         self.outside: list[tuple[str, tuple[int, ...]]] = []
         for name, shape in shapes.items():
             if name.startswith(prefix):
                 index, rest = name[len(prefix):].split(".", 1)
-                blocks[int(index)][rest] = shape
+                blocks[int(index)][rest] = (shape, name in names)
             else:
                 self.outside.append((name, shape))
         kinds: dict[tuple, int] = {}
@@ -167,11 +185,15 @@ class ModelWeights:
         WHOLE, NORMS, EXPERTS) each padded to a multiple of its replicas (weight_replica, or
         expert DP), each replica updating one part (trainer.train.optim.FlatBuffer)."""
         g, pp = layout.gtp_remat_size, layout.pp_size
-        kinds = []  # per block kind: (elements per buffer, gathered elements)
+        kinds = []  # per block kind: (elements per buffer, gathered elements, Muon matrices)
         for kind in self.kinds:
-            local = [local_numel(f"{BLOCKS}.0.{name}", shape, layout) for name, shape in kind]
+            local = [local_numel(f"{BLOCKS}.0.{name}", shape, layout, muon)
+                     for name, (shape, muon) in kind]
             kinds.append(([sum(n for n, b in local if b == buffer) for buffer in BUFFERS],
-                          sum(n * g for n, b in local if b == SHARDED)))
+                          sum(n * g for n, b in local if b in (SHARDED, MUON_SHARDED)),
+                          [(b, self._held(f"{BLOCKS}.0.{name}", shape, b, layout))
+                           for (name, (shape, _)), (_, b) in zip(kind, local)
+                           if b in TO_MUON.values()]))
         embedding = local_numel(EMBEDDING_WEIGHT, self.embedding, layout)[0]
         p_bytes, g_bytes, o_bytes = BYTES_PER_ELEMENT
         all_chunks, out = layout.pipeline_layers(self.num_layers), []
@@ -180,32 +202,57 @@ class ModelWeights:
             blocks = tuple(i for chunk in chunks for i in chunk)
             held = [kinds[self.kind_of[i]] for i in blocks]
             buffers = [sum(k[0][buffer] for k in held) for buffer in BUFFERS]
+            matrices = [m for k in held for m in k[2]]  # (Muon buffer, its matrices)
             ends, depth = [], []
             for name, shape in self.outside:
                 if stage == (0 if name.startswith(f"{EMBEDDING}.") else pp - 1):
-                    numel, buffer = local_numel(name, shape, layout)
+                    muon = self.muon is not None and name in self.muon.names
+                    numel, buffer = local_numel(name, shape, layout, muon)
                     buffers[buffer] += numel
-                    if buffer == SHARDED and name.startswith(f"{MTP}."):
+                    if muon:
+                        matrices.append((buffer, self._held(name, shape, buffer, layout)))
+                    if buffer in (SHARDED, MUON_SHARDED) and name.startswith(f"{MTP}."):
                         depth += [numel * g] if name.startswith(DEPTH_BLOCK) else []
-                    elif buffer == SHARDED:
+                    elif buffer in (SHARDED, MUON_SHARDED):
                         ends.append(numel * g)
             copy = 0
             # the head uses the embedding's weight, or multi-token prediction's depths embed
             if (self.tied or self.mtp) and stage == pp - 1:
                 ends.append(embedding * g)
                 copy = embedding if pp > 1 else 0
-            own = [layout.optimizer_part(n, b == EXPERTS) for b, n in enumerate(buffers) if n]
-            parts = sum(own)
-            flat = sum(layout.optimizer_part(n, b == EXPERTS) * layout.optimizer_replicas(
-                b == EXPERTS) for b, n in enumerate(buffers) if n)
+            experts = (EXPERTS, MUON_EXPERTS)
+            own = {b: layout.optimizer_part(n, b in experts) for b, n in enumerate(buffers) if n}
+            flat = sum(part * layout.optimizer_replicas(b in experts) for b, part in own.items())
+            muon = set(TO_MUON.values())
+            state = sum(part * (MUON_STATE_BYTES if b in muon else o_bytes)
+                        for b, part in own.items())
+            # AdamW's update, then each Muon buffer's (one after another)
+            update = max([UPDATE_TEMPORARIES * g_bytes * part for b, part in own.items()
+                          if b not in muon] + [self._exchange(b, own[b], matrices, layout)
+                                                for b in muon if b in own], default=0)
             memory = StageMemory(stage, sum(buffers) + copy, (flat + copy) * p_bytes,
-                                 (flat + copy) * g_bytes, parts * o_bytes, blocks,
-                                 UPDATE_TEMPORARIES * g_bytes * max(own, default=0), copy,
-                                 sum(self.buffer_bytes[i] for i in blocks))
+                                 (flat + copy) * g_bytes, state, blocks, update, copy,
+                                 sum(self.buffer_bytes[i] for i in blocks),
+                                 sum(buffers[b] for b in muon))
             out.append(StageWeights(memory, chunks, max((k[1] for k in held), default=0),
                                     max(ends, default=0), sum(depth), max(depth, default=0),
                                     tuple(k[1] for k in held)))
         return out
+
+    def _held(self, name: str, shape: tuple[int, ...], buffer: int, layout: Layout
+              ) -> list[HeldMatrix]:
+        style = {MUON_EXPERTS: "expert", MUON_WHOLE: "whole"}.get(buffer)
+        style = style or tp_style(name.removesuffix(".weight"))
+        return held_matrices(name, shape, style, layout,
+                             row_splits(name, shape, self.muon.plan, self.muon.split))
+
+    def _exchange(self, buffer: int, part: int, matrices: list, layout: Layout) -> int:
+        """The update transient of a Muon buffer (trainer.plan.muon.exchange_bytes)."""
+        experts = buffer == MUON_EXPERTS
+        tile = layout.etp_size if experts else layout.weight_tile_size
+        held = [m for b, ms in matrices if b == buffer for m in ms]
+        return exchange_bytes(held, tile, layout.optimizer_replicas(experts), part,
+                              self.muon.steps, BYTES_PER_ELEMENT[1], self.muon.ns_bytes)
 
 
 def stage_step(m: ModelConfig, layout: Layout, options: EngineOptions, stage: StageWeights,
@@ -247,38 +294,46 @@ def _planned_step(m: ModelConfig, layout: Layout, options: EngineOptions,
 
 
 def memory_per_stage(shapes: dict[str, tuple[int, ...]], num_layers: int, layout: Layout,
-                     tie_word_embeddings: bool = False) -> list[StageMemory]:
+                     tie_word_embeddings: bool = False, muon: MuonPlan | None = None
+                     ) -> list[StageMemory]:
     """What one rank of each pipeline stage keeps between steps."""
-    return [s.memory for s in ModelWeights(shapes, num_layers, tie_word_embeddings).stages(layout)]
+    return [s.memory for s in ModelWeights(shapes, num_layers, tie_word_embeddings,
+                                           muon=muon).stages(layout)]
 
 
 def step_per_stage(shapes: dict[str, tuple[int, ...]], model: ModelConfig, layout: Layout,
-                   options: EngineOptions) -> list[dict[str, int]]:
+                   options: EngineOptions, muon: MuonPlan | None = None
+                   ) -> list[dict[str, int]]:
     """Each stage's activations and transients of one micro-batch, walking its schedule, and
     its planned peak: state plus all of them."""
-    stages = ModelWeights(shapes, model.num_layers, model.tie_word_embeddings).stages(layout)
+    stages = ModelWeights(shapes, model.num_layers, model.tie_word_embeddings,
+                          muon=muon).stages(layout)
     return [_planned_step(model, layout, options, s) for s in stages]
 
 
-def unsharded_memory(shapes: dict[str, tuple[int, ...]]) -> StageMemory:
+def unsharded_memory(shapes: dict[str, tuple[int, ...]], muon: MuonPlan | None = None
+                     ) -> StageMemory:
     """The same model in one process: the reference the per-rank figures divide."""
     numel = sum(math.prod(shape) for shape in shapes.values())
+    taken = sum(math.prod(s) for n, s in shapes.items() if muon and n in muon.names)
     p_bytes, g_bytes, o_bytes = BYTES_PER_ELEMENT
     blocks = sorted({int(name.split(".")[1]) for name in shapes if name.startswith(f"{BLOCKS}.")})
-    return StageMemory(0, numel, numel * p_bytes, numel * g_bytes, numel * o_bytes,
-                       tuple(blocks))
+    return StageMemory(0, numel, numel * p_bytes, numel * g_bytes,
+                       (numel - taken) * o_bytes + taken * MUON_STATE_BYTES, tuple(blocks),
+                       muon_elements=taken)
 
 
-def memory_plan(model: ModelConfig, layout: Layout, options: EngineOptions) -> dict[str, Any]:
+def memory_plan(model: ModelConfig, layout: Layout, options: EngineOptions,
+                muon: MuonPlan | None = None) -> dict[str, Any]:
     """layout.json's `memory`: per pipeline stage, one rank's state, step transients and peak;
     the unsharded model for reference; under EP or ETP, a MoE layer's dispatched rows, expected
     (what the peak counts) and at most (trainer.parts.moe.dispatch_rows)."""
     shapes = parameter_shapes(model)
     stages = ModelWeights(shapes, model.num_layers, model.tie_word_embeddings,
-                          block_buffer_bytes(model)).stages(layout)
+                          block_buffer_bytes(model), muon).stages(layout)
     plan = {"per_stage": [{**s.memory.as_dict(), **_planned_step(model, layout, options, s)}
                           for s in stages],
-            "unsharded": unsharded_memory(shapes).as_dict()}
+            "unsharded": unsharded_memory(shapes, muon).as_dict()}
     dispatch = dispatch_rows(model, Tokens.of(layout), compute_bytes(options.precision),
                              options.recompute_granularity, layout.micro_batch_tokens)
     return plan | ({"expert_dispatch": dispatch} if dispatch else {})

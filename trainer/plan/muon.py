@@ -4,7 +4,13 @@ matrix (trainer.parts.matrices says which parameters Muon takes; trainer.train.m
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from parallel.layout import Layout
 from parallel.layout.parallel_plan import ParallelPlan
+from trainer.config import ModelConfig, OptimConfig
+from trainer.parts.assembly import parallel_plan, parameter_shapes
+from trainer.parts.matrices import muon_parameters
 
 
 def scale_factor(rows: int, cols: int, mode: str) -> float:
@@ -36,7 +42,7 @@ def row_splits(name: str, shape: tuple[int, ...], plan: ParallelPlan, split: boo
         dim, parts = plan.expert_splits.get(leaf, (1, (1,)))
         parts = parts if dim == 1 else (1,)
     else:
-        style, parts = plan.linear_style(module)
+        _, parts = plan.linear_style(module)
     return tuple(rows * p // sum(parts) for p in parts)
 
 
@@ -58,3 +64,97 @@ def assign_owners(costs: list[int], slots: int) -> list[int]:
         owner[i] = slot
         loads[slot] += costs[i]
     return owner
+
+
+@dataclass(frozen=True)
+class HeldMatrix:
+    """One matrix of a Muon buffer as its tile holds it (trainer.train.muon.MuonExchange)."""
+
+    blocks: tuple[tuple[int, int], ...]  # (rows, cols) of each block orthogonalised apart
+    sends: tuple[int, ...]  # elements each tile rank sends its owner
+    stores: tuple[int, ...]  # elements each tile rank stores (and gets back)
+
+    @property
+    def numel(self) -> int:
+        return sum(r * c for r, c in self.blocks)
+
+    def cost(self, steps: int) -> int:
+        return sum(ns_flops(r, c, steps) for r, c in self.blocks)
+
+
+def held_matrices(name: str, shape: tuple[int, ...], style: str, layout: Layout,
+                  blocks: tuple[int, ...]) -> list[HeldMatrix]:
+    """Parameter `name`'s matrices as this stage's tile holds them: a TP-split weight's rows
+    over GTP_remat (padded as parallel.sharding pads them), a whole weight sent by tile rank 0
+    and stored by all, an expert's over ETP (`style`: column, row, whole or expert)."""
+    rows, cols = shape[-2:]
+    split = tuple((r, cols) for r in blocks)
+    if style == "whole":
+        tile = layout.weight_tile_size
+        numel = rows * cols
+        return [HeldMatrix(split, (numel,) + (0,) * (tile - 1), (numel,) * tile)]
+    if style == "expert":  # one matrix per expert on this rank, each over ETP
+        etp = layout.etp_size
+        piece = rows * cols // etp
+        count = shape[0] // layout.ep_size
+        return [HeldMatrix(split, (piece,) * etp, (piece,) * etp)] * count
+    tp, g = layout.tp_size, layout.gtp_remat_size
+    local_rows, local_cols = (rows // tp, cols) if style == "column" else (rows, cols // tp)
+    shard = layout.shard_rows(local_rows)
+    pieces = tuple(max(0, min(shard, local_rows - k * shard)) * local_cols
+                   for _ in range(tp) for k in range(g))
+    return [HeldMatrix(split, pieces, pieces)]
+
+
+def ns_work_bytes(rows: int, cols: int, dtype_bytes: int) -> int:
+    """What newton_schulz holds at its most for one block (m <= n its sides): the iterate and
+    the next one (m x n each) beside the Gram matrix and its polynomial (m x m each)."""
+    m, n = min(rows, cols), max(rows, cols)
+    return (2 * m * n + 2 * m * m) * dtype_bytes
+
+
+def exchange_bytes(matrices: list[HeldMatrix], tile: int, replicas: int, part: int,
+                   steps: int, master_bytes: int, ns_bytes: int) -> int:
+    """The most one rank of a Muon buffer holds at once in its update, over the buffer's ranks
+    (each slot its owned matrices): with replicas, the reduce-scatter's part; then
+    orthogonalise's (trainer.train.muon): the pieces going out S beside the matrices arriving
+    O and their whole matrices O; one block's iteration beside O; the pieces going back B
+    beside O, then beside what returns. With a tile of one, a message is its own arrival.
+    master_bytes: the buffer's dtype; ns_bytes: the iteration's."""
+    owner = assign_owners([m.cost(steps) for m in matrices], tile * replicas)
+    most = part * master_bytes if replicas > 1 else 0
+    for slot in range(tile * replicas):
+        t, column = slot % tile, slot // tile
+        mine = [m for m, o in zip(matrices, owner) if o == slot]
+        col = [m for m, o in zip(matrices, owner) if o // tile == column]
+        sent, owned = sum(m.sends[t] for m in col), sum(m.numel for m in mine)
+        back, returned = sum(sum(m.stores) for m in mine), sum(m.stores[t] for m in col)
+        work = max((ns_work_bytes(r, c, ns_bytes) for m in mine for r, c in m.blocks),
+                   default=0)
+        if tile == 1:
+            phases = [sent + owned, owned + back]
+        else:  # the message, the arrivals and the whole matrices at once; then back
+            phases = [sent + 2 * owned, owned + back, back + returned]
+        most = max(most, max(phases) * master_bytes, owned * master_bytes + work)
+    return most
+
+
+@dataclass(frozen=True)
+class MuonPlan:
+    """What the memory plan needs of optim=muon: its matrices, how it splits them, its
+    iteration count and the bytes per element the iteration runs in."""
+
+    names: frozenset[str]
+    plan: ParallelPlan
+    split: bool
+    steps: int
+    ns_bytes: int  # 4: master fp32; 2: bf16
+
+
+def muon_plan(model: ModelConfig, optim: OptimConfig) -> MuonPlan | None:
+    """optim=muon's matrices of `model` for the memory plan; None under adamw."""
+    if optim.name != "muon":
+        return None
+    names = muon_parameters(parameter_shapes(model), list(optim.adamw_params))
+    return MuonPlan(frozenset(names), parallel_plan(model), optim.muon_split_qkv,
+                    optim.muon_num_ns_steps, 2 if optim.muon_ns_dtype == "bf16" else 4)

@@ -109,6 +109,12 @@ def format_report(spec: RunSpec, record: dict[str, Any]) -> str:
     lines.append("  (2-D weights split over TP x GTP_remat; norms whole; optimizer state split "
                  "over weight_replica" + ("; experts split over EP, their optimizer state over "
                                           "expert DP)" if m.num_moe_experts else ")"))
+    if config.optim.name == "muon":
+        taken, total = one["muon_elements"], memory["unsharded"]["parameters"]
+        lines.append(f"  (optim=muon: Muon takes {taken:,} of the {total:,} parameters, the "
+                     f"hidden matrices, one fp32 momentum each; AdamW the other "
+                     f"{total - taken:,}, two moments each; optim.adamw_params moves more to "
+                     f"AdamW)")
     t = config.train
     recompute = t.recompute_granularity.value if t.recompute_granularity else "off"
     if t.recompute_granularity and t.recompute_num_layers is not None:

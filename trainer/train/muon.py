@@ -176,42 +176,51 @@ class MuonExchange:
     @torch.no_grad()
     def orthogonalise(self, flat: torch.Tensor) -> None:
         """flat: the (Nesterov) momentum of every local piece in, the orthogonalised update of
-        the pieces owned in this rank's replica column out (zero elsewhere)."""
+        the pieces owned in this rank's replica column out (zero elsewhere). Each message is
+        one preallocated tensor, let go as soon as it is read (trainer.plan.muon.update_bytes
+        counts them)."""
         column, size = self.replica.rank, self.tile.size
         sends = [[p for p in self.sends if self.column(p.matrix) == (d, column)]
                  for d in range(size)]
-        out = [p.local(flat).reshape(-1) for d in range(size) for p in sends[d]]
-        send_sizes = [sum(p.rows * p.cols for p in sends[d]) for d in range(size)]
         owned = {m for m in range(len(self.matrices)) if self.owner[m] == self.me}
         arriving = [[q for q in self.all_sends[s] if q[0] in owned] for s in range(size)]
-        receive_sizes = [sum(q[3] * q[4] for q in arriving[s]) for s in range(size)]
-        received = self.tile.all_to_all_rows(torch.cat(out) if out else flat[:0],
-                                             send_sizes, receive_sizes)
-        whole = {m: flat.new_empty(self.matrices[m].rows, self.matrices[m].cols)
-                 for m in sorted(owned)}
+        # The whole matrices are allocated before the messages: gloo's worker thread lets a
+        # message go a moment after the collective returns, so what is alive at once must not
+        # depend on when (the plan counts message, arrivals and wholes together).
+        order = sorted(owned)
+        wholes = flat.new_empty(sum(self.matrices[m].rows * self.matrices[m].cols
+                                    for m in order))
+        views, at = {}, 0
+        for m in order:
+            matrix = self.matrices[m]
+            views[m] = wholes[at:at + matrix.rows * matrix.cols].view(matrix.rows, matrix.cols)
+            at += matrix.rows * matrix.cols
+        message = _pack([p.local(flat) for d in range(size) for p in sends[d]], flat)
+        received = self.tile.all_to_all_rows(
+            message, [sum(p.rows * p.cols for p in sends[d]) for d in range(size)],
+            [sum(q[3] * q[4] for q in arriving[s]) for s in range(size)])
+        del message
         at = 0
         for s in range(size):
             for m, row, col, rows, cols in arriving[s]:
-                whole[m][row:row + rows, col:col + cols] = received[at:at + rows * cols].view(
+                views[m][row:row + rows, col:col + cols] = received[at:at + rows * cols].view(
                     rows, cols)
                 at += rows * cols
         del received
-        for m, matrix in whole.items():
-            dtype = self.dtype or matrix.dtype
-            parts = [newton_schulz(b, self.steps, dtype).to(matrix.dtype)
-                     for b in matrix.split(list(self.matrices[m].blocks))]
-            whole[m] = torch.cat(parts)
+        for m in order:  # each block orthogonalised in place
+            for block in views[m].split(list(self.matrices[m].blocks)):
+                block.copy_(newton_schulz(block, self.steps, self.dtype or block.dtype))
         # Back: to each tile rank its stored pieces of the matrices this rank owns.
         leaving = [[q for q in self.all_receives[d] if q[0] in owned] for d in range(size)]
-        back = [whole[m][row:row + rows, col:col + cols].reshape(-1)
-                for d in range(size) for m, row, col, rows, cols in leaving[d]]
-        back_sizes = [sum(q[3] * q[4] for q in leaving[d]) for d in range(size)]
+        message = _pack([views[m][row:row + rows, col:col + cols]
+                         for d in range(size) for m, row, col, rows, cols in leaving[d]], flat)
+        del views, wholes
         returns = [[p for p in self.receives if self.column(p.matrix) == (s, column)]
                    for s in range(size)]
-        return_sizes = [sum(p.rows * p.cols for p in returns[s]) for s in range(size)]
-        result = self.tile.all_to_all_rows(torch.cat(back) if back else flat[:0], back_sizes,
-                                           return_sizes)
-        del whole, back
+        result = self.tile.all_to_all_rows(
+            message, [sum(q[3] * q[4] for q in leaving[d]) for d in range(size)],
+            [sum(p.rows * p.cols for p in returns[s]) for s in range(size)])
+        del message
         flat.zero_()
         at = 0
         for s in range(size):
@@ -248,3 +257,13 @@ class MuonExchange:
             else:
                 merged.append(run)
         return merged
+
+
+def _pack(pieces: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """The pieces' values one after another in one new flat tensor."""
+    out = like.new_empty(sum(p.numel() for p in pieces))
+    at = 0
+    for piece in pieces:
+        out[at:at + piece.numel()].view(piece.shape).copy_(piece)
+        at += piece.numel()
+    return out

@@ -271,8 +271,8 @@ class MuonBuffer:
             grad.lerp_(self.momentum, momentum)
         else:
             grad.copy_(self.momentum)
-        if buffer.replica.size > 1:
-            buffer.replica.all_gather_into(buffer.grads, grad.clone())
+        if buffer.replica.size > 1:  # in place: this rank's part is already its slot
+            buffer.replica.all_gather_into(buffer.grads, grad)
         self.exchange.orthogonalise(buffer.grads)
         update = buffer.replica.reduce_scatter(buffer.grads)  # one replica: the buffer itself
         buffer.part.mul_(1 - lr * weight_decay)
