@@ -149,6 +149,9 @@ def test_changed_bytes_are_skipped_and_another_model_or_stream_is_one_line_befor
             (run_dir, ("model.hidden_size=128",),
              "weight 'embed.weight' has shape (256, 64), this model's is (256, 128)"),
             (run_dir, ("train.seq_length=16",), "was trained on the sample stream"),
+            (run_dir, ("optim=muon",), "holds AdamW's moments for "
+                                       "'layers.0.attn.qkv.weight', where this run's optimizer "
+                                       "(optim=muon) keeps a momentum"),
             (run_dir, ("train.train_samples=24",),
              "has consumed 32 samples, past train.train_samples=24"),
             (load, (f"checkpoint.load={ckpts / 'step_00000002'}", "train.train_samples=8"),

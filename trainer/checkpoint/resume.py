@@ -67,6 +67,9 @@ class Expected:
     plan: RunPlan
     layout: Layout
     model: ModelConfig  # the settings the checkpoint's must match (a resume) or are noted against
+    # the parameters optim=muon updates (trainer.parts.matrices; each saves a momentum_buffer
+    # where AdamW saves exp_avg and exp_avg_sq); empty under adamw
+    muon: frozenset[str] = frozenset()
 
 
 def check(point: ResumePoint, expected: Expected) -> list[str]:
@@ -95,6 +98,7 @@ def check(point: ResumePoint, expected: Expected) -> list[str]:
                             finetune)
     if point.weights_only:
         return notes
+    _check_optimizer_state(saved, expected, point.where, fix)
     if meta.get("data") != expected.stream:
         raise ValueError(
             f"{point.where} was trained on the sample stream {meta.get('data')}, this run's is "
@@ -176,3 +180,21 @@ def _taken(decided: Decided, group, files_good: Verifier) -> bool:
     if any(path != mine for path in every):
         return False
     return decided.point is None or files_good(decided.point.path) is None
+
+
+def _check_optimizer_state(saved: dict, expected: Expected, where: str, fix: str) -> None:
+    """A resume continues the optimizer it was saved with: each weight's state is the one this
+    run's optimizer keeps (Muon's momentum, or AdamW's two moments)."""
+    for name in expected.shapes:
+        if f"model.{name}" not in saved:
+            continue
+        muon = name in expected.muon
+        if f"optim.{'momentum_buffer' if muon else 'exp_avg'}.{name}" in saved:
+            continue
+        theirs, ours = ("AdamW's moments", "optim=muon") if muon else ("Muon's momentum",
+                                                                      "AdamW")
+        raise ValueError(
+            f"{where} holds {theirs} for {name!r}, where this run's optimizer ({ours}) keeps "
+            f"{'a momentum' if muon else 'two moments'}. Fix: resume with the optimizer it was "
+            f"saved with (its meta.json records the config), or start the optimizer afresh "
+            f"from its weights with checkpoint.finetune=true, in another folder.")

@@ -18,6 +18,7 @@ from trainer.launch.folder import checkpoint_lock, run_lock
 from trainer.launch.local import check_local, launch_local
 from trainer.launch.ranks import RankEnv, check_world, launched_rank, run_rank
 from trainer.parts.assembly import parameter_shapes
+from trainer.parts.matrices import muon_names
 from trainer.report.console import console_log
 from trainer.report.plot import write_curves
 from trainer.report.record import layout_record, write_layout_json
@@ -33,7 +34,8 @@ def check_inputs(spec: RunSpec, run_dir: Path) -> resume.Decided:
         train, _ = open_streams(spec.data, spec.layout.seq_length, spec.config.data.seed,
                                 with_valid=False, pack=spec.config.data.pack)
         return resume.Expected(parameter_shapes(spec.config.model), train.identity, spec.plan,
-                               spec.layout, spec.config.model)
+                               spec.layout, spec.config.model,
+                               muon_names(spec.config.model, spec.config.optim))
 
     try:
         spec.data.prepare(spec.config.train, spec.config.data.pack)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from fnmatch import fnmatchcase
 
-from trainer.parts.assembly import ADAMW_LINEARS, EMBEDDING, HEAD, tp_style
+from trainer.config import ModelConfig, OptimConfig
+from trainer.parts.assembly import ADAMW_LINEARS, EMBEDDING, HEAD, parameter_shapes, tp_style
 
 
 def is_muon_shape(name: str, shape: tuple[int, ...]) -> bool:
@@ -39,3 +40,10 @@ def unmatched_patterns(shapes: dict[str, tuple[int, ...]], adamw_params: list[st
     """optim.adamw_params patterns that name no parameter of the model (a typo trains every
     matrix with Muon silently otherwise)."""
     return [p for p in adamw_params if not any(fnmatchcase(n, p) for n in shapes)]
+
+
+def muon_names(model: ModelConfig, optim: OptimConfig) -> frozenset[str]:
+    """The parameters this run's optimizer gives Muon (none under adamw)."""
+    if optim.name != "muon":
+        return frozenset()
+    return frozenset(muon_parameters(parameter_shapes(model), list(optim.adamw_params)))

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from parallel.layout import Layout
 from parallel.layout.parallel_plan import ParallelPlan
 from trainer.config import ModelConfig, OptimConfig
-from trainer.parts.assembly import parallel_plan, parameter_shapes
-from trainer.parts.matrices import muon_parameters
+from trainer.parts.assembly import parallel_plan
+from trainer.parts.matrices import muon_names
 
 
 def scale_factor(rows: int, cols: int, mode: str) -> float:
@@ -155,6 +155,5 @@ def muon_plan(model: ModelConfig, optim: OptimConfig) -> MuonPlan | None:
     """optim=muon's matrices of `model` for the memory plan; None under adamw."""
     if optim.name != "muon":
         return None
-    names = muon_parameters(parameter_shapes(model), list(optim.adamw_params))
-    return MuonPlan(frozenset(names), parallel_plan(model), optim.muon_split_qkv,
+    return MuonPlan(muon_names(model, optim), parallel_plan(model), optim.muon_split_qkv,
                     optim.muon_num_ns_steps, 2 if optim.muon_ns_dtype == "bf16" else 4)

@@ -20,7 +20,7 @@ from parallel.parallelize import ParallelModel, parallelize
 from trainer.config import ModelConfig, OptimConfig, Precision
 from trainer.model.transformer import Transformer
 from trainer.parts.assembly import parallel_plan, parameter_shapes
-from trainer.parts.matrices import muon_parameters
+from trainer.parts.matrices import muon_names
 from trainer.plan.axis_costs import check_model_fits_layout
 from trainer.plan.muon import row_splits
 from trainer.plan.options import EngineOptions
@@ -80,5 +80,5 @@ def muon_choice(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> MuonChoice | 
     if optim_cfg.name != "muon":
         return None
     shapes, plan = parameter_shapes(model_cfg), parallel_plan(model_cfg)
-    return MuonChoice(frozenset(muon_parameters(shapes, list(optim_cfg.adamw_params))),
+    return MuonChoice(muon_names(model_cfg, optim_cfg),
                       lambda name: row_splits(name, shapes[name], plan, optim_cfg.muon_split_qkv))

@@ -23,6 +23,7 @@ from trainer.checkpoint.saver import Saver
 from trainer.compose.runspec import RunSpec
 from trainer.data.stream import open_streams
 from trainer.parts.assembly import parameter_shapes
+from trainer.parts.matrices import muon_names
 from trainer.plan.options import EngineOptions
 from trainer.train.batch import DocumentRules, rank_micro_batches
 from trainer.train.compile import COMPILE_CACHE, CompileWatch, use_cache
@@ -78,7 +79,8 @@ class Trainer:
         # in its own process); here every file's checksum is verified too, so a damaged newest
         # checkpoint gives way to the one before it.
         expected = resume.Expected(parameter_shapes(config.model), self.train_stream.identity,
-                                   self.plan, self.layout, config.model)
+                                   self.plan, self.layout, config.model,
+                                   muon_names(config.model, config.optim))
         self.state = resume.start_state(self.engine, config.checkpoint, self.save_dir, expected,
                                         (lambda line: print(line, flush=True))
                                         if self.rank == 0 else None, decided)
