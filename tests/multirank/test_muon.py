@@ -191,3 +191,46 @@ def test_the_planned_muon_update_is_what_the_allocator_holds(name):
     print(f"\nMuon update {name}: measured {measured:,} B, planned {state.update_bytes:,} B "
           f"({measured / state.update_bytes - 1:+.2%})")
     assert abs(measured / state.update_bytes - 1) < 0.02
+
+
+def _split_step(rank: int) -> dict:
+    """One step of our optimizer with q, k, v and gate, up orthogonalised apart, under the
+    scale mode torch lacks (unit_rms_norm), from known gradients."""
+    optim = replace(MUON, clip_grad=None, muon_ns_dtype="bf16", muon_scale_mode="unit_rms_norm",
+                    muon_extra_scale_factor=0.5, weight_decay=0.1)
+    layout = Layout(1, micro_batch_size=1, seq_length=8, global_batch_size=1)
+    engine = build_engine(TINY, optim, SEED, layout, torch.device("cpu"))
+    params = dict(engine.model.module.named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    grads = _random_grads(engine.model.module, 0)
+    engine.optimizer.zero_grad()
+    for name, p in params.items():
+        p.grad.copy_(grads[name])
+    engine.optimizer.update(0.02, engine.optimizer.reduce_gradients())
+    return {"before": before, "after": {n: p.detach().clone() for n, p in params.items()},
+            "grads": grads}
+
+
+def test_split_qkv_orthogonalises_each_part_with_its_own_scale():
+    """The formula, written here: the first step's Nesterov momentum of a zero buffer is
+    u = g.lerp((1 - m) g, m); each fused part (q, k, v of 4 heads each; gate, up) is
+    orthogonalised alone by torch's own iteration and scaled by extra x sqrt(rows / cols) of
+    that part; the weight decays by lr x wd first."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    (got,) = run_ranks(1, _split_step)
+    lr, m, extra = 0.02, 0.95, 0.5
+    for name, parts in (("layers.0.attn.qkv.weight", 3), ("layers.1.mlp.gate_up.weight", 2)):
+        g = got["grads"][name]
+        u = g.lerp(torch.zeros_like(g).lerp(g, 1 - m), m)
+        expected = got["before"][name] * (1 - lr * 0.1)
+        for block, part in zip(expected.chunk(parts), u.chunk(parts)):
+            rows, cols = part.shape
+            update = _zeropower_via_newtonschulz(part, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+            block.add_(update, alpha=-lr * extra * (rows / cols) ** 0.5)
+        whole = _zeropower_via_newtonschulz(u, (3.4445, -4.7750, 2.0315), 5, 1e-7)
+        unsplit = got["before"][name] * (1 - lr * 0.1) - lr * extra * whole
+        print(f"\n{name}: split against the formula {relative(got['after'][name], expected):.1e}"
+              f", against orthogonalising it whole {relative(got['after'][name], unsplit):.1e}")
+        assert relative(got["after"][name], expected) < 1e-7
+        assert relative(got["after"][name], unsplit) > 1e-3  # the split changed the step
