@@ -6,12 +6,11 @@ import math
 
 import pytest
 import torch.optim._muon as torch_muon
+from test_families import preset
 
 from trainer.parts.assembly import parameter_shapes
 from trainer.parts.matrices import muon_parameters, unmatched_patterns
 from trainer.plan.muon import assign_owners, ns_flops, scale_factor
-
-from test_families import preset
 
 
 def test_muon_takes_the_hidden_matrices_and_leaves_the_rest_to_adamw():
