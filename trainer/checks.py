@@ -95,8 +95,8 @@ def check_muon_params(model: ModelConfig, optim: OptimConfig) -> None:
     if missing:
         raise ValueError(f"optim.adamw_params has {missing[0]!r}, which matches no parameter of "
                          f"model={model.name}. Fix: use a name pattern such as "
-                         f"'layers.*.attn.o.weight' (docs/optimizers.md lists the names), or remove "
-                         f"it.")
+                         f"'layers.*.attn.o.weight' (docs/optimizers.md lists the names), or "
+                         f"remove it.")
 
 
 def check_cluster(cluster: ClusterConfig) -> None:

@@ -46,7 +46,8 @@ def test_scale_modes_against_torch_and_the_formulas(rows, cols):
     shape_scaling x 1, match_rms_adamw spectral x 0.2; unit_rms_norm is Scion's sqrt(rows/cols),
     written here."""
     shape = (rows, cols)
-    assert scale_factor(rows, cols, "shape_scaling") == torch_muon._adjust_lr(1.0, "original", shape)
+    original = torch_muon._adjust_lr(1.0, "original", shape)
+    assert scale_factor(rows, cols, "shape_scaling") == original
     assert 0.2 * scale_factor(rows, cols, "spectral") == torch_muon._adjust_lr(
         1.0, "match_rms_adamw", shape)
     assert scale_factor(rows, cols, "unit_rms_norm") == pytest.approx(math.sqrt(rows / cols),
