@@ -244,6 +244,11 @@ def check_memory_options(cfg: Config, layout: Layout) -> None:
         if not cfg.dry_run:
             raise ValueError(f"dry_run_rank={rank} is ignored without dry_run=true. Fix: add "
                              f"dry_run=true, or remove dry_run_rank.")
+        if cfg.optim.name == "muon":
+            raise ValueError(f"dry_run_rank={rank} with optim=muon: a simulated rank has no "
+                             f"peers to exchange Muon's matrices with. Fix: measure with "
+                             f"optim=adamw (the plan states Muon's terms), or drop "
+                             f"dry_run_rank.")
         if not 0 <= rank < layout.world_size:
             raise ValueError(f"dry_run_rank={rank} is not a rank of world_size="
                              f"{layout.world_size}. Fix: choose a rank in [0, "

@@ -323,6 +323,7 @@ TABLE = [
       ("optim.adamw_params has 'layers.*.atn.*'", "matches no parameter")),
     R("optim.muon_momentum=0.9", ("optim.muon_momentum=0.9 applies to Muon only",
                                   "optim=muon")),
+    R("optim=muon dry_run_rank=0", ("dry_run_rank=0 with optim=muon", "optim=adamw")),
     R("schedule.lr=nan", ("schedule.lr=nan",)),
     R("schedule.lr=-1", ("schedule.lr=-1",)),
     R("schedule.lr=inf", ("schedule.lr=inf",)),

@@ -194,6 +194,13 @@ class ShardedOptimizer:
         state = self.adam.state.get(buffer.part)
         return {k: state[k] for k in ADAM_STATES} if state else None
 
+    def state_tensors(self) -> list[torch.Tensor]:
+        """What this rank's optimizer state holds: AdamW's moments of its parts (once made by
+        the first step), Muon's momentum of its parts."""
+        adam = [v for state in self.adam.state.values() for v in state.values()
+                if isinstance(v, torch.Tensor) and v.ndim]
+        return adam + [m.momentum for m in self.muon]
+
     def gather_moments(self) -> Moments:
         """Collective over each buffer's replicas."""
         moments = self.empty_moments()

@@ -57,9 +57,7 @@ def state_bytes(engine: Engine) -> int:
     for name in model.stage_copies:  # tied embeddings: the last stage's copy and its gradient
         param = model.module.get_parameter(name)
         total += param.nbytes + (param.grad.nbytes if param.grad is not None else 0)
-    for state in optimizer.adam.state.values():
-        total += sum(v.nbytes for v in state.values() if isinstance(v, torch.Tensor) and v.ndim)
-    return total
+    return total + sum(t.nbytes for t in optimizer.state_tensors())
 
 
 @dataclass(frozen=True)
