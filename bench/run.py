@@ -33,6 +33,7 @@ import hf_interop  # noqa: E402
 import loader  # noqa: E402
 import memory  # noqa: E402
 import moe  # noqa: E402
+import muon  # noqa: E402
 import overhead  # noqa: E402
 import overlap  # noqa: E402
 import pipeline  # noqa: E402
@@ -84,6 +85,7 @@ def sections(quick: bool) -> list[tuple[str, Callable[[dict], dict]]]:
         ("documents", one("documents", lambda: documents.measure(quick))),
         ("sliding windows", one("window", lambda: window.measure(quick))),
         ("compiled blocks", one("compile", lambda: compile_blocks.measure(quick))),
+        ("Muon against AdamW", one("muon", lambda: muon.measure(quick))),
         ("soak (2 x 4,096 steps of 8 ranks)", one("soak", lambda: soak.measure(quick))),
     ]
 
