@@ -115,15 +115,21 @@ LAYOUTS = {
     "mla_tp2_sp_ep2_pp2": (8, dict(tensor_model_parallel_size=2, sequence_parallel=True,
                                    expert_model_parallel_size=2,
                                    pipeline_model_parallel_size=2), DEEPSEEK),
+    # every kind of holder at once: weight and sequence shards, CP, EP and stages, with DP
+    "ws2_ss2_cp2_ep2_pp2": (8, dict(tensor_parallel_num_weight_shards=2,
+                                    tensor_parallel_num_sequence_shards=2,
+                                    context_parallel_size=2, expert_model_parallel_size=2,
+                                    pipeline_model_parallel_size=2), replace(MOE, num_layers=4)),
 }
 CASES = [("tp2_sp", torch.float64), ("tp2_sp", torch.float32),
          ("ws4_ss2_cp2", torch.float64), ("ws4_ss2_cp2", torch.float32),
          ("dp2_ws2", torch.float64), ("dp2_ws2", torch.float32),
-         ("ws3_padded", torch.float64),
+         ("ws3_padded", torch.float64), ("ws3_padded", torch.float32),
          ("ep4", torch.float64), ("ep4", torch.float32),
-         ("tp2_sp_etp2_ep2", torch.float64),
+         ("tp2_sp_etp2_ep2", torch.float64), ("tp2_sp_etp2_ep2", torch.float32),
          ("pp2_virtual2", torch.float64), ("pp2_virtual2", torch.float32),
-         ("mla_tp2_sp_ep2_pp2", torch.float64), ("mla_tp2_sp_ep2_pp2", torch.float32)]
+         ("mla_tp2_sp_ep2_pp2", torch.float64), ("mla_tp2_sp_ep2_pp2", torch.float32),
+         ("ws2_ss2_cp2_ep2_pp2", torch.float64), ("ws2_ss2_cp2_ep2_pp2", torch.float32)]
 
 
 @pytest.mark.parametrize("name,dtype", [pytest.param(n, d, id=f"{n}-{str(d)[6:]}")
