@@ -168,6 +168,8 @@ def rows(figures: dict[str, Any]) -> list[dict[str, Any]]:
         out += _compile_rows(f["compile"])
     if "window" in f:  # nor before bench/window.py
         out += _window_rows(f["window"])
+    if "muon" in f:  # nor before bench/muon.py
+        out += _muon_rows(f["muon"])
     if "soak" in f:  # nor before bench/soak.py
         out += _soak_rows(f["soak"])
     if "deepseek" in f:  # nor before bench/deepseek.py
@@ -212,6 +214,28 @@ def _window_rows(w: dict) -> list[dict[str, Any]]:
              f"{cp['step_time_window_p2p_over_window_all_gather']}; step s {cp['step_s']}"),
         _row("window_one_process_step_over_full", one["step_time_window_over_full"], "<= 0.6",
              f"step s {one['step_s']}; {one['setup']}"),
+    ]
+
+
+def _muon_rows(m: dict) -> list[dict[str, Any]]:
+    """optim=muon over adamw: step time, the exchange's bytes, the owners' balance, the loss."""
+    d = m["details"]
+    timing, balance, loss = d["timing"], d["balance"], d["loss"]
+    return [
+        _row("muon_step_over_adamw", m["step_time_muon_over_adamw"]["value"], "-",
+             f"alternating steps; Muon's update "
+             f"{m['muon_update_share_of_step']['value']} of its step (the Newton-Schulz "
+             f"iteration; AdamW's update is elementwise); {timing['setup']}"),
+        _row("muon_bytes_over_analytic", m["exchange_bytes_busiest_over_analytic"]["value"],
+             "1.00", f"the busiest rank's exchange bytes in one update; summed over the ranks "
+             f"{m['exchange_bytes_sum_over_analytic']['value']}"),
+        _row("muon_owner_flops_max_over_mean", m["ns_flops_max_over_mean_small_ws4"]["value"],
+             "<= 1.2", f"model=small WS 4; {balance['seed_example']}: "
+             f"{m['ns_flops_max_over_mean_seed']['value']}; the ranks assign the same owners: "
+             f"{balance['ranks_assign_the_same_owners']}"),
+        _row("muon_loss_over_adamw", m["loss_muon_over_adamw"]["value"], "<= 1.0",
+             f"validation loss after the same samples, each at its best lr of a 3-point sweep "
+             f"(lr {loss['best_lr']}); {loss['setup']}"),
     ]
 
 
