@@ -214,3 +214,45 @@ def test_no_fit_through_the_cli_is_one_line_before_anything_starts():
     assert run.returncode == 1
     lines = [line for line in run.stderr.splitlines() if "no layout" in line]
     assert len(lines) == 1 and "Fix:" in lines[0] and "Traceback" not in run.stderr
+
+
+def test_under_muon_the_search_plans_its_state_update_and_time():
+    """optim=muon: one momentum where AdamW keeps two moments lets a layout fit with less
+    sharding, its update's Newton-Schulz work and exchange are a row of the estimate, and
+    the search's floor (the model's Newton-Schulz FLOPs over every rank, or its largest
+    matrix) stays under each candidate's Muon row."""
+    from trainer.config import OptimConfig
+    from trainer.plan.muon import muon_plan
+
+    m, hw = model("llama3_1_8b"), hardware("dgx_h100")
+    optim = OptimConfig(name="muon", weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
+                        clip_grad=1.0)
+    muon = muon_plan(m, optim)
+    adamw = search(problem(m, hw, 16, 4096, gbs=64))
+    choice = search(replace(problem(m, hw, 16, 4096, gbs=64), muon=muon))
+    for candidate in (choice.chosen, *choice.alternatives):
+        row = candidate.estimate.seconds["muon update"]
+        assert 0 < muon.floor_s(16, hw) <= row, candidate.describe()
+    assert "muon update" not in adamw.chosen.estimate.seconds
+    # the same layout planned both ways: Muon's state is smaller
+    layout = choice.chosen.layout
+    options = EngineOptions(Precision.bf16)
+    shapes = parameter_shapes(m)
+    with_muon = planned_peak(shapes, m, layout, options, muon)
+    assert with_muon[0] < planned_peak(shapes, m, layout, options)[0]
+
+
+@pytest.mark.parametrize("world,kwargs,options", LAYOUTS[:2])
+def test_under_muon_the_search_sizes_a_layout_exactly_as_the_dry_runs_plan(world, kwargs,
+                                                                           options):
+    from trainer.config import OptimConfig
+    from trainer.plan.muon import muon_plan
+
+    m = model("llama3_1_8b")
+    muon = muon_plan(m, OptimConfig(name="muon", weight_decay=0.1, beta1=0.9, beta2=0.95,
+                                    eps=1e-8, clip_grad=1.0))
+    layout = Layout(world, micro_batch_size=2, seq_length=1024, **kwargs)
+    shapes = parameter_shapes(m)
+    plan = [s["peak_bytes"] for s in step_per_stage(shapes, m, layout, options, muon)]
+    assert planned_peak(shapes, m, layout, options, muon) == (max(plan), plan.index(max(plan)))
+    assert max(plan) != max(s["peak_bytes"] for s in step_per_stage(shapes, m, layout, options))

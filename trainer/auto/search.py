@@ -32,6 +32,7 @@ from trainer.plan.axis_costs.entry import Offer, walk
 from trainer.plan.cost import Estimate, estimate, floor_s
 from trainer.plan.fit import PeakPlanner
 from trainer.plan.hardware import Hardware
+from trainer.plan.muon import MuonPlan, update_seconds
 from trainer.plan.options import EngineOptions
 from trainer.units import GiB
 
@@ -68,6 +69,7 @@ class Problem:
     fixed: tuple[tuple[str, Any], ...] = ()  # SEARCHED keys the config sets, as set
     # parallel.* inputs that are not searched: overlap, bf16 reduction, stage layer counts
     given: tuple[tuple[str, Any], ...] = ()
+    muon: MuonPlan | None = None  # optim=muon: its state, update transient and update time
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,7 @@ def search(p: Problem) -> Choice:
     started = time.perf_counter()
     check_model(p.model)
     fixed, given = dict(p.fixed), dict(p.given)
-    m, planner = p.model, PeakPlanner(parameter_shapes(p.model), p.model)
+    m, planner = p.model, PeakPlanner(parameter_shapes(p.model), p.model, p.muon)
     budget, dropped = p.hardware.budget_bytes, Counter()
     over = "planned peak over the device memory less its margin"
     fits: list[tuple[float, int, Candidate]] = []
@@ -159,7 +161,9 @@ def search(p: Problem) -> Choice:
             except LayoutError as error:
                 dropped[_rule(str(error))] += 1
                 continue
-            floor = floor_s(m, layout, p.precision, p.hardware) / layout.global_batch_size
+            floor = floor_s(m, layout, p.precision, p.hardware)
+            floor += p.muon.floor_s(p.world_size, p.hardware) if p.muon else 0.0
+            floor /= layout.global_batch_size
             layouts.append((floor, len(layouts), layout))
     layouts.sort(key=lambda item: item[:2])
     kept: list[float] = []  # a max-heap (negated) of the best seconds per sample so far
@@ -169,6 +173,8 @@ def search(p: Problem) -> Choice:
                 len(layouts) - place
             break
         stages = planner.stages(layout)
+        muon_s = None if p.muon is None else max(
+            update_seconds(s.muon_buffers, layout, p.hardware, p.muon) for s in stages)
         # The axes' options to try with this layout (cp_comm_type, the schedule), as
         # EngineOptions fields.
         offer = Offer(p, fixed, dropped, {})
@@ -198,7 +204,8 @@ def search(p: Problem) -> Choice:
                                                    stage), stages[stage].memory.total_bytes)
                     continue
                 candidate = Candidate(values, layout,
-                                      estimate(m, layout, options, p.hardware), peak, stage)
+                                      estimate(m, layout, options, p.hardware, muon_s), peak,
+                                      stage)
                 fits.append((candidate.seconds_per_sample, peak, candidate))
                 heapq.heappush(kept, -candidate.seconds_per_sample)
                 if len(kept) > ALTERNATIVES + 1:

@@ -17,8 +17,9 @@ from omegaconf.errors import InterpolationResolutionError
 
 from parallel.layout import Layout, LayoutError
 from trainer.auto.search import GIVEN, SEARCHED, Choice, Problem, search
-from trainer.config import ModelConfig, Precision
+from trainer.config import ModelConfig, OptimConfig, Precision
 from trainer.plan.hardware import Hardware
+from trainer.plan.muon import muon_plan
 
 RESOLVER = "gtp.layout"
 AUTO = "gtp.auto"
@@ -66,10 +67,11 @@ def auto_problem(root: DictConfig) -> Problem | None:
     train, cluster, parallel = root.train, root.cluster, root.parallel
     given = tuple((path, parallel[path.split(".")[1]]) for path in GIVEN)
     world = cluster.num_nodes * cluster.procs_per_node
+    optim: OptimConfig = OmegaConf.to_object(root.optim)
     return Problem(model, Hardware.from_cluster(cluster), world, train.micro_batch_size,
                    train.global_batch_size, train.seq_length,
                    Precision(_plain(train.precision)), train.recompute_num_layers, tuple(fixed),
-                   given)
+                   given, muon_plan(model, optim))
 
 
 def _plain(value: Any) -> Any:

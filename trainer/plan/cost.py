@@ -39,6 +39,8 @@ from trainer.plan.axis_costs.entry import Micro
 from trainer.plan.hardware import Hardware
 from trainer.plan.options import EngineOptions
 
+MUON_UPDATE = "muon update"  # Estimate.seconds' row under optim=muon
+
 # Estimate.seconds' rows: compute, each axis's micro-batch messages, then each axis's per step
 # (in the registry's order: TP, weight gathers, CP, EP dispatch, PP sends; optimizer, bubble).
 KINDS = ("compute", *(c.kind for c in REGISTRY if c.kind),
@@ -87,7 +89,10 @@ class Estimate:
                 "seconds": {k: round(v, 6) for k, v in self.seconds.items()}}
 
 
-def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardware) -> Estimate:
+def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardware,
+             muon_s: float | None = None) -> Estimate:
+    """muon_s: under optim=muon, its update's time on the slowest stage (its Newton-Schulz
+    work and exchange: trainer.plan.muon.update_seconds), a row of its own."""
     t = layout.tp_size
     b, s, S = layout.micro_batch_size, layout.context_local_length, layout.seq_length
     T, W = b * s, block_weight_elements(m)
@@ -145,6 +150,8 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
     for costs in REGISTRY:
         if costs.step_s:
             seconds[costs.step_kind] = costs.step_s(micro, micro_s, stage_elements)
+    if muon_s is not None:
+        seconds[MUON_UPDATE] = muon_s
     return Estimate(sum(seconds.values()), seconds)
 
 

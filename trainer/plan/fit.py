@@ -9,6 +9,7 @@ from trainer.config import ModelConfig
 from trainer.plan.activations import stage_chunk_bytes
 from trainer.plan.axis_costs.pipeline import kept_bytes, schedule_messages
 from trainer.plan.memory import ModelWeights, StageWeights, stage_peak, stage_step
+from trainer.plan.muon import MuonPlan
 from trainer.plan.options import EngineOptions
 
 
@@ -16,9 +17,10 @@ class PeakPlanner:
     """planned_peak for one model over many layouts: the model's weights read once, and each
     layout's stages once for all of its options."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], m: ModelConfig):
+    def __init__(self, shapes: dict[str, tuple[int, ...]], m: ModelConfig,
+                 muon: MuonPlan | None = None):
         self.m = m
-        self.weights = ModelWeights(shapes, m.num_layers, m.tie_word_embeddings)
+        self.weights = ModelWeights(shapes, m.num_layers, m.tie_word_embeddings, muon=muon)
 
     def stages(self, layout: Layout) -> list[StageWeights]:
         return self.weights.stages(layout)
@@ -45,7 +47,7 @@ class PeakPlanner:
 
 
 def planned_peak(shapes: dict[str, tuple[int, ...]], m: ModelConfig, layout: Layout,
-                 options: EngineOptions) -> tuple[int, int]:
+                 options: EngineOptions, muon: MuonPlan | None = None) -> tuple[int, int]:
     """(the largest planned peak of any stage's rank in bytes, that stage)."""
-    planner = PeakPlanner(shapes, m)
+    planner = PeakPlanner(shapes, m, muon)
     return planner.peak(layout, planner.stages(layout), options)

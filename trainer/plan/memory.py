@@ -35,7 +35,14 @@ from trainer.parts.mtp import MTP
 from trainer.parts.tokens import Tokens, compute_bytes
 from trainer.plan.activations import StepMemory, stage_chunk_bytes, step_memory
 from trainer.plan.axis_costs.pipeline import message_sizes, stage_activation_bytes
-from trainer.plan.muon import HeldMatrix, MuonPlan, exchange_bytes, held_matrices, row_splits
+from trainer.plan.muon import (
+    EXPERTS_BUFFER,
+    HeldMatrix,
+    MuonPlan,
+    exchange_bytes,
+    held_matrices,
+    row_splits,
+)
 from trainer.plan.options import EngineOptions
 
 # (param, grad, optimizer) bytes per element. Weights, gradients and both AdamW moments are fp32
@@ -95,6 +102,8 @@ class StageWeights:
     depth_gathered: int = 0
     depth_largest: int = 0
     gathered_by_block: tuple[int, ...] = ()  # each of its blocks' 2-D weights, in order
+    # optim=muon: each Muon buffer's (buffer, part, its matrices as the tile holds them)
+    muon_buffers: tuple[tuple[int, int, tuple[HeldMatrix, ...]], ...] = ()
 
 
 # The optimizer's flat buffers (trainer.train.optim.ShardedOptimizer), each padded on its own:
@@ -103,6 +112,7 @@ class StageWeights:
 # Under optim=muon its matrices of the sharded, whole and expert ones are three buffers more,
 # with one momentum per element where AdamW keeps two moments.
 SHARDED, WHOLE, NORMS, EXPERTS, MUON_SHARDED, MUON_WHOLE, MUON_EXPERTS = BUFFERS = range(7)
+assert MUON_EXPERTS == EXPERTS_BUFFER  # trainer.plan.muon reads it by number
 TO_MUON = {SHARDED: MUON_SHARDED, WHOLE: MUON_WHOLE, EXPERTS: MUON_EXPERTS}
 MUON_STATE_BYTES = 4  # Muon's momentum (fp32) per element
 
@@ -234,9 +244,11 @@ class ModelWeights:
                                  (flat + copy) * g_bytes, state, blocks, update, copy,
                                  sum(self.buffer_bytes[i] for i in blocks),
                                  sum(buffers[b] for b in muon))
+            muon_buffers = tuple((b, own[b], tuple(m for mb, ms in matrices if mb == b
+                                                   for m in ms)) for b in sorted(muon) if b in own)
             out.append(StageWeights(memory, chunks, max((k[1] for k in held), default=0),
                                     max(ends, default=0), sum(depth), max(depth, default=0),
-                                    tuple(k[1] for k in held)))
+                                    tuple(k[1] for k in held), muon_buffers))
         return out
 
     def _held(self, name: str, shape: tuple[int, ...], buffer: int, layout: Layout

@@ -4,13 +4,17 @@ matrix (trainer.parts.matrices says which parameters Muon takes; trainer.train.m
 """
 from __future__ import annotations
 
+import functools
+import heapq
 from dataclasses import dataclass
 
 from parallel.layout import Layout
 from parallel.layout.parallel_plan import ParallelPlan
-from trainer.config import ModelConfig, OptimConfig
-from trainer.parts.assembly import parallel_plan
+from trainer.config import ModelConfig, OptimConfig, Precision
+from trainer.parts.assembly import parallel_plan, parameter_shapes
 from trainer.parts.matrices import muon_names
+from trainer.parts.tokens import FP32
+from trainer.plan.hardware import Hardware
 
 
 def scale_factor(rows: int, cols: int, mode: str) -> float:
@@ -58,11 +62,11 @@ def assign_owners(costs: list[int], slots: int) -> list[int]:
     """Each matrix's owner among `slots` ranks, balancing the sum of costs: the costliest first,
     each to the least loaded slot (the lowest index on a tie), so every rank computes the same
     answer from the same list (longest-processing-time-first: at most 4/3 of the optimum)."""
-    loads, owner = [0] * slots, [0] * len(costs)
+    heap, owner = [(0, s) for s in range(slots)], [0] * len(costs)  # (load, slot): a heap
     for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
-        slot = min(range(slots), key=lambda s: loads[s])
+        load, slot = heapq.heappop(heap)
         owner[i] = slot
-        loads[slot] += costs[i]
+        heapq.heappush(heap, (load + costs[i], slot))
     return owner
 
 
@@ -79,7 +83,12 @@ class HeldMatrix:
         return sum(r * c for r, c in self.blocks)
 
     def cost(self, steps: int) -> int:
-        return sum(ns_flops(r, c, steps) for r, c in self.blocks)
+        return _cost(self.blocks, steps)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cost(blocks: tuple[tuple[int, int], ...], steps: int) -> int:
+    return sum(ns_flops(r, c, steps) for r, c in blocks)
 
 
 def held_matrices(name: str, shape: tuple[int, ...], style: str, layout: Layout,
@@ -113,29 +122,84 @@ def ns_work_bytes(rows: int, cols: int, dtype_bytes: int) -> int:
     return (2 * m * n + 2 * m * m) * dtype_bytes
 
 
+@dataclass(frozen=True)
+class Slots:
+    """A Muon buffer's matrices over its owner slots (slot = replica column x tile + tile rank),
+    summed once per slot and per column, so each slot's figures cost no pass over the matrices
+    (the layout search asks thousands of layouts)."""
+
+    tile: int
+    owned: list[int]  # per slot: elements of the matrices it owns
+    flops: list[int]  # per slot: their Newton-Schulz FLOPs
+    own_sends: list[int]  # per slot: of its matrices, the pieces its own tile rank sends
+    own_stores: list[int]  # per slot: of its matrices, the piece its tile rank stores
+    back: list[int]  # per slot: of its matrices, every tile rank's stored piece
+    gathered: list[int]  # per slot: of its matrices, every tile rank's sent piece
+    column_sends: list[list[int]]  # per column, per tile rank: its pieces of the column's
+    column_stores: list[list[int]]  # matrices it sends, and it stores
+    work: list[int]  # per slot: the largest block's Newton-Schulz working set, in elements
+
+    @classmethod
+    def of(cls, matrices: list[HeldMatrix], tile: int, replicas: int, steps: int) -> Slots:
+        return _slots(tuple(matrices), tile, replicas, steps)
+
+    @classmethod
+    def _of(cls, matrices: tuple[HeldMatrix, ...], tile: int, replicas: int,
+            steps: int) -> Slots:
+        costs = [m.cost(steps) for m in matrices]
+        owner = assign_owners(costs, tile * replicas)
+        n = tile * replicas
+        out = cls(tile, [0] * n, [0] * n, [0] * n, [0] * n, [0] * n, [0] * n,
+                  [[0] * tile for _ in range(replicas)], [[0] * tile for _ in range(replicas)],
+                  [0] * n)
+        for m, cost, slot in zip(matrices, costs, owner):
+            t, column = slot % tile, slot // tile
+            out.owned[slot] += m.numel
+            out.flops[slot] += cost
+            out.own_sends[slot] += m.sends[t]
+            out.own_stores[slot] += m.stores[t]
+            out.back[slot] += sum(m.stores)
+            out.gathered[slot] += sum(m.sends)
+            for r in range(tile):
+                out.column_sends[column][r] += m.sends[r]
+                out.column_stores[column][r] += m.stores[r]
+            out.work[slot] = max([out.work[slot]] + [ns_work_bytes(r, c, 1) for r, c in m.blocks])
+        return out
+
+
+@functools.lru_cache(maxsize=4096)
+def _slots(matrices: tuple[HeldMatrix, ...], tile: int, replicas: int, steps: int) -> Slots:
+    """Slots.of, once per stage shape: the search meets the same stage under many layouts."""
+    return Slots._of(matrices, tile, replicas, steps)
+
+
 def exchange_bytes(matrices: list[HeldMatrix], tile: int, replicas: int, part: int,
                    steps: int, master_bytes: int, ns_bytes: int) -> int:
+    return _exchange_bytes(tuple(matrices), tile, replicas, part, steps, master_bytes,
+                           ns_bytes)
+
+
+@functools.lru_cache(maxsize=4096)
+def _exchange_bytes(matrices: tuple[HeldMatrix, ...], tile: int, replicas: int, part: int,
+                    steps: int, master_bytes: int, ns_bytes: int) -> int:
     """The most one rank of a Muon buffer holds at once in its update, over the buffer's ranks
     (each slot its owned matrices): with replicas, the reduce-scatter's part; then
     orthogonalise's (trainer.train.muon): the pieces going out S beside the matrices arriving
     O and their whole matrices O; one block's iteration beside O; the pieces going back B
     beside O, then beside what returns. With a tile of one, a message is its own arrival.
     master_bytes: the buffer's dtype; ns_bytes: the iteration's."""
-    owner = assign_owners([m.cost(steps) for m in matrices], tile * replicas)
+    slots = Slots.of(matrices, tile, replicas, steps)
     most = part * master_bytes if replicas > 1 else 0
     for slot in range(tile * replicas):
         t, column = slot % tile, slot // tile
-        mine = [m for m, o in zip(matrices, owner) if o == slot]
-        col = [m for m, o in zip(matrices, owner) if o // tile == column]
-        sent, owned = sum(m.sends[t] for m in col), sum(m.numel for m in mine)
-        back, returned = sum(sum(m.stores) for m in mine), sum(m.stores[t] for m in col)
-        work = max((ns_work_bytes(r, c, ns_bytes) for m in mine for r, c in m.blocks),
-                   default=0)
+        sent, owned = slots.column_sends[column][t], slots.owned[slot]
+        back, returned = slots.back[slot], slots.column_stores[column][t]
         if tile == 1:
             phases = [sent + owned, owned + back]
         else:  # the message, the arrivals and the whole matrices at once; then back
             phases = [sent + 2 * owned, owned + back, back + returned]
-        most = max(most, max(phases) * master_bytes, owned * master_bytes + work)
+        most = max(most, max(phases) * master_bytes,
+                   owned * master_bytes + slots.work[slot] * ns_bytes)
     return most
 
 
@@ -149,11 +213,76 @@ class MuonPlan:
     split: bool
     steps: int
     ns_bytes: int  # 4: master fp32; 2: bf16
+    flops: int = 0  # every matrix's Newton-Schulz FLOPs, the whole model's
+    largest: int = 0  # the costliest matrix's (one rank orthogonalises it whole)
+
+    def floor_s(self, world_size: int, hw: Hardware) -> float:
+        """At least the update's Newton-Schulz time on any layout: the model's FLOPs spread
+        evenly over every rank, or its costliest matrix, whichever is more (the search prunes
+        with it before sizing a layout)."""
+        return max(self.flops / world_size, self.largest) / hw.flops(self.precision)
+
+    @property
+    def precision(self) -> Precision:
+        return Precision.bf16 if self.ns_bytes == 2 else Precision.fp32
 
 
 def muon_plan(model: ModelConfig, optim: OptimConfig) -> MuonPlan | None:
     """optim=muon's matrices of `model` for the memory plan; None under adamw."""
     if optim.name != "muon":
         return None
-    return MuonPlan(muon_names(model, optim), parallel_plan(model), optim.muon_split_qkv,
-                    optim.muon_num_ns_steps, 2 if optim.muon_ns_dtype == "bf16" else 4)
+    names, plan, shapes = muon_names(model, optim), parallel_plan(model), parameter_shapes(model)
+    steps, split = optim.muon_num_ns_steps, optim.muon_split_qkv
+    costs = [sum(ns_flops(r, c, steps) for r, c in row_blocks)
+             for n in names for row_blocks in _per_matrix(matrices(n, shapes[n], plan, split),
+                                                          row_splits(n, shapes[n], plan, split))]
+    return MuonPlan(names, plan, split, steps, 2 if optim.muon_ns_dtype == "bf16" else 4,
+                    sum(costs), max(costs, default=0))
+
+
+def _per_matrix(blocks: list[tuple[int, int]], splits: tuple[int, ...]
+                ) -> list[list[tuple[int, int]]]:
+    """matrices()'s blocks grouped by the matrix (each expert's) they belong to."""
+    step = len(splits)
+    return [blocks[i:i + step] for i in range(0, len(blocks), step)]
+
+
+# trainer.plan.memory's number of Muon's expert buffer (MUON_EXPERTS; memory imports this module)
+EXPERTS_BUFFER = 6
+
+
+def update_seconds(buffers: tuple, layout: Layout, hw: Hardware, muon: MuonPlan) -> float:
+    """A stage's Muon update on its slowest rank, buffer after buffer (trainer.train.muon):
+    the Newton-Schulz FLOPs of the matrices it owns at the hardware's rate; the all-to-alls
+    over its tile (each as long as the larger of what the rank sends and receives: its pieces
+    of the column's matrices others own out, the other tile ranks' pieces of its own in; the
+    same back); the momentum's all-gather and the update's reduce-scatter over the replicas.
+    Nothing hidden: the update runs after the backward."""
+    rate = hw.flops(muon.precision)
+    total = 0.0
+    for buffer, part, matrices in buffers:
+        experts = buffer == EXPERTS_BUFFER
+        tile_group, replica_group = (("expert_tensor_parallel", "expert_data_parallel")
+                                     if experts else ("weight_tile", "weight_replica"))
+        tile = len(matrices[0].sends) if matrices else 1
+        replicas = layout.optimizer_replicas(experts)
+        tile_link, replica_link = hw.link(layout, tile_group), hw.link(layout, replica_group)
+        total += _slowest(tuple(matrices), tile, replicas, muon.steps, rate,
+                          tile_link.bandwidth)
+        total += 2 * replica_link.ring(replicas, part * replicas * FP32)
+    return total
+
+
+@functools.lru_cache(maxsize=4096)
+def _slowest(matrices: tuple[HeldMatrix, ...], tile: int, replicas: int, steps: int,
+             rate: float, bandwidth: float) -> float:
+    """The slowest owner slot's Newton-Schulz time and tile all-to-alls."""
+    slots, slowest = Slots.of(list(matrices), tile, replicas, steps), 0.0
+    for slot in range(tile * replicas):
+        t, column = slot % tile, slot // tile
+        there = max(slots.column_sends[column][t] - slots.own_sends[slot],
+                    slots.gathered[slot] - slots.own_sends[slot])
+        back = max(slots.back[slot] - slots.own_stores[slot],
+                   slots.column_stores[column][t] - slots.own_stores[slot])
+        slowest = max(slowest, slots.flops[slot] / rate + (there + back) * FP32 / bandwidth)
+    return slowest
