@@ -71,6 +71,11 @@ def check_optim(optim: OptimConfig) -> None:
     if optim.clip_grad is not None:
         finite("optim.clip_grad", optim.clip_grad, 0, False,
                fix="use e.g. 1.0, or null for no clipping")
+    if optim.qk_clip_threshold is not None:
+        finite("optim.qk_clip_threshold", optim.qk_clip_threshold, 0, False,
+               fix="use e.g. 100 (Kimi K2's), or null for no QK-clip")
+    finite("optim.qk_clip_alpha", optim.qk_clip_alpha, 0, True, 1, True,
+           fix="use 0.5: q and k take half the scaling each")
     if optim.name != "muon":
         unused = [f"optim.{k}={getattr(optim, k)!r}" for k in MUON_KEYS
                   if getattr(optim, k) != getattr(OptimConfig, k, [])]
@@ -84,6 +89,22 @@ def check_optim(optim: OptimConfig) -> None:
     finite("optim.muon_extra_scale_factor", optim.muon_extra_scale_factor, 0, False,
            fix="use 0.2 with spectral (AdamW's update RMS), or 1.0")
     one_of("optim.muon_ns_dtype", optim.muon_ns_dtype, NS_DTYPES, "Newton-Schulz dtype")
+
+
+def check_qk_clip(cfg: Config) -> None:
+    """QK-clip scales q and k through their projections: a norm after them would undo it."""
+    threshold = cfg.optim.qk_clip_threshold
+    if threshold is None:
+        return
+    if cfg.model.qk_layernorm:
+        raise ValueError(f"optim.qk_clip_threshold={threshold} with model.qk_layernorm=true: "
+                         f"the q and k norms would undo the clip's scaling of their "
+                         f"projections. Fix: optim.qk_clip_threshold=null, or a model without "
+                         f"qk_layernorm.")
+    if cfg.train.compile:
+        raise ValueError(f"optim.qk_clip_threshold={threshold} with train.compile="
+                         f"{cfg.train.compile}: recording each head's largest logit is not "
+                         f"compiled. Fix: train.compile=false, or optim.qk_clip_threshold=null.")
 
 
 def check_muon_params(model: ModelConfig, optim: OptimConfig) -> None:
@@ -282,6 +303,7 @@ def check_values(cfg: Config, layout: Layout) -> None:
     check_seeds(cfg)
     check_optim(cfg.optim)
     check_muon_params(cfg.model, cfg.optim)
+    check_qk_clip(cfg)
     check_logger(cfg.logger)
     check_sample_prompts(cfg)
     check_checkpoint(cfg.checkpoint)

@@ -443,6 +443,10 @@ class OptimConfig:
     muon_ns_dtype: str = "master"  # master: the master weights' dtype; bf16: torch.optim.Muon's
     # fnmatch patterns of parameter names Muon would take that go to AdamW instead
     adamw_params: List[str] = field(default_factory=list)
+    # QK-clip (Kimi K2's MuonClip, Megatron's qk_clip): after each update, a head whose largest
+    # attention logit passed it has its q and k rows scaled to bring it back; null = off
+    qk_clip_threshold: Optional[float] = None
+    qk_clip_alpha: float = 0.5  # the share of the scaling q takes (k takes the rest)
 
 
 @dataclass

@@ -52,12 +52,13 @@ class NarrowValues:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  documents: torch.Tensor | None = None, window: int | None = None,
-                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 sinks: torch.Tensor | None = None, logits: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         width = v.shape[-1]
         if width == q.shape[-1]:
-            return self.attention(q, k, v, documents, window, sinks)
+            return self.attention(q, k, v, documents, window, sinks, logits)
         v = torch.nn.functional.pad(v, (0, q.shape[-1] - width))
-        return self.attention(q, k, v, documents, window, sinks)[..., :width]
+        return self.attention(q, k, v, documents, window, sinks, logits)[..., :width]
 
 
 def inject_attention(build: Build) -> None:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from parallel.comm import Group
 from parallel.context.calls import plan_calls
 from parallel.context.chunks import sequence_order
-from parallel.context.kernels import ChunkPairs
+from parallel.context.kernels import ChunkPairs, record_logits
 from parallel.layout import Layout
 from parallel.regions import all_to_all
 
@@ -32,7 +32,8 @@ class AllToAllAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  documents: torch.Tensor | None = None, window: int | None = None,
-                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 sinks: torch.Tensor | None = None, logits: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         b, heads, s, d = q.shape
         groups = k.shape[1]  # K/V heads (fewer than heads under grouped-query attention)
         c, chunks = self.context.size, len(self.order)
@@ -45,11 +46,14 @@ class AllToAllAttention:
         whole = whole.movedim(0, 2).flatten(2, 3)  # [b, (heads + 2 groups)/c, c * s, d]
         whole = whole.unflatten(2, (chunks, -1)).index_select(2, order).flatten(2, 3)
         q, k, v = whole.split([heads // c, groups // c, groups // c], dim=1)
+        share = heads // c  # this rank's heads: rank * share onwards of the local heads
+        if logits is not None:
+            record_logits(q, k, plan_calls((0,), (0,), q.shape[2], documents, window),
+                          logits[self.context.rank * share:][:share])
         if documents is None and window is None and sinks is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                  enable_gqa=groups != heads)
         else:  # the whole sequence is here: the calls documents and window allow
-            share = heads // c
             mine = None if sinks is None else sinks[self.context.rank * share:][:share]
             out = ChunkPairs.apply(q, k, v, plan_calls((0,), (0,), q.shape[2], documents,
                                                        window), mine)

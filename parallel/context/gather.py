@@ -30,7 +30,8 @@ class AllGatherAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  documents: torch.Tensor | None = None, window: int | None = None,
-                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 sinks: torch.Tensor | None = None, logits: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         kv = gather_along(torch.stack((k, v)), self.context, HEAD_SEQ_DIM + 1)
         chunks = kv.unflatten(HEAD_SEQ_DIM + 1, (len(self.order), -1))
         kv = chunks.index_select(HEAD_SEQ_DIM + 1, self.order.to(kv.device)).flatten(3, 4)
@@ -41,4 +42,4 @@ class AllGatherAttention:
                                window)
             if documents is None:
                 self._plain[chunk, window] = calls
-        return ChunkPairs.apply(q, kv[0], kv[1], calls, sinks)
+        return ChunkPairs.apply(q, kv[0], kv[1], calls, sinks, logits)

@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from parallel.context.calls import ANTI, CAUSAL, Call
+from parallel.context.calls import ANTI, CAUSAL, FULL, Call
 
 aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
@@ -125,10 +125,46 @@ class Merge:
         mine_lse.copy_(merged)
 
 
+LOGIT_ROWS = 256  # query rows whose scores record_logits forms at once
+
+
+@torch.no_grad()
+def record_logits(q: torch.Tensor, k: torch.Tensor, calls: list[Call],
+                  logits: torch.Tensor) -> None:
+    """The largest attention logit (q.k scaled as the kernels scale it) each query head meets
+    over the calls' query-key pairs, maxed into `logits` ([heads], fp32; QK-clip reads it).
+    Scores are formed LOGIT_ROWS query rows at a time, so a call never holds rows x keys of
+    every head at once beyond that."""
+    scale = q.shape[-1] ** -0.5
+    k = _repeat_groups(k, q.shape[1])
+    for samples, rows, keys, shape in calls:
+        wide = lse_dtype(q)  # fp32, fp64 for fp64 inputs
+        qs, ks = q[samples, :, rows].to(wide), k[samples, :, keys].to(wide)
+        n_keys = ks.shape[2]
+        for first in range(0, qs.shape[2], LOGIT_ROWS):
+            block = qs[:, :, first:first + LOGIT_ROWS]
+            scores = torch.einsum("bhqd,bhkd->bhqk", block, ks) * scale
+            if shape != FULL:  # CAUSAL: row r sees keys ..r; ANTI: keys r.. (calls.py)
+                row = torch.arange(first, first + block.shape[2], device=q.device)[:, None]
+                key = torch.arange(n_keys, device=q.device)[None, :]
+                hidden = key > row if shape == CAUSAL else key < row
+                scores.masked_fill_(hidden, -torch.inf)
+            torch.maximum(logits, scores.amax(dim=(0, 2, 3)).to(logits.dtype), out=logits)
+
+
+def _repeat_groups(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """K of grouped-query attention, one per query head (a copy; record_logits only)."""
+    groups = kv.shape[1]
+    return kv if groups == heads else kv.repeat_interleave(heads // groups, dim=1)
+
+
 def attend_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: list[Call],
-                 merge: Merge, aux: dict) -> None:
+                 merge: Merge, aux: dict, logits: torch.Tensor | None = None) -> None:
     """Every call (see calls.plan_calls) of local queries q over keys k, v, merged. aux:
-    filled with each call's kernel aux, by its index."""
+    filled with each call's kernel aux, by its index. logits: where QK-clip's largest logits
+    are recorded (None: not recorded)."""
+    if logits is not None:
+        record_logits(q, k, calls, logits)
     for i, (samples, rows, keys, shape) in enumerate(calls):
         out, lse, aux[i] = attend(q[samples, :, rows], k[samples, :, keys], v[samples, :, keys],
                                   shape)
@@ -210,10 +246,10 @@ class ChunkPairs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: list[Call],
-                sinks: torch.Tensor | None = None):
+                sinks: torch.Tensor | None = None, logits: torch.Tensor | None = None):
         with torch.autocast(q.device.type, enabled=False):
             merge, aux = Merge(q, lse_dtype(q)), {}
-            attend_calls(q, k, v, calls, merge, aux)
+            attend_calls(q, k, v, calls, merge, aux, logits)
             out, lse = merged_output(merge, q, sinks)
         ctx.calls, ctx.aux = calls, aux
         ctx.save_for_backward(q, k, v, out, lse, sinks)
@@ -229,7 +265,7 @@ class ChunkPairs(torch.autograd.Function):
                                     dv[samples, :, keys]), grads):
                 total += grad
         d_sinks = None if sinks is None else sink_gradient(grad_out, out, lse, sinks)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, d_sinks
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, d_sinks, None
 
 
 def lse_dtype(q: torch.Tensor) -> torch.dtype:

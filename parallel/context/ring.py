@@ -60,13 +60,14 @@ class Ring:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring,
-                steps: list[list[Call]], sinks: torch.Tensor | None):
+                steps: list[list[Call]], sinks: torch.Tensor | None,
+                logits: torch.Tensor | None = None):
         with torch.autocast(q.device.type, enabled=False):
             kv = first = torch.stack((k, v))
             merge, aux = Merge(q, lse_dtype(q)), [{} for _ in steps]
             for i, step in enumerate(steps):
                 hop = ring.group.start_shift([kv]) if i + 1 < ring.size else None
-                attend_calls(q, kv[0], kv[1], step, merge, aux[i])
+                attend_calls(q, kv[0], kv[1], step, merge, aux[i], logits)
                 if hop is not None:
                     kv = hop.wait()[0]
             out, lse = merged_output(merge, q, sinks)
@@ -106,7 +107,8 @@ class _RingAttention(torch.autograd.Function):
                 kv, spare = hop.wait()[0], kv
         dkv = travelling.wait()[0]
         d_sinks = None if sinks is None else sink_gradient(grad_out, out, lse, sinks)
-        return dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, d_sinks
+        return (dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, d_sinks,
+                None)
 
 
 class RingAttention:
@@ -119,10 +121,12 @@ class RingAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  documents: torch.Tensor | None = None, window: int | None = None,
-                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 sinks: torch.Tensor | None = None, logits: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         if window is not None:
-            out = windowed_attention(self.peers, q, k, v, documents, window, sinks)
+            out = windowed_attention(self.peers, q, k, v, documents, window, sinks, logits)
             if out is not None:
                 return out
         return _RingAttention.apply(q, k, v, self.ring,
-                                    self.ring.steps(q.shape[2] // 2, documents, window), sinks)
+                                    self.ring.steps(q.shape[2] // 2, documents, window), sinks,
+                                    logits)

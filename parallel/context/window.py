@@ -101,17 +101,17 @@ class _WindowedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group,
                 exchange: Exchange, calls: tuple[list[Call], list[Call]],
-                sinks: torch.Tensor | None):
+                sinks: torch.Tensor | None, logits: torch.Tensor | None = None):
         with torch.autocast(q.device.type, enabled=False):
             kv = torch.stack((k, v))
             pending = group.start_exchange(
                 [(d, _slots(kv, slots)) for d, slots in exchange.sends],
                 [(m, _shape(kv, slots)) for m, slots in exchange.receives], kv)
             merge, own_aux, far_aux = Merge(q, lse_dtype(q)), {}, {}
-            attend_calls(q, kv[0], kv[1], calls[0], merge, own_aux)
+            attend_calls(q, kv[0], kv[1], calls[0], merge, own_aux, logits)
             received = pending.wait()
             far = received[0] if len(received) == 1 else torch.cat(received, KV_SEQ_DIM)
-            attend_calls(q, far[0], far[1], calls[1], merge, far_aux)
+            attend_calls(q, far[0], far[1], calls[1], merge, far_aux, logits)
             out, lse = merged_output(merge, q, sinks)
         ctx.group, ctx.exchange, ctx.calls, ctx.aux = group, exchange, calls, (own_aux, far_aux)
         ctx.save_for_backward(q, kv, far, out, lse, sinks)
@@ -135,12 +135,13 @@ class _WindowedAttention(torch.autograd.Function):
             _slots(dkv, slots).add_(grads)
         d_sinks = None if sinks is None else sink_gradient(grad_out, out, lse, sinks)
         return (dq.to(q.dtype), dkv[0].to(kv.dtype), dkv[1].to(kv.dtype), None, None, None,
-                d_sinks)
+                d_sinks, None)
 
 
 def windowed_attention(peers: WindowedPeers, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                        documents: torch.Tensor | None, window: int,
-                       sinks: torch.Tensor | None) -> torch.Tensor | None:
+                       sinks: torch.Tensor | None, logits: torch.Tensor | None = None
+                       ) -> torch.Tensor | None:
     """The attention of this rank's queries under the window, by the exchange; None where the
     window reaches everything (the ring's work then)."""
     chunk = q.shape[2] // 2
@@ -148,4 +149,4 @@ def windowed_attention(peers: WindowedPeers, q: torch.Tensor, k: torch.Tensor, v
     if exchange is None:
         return None
     calls = peers.calls(exchange, chunk, documents, window)
-    return _WindowedAttention.apply(q, k, v, peers.group, exchange, calls, sinks)
+    return _WindowedAttention.apply(q, k, v, peers.group, exchange, calls, sinks, logits)

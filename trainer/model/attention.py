@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from parallel.context.calls import plan_calls
-from parallel.context.kernels import ChunkPairs
+from parallel.context.kernels import ChunkPairs, record_logits
 from trainer.config import ModelConfig
 from trainer.model.documents import document_attention
 from trainer.model.norm import rms_norm
@@ -23,27 +23,32 @@ from trainer.model.rotary import apply_rotary, rotary_frequencies
 # documents: None (each sample one document), or for every position of the whole sequence where
 # its document starts ([batch, seq], on the CPU; data.reset_attention_mask). window: how far
 # back a query may look (None: to its document's start). sinks: [heads] logits that join every
-# row's softmax denominator (None: none).
+# row's softmax denominator (None: none). logits: [heads] fp32 where the largest logit each head
+# meets is maxed in (QK-clip, trainer.train.qk_clip; None: not recorded).
 AttentionFn = Callable[..., torch.Tensor]
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      documents: torch.Tensor | None = None, window: int | None = None,
-                     sinks: torch.Tensor | None = None) -> torch.Tensor:
+                     sinks: torch.Tensor | None = None, logits: torch.Tensor | None = None
+                     ) -> torch.Tensor:
     """Causal attention; with documents, within each document only
     (trainer/model/documents.py). Values narrower than queries (multi-latent attention's) are
     padded with zeros to their width and the output cut back: the fused kernels take one
     width, and without them torch falls back to forming every score (memory of S^2). A window
     or sinks: kernel calls over the band the window and documents leave, merged by log-sum-exp
     with the sinks joined once (parallel.context.calls and kernels, as context parallel runs
-    them on each chunk pair): no mask, and no work outside the window."""
+    them on each chunk pair): no mask, and no work outside the window. logits: QK-clip's
+    largest logit per head, maxed in over the pairs attended (None: not recorded)."""
     width = v.shape[-1]
     if width != q.shape[-1]:
         v = F.pad(v, (0, q.shape[-1] - width))
-        return causal_attention(q, k, v, documents, window, sinks)[..., :width]
+        return causal_attention(q, k, v, documents, window, sinks, logits)[..., :width]
     if window is not None or sinks is not None:
         calls = plan_calls((0,), (0,), q.shape[2], documents, window)
-        return ChunkPairs.apply(q, k, v, calls, sinks)
+        return ChunkPairs.apply(q, k, v, calls, sinks, logits)
+    if logits is not None:
+        record_logits(q, k, plan_calls((0,), (0,), q.shape[2], documents, None), logits)
     if documents is not None:
         return document_attention(q, k, v, documents)
     # The fused kernels read each K/V group for its query heads; nothing is repeated.
@@ -78,6 +83,9 @@ class Attention(nn.Module):
         self.q_scale = 1.0 if cfg.softmax_scale is None else \
             cfg.softmax_scale * cfg.head_dim ** 0.5
         self.attention_fn: AttentionFn = causal_attention
+        # QK-clip's record of this step's largest logit per (this rank's) query head, set from
+        # outside (trainer.train.qk_clip); None: not recorded
+        self.max_logits: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,7 +104,7 @@ class Attention(nn.Module):
         if self.q_scale != 1.0:
             q = q * self.q_scale
         out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                documents, self.window, self._sinks(q))
+                                documents, self.window, self._sinks(q), logits=self.max_logits)
         return self.o(out.transpose(1, 2).reshape(b, s, -1))
 
     def _sinks(self, q: torch.Tensor) -> torch.Tensor | None:

@@ -34,7 +34,8 @@ class _CachedAttention:
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  documents: torch.Tensor | None = None, window: int | None = None,
-                 sinks: torch.Tensor | None = None) -> torch.Tensor:
+                 sinks: torch.Tensor | None = None, logits: torch.Tensor | None = None
+                 ) -> torch.Tensor:
         first = self.k is None
         if not first and q.shape[2] != 1:
             raise ValueError("after the prompt, the cache takes one token at a time")

@@ -54,6 +54,7 @@ class MultiLatentAttention(nn.Module):
         self.q_scale = softmax_correction(cfg)
         self.attention_fn: AttentionFn = causal_attention
         self.shared_key_fn: Callable[[torch.Tensor], torch.Tensor] = _unchanged
+        self.max_logits: torch.Tensor | None = None  # QK-clip's record, as in attention.py
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
@@ -76,5 +77,5 @@ class MultiLatentAttention(nn.Module):
             q = q * self.q_scale
         k = torch.cat((k_nope, k_rope.expand(b, s, heads, self.rope)), dim=-1)
         out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                documents)
+                                documents, logits=self.max_logits)
         return self.o(out.transpose(1, 2).reshape(b, s, -1))

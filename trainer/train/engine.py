@@ -27,6 +27,7 @@ from trainer.plan.options import EngineOptions
 from trainer.train import routing
 from trainer.train.compile import compile_blocks
 from trainer.train.optim import MuonChoice, ShardedOptimizer
+from trainer.train.qk_clip import QkClip
 from trainer.train.recompute import apply_recompute
 
 # Every optim.name (trainer.checks lists them, without torch) is the sharded optimizer: AdamW
@@ -70,7 +71,10 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layo
     routing.wire(model, groups, parallel.sequence_parallel)
     # The optimizer moves the (still untouched) parameters into its flat buffers first, so the
     # values are written once, in place, and no second copy of them is ever resident.
-    optimizer = ShardedOptimizer(parallel, optim_cfg, layout, muon_choice(model_cfg, optim_cfg))
+    clip = None if optim_cfg.qk_clip_threshold is None else QkClip(
+        parallel, model_cfg, optim_cfg.qk_clip_threshold, optim_cfg.qk_clip_alpha)
+    optimizer = ShardedOptimizer(parallel, optim_cfg, layout, muon_choice(model_cfg, optim_cfg),
+                                 clip)
     parallel.initialize(functools.partial(model.initial_values, seed=seed))
     return Engine(layout, groups, parallel, optimizer)
 

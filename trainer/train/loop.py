@@ -151,7 +151,10 @@ class Trainer:
                       "comm_bytes": self.engine.groups.stats.by_op(),  # this rank, this step
                       **result.moe,
                       # multi-token prediction, by depth (Megatron logs "mtp_1 loss", ...)
-                      **{f"mtp_{d + 1}_loss": v for d, v in enumerate(result.mtp_losses)}}
+                      **{f"mtp_{d + 1}_loss": v for d, v in enumerate(result.mtp_losses)},
+                      # QK-clip (Megatron logs "max attention logit")
+                      **({"max_attention_logit": result.max_attention_logit}
+                         if result.max_attention_logit is not None else {})}
             steps += 1
             if steps == 1:
                 logger.first_step(state.step, time.perf_counter() - started)

@@ -21,6 +21,7 @@ from parallel.layout import Layout
 from parallel.parallelize import ParallelModel
 from trainer.config import OptimConfig
 from trainer.train.muon import MuonExchange
+from trainer.train.qk_clip import QkClip
 
 # AdamW's state tensors (torch's names), and the buffers by kind in their order
 # (trainer.plan.memory.BUFFERS).
@@ -77,9 +78,11 @@ class ShardedOptimizer:
     rest. Both keep their state sharded over each buffer's replicas."""
 
     def __init__(self, model: ParallelModel, cfg: OptimConfig, layout: Layout,
-                 muon: MuonChoice | None = None):
+                 muon: MuonChoice | None = None, qk_clip: QkClip | None = None):
         groups = model.groups
         self.world, self.clip, self.cfg = groups.world, cfg.clip_grad, cfg
+        # QK-clip after each update (None: off); the step's largest attention logit
+        self.qk_clip, self.max_attention_logit = qk_clip, None
         muon = muon or MuonChoice(frozenset(), lambda name: ())
         # Flat buffers (trainer.plan.memory: SHARDED, WHOLE, NORMS, EXPERTS, then Muon's):
         # sharded weights; weights every rank of a weight tile holds whole (a router), decayed
@@ -137,6 +140,8 @@ class ShardedOptimizer:
     def zero_grad(self) -> None:
         for buffer in self.buffers:
             buffer.grads.zero_()
+        if self.qk_clip is not None:  # a step's record starts empty
+            self.qk_clip.reset()
 
     @torch.no_grad()
     def reduce_gradients(self) -> float:
@@ -179,6 +184,8 @@ class ShardedOptimizer:
         for buffer in self.buffers:  # with one replica the part is the whole buffer, in place
             if buffer.replica.size > 1:
                 buffer.replica.all_gather_into(buffer.params, buffer.part.clone())
+        if self.qk_clip is not None:  # on the updated weights, every rank's pieces alike
+            self.max_attention_logit = self.qk_clip.clip()
 
     # ------------------------------------------------------------------ checkpoint support
     # The state leaves and enters as whole flat buffers (every replica's part), so each state

@@ -40,6 +40,8 @@ class StepResult:
     moe: dict = field(default_factory=dict)  # trainer.train.routing.finish (dense: empty)
     # multi-token prediction: each depth's mean per-token loss over its own label tokens
     mtp_losses: list[float] = field(default_factory=list)
+    # QK-clip's largest attention logit of the step, before clipping (None: QK-clip off)
+    max_attention_logit: float | None = None
 
 
 def train_step(model: ParallelModel, optimizer: ShardedOptimizer, micro_batches: list[MicroBatch],
@@ -97,7 +99,8 @@ def train_step(model: ParallelModel, optimizer: ShardedOptimizer, micro_batches:
     return StepResult(loss=loss, grad_norm=grad_norm, loss_tokens=total_tokens,
                       empty_samples=empty_samples, moe=routing.finish(model.module, groups,
                                          groups.pp if model.mixture else None,
-                                         model.sequence_parallel), mtp_losses=mtp_losses)
+                                         model.sequence_parallel), mtp_losses=mtp_losses,
+                      max_attention_logit=optimizer.max_attention_logit)
 
 
 @torch.no_grad()
