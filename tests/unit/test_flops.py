@@ -25,7 +25,7 @@ from trainer.plan.cost import TokenFlops
 from config_helpers import ROOT
 
 
-def plain_attention(q, k, v, documents=None):
+def plain_attention(q, k, v, documents=None, logits=None):
     """Causal attention as matmuls the FLOP counter sees."""
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     causal = torch.ones(scores.shape[-2:], dtype=torch.bool).tril()
@@ -64,7 +64,7 @@ def test_mla_moe_and_mtp_flops_are_what_torch_counts(seq):
     assert token.mtp > 0.2 * (token.training / 3)  # the depth is a fifth of this tiny model
 
 
-def banded_attention(q, k, v, documents=None, window=None, sinks=None):
+def banded_attention(q, k, v, documents=None, window=None, sinks=None, logits=None):
     """Attention as one matmul pair per query row over exactly the keys it sees (i - window ..
     i), so the FLOP counter sees the band and nothing outside it."""
     rows = []
