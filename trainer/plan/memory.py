@@ -41,6 +41,7 @@ from trainer.plan.muon import (
     MuonPlan,
     exchange_bytes,
     held_matrices,
+    owner_balance,
     row_splits,
 )
 from trainer.plan.options import EngineOptions
@@ -114,6 +115,8 @@ class StageWeights:
 SHARDED, WHOLE, NORMS, EXPERTS, MUON_SHARDED, MUON_WHOLE, MUON_EXPERTS = BUFFERS = range(7)
 assert MUON_EXPERTS == EXPERTS_BUFFER  # trainer.plan.muon reads it by number
 TO_MUON = {SHARDED: MUON_SHARDED, WHOLE: MUON_WHOLE, EXPERTS: MUON_EXPERTS}
+BUFFER_NAMES = ("sharded", "whole", "norms", "experts", "muon_sharded", "muon_whole",
+                "muon_experts")
 MUON_STATE_BYTES = 4  # Muon's momentum (fp32) per element
 
 
@@ -348,4 +351,9 @@ def memory_plan(model: ModelConfig, layout: Layout, options: EngineOptions,
             "unsharded": unsharded_memory(shapes, muon).as_dict()}
     dispatch = dispatch_rows(model, Tokens.of(layout), compute_bytes(options.precision),
                              options.recompute_granularity, layout.micro_batch_tokens)
-    return plan | ({"expert_dispatch": dispatch} if dispatch else {})
+    owners = [{"stage": s.memory.stage, "buffer": BUFFER_NAMES[b],
+               **owner_balance(matrices, len(matrices[0].sends),
+                               layout.optimizer_replicas(b == MUON_EXPERTS), muon.steps)}
+              for s in stages for b, _, matrices in s.muon_buffers if matrices]
+    return plan | ({"expert_dispatch": dispatch} if dispatch else {}) | (
+        {"muon_owners": owners} if owners else {})

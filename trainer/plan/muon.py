@@ -173,6 +173,18 @@ def _slots(matrices: tuple[HeldMatrix, ...], tile: int, replicas: int, steps: in
     return Slots._of(matrices, tile, replicas, steps)
 
 
+def owner_balance(matrices: list[HeldMatrix], tile: int, replicas: int, steps: int
+                  ) -> dict[str, float]:
+    """Who orthogonalises how much of a Muon buffer: its matrices over its owner ranks, the
+    most one rank owns, and the busiest rank's Newton-Schulz FLOPs over the mean."""
+    slots = Slots.of(matrices, tile, replicas, steps)
+    owner = assign_owners([m.cost(steps) for m in matrices], tile * replicas)
+    mean = sum(slots.flops) / len(slots.flops)
+    return {"matrices": len(matrices), "ranks": tile * replicas,
+            "most_owned": max(owner.count(s) for s in range(tile * replicas)),
+            "flops_max_over_mean": round(max(slots.flops) / mean, 4) if mean else 0.0}
+
+
 def exchange_bytes(matrices: list[HeldMatrix], tile: int, replicas: int, part: int,
                    steps: int, master_bytes: int, ns_bytes: int) -> int:
     return _exchange_bytes(tuple(matrices), tile, replicas, part, steps, master_bytes,

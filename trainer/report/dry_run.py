@@ -115,6 +115,12 @@ def format_report(spec: RunSpec, record: dict[str, Any]) -> str:
                      f"hidden matrices, one fp32 momentum each; AdamW the other "
                      f"{total - taken:,}, two moments each; optim.adamw_params moves more to "
                      f"AdamW)")
+        for owners in memory.get("muon_owners", []):
+            where = f"stage {owners['stage']} " if layout.pp_size > 1 else ""
+            lines.append(f"  (Muon's owners, {where}{owners['buffer'].removeprefix('muon_')}: "
+                         f"{owners['matrices']} matrices over {owners['ranks']} ranks, at most "
+                         f"{owners['most_owned']} on one, its Newton-Schulz FLOPs "
+                         f"{owners['flops_max_over_mean']:.2f}x the mean)")
     t = config.train
     recompute = t.recompute_granularity.value if t.recompute_granularity else "off"
     if t.recompute_granularity and t.recompute_num_layers is not None:
