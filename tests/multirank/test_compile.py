@@ -48,7 +48,8 @@ CASES = {
         COMPILED, recompute_granularity=RecomputeGranularity.full), 2),
     "tp2_sp_selective": (*LAYOUTS["tp2_sp"], replace(
         COMPILED, recompute_granularity=RecomputeGranularity.selective), 2),
-    "cp2_ring": (*LAYOUTS["cp2"], COMPILED, 2),
+    # (CP compiled: test_compiled_local_attention_under_cp2_matches_one_process, the window's
+    # exchange; the ring's own case, 25 s, left CI for its time budget in issue 43)
     "pp2": (2, dict(pipeline_model_parallel_size=2), COMPILED, 4),
 }
 # Where a compiled block may break its graph: a collective or waiting for one (parallel.comm's

@@ -105,13 +105,9 @@ CHANGES = {
          "parallel.expert_model_parallel_size=2"),
         ("model=tiny_deepseek", "cluster.procs_per_node=4", "parallel.context_parallel_size=2",
          "parallel.expert_model_parallel_size=4")),
-    # optim=muon: the momentum of each matrix (and AdamW's moments of the rest) resharded, from
-    # weight shards to TP with SP over DP 2; DeepSeek-V3's model (whole down-projections,
-    # experts) from TP, PP and EP to CP and EP 4.
-    "muon_weight_shards_2_to_tp2_sp_dp2": (
-        ("optim=muon", "cluster.procs_per_node=4", "parallel.tensor_parallel_num_weight_shards=2"),
-        ("optim=muon", "cluster.procs_per_node=4", "parallel.tensor_model_parallel_size=2",
-         "parallel.sequence_parallel=true")),
+    # optim=muon: the momentum of each matrix (and AdamW's moments of the rest) resharded:
+    # DeepSeek-V3's model (sharded and whole matrices, experts) from TP, PP and EP to CP and
+    # EP 4.
     "muon_deepseek_tp2_sp_pp2_ep2_to_cp2_ep4": (
         ("optim=muon", "model=tiny_deepseek", "cluster.procs_per_node=4",
          "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",

@@ -121,26 +121,39 @@ LAYOUTS = {
                                     context_parallel_size=2, expert_model_parallel_size=2,
                                     pipeline_model_parallel_size=2), replace(MOE, num_layers=4)),
 }
-CASES = [("tp2_sp", torch.float64), ("tp2_sp", torch.float32),
-         ("ws4_ss2_cp2", torch.float64), ("ws4_ss2_cp2", torch.float32),
-         ("dp2_ws2", torch.float64), ("dp2_ws2", torch.float32),
-         ("ws3_padded", torch.float64), ("ws3_padded", torch.float32),
-         ("ep4", torch.float64), ("ep4", torch.float32),
-         ("tp2_sp_etp2_ep2", torch.float64), ("tp2_sp_etp2_ep2", torch.float32),
-         ("pp2_virtual2", torch.float64), ("pp2_virtual2", torch.float32),
-         ("mla_tp2_sp_ep2_pp2", torch.float64), ("mla_tp2_sp_ep2_pp2", torch.float32),
-         ("ws2_ss2_cp2_ep2_pp2", torch.float64), ("ws2_ss2_cp2_ep2_pp2", torch.float32)]
+# fp64 on every layout; fp32 on three (every layout met 1e-5 in fp32 when measured:
+# docs/proofs.md; CI keeps the three that reach every holder kind, for its time).
+CASES = [*((name, torch.float64) for name in LAYOUTS),
+         ("ws4_ss2_cp2", torch.float32), ("ep4", torch.float32),
+         ("ws2_ss2_cp2_ep2_pp2", torch.float32)]
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    """get(model, layout, dtype, optim) -> (batches, the trainer's one-process run on the
+    layout's global batch), each computed once."""
+    cache: dict[tuple, tuple] = {}
+
+    def get(model: ModelConfig, layout: Layout, dtype: torch.dtype, optim: OptimConfig):
+        samples = layout.micro_batch_size * layout.batch_parallel_size
+        key = (repr(model), layout.global_batch_size, samples, dtype, repr(optim))
+        if key not in cache:
+            batches = make_data(layout.global_batch_size, model)
+            one = Layout(1, micro_batch_size=samples, seq_length=layout.seq_length,
+                         global_batch_size=layout.global_batch_size)
+            cache[key] = (batches, run_ranks(1, train_rank, one, batches, dtype,
+                                             EngineOptions(), model, optim)[0])
+        return cache[key]
+
+    return get
 
 
 @pytest.mark.parametrize("name,dtype", [pytest.param(n, d, id=f"{n}-{str(d)[6:]}")
                                         for n, d in CASES])
-def test_muon_under_a_layout_matches_one_process(name, dtype):
+def test_muon_under_a_layout_matches_one_process(name, dtype, one_process):
     world, kwargs, model = LAYOUTS[name]
     layout = make_layout(world, kwargs)
-    batches = make_data(layout.global_batch_size, model)
-    one = Layout(1, micro_batch_size=layout.micro_batch_size * layout.batch_parallel_size,
-                 seq_length=layout.seq_length, global_batch_size=layout.global_batch_size)
-    (ref,) = run_ranks(1, train_rank, one, batches, dtype, EngineOptions(), model, MUON)
+    batches, ref = one_process(model, layout, dtype, MUON)
     schedule = "interleaved_1f1b" if layout.virtual_pipeline_size > 1 else "1f1b"
     results = run_ranks(world, train_rank, layout, batches, dtype,
                         EngineOptions(pipeline_schedule=schedule), model, MUON, timeout=180)
@@ -242,7 +255,7 @@ def test_split_qkv_orthogonalises_each_part_with_its_own_scale():
         assert relative(got["after"][name], unsplit) > 1e-3  # the split changed the step
 
 
-def test_muon_under_bf16_autocast_trains_close_to_fp32():
+def test_muon_under_bf16_autocast_trains_close_to_fp32(one_process):
     """bf16 compute with fp32 master weights, momentum and iteration (WS 2 x SS 2 x DP 2): the
     losses stay within bf16 rounding of the fp32 one-process run, and differ from it."""
     from trainer.config import Precision
@@ -251,10 +264,7 @@ def test_muon_under_bf16_autocast_trains_close_to_fp32():
 
     layout = make_layout(4, dict(tensor_parallel_num_weight_shards=2,
                                  tensor_parallel_num_sequence_shards=2))
-    batches = make_data(layout.global_batch_size, TINY)
-    one = Layout(1, micro_batch_size=layout.micro_batch_size * layout.batch_parallel_size,
-                 seq_length=layout.seq_length, global_batch_size=layout.global_batch_size)
-    (ref,) = run_ranks(1, train_rank, one, batches, torch.float32, EngineOptions(), TINY, MUON)
+    batches, ref = one_process(TINY, layout, torch.float32, MUON)
     got = run_ranks(4, train_rank, layout, batches, torch.float32,
                     EngineOptions(Precision.bf16), TINY, MUON, timeout=180)[0]
     assert_close_to_fp32(got, ref, "Muon bf16 ws2_ss2_dp2")

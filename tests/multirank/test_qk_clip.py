@@ -24,7 +24,7 @@ from trainer.train.step import train_step
 
 from harness import run_ranks
 from test_moe_parity import MODELS
-from test_muon import MUON
+from test_muon import MUON, one_process  # noqa: F401, F811  (a fixture)
 from test_parity import OPTIM, SEED, TINY, make_data, make_layout, relative, train_rank
 
 THRESHOLD = 0.05  # below the tiny models' first logits (about 0.1): every step clips
@@ -90,17 +90,14 @@ LAYOUTS = {  # name -> (world, Layout keywords, model, cp_comm_type)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
-def test_qk_clip_under_a_layout_matches_one_process(name):
+def test_qk_clip_under_a_layout_matches_one_process(name, one_process):  # noqa: F811
     """Muon with QK-clip on every step, fp64: the layout's weights equal one process's to
-    1e-10 after three steps, and the logged maxima agree."""
+    1e-10 after three steps."""
     world, kwargs, model, comm = LAYOUTS[name]
     optim = replace(MUON, qk_clip_threshold=THRESHOLD)
     layout = make_layout(world, kwargs)
-    batches = make_data(layout.global_batch_size, model)
-    one = Layout(1, micro_batch_size=layout.micro_batch_size * layout.batch_parallel_size,
-                 seq_length=layout.seq_length, global_batch_size=layout.global_batch_size)
     dtype = torch.float64
-    (ref,) = run_ranks(1, train_rank, one, batches, dtype, EngineOptions(), model, optim)
+    batches, ref = one_process(model, layout, dtype, optim)
     results = run_ranks(world, train_rank, layout, batches, dtype,
                         EngineOptions(cp_comm_type=CPCommType(comm)), model, optim,
                         timeout=180)
