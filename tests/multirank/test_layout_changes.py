@@ -97,18 +97,10 @@ CHANGES = {
         ("model=tiny_moe", "cluster.procs_per_node=4", "parallel.expert_model_parallel_size=4")),
     # DeepSeek-V3's model (multi-latent attention, its router's expert bias, a multi-token
     # prediction depth whose stage holds a copy of the embedding) under TP 2 with SP, PP 2 and
-    # EP 2, then under CP 2 and EP 4 without stages.
-    "deepseek_tp2_sp_pp2_ep2_to_cp2_ep4": (
-        ("model=tiny_deepseek", "cluster.procs_per_node=4",
-         "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
-         "parallel.pipeline_model_parallel_size=2", "parallel.expert_tensor_parallel_size=1",
-         "parallel.expert_model_parallel_size=2"),
-        ("model=tiny_deepseek", "cluster.procs_per_node=4", "parallel.context_parallel_size=2",
-         "parallel.expert_model_parallel_size=4")),
-    # optim=muon: the momentum of each matrix (and AdamW's moments of the rest) resharded:
-    # DeepSeek-V3's model (sharded and whole matrices, experts) from TP, PP and EP to CP and
-    # EP 4.
-    "muon_deepseek_tp2_sp_pp2_ep2_to_cp2_ep4": (
+    # EP 2, then under CP 2 and EP 4 without stages, trained by optim=muon: Muon's momentum of
+    # its sharded, whole and expert matrices and AdamW's moments of the rest (the embedding,
+    # head, norms, router), each resharded. (AdamW's whole state: the cases above.)
+    "deepseek_muon_tp2_sp_pp2_ep2_to_cp2_ep4": (
         ("optim=muon", "model=tiny_deepseek", "cluster.procs_per_node=4",
          "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
          "parallel.pipeline_model_parallel_size=2", "parallel.expert_tensor_parallel_size=1",
