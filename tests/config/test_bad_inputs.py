@@ -319,6 +319,8 @@ TABLE = [
     R("optim=muon optim.muon_num_ns_steps=0", ("optim.muon_num_ns_steps=0", ">= 1")),
     R("optim=muon optim.muon_scale_mode=rms", ("optim.muon_scale_mode='rms'", "spectral")),
     R("optim=muon optim.muon_ns_dtype=fp16", ("optim.muon_ns_dtype='fp16'", "bf16")),
+    R("optim=muon optim.muon_extra_scale_factor=0", ("optim.muon_extra_scale_factor=0.0",
+                                                     "0.2")),
     R("optim=muon optim.adamw_params=[layers.*.atn.*]",
       ("optim.adamw_params has 'layers.*.atn.*'", "matches no parameter")),
     R("optim.muon_momentum=0.9", ("optim.muon_momentum=0.9 applies to Muon only",
