@@ -136,7 +136,7 @@ def record_logits(q: torch.Tensor, k: torch.Tensor, calls: list[Call],
     Scores are formed LOGIT_ROWS query rows at a time, so a call never holds rows x keys of
     every head at once beyond that."""
     scale = q.shape[-1] ** -0.5
-    k = _repeat_groups(k, q.shape[1])
+    k = _expand_groups(k, q)
     for samples, rows, keys, shape in calls:
         wide = lse_dtype(q)  # fp32, fp64 for fp64 inputs
         qs, ks = q[samples, :, rows].to(wide), k[samples, :, keys].to(wide)
@@ -150,12 +150,6 @@ def record_logits(q: torch.Tensor, k: torch.Tensor, calls: list[Call],
                 hidden = key > row if shape == CAUSAL else key < row
                 scores.masked_fill_(hidden, -torch.inf)
             torch.maximum(logits, scores.amax(dim=(0, 2, 3)).to(logits.dtype), out=logits)
-
-
-def _repeat_groups(kv: torch.Tensor, heads: int) -> torch.Tensor:
-    """K of grouped-query attention, one per query head (a copy; record_logits only)."""
-    groups = kv.shape[1]
-    return kv if groups == heads else kv.repeat_interleave(heads // groups, dim=1)
 
 
 def attend_calls(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, calls: list[Call],

@@ -201,6 +201,12 @@ class Layout:
         """TP x GTP_remat: the ranks that together hold one full copy of the weights."""
         return self.tp_size * self.gtp_remat_size
 
+    def tp_local_shape(self, rows: int, cols: int, column: bool) -> tuple[int, int]:
+        """A TP-split weight's (rows, cols) on one TP rank: a column split divides its rows
+        (outputs), a row split its columns (inputs)."""
+        tp = self.tp_size
+        return (rows // tp, cols) if column else (rows, cols // tp)
+
     def shard_rows(self, tp_local_rows: int) -> int:
         """Rows of a TP-local weight that one gtp_remat rank stores: padded up to a multiple of
         GTP_remat, so every rank of the group holds the same number (parallel.sharding)."""

@@ -36,7 +36,7 @@ from trainer.parts.tokens import Tokens, compute_bytes
 from trainer.plan.activations import StepMemory, stage_chunk_bytes, step_memory
 from trainer.plan.axis_costs.pipeline import message_sizes, stage_activation_bytes
 from trainer.plan.muon import (
-    EXPERTS_BUFFER,
+    HeldBuffer,
     HeldMatrix,
     MuonPlan,
     exchange_bytes,
@@ -103,8 +103,7 @@ class StageWeights:
     depth_gathered: int = 0
     depth_largest: int = 0
     gathered_by_block: tuple[int, ...] = ()  # each of its blocks' 2-D weights, in order
-    # optim=muon: each Muon buffer's (buffer, part, its matrices as the tile holds them)
-    muon_buffers: tuple[tuple[int, int, tuple[HeldMatrix, ...]], ...] = ()
+    muon_buffers: tuple[HeldBuffer, ...] = ()  # optim=muon: its buffers as the ranks hold them
 
 
 # The optimizer's flat buffers (trainer.train.optim.ShardedOptimizer), each padded on its own:
@@ -113,7 +112,6 @@ class StageWeights:
 # Under optim=muon its matrices of the sharded, whole and expert ones are three buffers more,
 # with one momentum per element where AdamW keeps two moments.
 SHARDED, WHOLE, NORMS, EXPERTS, MUON_SHARDED, MUON_WHOLE, MUON_EXPERTS = BUFFERS = range(7)
-assert MUON_EXPERTS == EXPERTS_BUFFER  # trainer.plan.muon reads it by number
 TO_MUON = {SHARDED: MUON_SHARDED, WHOLE: MUON_WHOLE, EXPERTS: MUON_EXPERTS}
 BUFFER_NAMES = ("sharded", "whole", "norms", "experts", "muon_sharded", "muon_whole",
                 "muon_experts")
@@ -142,9 +140,7 @@ def _local_numel(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[int
         style = "whole"
     if style == "whole":
         return math.prod(shape), WHOLE if len(shape) >= 2 else NORMS
-    rows, cols = shape
-    tp = layout.tp_size
-    rows, cols = (rows // tp, cols) if style == "column" else (rows, cols // tp)
+    rows, cols = layout.tp_local_shape(*shape, style == "column")
     return layout.shard_rows(rows) * cols, SHARDED
 
 
@@ -239,16 +235,17 @@ class ModelWeights:
             muon = set(TO_MUON.values())
             state = sum(part * (MUON_STATE_BYTES if b in muon else o_bytes)
                         for b, part in own.items())
+            muon_buffers = tuple(self._buffer(b, own[b], matrices, layout)
+                                 for b in sorted(muon) if b in own)
             # AdamW's update, then each Muon buffer's (one after another)
             update = max([UPDATE_TEMPORARIES * g_bytes * part for b, part in own.items()
-                          if b not in muon] + [self._exchange(b, own[b], matrices, layout)
-                                                for b in muon if b in own], default=0)
+                          if b not in muon] + [exchange_bytes(h, self.muon.steps, g_bytes,
+                                                              self.muon.ns_bytes)
+                                                for h in muon_buffers], default=0)
             memory = StageMemory(stage, sum(buffers) + copy, (flat + copy) * p_bytes,
                                  (flat + copy) * g_bytes, state, blocks, update, copy,
                                  sum(self.buffer_bytes[i] for i in blocks),
                                  sum(buffers[b] for b in muon))
-            muon_buffers = tuple((b, own[b], tuple(m for mb, ms in matrices if mb == b
-                                                   for m in ms)) for b in sorted(muon) if b in own)
             out.append(StageWeights(memory, chunks, max((k[1] for k in held), default=0),
                                     max(ends, default=0), sum(depth), max(depth, default=0),
                                     tuple(k[1] for k in held), muon_buffers))
@@ -261,13 +258,15 @@ class ModelWeights:
         return held_matrices(name, shape, style, layout,
                              row_splits(name, shape, self.muon.plan, self.muon.split))
 
-    def _exchange(self, buffer: int, part: int, matrices: list, layout: Layout) -> int:
-        """The update transient of a Muon buffer (trainer.plan.muon.exchange_bytes)."""
+    @staticmethod
+    def _buffer(buffer: int, part: int, matrices: list, layout: Layout) -> HeldBuffer:
+        """A Muon buffer of this stage: its matrices over its tile (TP x GTP_remat, or ETP
+        for experts) and its replicas."""
         experts = buffer == MUON_EXPERTS
-        tile = layout.etp_size if experts else layout.weight_tile_size
-        held = [m for b, ms in matrices if b == buffer for m in ms]
-        return exchange_bytes(held, tile, layout.optimizer_replicas(experts), part,
-                              self.muon.steps, BYTES_PER_ELEMENT[1], self.muon.ns_bytes)
+        return HeldBuffer(BUFFER_NAMES[buffer], experts,
+                          layout.etp_size if experts else layout.weight_tile_size,
+                          layout.optimizer_replicas(experts), part,
+                          tuple(m for b, ms in matrices if b == buffer for m in ms))
 
 
 def stage_step(m: ModelConfig, layout: Layout, options: EngineOptions, stage: StageWeights,
@@ -351,9 +350,7 @@ def memory_plan(model: ModelConfig, layout: Layout, options: EngineOptions,
             "unsharded": unsharded_memory(shapes, muon).as_dict()}
     dispatch = dispatch_rows(model, Tokens.of(layout), compute_bytes(options.precision),
                              options.recompute_granularity, layout.micro_batch_tokens)
-    owners = [{"stage": s.memory.stage, "buffer": BUFFER_NAMES[b],
-               **owner_balance(matrices, len(matrices[0].sends),
-                               layout.optimizer_replicas(b == MUON_EXPERTS), muon.steps)}
-              for s in stages for b, _, matrices in s.muon_buffers if matrices]
+    owners = [{"stage": s.memory.stage, "buffer": h.name, **owner_balance(h, muon.steps)}
+              for s in stages for h in s.muon_buffers if h.matrices]
     return plan | ({"expert_dispatch": dispatch} if dispatch else {}) | (
         {"muon_owners": owners} if owners else {})

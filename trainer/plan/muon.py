@@ -108,7 +108,7 @@ def held_matrices(name: str, shape: tuple[int, ...], style: str, layout: Layout,
         count = shape[0] // layout.ep_size
         return [HeldMatrix(split, (piece,) * etp, (piece,) * etp)] * count
     tp, g = layout.tp_size, layout.gtp_remat_size
-    local_rows, local_cols = (rows // tp, cols) if style == "column" else (rows, cols // tp)
+    local_rows, local_cols = layout.tp_local_shape(rows, cols, style == "column")
     shard = layout.shard_rows(local_rows)
     pieces = tuple(max(0, min(shard, local_rows - k * shard)) * local_cols
                    for _ in range(tp) for k in range(g))
@@ -123,12 +123,26 @@ def ns_work_bytes(rows: int, cols: int, dtype_bytes: int) -> int:
 
 
 @dataclass(frozen=True)
+class HeldBuffer:
+    """One Muon flat buffer of a stage (trainer.plan.memory's MUON_* buffers): its matrices
+    over `tile` x `replicas` owner ranks, and the part of it each replica updates."""
+
+    name: str
+    experts: bool  # over ETP and expert DP, else over the weight tile and weight_replica
+    tile: int
+    replicas: int
+    part: int
+    matrices: tuple[HeldMatrix, ...]
+
+
+@dataclass(frozen=True)
 class Slots:
     """A Muon buffer's matrices over its owner slots (slot = replica column x tile + tile rank),
     summed once per slot and per column, so each slot's figures cost no pass over the matrices
     (the layout search asks thousands of layouts)."""
 
     tile: int
+    owner: list[int]  # per matrix: its slot
     owned: list[int]  # per slot: elements of the matrices it owns
     flops: list[int]  # per slot: their Newton-Schulz FLOPs
     own_sends: list[int]  # per slot: of its matrices, the pieces its own tile rank sends
@@ -140,8 +154,9 @@ class Slots:
     work: list[int]  # per slot: the largest block's Newton-Schulz working set, in elements
 
     @classmethod
-    def of(cls, matrices: list[HeldMatrix], tile: int, replicas: int, steps: int) -> Slots:
-        return _slots(tuple(matrices), tile, replicas, steps)
+    def of(cls, matrices: tuple[HeldMatrix, ...], tile: int, replicas: int, steps: int
+           ) -> Slots:
+        return _slots(matrices, tile, replicas, steps)
 
     @classmethod
     def _of(cls, matrices: tuple[HeldMatrix, ...], tile: int, replicas: int,
@@ -149,7 +164,7 @@ class Slots:
         costs = [m.cost(steps) for m in matrices]
         owner = assign_owners(costs, tile * replicas)
         n = tile * replicas
-        out = cls(tile, [0] * n, [0] * n, [0] * n, [0] * n, [0] * n, [0] * n,
+        out = cls(tile, owner, [0] * n, [0] * n, [0] * n, [0] * n, [0] * n, [0] * n,
                   [[0] * tile for _ in range(replicas)], [[0] * tile for _ in range(replicas)],
                   [0] * n)
         for m, cost, slot in zip(matrices, costs, owner):
@@ -173,35 +188,29 @@ def _slots(matrices: tuple[HeldMatrix, ...], tile: int, replicas: int, steps: in
     return Slots._of(matrices, tile, replicas, steps)
 
 
-def owner_balance(matrices: list[HeldMatrix], tile: int, replicas: int, steps: int
-                  ) -> dict[str, float]:
+def owner_balance(held: HeldBuffer, steps: int) -> dict[str, float]:
     """Who orthogonalises how much of a Muon buffer: its matrices over its owner ranks, the
     most one rank owns, and the busiest rank's Newton-Schulz FLOPs over the mean."""
-    slots = Slots.of(matrices, tile, replicas, steps)
-    owner = assign_owners([m.cost(steps) for m in matrices], tile * replicas)
+    slots = Slots.of(held.matrices, held.tile, held.replicas, steps)
+    ranks = held.tile * held.replicas
     mean = sum(slots.flops) / len(slots.flops)
-    return {"matrices": len(matrices), "ranks": tile * replicas,
-            "most_owned": max(owner.count(s) for s in range(tile * replicas)),
+    return {"matrices": len(held.matrices), "ranks": ranks,
+            "most_owned": max(slots.owner.count(s) for s in range(ranks)),
             "flops_max_over_mean": round(max(slots.flops) / mean, 4) if mean else 0.0}
 
 
-def exchange_bytes(matrices: list[HeldMatrix], tile: int, replicas: int, part: int,
-                   steps: int, master_bytes: int, ns_bytes: int) -> int:
-    return _exchange_bytes(tuple(matrices), tile, replicas, part, steps, master_bytes,
-                           ns_bytes)
-
-
 @functools.lru_cache(maxsize=4096)
-def _exchange_bytes(matrices: tuple[HeldMatrix, ...], tile: int, replicas: int, part: int,
-                    steps: int, master_bytes: int, ns_bytes: int) -> int:
+def exchange_bytes(held: HeldBuffer, steps: int, master_bytes: int, ns_bytes: int) -> int:
     """The most one rank of a Muon buffer holds at once in its update, over the buffer's ranks
     (each slot its owned matrices): with replicas, the reduce-scatter's part; then
     orthogonalise's (trainer.train.muon): the pieces going out S beside the matrices arriving
     O and their whole matrices O; one block's iteration beside O; the pieces going back B
     beside O, then beside what returns. With a tile of one, a message is its own arrival.
-    master_bytes: the buffer's dtype; ns_bytes: the iteration's."""
-    slots = Slots.of(matrices, tile, replicas, steps)
-    most = part * master_bytes if replicas > 1 else 0
+    master_bytes: the buffer's dtype; ns_bytes: the iteration's. Once per stage shape: the
+    search meets the same stage under many layouts."""
+    tile, replicas = held.tile, held.replicas
+    slots = Slots.of(held.matrices, tile, replicas, steps)
+    most = held.part * master_bytes if replicas > 1 else 0
     for slot in range(tile * replicas):
         t, column = slot % tile, slot // tile
         sent, owned = slots.column_sends[column][t], slots.owned[slot]
@@ -245,25 +254,17 @@ def muon_plan(model: ModelConfig, optim: OptimConfig) -> MuonPlan | None:
         return None
     names, plan, shapes = muon_names(model, optim), parallel_plan(model), parameter_shapes(model)
     steps, split = optim.muon_num_ns_steps, optim.muon_split_qkv
-    costs = [sum(ns_flops(r, c, steps) for r, c in row_blocks)
-             for n in names for row_blocks in _per_matrix(matrices(n, shapes[n], plan, split),
-                                                          row_splits(n, shapes[n], plan, split))]
+    costs = []  # per matrix: one per 2-D weight, one per expert of a 3-D weight
+    for n in names:
+        shape = shapes[n]
+        blocks = tuple((r, shape[-1]) for r in row_splits(n, shape, plan, split))
+        costs += [_cost(blocks, steps)] * (shape[0] if len(shape) == 3 else 1)
     return MuonPlan(names, plan, split, steps, 2 if optim.muon_ns_dtype == "bf16" else 4,
                     sum(costs), max(costs, default=0))
 
 
-def _per_matrix(blocks: list[tuple[int, int]], splits: tuple[int, ...]
-                ) -> list[list[tuple[int, int]]]:
-    """matrices()'s blocks grouped by the matrix (each expert's) they belong to."""
-    step = len(splits)
-    return [blocks[i:i + step] for i in range(0, len(blocks), step)]
-
-
-# trainer.plan.memory's number of Muon's expert buffer (MUON_EXPERTS; memory imports this module)
-EXPERTS_BUFFER = 6
-
-
-def update_seconds(buffers: tuple, layout: Layout, hw: Hardware, muon: MuonPlan) -> float:
+def update_seconds(buffers: tuple[HeldBuffer, ...], layout: Layout, hw: Hardware,
+                   muon: MuonPlan) -> float:
     """A stage's Muon update on its slowest rank, buffer after buffer (trainer.train.muon):
     the Newton-Schulz FLOPs of the matrices it owns at the hardware's rate; the all-to-alls
     over its tile (each as long as the larger of what the rank sends and receives: its pieces
@@ -272,24 +273,20 @@ def update_seconds(buffers: tuple, layout: Layout, hw: Hardware, muon: MuonPlan)
     Nothing hidden: the update runs after the backward."""
     rate = hw.flops(muon.precision)
     total = 0.0
-    for buffer, part, matrices in buffers:
-        experts = buffer == EXPERTS_BUFFER
+    for held in buffers:
         tile_group, replica_group = (("expert_tensor_parallel", "expert_data_parallel")
-                                     if experts else ("weight_tile", "weight_replica"))
-        tile = len(matrices[0].sends) if matrices else 1
-        replicas = layout.optimizer_replicas(experts)
+                                     if held.experts else ("weight_tile", "weight_replica"))
         tile_link, replica_link = hw.link(layout, tile_group), hw.link(layout, replica_group)
-        total += _slowest(tuple(matrices), tile, replicas, muon.steps, rate,
-                          tile_link.bandwidth)
-        total += 2 * replica_link.ring(replicas, part * replicas * FP32)
+        total += _slowest(held, muon.steps, rate, tile_link.bandwidth)
+        total += 2 * replica_link.ring(held.replicas, held.part * held.replicas * FP32)
     return total
 
 
 @functools.lru_cache(maxsize=4096)
-def _slowest(matrices: tuple[HeldMatrix, ...], tile: int, replicas: int, steps: int,
-             rate: float, bandwidth: float) -> float:
+def _slowest(held: HeldBuffer, steps: int, rate: float, bandwidth: float) -> float:
     """The slowest owner slot's Newton-Schulz time and tile all-to-alls."""
-    slots, slowest = Slots.of(list(matrices), tile, replicas, steps), 0.0
+    tile, replicas = held.tile, held.replicas
+    slots, slowest = Slots.of(held.matrices, tile, replicas, steps), 0.0
     for slot in range(tile * replicas):
         t, column = slot % tile, slot // tile
         there = max(slots.column_sends[column][t] - slots.own_sends[slot],

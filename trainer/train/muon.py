@@ -137,16 +137,32 @@ class MuonExchange:
         self.all_sends = self._gather_meta(self.sends)
         self.all_receives = self._gather_meta(self.receives)
         self._check_coverage()
-        costs = [ns_flops(b, m.cols, steps) for m in self.matrices for b in m.blocks]
-        per_matrix, i = [], 0
-        for m in self.matrices:
-            per_matrix.append(sum(costs[i:i + len(m.blocks)]))
-            i += len(m.blocks)
+        costs = [sum(ns_flops(b, m.cols, steps) for b in m.blocks) for m in self.matrices]
         # slot = replica column * tile size + tile rank
-        self.owner = assign_owners(per_matrix, tile.size * replica.size)
-        self.me = replica.rank * tile.size + tile.rank
+        self.owner = assign_owners(costs, tile.size * replica.size)
         self.ratios = [[extra_scale * scale_factor(b, m.cols, scale_mode) for b in m.blocks]
                        for m in self.matrices]
+        self._route()
+
+    def _route(self) -> None:
+        """What each step's two all-to-alls move, fixed by the owners: per tile rank, the
+        pieces this rank sends it and the ones it sends back (and their sizes)."""
+        column, size = self.replica.rank, self.tile.size
+        me = column * size + self.tile.rank
+        self.owned = [m for m in range(len(self.matrices)) if self.owner[m] == me]
+        mine = set(self.owned)
+        # there: this rank's pieces of its column's matrices, by owner; the owners' arrivals
+        self.outgoing = [[p for p in self.sends if self.column(p.matrix) == (d, column)]
+                         for d in range(size)]
+        self.arriving = [[q for q in self.all_sends[s] if q[0] in mine] for s in range(size)]
+        # back: each tile rank's stored pieces of the matrices this rank owns; what returns
+        self.leaving = [[q for q in self.all_receives[d] if q[0] in mine] for d in range(size)]
+        self.returning = [[p for p in self.receives if self.column(p.matrix) == (s, column)]
+                          for s in range(size)]
+        self.sizes = ([sum(p.rows * p.cols for p in ps) for ps in self.outgoing],
+                      [sum(q[3] * q[4] for q in qs) for qs in self.arriving],
+                      [sum(q[3] * q[4] for q in qs) for qs in self.leaving],
+                      [sum(p.rows * p.cols for p in ps) for ps in self.returning])
 
     def _gather_meta(self, pieces: list[Piece]) -> list[list[list[int]]]:
         mine = torch.tensor([p.meta() for p in pieces] or [[-1] * 5], dtype=torch.int64)
@@ -160,14 +176,14 @@ class MuonExchange:
         return [every[s, :int(counts[s])].tolist() for s in range(self.tile.size)]
 
     def _check_coverage(self) -> None:
-        for lists in (self.all_sends,):
-            area = [0] * len(self.matrices)
-            for pieces in lists:
-                for m, _, _, rows, cols in pieces:
-                    area[m] += rows * cols
-            for m, a in zip(self.matrices, area):
-                assert a == m.rows * m.cols, f"{m.name}: the tile's pieces cover {a} of " \
-                                             f"{m.rows * m.cols} elements"
+        """The tile's sent pieces cover each matrix exactly (padding rows excluded)."""
+        area = [0] * len(self.matrices)
+        for pieces in self.all_sends:
+            for m, _, _, rows, cols in pieces:
+                area[m] += rows * cols
+        for m, a in zip(self.matrices, area):
+            assert a == m.rows * m.cols, f"{m.name}: the tile's pieces cover {a} of " \
+                                         f"{m.rows * m.cols} elements"
 
     def column(self, matrix: int) -> tuple[int, int]:
         """(tile rank, replica column) of a matrix's owner."""
@@ -177,54 +193,42 @@ class MuonExchange:
     def orthogonalise(self, flat: torch.Tensor) -> None:
         """flat: the (Nesterov) momentum of every local piece in, the orthogonalised update of
         the pieces owned in this rank's replica column out (zero elsewhere). Each message is
-        one preallocated tensor, let go as soon as it is read (trainer.plan.muon.update_bytes
+        one preallocated tensor, let go as soon as it is read (trainer.plan.muon.exchange_bytes
         counts them)."""
-        column, size = self.replica.rank, self.tile.size
-        sends = [[p for p in self.sends if self.column(p.matrix) == (d, column)]
-                 for d in range(size)]
-        owned = {m for m in range(len(self.matrices)) if self.owner[m] == self.me}
-        arriving = [[q for q in self.all_sends[s] if q[0] in owned] for s in range(size)]
+        out_sizes, in_sizes, back_sizes, return_sizes = self.sizes
         # The whole matrices are allocated before the messages: gloo's worker thread lets a
         # message go a moment after the collective returns, so what is alive at once must not
         # depend on when (the plan counts message, arrivals and wholes together).
-        order = sorted(owned)
         wholes = flat.new_empty(sum(self.matrices[m].rows * self.matrices[m].cols
-                                    for m in order))
+                                    for m in self.owned))
         views, at = {}, 0
-        for m in order:
+        for m in self.owned:
             matrix = self.matrices[m]
             views[m] = wholes[at:at + matrix.rows * matrix.cols].view(matrix.rows, matrix.cols)
             at += matrix.rows * matrix.cols
-        message = _pack([p.local(flat) for d in range(size) for p in sends[d]], flat)
-        received = self.tile.all_to_all_rows(
-            message, [sum(p.rows * p.cols for p in sends[d]) for d in range(size)],
-            [sum(q[3] * q[4] for q in arriving[s]) for s in range(size)])
+        message = _pack([p.local(flat) for pieces in self.outgoing for p in pieces], flat)
+        received = self.tile.all_to_all_rows(message, out_sizes, in_sizes)
         del message
         at = 0
-        for s in range(size):
-            for m, row, col, rows, cols in arriving[s]:
+        for pieces in self.arriving:
+            for m, row, col, rows, cols in pieces:
                 views[m][row:row + rows, col:col + cols] = received[at:at + rows * cols].view(
                     rows, cols)
                 at += rows * cols
         del received
-        for m in order:  # each block orthogonalised in place
+        for m in self.owned:  # each block orthogonalised in place
             for block in views[m].split(list(self.matrices[m].blocks)):
                 block.copy_(newton_schulz(block, self.steps, self.dtype or block.dtype))
         # Back: to each tile rank its stored pieces of the matrices this rank owns.
-        leaving = [[q for q in self.all_receives[d] if q[0] in owned] for d in range(size)]
         message = _pack([views[m][row:row + rows, col:col + cols]
-                         for d in range(size) for m, row, col, rows, cols in leaving[d]], flat)
+                         for pieces in self.leaving for m, row, col, rows, cols in pieces], flat)
         del views, wholes
-        returns = [[p for p in self.receives if self.column(p.matrix) == (s, column)]
-                   for s in range(size)]
-        result = self.tile.all_to_all_rows(
-            message, [sum(q[3] * q[4] for q in leaving[d]) for d in range(size)],
-            [sum(p.rows * p.cols for p in returns[s]) for s in range(size)])
+        result = self.tile.all_to_all_rows(message, back_sizes, return_sizes)
         del message
         flat.zero_()
         at = 0
-        for s in range(size):
-            for p in returns[s]:
+        for pieces in self.returning:
+            for p in pieces:
                 p.local(flat).copy_(result[at:at + p.rows * p.cols].view(p.rows, p.cols))
                 at += p.rows * p.cols
 

@@ -74,7 +74,7 @@ class FlatBuffer:
 
 class ShardedOptimizer:
     """optim=adamw: AdamW on every parameter. optim=muon: Muon on the hidden matrices
-    (trainer.plan.muon.muon_parameters; trainer.train.muon orthogonalises them), AdamW on the
+    (trainer.parts.matrices; trainer.train.muon orthogonalises them), AdamW on the
     rest. Both keep their state sharded over each buffer's replicas."""
 
     def __init__(self, model: ParallelModel, cfg: OptimConfig, layout: Layout,
@@ -192,10 +192,14 @@ class ShardedOptimizer:
     # tensor can be viewed at its parameter's local shape and saved at the parameter's offsets:
     # AdamW's exp_avg and exp_avg_sq, Muon's momentum_buffer (torch's names).
 
+    def _muon_of(self, buffer: FlatBuffer) -> MuonBuffer | None:
+        """The Muon side of `buffer`, or None for an AdamW buffer."""
+        return next((m for m in self.muon if m.buffer is buffer), None)
+
     def _states(self, buffer: FlatBuffer) -> dict[str, torch.Tensor] | None:
         """This rank's part of each state tensor of `buffer` (None before AdamW's first step:
         every moment is zero)."""
-        muon = next((m for m in self.muon if m.buffer is buffer), None)
+        muon = self._muon_of(buffer)
         if muon is not None:
             return {"momentum_buffer": muon.momentum}
         state = self.adam.state.get(buffer.part)
@@ -222,7 +226,7 @@ class ShardedOptimizer:
         return moments
 
     def empty_moments(self) -> Moments:
-        kinds = [("momentum_buffer",) if any(m.buffer is b for m in self.muon) else ADAM_STATES
+        kinds = [("momentum_buffer",) if self._muon_of(b) else ADAM_STATES
                  for b in self.buffers]
         return Moments(0, [{k: torch.zeros_like(b.params) for k in ks}
                            for b, ks in zip(self.buffers, kinds)])
@@ -239,7 +243,7 @@ class ShardedOptimizer:
 
     def load_moments(self, moments: Moments) -> None:
         for buffer, whole in zip(self.buffers, moments.states):
-            muon = next((m for m in self.muon if m.buffer is buffer), None)
+            muon = self._muon_of(buffer)
             if muon is not None:
                 muon.momentum.copy_(buffer.part_of(whole["momentum_buffer"]))
             elif moments.step == 0:
