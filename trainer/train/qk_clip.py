@@ -82,13 +82,17 @@ class QkClip:
         """Scale the heads over the threshold (collective over token_distinct, TP and PP);
         the largest logit of the step, over every stage (what metrics.jsonl logs)."""
         largest = -math.inf
-        for name, module, rows, clip_groups in self.targets:
-            record = self.token_distinct.all_reduce(module.max_logits, dist.ReduceOp.MAX)
-            per_head = self.tp.all_gather(record)  # TP rank r holds heads r * local onwards
-            largest = max(largest, per_head.max().item())
-            eta = (self.threshold / per_head.view(clip_groups, -1).amax(1)).clamp(max=1.0)
-            if bool((eta < 1).any()):
-                self._scale(name, rows, eta.double().tolist())
+        if self.targets:  # every layer's record in one collective of each group
+            records = torch.stack([module.max_logits for _, module, _, _ in self.targets])
+            records = self.token_distinct.all_reduce(records, dist.ReduceOp.MAX)
+            # [TP ranks, layers, local heads] -> per layer, TP rank r's heads r * local onwards
+            gathered = self.tp.all_gather(records).view(self.tp.size, *records.shape)
+            per_layer = gathered.permute(1, 0, 2).flatten(1)
+            largest = per_layer.max().item()
+            for (name, _, rows, clip_groups), per_head in zip(self.targets, per_layer):
+                eta = (self.threshold / per_head.view(clip_groups, -1).amax(1)).clamp(max=1.0)
+                if bool((eta < 1).any()):
+                    self._scale(name, rows, eta.double().tolist())
         overall = torch.tensor([largest], dtype=torch.float64)
         return self.pp.all_reduce(overall, dist.ReduceOp.MAX).item()
 
