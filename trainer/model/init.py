@@ -31,7 +31,10 @@ def normal_rectangle(seed: int, name: str, full_cols: int, offsets: tuple[int, i
         block, within = divmod(row, BLOCK_ROWS)
         count = min(end - row, BLOCK_ROWS - within)
         gen = torch.Generator().manual_seed(block_seed(seed, name, block))
-        drawn = torch.randn((within + count, full_cols), generator=gen)
-        out[row - offsets[0]:row - offsets[0] + count] = drawn[within:, col:col + cols]
+        # Always the whole block: torch's CPU normal fill redraws the last 16 values of a draw
+        # whose size is not a multiple of 16, so a shorter draw is not a prefix of a longer one
+        # (rows of a tiny odd-width weight would differ between a shard and the full weight).
+        drawn = torch.randn((BLOCK_ROWS, full_cols), generator=gen)[within:within + count]
+        out[row - offsets[0]:row - offsets[0] + count] = drawn[:, col:col + cols]
         row += count
     return out
