@@ -68,7 +68,7 @@ from parallel.layout import Layout  # noqa: E402
 from trainer.config import ModelConfig, OptimConfig  # noqa: E402
 from trainer.parts.assembly import parallel_plan, parameter_shapes  # noqa: E402
 from trainer.parts.matrices import muon_parameters  # noqa: E402
-from trainer.plan.muon import assign_owners, matrices, ns_flops  # noqa: E402
+from trainer.plan.muon import assign_owners, matrices, matrix_flops  # noqa: E402
 
 WORLD, SHARDS, MICRO, SEQ, MICRO_BATCHES = 4, 4, 1, 128, 2
 ADAMW = OptimConfig(name="adamw", weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
@@ -120,7 +120,7 @@ def owner_plan(model: ModelConfig, layout: Layout, cfg: OptimConfig = MUON) -> d
             name
         blocks = matrices(name, shape, plan, cfg.muon_split_qkv)
         dims.append(shape)
-        costs.append(sum(ns_flops(r, c, cfg.muon_num_ns_steps) for r, c in blocks))
+        costs.append(matrix_flops(tuple(blocks), cfg.muon_num_ns_steps))
     slots = layout.weight_tile_size * layout.num_weight_replicas
     owner = assign_owners(costs, slots)
     loads = [0] * slots
@@ -192,7 +192,7 @@ def _rank_steps(rank: int, layout: Layout, model: ModelConfig, steps: int) -> di
     return {"step_s": step_s, "update_s": update_s, "bytes": update_bytes,
             "tile_rank": engines["muon"].groups.weight_tile.rank,
             "buffers": len(engines["muon"].optimizer.muon), "owner": exchange.owner,
-            "costs": [sum(ns_flops(b, m.cols, steps_ns) for b in m.blocks)
+            "costs": [matrix_flops(tuple((b, m.cols) for b in m.blocks), steps_ns)
                       for m in exchange.matrices]}
 
 

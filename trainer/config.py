@@ -430,13 +430,13 @@ class OptimConfig:
     beta2: float = MISSING  # Adam's second-moment decay, in [0, 1)
     eps: float = MISSING  # Adam's epsilon, > 0
     clip_grad: Optional[float] = MISSING  # the global gradient norm's bound; null = no clipping
-    # optim=muon (Megatron's names; trainer.plan.muon says which parameters Muon takes, the
+    # optim=muon (Megatron's names; trainer.parts.matrices says which parameters Muon takes, the
     # Adam keys above serve the rest). Unused by adamw, which refuses them changed.
     muon_momentum: float = 0.95  # the momentum's EMA factor, in [0, 1)
     muon_nesterov: bool = True  # orthogonalise g + momentum * (buffer - g), torch's default
     muon_num_ns_steps: int = 5  # Newton-Schulz iterations, >= 1
     # the update's scale for a rows x cols matrix: spectral sqrt(max), shape_scaling
-    # sqrt(max(1, rows/cols)), unit_rms_norm sqrt(rows/cols) (trainer.plan.muon.SCALE_MODES)
+    # sqrt(max(1, rows/cols)), unit_rms_norm sqrt(rows/cols) (trainer.checks.SCALE_MODES)
     muon_scale_mode: str = "spectral"
     muon_extra_scale_factor: float = 0.2  # times the scale; 0.2 x spectral: AdamW's update RMS
     muon_split_qkv: bool = True  # fused q/k/v (and gate/up) parts orthogonalised apart

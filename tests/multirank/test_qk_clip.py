@@ -44,10 +44,15 @@ def _clip_twice(rank: int, model, alpha: float) -> dict:
     engine = build_engine(model, optim, SEED, layout, torch.device("cpu"))
     batch = make_data(2, model)[0].clamp(min=0)
     micro = rank_micro_batches(lambda idx: batch[idx], layout, rank)
+    params = dict(engine.model.module.named_parameters())
+    qkv = params.get("layers.0.attn.qkv.weight")  # (multi-latent attention has none)
+    weights = [qkv.detach().clone()] if qkv is not None else []
     first = train_step(engine.model, engine.optimizer, micro, 0.0)
+    weights += [qkv.detach().clone()] if qkv is not None else []
     before = _maxima(engine)
     train_step(engine.model, engine.optimizer, micro, 0.0)
-    return {"before": before, "after": _maxima(engine), "logged": first.max_attention_logit}
+    return {"before": before, "after": _maxima(engine), "logged": first.max_attention_logit,
+            "qkv": weights}
 
 
 @pytest.mark.parametrize("model,groups,alpha", [(TINY, 4, 0.5), (GQA, 2, 0.5), (GQA, 2, 0.8),
@@ -68,7 +73,20 @@ def test_a_clip_brings_each_groups_largest_logit_to_the_threshold(model, groups,
         assert relative(after, expected) < 1e-12, (name, after, expected)
         assert torch.allclose(after.view(groups, -1).amax(1),
                               group_before.clamp(max=THRESHOLD), rtol=1e-12, atol=0)
+        if got["qkv"]:  # q's rows of a group took eta^alpha, k's eta^(1 - alpha), v's none
+            _assert_rows_scaled(*got["qkv"], model, eta, alpha)
     assert clipped > 0  # the threshold really was passed
+
+
+def _assert_rows_scaled(old: torch.Tensor, new: torch.Tensor, model, eta: torch.Tensor,
+                        alpha: float) -> None:
+    head = model.hidden_size // model.num_heads
+    groups = model.num_query_groups or model.num_heads
+    q, k, v = old.split([model.num_heads * head, groups * head, groups * head])
+    q_eta = (eta ** alpha).repeat_interleave(q.shape[0] // groups)[:, None]
+    k_eta = (eta ** (1 - alpha)).repeat_interleave(head)[:, None]
+    expected = torch.cat([q * q_eta, k * k_eta, v])
+    assert relative(new, expected) < 1e-12, relative(new, expected)
 
 
 CP2 = dict(context_parallel_size=2)

@@ -13,6 +13,9 @@ from fnmatch import fnmatchcase
 from trainer.config import ModelConfig, OptimConfig
 from trainer.parts.assembly import ADAMW_LINEARS, EMBEDDING, HEAD, parameter_shapes, tp_style
 
+# a part's AdamW linear, matched at a name boundary ("layers.0.mlp.router", not "...xrouter")
+ADAMW_SUFFIXES = tuple(f".{name}" for name in ADAMW_LINEARS)
+
 
 def is_muon_shape(name: str, shape: tuple[int, ...]) -> bool:
     """Whether the built-in rule gives parameter `name` to Muon (before optim.adamw_params)."""
@@ -21,7 +24,7 @@ def is_muon_shape(name: str, shape: tuple[int, ...]) -> bool:
     if len(shape) != 2 or not name.endswith(".weight"):
         return False
     module = name.removesuffix(".weight")
-    if module in (EMBEDDING, HEAD) or module.endswith(ADAMW_LINEARS):
+    if module in (EMBEDDING, HEAD) or f".{module}".endswith(ADAMW_SUFFIXES):
         return False
     try:
         tp_style(module)  # a linear of some part (split by TP or kept whole)

@@ -83,11 +83,13 @@ class HeldMatrix:
         return sum(r * c for r, c in self.blocks)
 
     def cost(self, steps: int) -> int:
-        return _cost(self.blocks, steps)
+        return matrix_flops(self.blocks, steps)
 
 
 @functools.lru_cache(maxsize=4096)
-def _cost(blocks: tuple[tuple[int, int], ...], steps: int) -> int:
+def matrix_flops(blocks: tuple[tuple[int, int], ...], steps: int) -> int:
+    """A matrix's Newton-Schulz FLOPs, its (rows, cols) blocks each orthogonalised alone: the
+    cost its owner is balanced by (the runtime's owners and the plan's are the same)."""
     return sum(ns_flops(r, c, steps) for r, c in blocks)
 
 
@@ -258,7 +260,7 @@ def muon_plan(model: ModelConfig, optim: OptimConfig) -> MuonPlan | None:
     for n in names:
         shape = shapes[n]
         blocks = tuple((r, shape[-1]) for r in row_splits(n, shape, plan, split))
-        costs += [_cost(blocks, steps)] * (shape[0] if len(shape) == 3 else 1)
+        costs += [matrix_flops(blocks, steps)] * (shape[0] if len(shape) == 3 else 1)
     return MuonPlan(names, plan, split, steps, 2 if optim.muon_ns_dtype == "bf16" else 4,
                     sum(costs), max(costs, default=0))
 

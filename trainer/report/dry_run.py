@@ -119,7 +119,7 @@ def format_report(spec: RunSpec, record: dict[str, Any]) -> str:
             where = f"stage {owners['stage']} " if layout.pp_size > 1 else ""
             lines.append(f"  (Muon's owners, {where}{owners['buffer'].removeprefix('muon_')}: "
                          f"{owners['matrices']} matrices over {owners['ranks']} ranks, at most "
-                         f"{owners['most_owned']} on one, its Newton-Schulz FLOPs "
+                         f"{owners['most_owned']} on one, the busiest rank's Newton-Schulz FLOPs "
                          f"{owners['flops_max_over_mean']:.2f}x the mean)")
     t = config.train
     recompute = t.recompute_granularity.value if t.recompute_granularity else "off"

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from parallel.comm import Group
-from trainer.plan.muon import assign_owners, ns_flops, scale_factor
+from trainer.plan.muon import assign_owners, matrix_flops, scale_factor
 
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # Keller Jordan's quintic (torch.optim.Muon's)
 NS_EPS = 1e-7
@@ -111,18 +111,24 @@ class MuonExchange:
         found: dict[tuple[str, int], int] = {}
         self.sends: list[Piece] = []  # this rank's pieces it sends to their owners
         self.receives: list[Piece] = []  # the pieces of the result it stores
+        def number(key: tuple[str, int], rows: int, cols: int) -> int:
+            if key not in found:
+                found[key] = len(self.matrices)
+                self.matrices.append(Matrix(key[0], key[1], rows, cols, blocks_of(key[0])))
+            return found[key]
+
         for name, offset, shape in slots:
             local = torch.empty(shape, device="meta")
             global_shape = model.global_shape(name)
+            if len(shape) == 2:  # numbered alike on every tile rank, one holding only padding
+                number((name, 0), *global_shape)  # rows of a weight shard included
             for offsets, view in model.global_chunks(name, local):
                 start = local_offsets(local, view)
                 experts = range(view.shape[0]) if len(shape) == 3 else [None]
                 for e in experts:  # a 3-D chunk spans experts: one piece per expert
+                    # (every expert-tensor rank holds a piece of each of its experts)
                     key = (name, 0 if e is None else offsets[0] + e)
-                    if key not in found:
-                        found[key] = len(self.matrices)
-                        rows, cols = global_shape[-2:]
-                        self.matrices.append(Matrix(name, key[1], rows, cols, blocks_of(name)))
+                    number(key, *global_shape[-2:])
                     g_row, g_col = offsets[-2:]
                     rows, cols = view.shape[-2:]
                     index = tuple(slice(s, s + n) for s, n in zip(start[-2:], (rows, cols)))
@@ -137,7 +143,7 @@ class MuonExchange:
         self.all_sends = self._gather_meta(self.sends)
         self.all_receives = self._gather_meta(self.receives)
         self._check_coverage()
-        costs = [sum(ns_flops(b, m.cols, steps) for b in m.blocks) for m in self.matrices]
+        costs = [matrix_flops(tuple((b, m.cols) for b in m.blocks), steps) for m in self.matrices]
         # slot = replica column * tile size + tile rank
         self.owner = assign_owners(costs, tile.size * replica.size)
         self.ratios = [[extra_scale * scale_factor(b, m.cols, scale_mode) for b in m.blocks]

@@ -20,14 +20,13 @@ from parallel.comm import Group
 from parallel.layout import Layout
 from parallel.parallelize import ParallelModel
 from trainer.config import OptimConfig
+from trainer.plan.memory import BUFFER_NAMES
 from trainer.train.muon import MuonExchange
 from trainer.train.qk_clip import QkClip
 
-# AdamW's state tensors (torch's names), and the buffers by kind in their order
-# (trainer.plan.memory.BUFFERS).
+# AdamW's state tensors (torch's names); the buffers by kind in their order are the plan's
+# (trainer.plan.memory.BUFFER_NAMES).
 ADAM_STATES = ("exp_avg", "exp_avg_sq")
-BUFFER_KINDS = ("sharded", "whole", "norms", "experts", "muon_sharded", "muon_whole",
-                "muon_experts")
 NS_DTYPES = {"master": None, "bf16": torch.bfloat16}
 
 # Gradient elements squared in fp64 at a time for the norm: its transient is one fp64 chunk
@@ -88,7 +87,7 @@ class ShardedOptimizer:
         # sharded weights; weights every rank of a weight tile holds whole (a router), decayed
         # too; norms, whole and not decayed; experts, split over EP, decayed; and the matrices
         # Muon takes of the sharded, whole and expert ones.
-        kinds: dict[str, list] = {k: [] for k in BUFFER_KINDS}
+        kinds: dict[str, list] = {k: [] for k in BUFFER_NAMES}
         for name, param in model.module.named_parameters():
             if name in model.stage_copies:  # another stage owns it (tied embeddings)
                 continue
@@ -108,7 +107,7 @@ class ShardedOptimizer:
         replica, expert_replica = groups.weight_replica, groups.expert_data_parallel
         self.buffers, param_groups, self.muon = [], [], []
         steps, split = cfg.muon_num_ns_steps, muon.blocks_of
-        for kind in BUFFER_KINDS:
+        for kind in BUFFER_NAMES:
             params = kinds[kind]
             if not params:
                 continue

@@ -90,7 +90,10 @@ class QkClip:
             per_layer = gathered.permute(1, 0, 2).flatten(1)
             largest = per_layer.max().item()
             for (name, _, rows, clip_groups), per_head in zip(self.targets, per_layer):
-                eta = (self.threshold / per_head.view(clip_groups, -1).amax(1)).clamp(max=1.0)
+                group_max = per_head.view(clip_groups, -1).amax(1)
+                # only a group over the threshold is scaled (a maximum <= 0, or a record left
+                # at -inf by a stage without tokens, is no reason to)
+                eta = torch.where(group_max > self.threshold, self.threshold / group_max, 1.0)
                 if bool((eta < 1).any()):
                     self._scale(name, rows, eta.double().tolist())
         overall = torch.tensor([largest], dtype=torch.float64)
