@@ -40,19 +40,25 @@ def test_same_seed_same_weights_other_seed_other_weights():
     assert torch.equal(a["norm.weight"], torch.ones(64))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("cols", [5, 6, 8, 10, 64])
-def test_any_rectangle_of_an_initial_weight_is_the_same_whoever_draws_it(cols):
+def test_any_rectangle_of_an_initial_weight_is_the_same_whoever_draws_it(cols, dtype):
     """A shard's rows (and a TP slice's columns) equal the full weight's, for widths whose
     draws are not a multiple of 16 values too: the sizes where torch's normal fill is not a
     prefix of a longer draw (a WS 4 rank of a hidden-8 model once started from other weights)."""
     from trainer.model.init import normal_rectangle
 
     rows = 150  # three blocks of 64, the last partial
-    full = normal_rectangle(7, "w", cols, (0, 0), (rows, cols))
-    for start, count in ((0, 2), (2, 2), (6, 3), (63, 2), (64, 1), (100, 50), (149, 1)):
-        for col, width in ((0, cols), (1, cols - 1), (cols // 2, cols - cols // 2)):
-            part = normal_rectangle(7, "w", cols, (start, col), (count, width))
-            assert torch.equal(part, full[start:start + count, col:col + width]), (start, col)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # as fp64 runs build their models
+    try:
+        full = normal_rectangle(7, "w", cols, (0, 0), (rows, cols))
+        for start, count in ((0, 2), (2, 2), (6, 3), (63, 2), (64, 1), (100, 50), (149, 1)):
+            for col, width in ((0, cols), (1, cols - 1), (cols // 2, cols - cols // 2)):
+                part = normal_rectangle(7, "w", cols, (start, col), (count, width))
+                assert torch.equal(part, full[start:start + count, col:col + width]), (start, col)
+    finally:
+        torch.set_default_dtype(default)
 
 
 def test_explicit_positions_equal_the_default():

@@ -31,10 +31,14 @@ def normal_rectangle(seed: int, name: str, full_cols: int, offsets: tuple[int, i
         block, within = divmod(row, BLOCK_ROWS)
         count = min(end - row, BLOCK_ROWS - within)
         gen = torch.Generator().manual_seed(block_seed(seed, name, block))
-        # Always the whole block: torch's CPU normal fill redraws the last 16 values of a draw
-        # whose size is not a multiple of 16, so a shorter draw is not a prefix of a longer one
-        # (rows of a tiny odd-width weight would differ between a shard and the full weight).
-        drawn = torch.randn((BLOCK_ROWS, full_cols), generator=gen)[within:within + count]
+        # torch's CPU normal fill transforms 16 values at a time and redraws the last 16 of a
+        # draw whose size is not a multiple of 16 (and fills one under 16 another way): only a
+        # draw of a multiple of 16 values is a prefix of every longer one, so the rows a shard
+        # needs are drawn rounded up to one (else a narrow weight's shard and its full weight
+        # would differ).
+        need = (within + count) * full_cols
+        drawn = torch.randn(max(16, -(-need // 16) * 16), generator=gen)[:need]
+        drawn = drawn.view(within + count, full_cols)[within:]
         out[row - offsets[0]:row - offsets[0] + count] = drawn[:, col:col + cols]
         row += count
     return out
