@@ -26,7 +26,7 @@ owners share the Newton-Schulz work, and the loss it reaches.
    WS 4: R = 1, T = 4, so the replica terms vanish, every matrix of model=small splits evenly
    and rank t sends (N - O_t) / 4 + 3 O_t / 4, O_t the elements of the matrices it owns: over
    the ranks 2 x 3/4 x N. AdamW's update at R = 1 sends nothing. Goal: busiest rank and sum 1.00.
-3. balance: max over mean of the Newton-Schulz FLOPs per owner slot (trainer.plan.muon.ns_flops
+3. balance: max over mean of the Newton-Schulz FLOPs per owner slot (trainer.plan.muon.matrix_flops
    of each row block, summed per matrix, assigned by assign_owners over T x R slots), from the
    shapes alone: model=small at WS 4, and the seed's first example
    (conf/experiment/seed_ws64_tp2_sp.yaml: llama3_1_8b, TP 2 with SP, WS 64, SS 16 on 64 ranks,
@@ -68,7 +68,7 @@ from parallel.layout import Layout  # noqa: E402
 from trainer.config import ModelConfig, OptimConfig  # noqa: E402
 from trainer.parts.assembly import parallel_plan, parameter_shapes  # noqa: E402
 from trainer.parts.matrices import muon_parameters  # noqa: E402
-from trainer.plan.muon import assign_owners, matrices, matrix_flops  # noqa: E402
+from trainer.plan.muon import assign_owners, matrix_blocks, matrix_flops  # noqa: E402
 
 WORLD, SHARDS, MICRO, SEQ, MICRO_BATCHES = 4, 4, 1, 128, 2
 ADAMW = OptimConfig(name="adamw", weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
@@ -118,9 +118,9 @@ def owner_plan(model: ModelConfig, layout: Layout, cfg: OptimConfig = MUON) -> d
         # an expert's or a whole linear's matrix is another buffer with other slots
         assert len(shape) == 2 and plan.linear_style(name.removesuffix(".weight"))[0] != "whole", \
             name
-        blocks = matrices(name, shape, plan, cfg.muon_split_qkv)
         dims.append(shape)
-        costs.append(matrix_flops(tuple(blocks), cfg.muon_num_ns_steps))
+        costs.append(matrix_flops(matrix_blocks(name, shape, plan, cfg.muon_split_qkv),
+                                  cfg.muon_num_ns_steps))
     slots = layout.weight_tile_size * layout.num_weight_replicas
     owner = assign_owners(costs, slots)
     loads = [0] * slots
@@ -192,8 +192,7 @@ def _rank_steps(rank: int, layout: Layout, model: ModelConfig, steps: int) -> di
     return {"step_s": step_s, "update_s": update_s, "bytes": update_bytes,
             "tile_rank": engines["muon"].groups.weight_tile.rank,
             "buffers": len(engines["muon"].optimizer.muon), "owner": exchange.owner,
-            "costs": [matrix_flops(tuple((b, m.cols) for b in m.blocks), steps_ns)
-                      for m in exchange.matrices]}
+            "costs": [m.cost(steps_ns) for m in exchange.matrices]}
 
 
 def steps_and_bytes(steps: int) -> tuple[dict, dict, list[dict]]:

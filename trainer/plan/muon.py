@@ -50,12 +50,11 @@ def row_splits(name: str, shape: tuple[int, ...], plan: ParallelPlan, split: boo
     return tuple(rows * p // sum(parts) for p in parts)
 
 
-def matrices(name: str, shape: tuple[int, ...], plan: ParallelPlan, split: bool
-             ) -> list[tuple[int, int]]:
-    """The (rows, cols) matrices Muon orthogonalises for parameter `name`: one per expert of a
-    3-D weight, each cut into its row blocks."""
-    count = shape[0] if len(shape) == 3 else 1
-    return [(rows, shape[-1]) for rows in row_splits(name, shape, plan, split)] * count
+def matrix_blocks(name: str, shape: tuple[int, ...], plan: ParallelPlan, split: bool
+                  ) -> tuple[tuple[int, int], ...]:
+    """The (rows, cols) blocks Muon orthogonalises apart in one matrix of parameter `name`
+    (a 3-D weight has one such matrix per expert)."""
+    return tuple((rows, shape[-1]) for rows in row_splits(name, shape, plan, split))
 
 
 def assign_owners(costs: list[int], slots: int) -> list[int]:
@@ -259,8 +258,8 @@ def muon_plan(model: ModelConfig, optim: OptimConfig) -> MuonPlan | None:
     costs = []  # per matrix: one per 2-D weight, one per expert of a 3-D weight
     for n in names:
         shape = shapes[n]
-        blocks = tuple((r, shape[-1]) for r in row_splits(n, shape, plan, split))
-        costs += [matrix_flops(blocks, steps)] * (shape[0] if len(shape) == 3 else 1)
+        costs += [matrix_flops(matrix_blocks(n, shape, plan, split), steps)] * (
+            shape[0] if len(shape) == 3 else 1)
     return MuonPlan(names, plan, split, steps, 2 if optim.muon_ns_dtype == "bf16" else 4,
                     sum(costs), max(costs, default=0))
 

@@ -58,6 +58,10 @@ class Matrix:
     cols: int
     blocks: tuple[int, ...]  # rows of the parts orthogonalised apart (optim.muon_split_qkv)
 
+    def cost(self, steps: int) -> int:
+        """Its Newton-Schulz FLOPs, what its owner is balanced by (the plan's count)."""
+        return matrix_flops(tuple((rows, self.cols) for rows in self.blocks), steps)
+
     def block_of(self, row: int) -> int:
         edge = 0
         for i, rows in enumerate(self.blocks):
@@ -143,7 +147,7 @@ class MuonExchange:
         self.all_sends = self._gather_meta(self.sends)
         self.all_receives = self._gather_meta(self.receives)
         self._check_coverage()
-        costs = [matrix_flops(tuple((b, m.cols) for b in m.blocks), steps) for m in self.matrices]
+        costs = [m.cost(steps) for m in self.matrices]
         # slot = replica column * tile size + tile rank
         self.owner = assign_owners(costs, tile.size * replica.size)
         self.ratios = [[extra_scale * scale_factor(b, m.cols, scale_mode) for b in m.blocks]
