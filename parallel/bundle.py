@@ -200,29 +200,31 @@ class ShardBundle:
                 self.previous.prefetch_backward()
         return self._backward.weights()
 
-    def add_grad(self, index: int, grad_full: torch.Tensor) -> None:
+    def trains(self, index: int) -> bool:
+        """Whether member `index` trains: a frozen one (peft=lora's base) forms no gradient."""
+        return self.members[index][0].requires_grad
+
+    def _trained(self) -> list[tuple[torch.nn.Parameter, int]]:
+        """The members whose gradients the reduce-scatter's message carries, in order."""
+        return [member for member in self.members if member[0].requires_grad]
+
+    def add_grad(self, index: int, grad_full: torch.Tensor | None) -> None:
+        """Member `index`'s gradient of one use (None for a frozen member: the use is only
+        accounted for, so the pass's weights are still freed when its last use is done)."""
         if not self._passes:
             raise RuntimeError("a bundled linear's backward ran with no forward use left to "
                                "account for: its gradient would be lost")
-        forward_pass, size = self._passes[0], self.group.size
-        if forward_pass.message is None:
-            total = sum(shard.numel() for shard, _ in self.members)
-            forward_pass.message = grad_full.new_zeros((size, total))
-        offset = sum(shard.numel() for shard, _ in self.members[:index])
-        shard, rows = self.members[index]
-        # rank r holds rows [r*per, (r+1)*per) of the full weight (the last ones padding)
-        per, rest = shard.shape[0], shard.shape[1:]
-        place = forward_pass.message[:, offset:offset + shard.numel()].view(size, per, *rest)
-        whole, left = divmod(rows, per)
-        place[:whole].add_(grad_full[:whole * per].view(whole, per, *rest))
-        if left:
-            place[whole, :left].add_(grad_full[whole * per:])
+        forward_pass = self._passes[0]
+        if grad_full is not None:
+            self._place(forward_pass, index, grad_full)
         self._pending -= 1
         forward_pass.pending -= 1
         if forward_pass.pending > 0:
             return
         self._passes.popleft()
         self._backward = None  # the pass's backward is done: its weights go
+        if forward_pass.message is None:  # every use was a frozen member's
+            return
         flat, forward_pass.message = forward_pass.message.view(-1), None
         if self.dtypes.reduce is not None:
             flat = flat.to(self.dtypes.reduce)
@@ -231,10 +233,31 @@ class ShardBundle:
         else:
             self.reduce_queue.put(self.group.start_reduce_scatter(flat), self._accumulate)
 
+    def _place(self, forward_pass: _Pass, index: int, grad_full: torch.Tensor) -> None:
+        """Add one use's full TP-local gradient into its member's place of the message (the
+        trained members' shards only: a frozen one is never sent)."""
+        size, trained = self.group.size, self._trained()
+        if forward_pass.message is None:
+            total = sum(shard.numel() for shard, _ in trained)
+            forward_pass.message = grad_full.new_zeros((size, total))
+        shard, rows = self.members[index]
+        offset = 0
+        for member, _ in trained:  # the members before it that the message carries
+            if member is shard:
+                break
+            offset += member.numel()
+        # rank r holds rows [r*per, (r+1)*per) of the full weight (the last ones padding)
+        per, rest = shard.shape[0], shard.shape[1:]
+        place = forward_pass.message[:, offset:offset + shard.numel()].view(size, per, *rest)
+        whole, left = divmod(rows, per)
+        place[:whole].add_(grad_full[:whole * per].view(whole, per, *rest))
+        if left:
+            place[whole, :left].add_(grad_full[whole * per:])
+
     def _accumulate(self, mine: torch.Tensor) -> None:
         """Add this rank's summed rows to the shards' (master dtype) gradients."""
         offset = 0
-        for shard, _ in self.members:
+        for shard, _ in self._trained():
             grad = mine[offset:offset + shard.numel()].view_as(shard)
             offset += shard.numel()
             if shard.grad is None:
@@ -275,9 +298,12 @@ def _backward(grad_y: torch.Tensor, x: torch.Tensor, key: torch.Tensor, index: i
     """x's gradient; the member's weight gradient goes into the bundle's message."""
     bundle = _BUNDLES[int(key)]
     weight = bundle.backward_weight(index).to(grad_y.dtype)
-    grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(
-        grad_y.dtype)
-    bundle.add_grad(index, grad_w.to(bundle.members[index][0].dtype))
+    grad_w = None
+    if bundle.trains(index):
+        grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(
+            grad_y.dtype)
+        grad_w = grad_w.to(bundle.members[index][0].dtype)
+    bundle.add_grad(index, grad_w)
     return grad_y @ weight
 
 

@@ -223,4 +223,4 @@ def shard_experts(build: Build) -> None:
         for pname, param in params.items():
             local = torch.empty(module.dispatch.local_shape(pname), dtype=param.dtype,
                                 device=param.device)
-            setattr(module, pname, nn.Parameter(local))
+            setattr(module, pname, nn.Parameter(local, requires_grad=param.requires_grad))

@@ -117,6 +117,8 @@ class ParallelModel(nn.Module):
         then used up: zeroed for the next step (like the optimizer's buffers, it stays)."""
         for name in self.stage.pruned.shared:
             param = self.module.get_parameter(name)
+            if not param.requires_grad:  # frozen (peft=lora): no gradient on either stage
+                continue
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             self.groups.embedding.all_reduce(param.grad)

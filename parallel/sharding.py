@@ -85,6 +85,8 @@ class _ShardedLinear(torch.autograd.Function):
         # shard's) and returns to the shard's (master) dtype.
         weight = gather_rows(shard, ctx.group, ctx.rows, ctx.dtypes.gather).to(grad_y.dtype)
         grad_x = grad_y @ weight if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[1]:  # a frozen weight (peft=lora's base): nothing to sum
+            return grad_x, None, None, None, None
         grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(
             grad_y.dtype)
         grad_w = _scatter_rows(grad_w.to(ctx.dtypes.reduce or shard.dtype), ctx.group)

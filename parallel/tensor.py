@@ -74,7 +74,8 @@ class ParallelLinear(nn.Module):
         self.rows, local_cols = (rows // tp.size, cols) if style == "column" else (
             rows, cols // tp.size)
         self.weight = _shard_of(full.weight, self, (shard_rows(self.rows, gtp), local_cols))
-        self.bias = None if full.bias is None else nn.Parameter(full.bias.detach().clone())
+        self.bias = None if full.bias is None else nn.Parameter(
+            full.bias.detach().clone(), requires_grad=full.bias.requires_grad)
         self.bundle: ShardBundle | None = None  # set by join_bundle
         self.bundle_index = -1
         self.bundle_key: torch.Tensor | None = None  # the bundle's, read by its operators
@@ -159,7 +160,7 @@ def _shard_of(full: torch.Tensor, layer: ParallelLinear | VocabParallelEmbedding
         with torch.no_grad():
             for (row, col), view in global_chunks(layer, shard):
                 view.copy_(full[row:row + view.shape[0], col:col + view.shape[1]])
-    return nn.Parameter(shard)
+    return nn.Parameter(shard, requires_grad=full.requires_grad)  # frozen stays frozen
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -247,7 +248,8 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, tp:
 def shard_layers(build: Build) -> None:
     """The tensor axis's step of parallelize (shard, on the meta device): every linear and
     embedding the model's plan names is replaced by its TP (+SP) layer, which stores this
-    rank's GTP_remat shard of the TP-local weight."""
+    rank's GTP_remat shard of the TP-local weight and keeps the layer's forward hooks (they
+    see its local input and output) and whether it trains."""
     model, plan, sp = build.model, build.plan, build.sequence_parallel
     tp, gtp = build.groups.tp, build.groups.gtp_remat
     for name, child in list(model.named_modules()):
@@ -266,6 +268,8 @@ def shard_layers(build: Build) -> None:
             replacement = ParallelLinear(child, style, tp, gtp, sp, name, parts, build.dtypes)
         else:
             continue
+        for hook in child._forward_hooks.values():  # the model's own (LoRA's adapters)
+            replacement.register_forward_hook(hook)
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, replacement)
 

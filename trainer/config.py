@@ -493,6 +493,19 @@ class CheckpointConfig:
 
 
 @dataclass
+class PeftConfig:
+    """peft=lora (trainer.parts.lora): low-rank adapters on the named projections, everything
+    else frozen. Hugging Face PEFT's names for the projections and the keys' meanings."""
+
+    name: str = MISSING  # lora
+    lora_rank: int = MISSING  # r: the adapters' inner width, 1 .. the projection's smaller side
+    lora_alpha: float = MISSING  # the update is scaled by lora_alpha / lora_rank
+    lora_dropout: float = MISSING  # dropout on the adapters' input, in [0, 1)
+    # q_proj k_proj v_proj o_proj gate_proj up_proj down_proj: the projections adapted
+    target_modules: List[str] = MISSING
+
+
+@dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -503,6 +516,7 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    peft: Optional[PeftConfig] = None  # null: full fine-tuning (every weight trains)
     run_name: str = MISSING  # the run folder's parent: outputs/<run_name>/<overrides>
     # plan only: print the layout, its groups and the memory plan, write layout.json, start
     # nothing

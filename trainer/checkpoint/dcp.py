@@ -140,7 +140,8 @@ def _tensors(engine: Engine, moments_views: dict) -> dict[str, Chunked]:
         out[f"model.{name}"] = Chunked(shape, model.global_chunks(name, param.data))
         if name in model.stage_copies:  # the same values as its owner's; no moments here
             continue
-        for kind, view in moments_views[name].items():  # AdamW's moments or Muon's momentum
+        # AdamW's moments or Muon's momentum (none for a frozen parameter: LoRA's base)
+        for kind, view in moments_views.get(name, {}).items():
             out[f"optim.{kind}.{name}"] = Chunked(shape, model.global_chunks(name, view))
     return out
 

@@ -18,6 +18,7 @@ from torch import nn
 from trainer.checks import check_model
 from trainer.config import ModelConfig
 from trainer.model.init import normal_rectangle
+from trainer.model.lora import adapter_std
 from trainer.model.mtp import MultiTokenPrediction
 from trainer.parts import block_parts
 from trainer.parts.assembly import RESIDUAL_OUTPUTS
@@ -138,6 +139,10 @@ class Transformer(nn.Module):
             return torch.zeros(shape) if self.cfg.layernorm_zero_centered_gamma \
                 else torch.ones(shape)
         std = self.cfg.init_std
+        adapter = adapter_std(name, full[-1])
+        if adapter is not None:  # peft=lora's (trainer.model.lora)
+            return torch.zeros(shape) if adapter == 0 else \
+                normal_rectangle(seed, name, full[1], offsets, shape).mul_(adapter)
         if name.endswith(RESIDUAL_OUTPUTS):
             # Residual-branch outputs shrink with depth so the residual stream keeps its scale.
             std /= math.sqrt(2 * self.cfg.num_layers)

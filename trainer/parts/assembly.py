@@ -9,6 +9,7 @@ import math
 from parallel.layout.parallel_plan import ParallelPlan, by_suffix
 from trainer.config import ModelConfig
 from trainer.parts import PARTS, block_parts, model_parts
+from trainer.parts.lora import plan_entries
 from trainer.parts.mtp import EH_PROJ, MTP, depth_shapes, depths
 from trainer.parts.norm import block_norms
 
@@ -35,8 +36,10 @@ def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
     """The plan of the Transformer built from `cfg` (its fused parts depend on the shape)."""
     fused = {name: sizes for part in PARTS
              for name, sizes in zip(part.prefixed(part.fused(cfg)), part.fused(cfg).values())}
+    adapters, whole_adapters = plan_entries()  # LoRA's, where peft=lora adds them
     return ParallelPlan(
-        linears={name: (style, fused.get(name, (1,))) for name, style in TP_STYLES.items()},
+        linears={**{name: (style, fused.get(name, (1,))) for name, style in TP_STYLES.items()},
+                 **adapters},
         embedding=EMBEDDING,  # vocab-parallel: rows split over TP like the head
         head=HEAD,
         blocks=BLOCKS,  # the transformer blocks by index: one weight-gather bundle each
@@ -44,7 +47,7 @@ def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
         final_norm=FINAL_NORM,
         hidden_size=cfg.hidden_size,
         recompute_hooks=tuple(dict.fromkeys(p.hook for p in PARTS if p.hook)),
-        whole_linears=WHOLE,
+        whole_linears=WHOLE + whole_adapters,
         tp_shared_hooks=tuple(dict.fromkeys(p.tp_shared for p in PARTS if p.tp_shared)),
         tp_heads_hooks=tuple(dict.fromkeys(p.tp_heads for p in PARTS if p.tp_heads)),
         head_norms=tuple(n for p in PARTS for n in p.prefixed(p.head_norms)),

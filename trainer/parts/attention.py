@@ -237,6 +237,7 @@ GQA = Part(
     "gqa", "attn", "trainer.model.attention:Attention", shapes,
     # Column then row; q|k|v split by heads (heads, groups, groups) so each keeps its rows.
     tp_styles={"qkv": "column", "o": "row"},
+    lora_targets={"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",)},
     fused=lambda cfg: {"qkv": cfg.qkv_heads},
     residual_outputs=("o.weight",),
     # Cheap to recompute, costly to keep: softmax(QK^T)V. Context parallel replaces it with

@@ -88,6 +88,7 @@ SWIGLU = Part(
     "swiglu", "mlp", "trainer.model.mlp:dense_mlp",
     lambda cfg: swiglu_shapes(cfg.hidden_size, cfg.ffn_hidden_size, "", cfg.add_bias_linear),
     tp_styles={"gate_up": "column", "down": "row"},
+    lora_targets={"gate_up": ("gate_proj", "up_proj"), "down": ("down_proj",)},
     fused=lambda cfg: {"gate_up": (1, 1)},  # gate | up: each TP rank keeps rows of both
     residual_outputs=("down.weight",),
     hook="activation_fn",  # silu(gate) * up: recomputed rather than kept (selective)

@@ -52,6 +52,9 @@ class Part:
     # Linears whose 2-D weight optim=muon leaves to AdamW: a router classifies tokens over
     # experts, it is no hidden map for Muon to orthogonalise (trainer.plan.muon).
     adamw_linears: tuple[str, ...] = ()
+    # LoRA (trainer.parts.lora): module name -> the Hugging Face projection names of its fused
+    # parts, in order (q_proj, k_proj, v_proj of a fused qkv); what peft.target_modules names.
+    lora_targets: dict[str, tuple[str, ...]] = field(default_factory=dict)
     # Initialisation: parameters on the residual branch's output, whose std shrinks with depth
     # so the residual stream keeps its scale (the rest: init_std; 1-D ones start at one).
     residual_outputs: tuple[str, ...] = ()

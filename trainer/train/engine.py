@@ -17,7 +17,8 @@ from parallel.comm import CommStats
 from parallel.groups import Groups, build_groups
 from parallel.layout import Layout
 from parallel.parallelize import ParallelModel, parallelize
-from trainer.config import ModelConfig, OptimConfig, Precision
+from trainer.config import ModelConfig, OptimConfig, PeftConfig, Precision
+from trainer.model.lora import add_adapters, freeze_base
 from trainer.model.transformer import Transformer
 from trainer.parts.assembly import parallel_plan, parameter_shapes
 from trainer.parts.matrices import muon_names
@@ -48,21 +49,24 @@ COMPUTE_DTYPE = {Precision.fp32: torch.float32, Precision.bf16: torch.bfloat16}
 
 def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layout: Layout,
                  device: torch.device, options: EngineOptions = EngineOptions(),
-                 timeout_s: int | None = None) -> Engine:
+                 timeout_s: int | None = None, peft: PeftConfig | None = None) -> Engine:
     """Collective over the default process group. timeout_s: how long a collective of the
     engine's groups waits for a peer (a run's: trainer.train.hangs.backend_timeout_s); None:
-    torch's default."""
+    torch's default. peft: LoRA's adapters (None: every weight trains)."""
     check_model_fits_layout(model_cfg, layout, options)
     timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     groups = build_groups(layout, CommStats(), timeout)
     with torch.device("meta"):
         model = Transformer(model_cfg)
+        add_adapters(model, model_cfg, peft)  # peft=lora: adapters beside, the base frozen
     # The axes' communication options by config key: EngineOptions holds the parallel.* ones.
     sections = {"parallel": options, "model": model_cfg}
     comm = comm_options(lambda key: getattr(sections[key.split(".")[0]], key.split(".")[1]))
     plan = parallel_plan(model_cfg)
     parallel = parallelize(model, plan, layout, groups, torch.distributed.get_rank(), device,
                            COMPUTE_DTYPE[options.precision], comm, model_cfg.vocab_size)
+    if peft is not None:  # the parallel layers' parameters are new ones
+        freeze_base(model)
     # Around the parallel layers it replays in backward; counted within each model chunk.
     apply_recompute(model, plan, options, parallel.stage.part.chunks)
     if options.compile_blocks:  # what the rank runs, recompute and hooks included

@@ -73,7 +73,8 @@ class Trainer:
         if self.compiles:  # a relaunch in this folder (a resume, a restart) finds the kernels
             use_cache(run_dir / COMPILE_CACHE)
         self.engine = build_engine(config.model, config.optim, config.train.seed, self.layout,
-                                   device, options, backend_timeout_s(config.cluster.timeout_s))
+                                   device, options, backend_timeout_s(config.cluster.timeout_s),
+                                   config.peft)
         self.save_dir = resume.save_folder(config.checkpoint, run_dir)
         # launch.py checked this choice before the ranks started (and hands it over, `decided`,
         # in its own process); here every file's checksum is verified too, so a damaged newest

@@ -105,7 +105,7 @@ def measure_rank(spec: RunSpec, rank: int, step: bool = True,
             f"{device.type}: building its engine")
         start = time.perf_counter()
         engine = build_engine(config.model, config.optim, config.train.seed, layout,
-                              device, EngineOptions.from_config(config))
+                              device, EngineOptions.from_config(config), peft=config.peft)
         build_s = time.perf_counter() - start
         figures = {"rank": rank, "world_size": layout.world_size, "device": device.type,
                    "build_s": round(build_s, 3), "build_peak_bytes": peak.above_baseline()}

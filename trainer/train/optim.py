@@ -89,8 +89,8 @@ class ShardedOptimizer:
         # Muon takes of the sharded, whole and expert ones.
         kinds: dict[str, list] = {k: [] for k in BUFFER_NAMES}
         for name, param in model.module.named_parameters():
-            if name in model.stage_copies:  # another stage owns it (tied embeddings)
-                continue
+            if name in model.stage_copies or not param.requires_grad:
+                continue  # another stage owns it (tied embeddings), or it is frozen (LoRA's base)
             if model.is_expert(name):
                 kind = "experts"
             elif model.is_sharded(name):

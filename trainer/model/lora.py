@@ -1,0 +1,103 @@
+"""LoRA on the single-device model (peft=lora; what is adapted and how TP splits it:
+trainer.parts.lora).
+
+add_adapters puts a module of adapters beside each adapted projection and a forward hook on the
+projection that adds them: y = W x + (alpha / r) B A dropout(x), part by part for a fused one.
+The model's own code is untouched, and so are its parameters' names: a checkpoint or a Hugging
+Face import of the base loads as it is. parallelize replaces the projection by its TP layer and
+keeps the hook (parallel.tensor), and splits the adapters by the plan like any linear, so the
+hook's input and output are the projection's local ones on every layout. Every other parameter
+is frozen (freeze_base).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainer.config import ModelConfig, PeftConfig
+from trainer.parts import block_parts
+from trainer.parts.lora import ADAPTERS, adapted, is_adapter
+
+
+class LoRA(nn.Module):
+    """One part's adapter: A [r, in], B [rows, r] (PEFT's lora_A, lora_B)."""
+
+    def __init__(self, in_features: int, rows: int, rank: int):
+        super().__init__()
+        self.lora_A = nn.Linear(in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, rows, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lora_B(self.lora_A(x))
+
+
+class AddAdapters:
+    """The projection's forward hook: its output plus each adapted part's update, in the
+    part's place of the (maybe fused, maybe TP-local) output. A class, not a closure: it
+    pickles, and compiled blocks guard on it cheaply."""
+
+    def __init__(self, adapters: nn.ModuleDict, parts: list[str | None], shares: list[int],
+                 scaling: float, dropout: float):
+        # parts: per fused part, its adapter's name (None: not adapted); shares: their sizes
+        self.adapters, self.parts, self.shares = adapters, parts, shares
+        self.scaling, self.dropout = scaling, dropout
+
+    def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        x = args[0]
+        if self.dropout and module.training:
+            x = F.dropout(x, self.dropout)
+        if len(self.parts) == 1:
+            return output + self.adapters[self.parts[0]](x) * self.scaling
+        total = sum(self.shares)
+        widths = [output.shape[-1] * s // total for s in self.shares]
+        pieces = list(output.split(widths, dim=-1))
+        for i, name in enumerate(self.parts):
+            if name is not None:
+                pieces[i] = pieces[i] + self.adapters[name](x) * self.scaling
+        return torch.cat(pieces, dim=-1)
+
+
+def add_adapters(model: nn.Module, cfg: ModelConfig, peft: PeftConfig | None) -> None:
+    """peft=lora: adapters beside every adapted projection of the model's blocks, then the
+    base frozen. Works on the meta device (ParallelModel.initialize fills them)."""
+    if peft is None:
+        return
+    for index, block in model.layers.items():  # the model's blocks (not multi-token prediction's)
+        chosen = adapted(cfg, peft, int(index))
+        for part in block_parts(cfg, int(index)):
+            if not part.lora_targets:
+                continue
+            slot = block.get_submodule(part.slot)
+            for module, names in part.lora_targets.items():
+                parts = chosen.get(f"{part.slot}.{module}")
+                if not parts:
+                    continue
+                parent_name, _, attr = module.rpartition(".")
+                parent = slot.get_submodule(parent_name) if parent_name else slot
+                adapters = nn.ModuleDict({name: LoRA(cols, rows, peft.lora_rank)
+                                          for name, cols, rows in parts})
+                setattr(parent, attr + ADAPTERS, adapters)
+                getattr(parent, attr).register_forward_hook(AddAdapters(
+                    adapters, [n if n in adapters else None for n in names],
+                    list(part.fused(cfg).get(module, (1,))),
+                    peft.lora_alpha / peft.lora_rank, peft.lora_dropout))
+    freeze_base(model)
+
+
+def freeze_base(model: nn.Module) -> None:
+    """Adapters train, nothing else does (again after parallelize, whose layers are new
+    parameters)."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter(name))
+
+
+def adapter_std(name: str, in_features: int) -> float | None:
+    """An adapter factor's initial std: B starts at zero, so training starts from the base
+    model; A is drawn as any weight is, at the variance of PEFT's default (kaiming-uniform
+    with a = sqrt(5): 1 / (3 in)). None: not an adapter."""
+    if not is_adapter(name):
+        return None
+    return 0.0 if name.endswith("lora_B.weight") else 1.0 / math.sqrt(3 * in_features)
