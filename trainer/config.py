@@ -6,6 +6,7 @@ once; nothing below it sees a DictConfig.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -542,8 +543,17 @@ def unknown_keys(cfg: DictConfig, schema: DictConfig | None = None, prefix: str 
         if key not in declared:
             found.append(path)
         elif OmegaConf.is_dict(schema._get_node(key)) and OmegaConf.is_dict(cfg._get_node(key)):
-            found += unknown_keys(cfg[key], schema[key], f"{path}.")
+            found += unknown_keys(cfg[key], schema_node(schema, key), f"{path}.")
     return found
+
+
+def schema_node(schema: DictConfig, key: str) -> Any:
+    """schema[key], and for a group that is null by default (peft) its schema's keys."""
+    node = schema._get_node(key)
+    if isinstance(node, DictConfig) and node._is_none() and \
+            dataclasses.is_dataclass(node._metadata.ref_type):
+        return OmegaConf.structured(node._metadata.ref_type)
+    return node
 
 
 SCHEMA_NAME = "gtp_trainer_schema"

@@ -39,6 +39,12 @@ def main(argv: list[str] | None = None) -> None:
                      help="of the written weights (float32: the master weights as trained)")
     exp.add_argument("--max-shard-gb", type=float, default=5.0,
                      help="safetensors files are cut at this size, with an index (5)")
+    exp.add_argument("--adapter-only", action="store_true",
+                     help="peft=lora: write the adapters alone in PEFT's format "
+                          "(adapter_config.json, adapter_model.safetensors); default: merged")
+    exp.add_argument("--base", default=None,
+                     help="with --adapter-only: the base model the adapter config names "
+                          "(default: the checkpoint's folder)")
     standin = sub.add_parser("standin", help="a random tiny chat Llama and chats (offline)")
     standin.add_argument("hf_dir", type=Path)
     standin.add_argument("chats", type=Path)
@@ -70,10 +76,23 @@ def main(argv: list[str] | None = None) -> None:
                   f"\n  fine-tune: python launch.py --config-dir {args.out_dir} model=../model "
                   f"checkpoint.load={args.out_dir} checkpoint.finetune=true")
         else:
+            from trainer.checkpoint.hf_lora import export_adapter, merge_into, recorded_peft
+
             ckpt = resolve(args.ckpt_dir, print, key="CKPT_DIR")
-            model = read_model_config(ckpt, args.model)
+            model, peft = read_model_config(ckpt, args.model), recorded_peft(ckpt)
+            if args.adapter_only and peft is None:
+                raise ValueError(f"--adapter-only: {ckpt} holds no adapters (its run had "
+                                 f"peft=null). Fix: leave --adapter-only out to export the "
+                                 f"model.")
+            if args.adapter_only:
+                files = export_adapter(ckpt, args.hf_dir, model, peft, getattr(torch, args.dtype),
+                                       args.base or str(ckpt))
+                print(f"wrote {args.hf_dir}: the LoRA adapter (rank {peft.lora_rank}) of {ckpt} "
+                      f"in PEFT's format")
+                return
             files = export_hf(ckpt, args.hf_dir, model, getattr(torch, args.dtype),
-                              max(int(args.max_shard_gb * 2**30), 1), say=progress)
+                              max(int(args.max_shard_gb * 2**30), 1), say=progress,
+                              merge=merge_into(model, peft, ckpt) if peft else None)
             kept = copy_tokenizer(ckpt, args.hf_dir)
             print(f"wrote {args.hf_dir}: config.json and {len(files)} safetensors file(s) from "
                   f"{ckpt}{f', and the tokenizer of {kept}' if kept else ''}")

@@ -47,6 +47,7 @@ from trainer.checkpoint.integrity import (
     verify,
 )
 from trainer.checkpoint.match import EMBEDDING_WEIGHT, HEAD_WEIGHT
+from trainer.parts.lora import is_adapter
 
 
 class Engine(Protocol):
@@ -345,6 +346,8 @@ def load_weights(engine: Engine, path: Path) -> None:
         chunked = Chunked(model.global_shape(name), model.global_chunks(name, param.data))
         if f"model.{name}" not in saved and name == HEAD_WEIGHT:
             head[f"model.{EMBEDDING_WEIGHT}"] = chunked
+        elif f"model.{name}" not in saved and is_adapter(name):
+            continue  # peft=lora on a base checkpoint: the adapters start as initialised
         else:
             tensors[f"model.{name}"] = chunked
     with torch.no_grad():

@@ -63,6 +63,7 @@ from trainer.checkpoint.safetensors_io import SafetensorsReader, write_streamed
 from trainer.checks import check_model
 from trainer.config import ModelConfig
 from trainer.parts.assembly import buffer_shapes, parameter_shapes
+from trainer.parts.lora import is_adapter
 from trainer.units import duration, size
 
 WEIGHTS_ONLY = "weights_only"  # meta.json key of an imported checkpoint
@@ -334,8 +335,9 @@ def read_model_config(ckpt: Path, model_yaml: Path | None) -> ModelConfig:
         raise ValueError(f"{source}: {why}. Fix: {fix}.") from None
     saved = saved_entries(ckpt)
     # No weight of the checkpoint left out (an untied head under a tied --model), none missing.
-    weights({n.removeprefix("model.") for n in saved if n.startswith("model.")}, model, where,
-            True, fix)
+    # peft=lora's adapters are beside the base (trainer.checkpoint.hf_lora reads them)
+    weights({n.removeprefix("model.") for n in saved if n.startswith("model.")
+             and not is_adapter(n)}, model, where, True, fix)
     check_loadable(ckpt, parameter_shapes(model), finetune=True, where=where, fix=fix,
                    saved=saved)
     return model
@@ -357,11 +359,12 @@ def copy_tokenizer(ckpt: Path, hf_dir: Path) -> Path | None:
 
 
 def export_hf(ckpt: Path, hf_dir: Path, model: ModelConfig, dtype: torch.dtype = torch.float32,
-              max_shard_bytes: int = 5 * 2**30, say: Callable[[str], None] | None = None
-              ) -> list[Path]:
+              max_shard_bytes: int = 5 * 2**30, say: Callable[[str], None] | None = None,
+              merge: Callable[[str, torch.Tensor], torch.Tensor] | None = None) -> list[Path]:
     """A checkpoint (any layout wrote it) -> HF_DIR with config.json and safetensors that
     transformers loads (the family: hf_families.architecture_of); one tensor in memory at a
-    time. say: told the progress."""
+    time. say: told the progress; merge: each weight as written (peft=lora's adapters merged
+    in: trainer.checkpoint.hf_lora)."""
     parts = hf_parts(model)
     shapes, config = _shapes(model, parts), hf_config(model, dtype)  # refuses what no family holds
     stored = layouts(model, config)
@@ -383,6 +386,7 @@ def export_hf(ckpt: Path, hf_dir: Path, model: ModelConfig, dtype: torch.dtype =
                 with one_process():
                     dcp.load({f"model.{name}": full}, checkpoint_id=ckpt, no_dist=True)
             paced.advance(full.nbytes)
+            full = merge(name, full) if merge else full
             split = _rows(full)[:sum(r for _, r in pieces)].split([r for _, r in pieces])
             for (hf_name, _), rows in zip(pieces, split):
                 if hf_name in stored:

@@ -23,7 +23,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import ValidationError
 from omegaconf.nodes import BooleanNode, EnumNode, FloatNode, IntegerNode, StringNode
 
-from trainer.config import Config
+from trainer.config import Config, schema_node
 
 CONF = Path(__file__).resolve().parents[2] / "conf"
 GRAMMAR = "https://hydra.cc/docs/advanced/override_grammar/basic/"
@@ -62,6 +62,10 @@ def command_line_refusal(argv: Sequence[str]) -> Optional[str]:
     return overrides_refusal(overrides, sweeps=sweeps, groups=groups)
 
 
+# Config groups that are null unless an option is picked: (what null means).
+NULL_GROUPS = {"peft": "full fine-tuning"}
+
+
 def overrides_refusal(overrides: Sequence[str], sweeps: bool = True,
                       groups: bool = True) -> Optional[str]:
     """The first override Hydra would refuse, as one line. sweeps: a sweep may run (-m);
@@ -85,6 +89,11 @@ def overrides_refusal(overrides: Sequence[str], sweeps: bool = True,
             continue
         if any(key == k or key.startswith(f"{k}.") for k in unjudged):
             continue
+        group = key.split(".")[0]
+        if "." in key and group in NULL_GROUPS and not any(
+                o.split("=")[0].lstrip("+~") in (group, "experiment") for o in overrides):
+            return (f"{text}: {group} is null by default ({NULL_GROUPS[group]}), so it has no "
+                    f"keys to set. Fix: pick an option first, e.g. {group}=lora {text}.")
         if override.is_sweep_override():
             message = sweep_refusal(parser, override, sweeps, schema, groups)
         else:
@@ -167,6 +176,9 @@ def key_refusal(schema: DictConfig, key: str, text: str, value: Any,
             if depth == 0 and not groups:
                 return None  # another config folder may hold a group of this name
             return unknown_refusal(node, parts, depth, text)
+        typed = schema_node(node, part)
+        if typed is not node._get_node(part):  # a null group's keys (peft), to type the value
+            node[part] = typed
         node = node._get_node(part)
     try:
         OmegaConf.update(schema, key, value, merge=True)  # what Hydra does with the override

@@ -16,6 +16,7 @@ from trainer.checks import check_layout_inputs, check_values
 from trainer.compose.resolvers import AutoLayoutError, auto_choice, build_layout
 from trainer.config import Config, ConfigError, unknown_keys
 from trainer.data.source import DataSource
+from trainer.parts.lora import check_peft
 from trainer.plan.accounting import RunPlan
 from trainer.plan.axis_costs import check_model_fits_layout
 from trainer.plan.lr_schedule import LrSchedule, WeightDecaySchedule
@@ -89,7 +90,9 @@ def settle(cfg: DictConfig) -> RunSpec:
                              f"the data's tokenizer, and data.path={config.data.path} (a Megatron "
                              f"dataset) records none. Fix: set logger.sample_prompts=null, and "
                              f"sample a checkpoint with python -m trainer.generate --tokenizer.")
-        memory = memory_plan(config.model, layout, options, muon_plan(config.model, config.optim))
+        check_peft(config.model, config.peft, config.optim, layout)
+        memory = memory_plan(config.model, layout, options, muon_plan(config.model, config.optim),
+                             config.peft)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return RunSpec(config, layout, plan, schedule, weight_decay, data, memory, auto)

@@ -83,7 +83,9 @@ def _start_ranks(spec: RunSpec, run_dir: Path, env: RankEnv | None,
     # blend's stream identity holds no seq_length).
     meta = {"run_dir": str(run_dir), "model": asdict(spec.config.model),
             "global_batch_size": spec.plan.global_batch_size,
-            "seq_length": spec.layout.seq_length, "tokenizer": spec.data.tokenizer_file()}
+            "seq_length": spec.layout.seq_length, "tokenizer": spec.data.tokenizer_file(),
+            # peft=lora: which adapters the checkpoint holds (python -m trainer.hf export)
+            "peft": asdict(spec.config.peft) if spec.config.peft else None}
     if env is not None:  # this process is one rank of a world started elsewhere
         run_rank(env, spec, run_dir, meta, decided=decided)
     elif spec.layout.world_size > 1:  # spawned: each rank decides (a restart, afresh)

@@ -7,22 +7,25 @@ from __future__ import annotations
 import math
 
 from parallel.layout.parallel_plan import ParallelPlan, by_suffix
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, PeftConfig
 from trainer.parts import PARTS, block_parts, model_parts
-from trainer.parts.lora import plan_entries
+from trainer.parts.lora import block_lora_shapes, plan_entries
 from trainer.parts.mtp import EH_PROJ, MTP, depth_shapes, depths
 from trainer.parts.norm import block_norms
 
 EMBEDDING, HEAD, BLOCKS, FINAL_NORM = "embed", "head", "layers", "norm"
 # Module-name suffix -> TP style, of every registered part (by slot) and the head, whose
 # vocab-parallel logits feed the vocab-parallel loss.
+# LoRA's adapters (trainer.parts.lora): each split factor as a linear of its own, (1,) parts.
+ADAPTER_STYLES, WHOLE_ADAPTERS = plan_entries()
 TP_STYLES = {**{name: style for part in PARTS for name, style in
-                zip(part.prefixed(part.tp_styles), part.tp_styles.values())}, HEAD: "column"}
+                zip(part.prefixed(part.tp_styles), part.tp_styles.values())}, HEAD: "column",
+             **{name: style for name, (style, _) in ADAPTER_STYLES.items()}}
 # Weights no TP style splits: a mixture of experts' router (whole on every rank) and its experts
 # (3-D; split over expert parallel instead: EXPERTS; trainer.plan.axis_costs.tensor refuses TP),
 # multi-latent attention's down-projections and multi-token prediction's eh_proj (whole on
 # every rank).
-WHOLE = (*(name for part in PARTS for name in part.prefixed(part.whole)), EH_PROJ)
+WHOLE = (*(name for part in PARTS for name in part.prefixed(part.whole)), EH_PROJ, *WHOLE_ADAPTERS)
 # Linears whose weights optim=muon leaves to AdamW (a router), by module-name suffix.
 ADAMW_LINEARS = tuple(name for part in PARTS for name in part.prefixed(part.adamw_linears))
 # Buffers by name within a block, of every registered part (what a checkpoint may hold beside
@@ -36,10 +39,8 @@ def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
     """The plan of the Transformer built from `cfg` (its fused parts depend on the shape)."""
     fused = {name: sizes for part in PARTS
              for name, sizes in zip(part.prefixed(part.fused(cfg)), part.fused(cfg).values())}
-    adapters, whole_adapters = plan_entries()  # LoRA's, where peft=lora adds them
     return ParallelPlan(
-        linears={**{name: (style, fused.get(name, (1,))) for name, style in TP_STYLES.items()},
-                 **adapters},
+        linears={name: (style, fused.get(name, (1,))) for name, style in TP_STYLES.items()},
         embedding=EMBEDDING,  # vocab-parallel: rows split over TP like the head
         head=HEAD,
         blocks=BLOCKS,  # the transformer blocks by index: one weight-gather bundle each
@@ -47,7 +48,7 @@ def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
         final_norm=FINAL_NORM,
         hidden_size=cfg.hidden_size,
         recompute_hooks=tuple(dict.fromkeys(p.hook for p in PARTS if p.hook)),
-        whole_linears=WHOLE + whole_adapters,
+        whole_linears=WHOLE,
         tp_shared_hooks=tuple(dict.fromkeys(p.tp_shared for p in PARTS if p.tp_shared)),
         tp_heads_hooks=tuple(dict.fromkeys(p.tp_heads for p in PARTS if p.tp_heads)),
         head_norms=tuple(n for p in PARTS for n in p.prefixed(p.head_norms)),
@@ -64,14 +65,19 @@ def tp_style(name: str) -> str:
     return by_suffix(TP_STYLES, name)
 
 
-def block_shapes(cfg: ModelConfig, block: int = 0) -> dict[str, tuple[int, ...]]:
+def block_shapes(cfg: ModelConfig, block: int = 0, peft: PeftConfig | None = None
+                 ) -> dict[str, tuple[int, ...]]:
     """Block `block`'s parameter shapes, by name within the block, in its order: its norms
     (two, four with sandwich_norm), then its attention's and its MLP's
-    (trainer.parts.block_parts)."""
+    (trainer.parts.block_parts), each followed by its LoRA adapters under peft=lora."""
     parts = block_parts(cfg, block)
     shapes = {f"{norm}.{name}": shape for norm in block_norms(cfg)
               for name, shape in parts.norm.shapes(cfg).items()}
-    return shapes | parts.attention.slot_shapes(cfg) | parts.mlp.slot_shapes(cfg)
+    adapters = block_lora_shapes(cfg, peft, block) if peft else {}
+    for part in (parts.attention, parts.mlp):
+        shapes |= part.slot_shapes(cfg)
+        shapes |= {n: s for n, s in adapters.items() if n.startswith(f"{part.slot}.")}
+    return shapes
 
 
 def buffer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -136,15 +142,17 @@ def block_core_flops(cfg: ModelConfig, seq_length: int) -> float:
                for part in block_parts(cfg, block)) / cfg.num_layers
 
 
-def parameter_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+def parameter_shapes(cfg: ModelConfig, peft: PeftConfig | None = None
+                     ) -> dict[str, tuple[int, ...]]:
     """The Transformer's named_parameters() shapes, in its order, from the config alone (no
     torch): the memory plan and the layout search size a rank from them at compose time
     (tests/unit/test_model.py holds them equal to the built model's). A tied head is the
-    embedding's parameter, so it has no entry of its own."""
+    embedding's parameter, so it has no entry of its own. peft=lora: with the adapters."""
     h, vocab = cfg.hidden_size, cfg.padded_vocab_size
     shapes: dict[str, tuple[int, ...]] = {f"{EMBEDDING}.weight": (vocab, h)}
     for i in range(cfg.num_layers):
-        shapes |= {f"{BLOCKS}.{i}.{name}": shape for name, shape in block_shapes(cfg, i).items()}
+        shapes |= {f"{BLOCKS}.{i}.{name}": shape
+                   for name, shape in block_shapes(cfg, i, peft).items()}
     shapes[f"{FINAL_NORM}.weight"] = (h,)
     if not cfg.tie_word_embeddings:
         shapes[f"{HEAD}.weight"] = (vocab, h)

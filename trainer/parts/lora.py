@@ -91,10 +91,17 @@ def is_adapter(name: str) -> bool:
     return f"{ADAPTERS}." in name and name.rsplit(".", 2)[-2] in FACTORS
 
 
-def check_peft(model: ModelConfig, peft: PeftConfig | None, optim: Any) -> None:
+def check_peft(model: ModelConfig, peft: PeftConfig | None, optim: Any, layout: Any) -> None:
     """peft.*'s rules: a ValueError naming the key, the value and the fix."""
     if peft is None:
         return
+    if peft.lora_dropout and layout.tp_size > 1 and not layout.sequence_parallel:
+        # Without SP every TP rank runs the same tokens into a column projection's whole A:
+        # masks drawn per rank would give its replicas different gradients.
+        raise ValueError(f"peft.lora_dropout={peft.lora_dropout} under tensor parallel without "
+                         f"sequence parallel: the TP ranks would drop different inputs of one "
+                         f"replicated adapter. Fix: parallel.sequence_parallel=true, or "
+                         f"peft.lora_dropout=0.")
     if peft.name != "lora":
         raise ValueError(f"peft.name={peft.name!r} is not a method this trainer has. Fix: "
                          f"peft=lora, or peft=null for full fine-tuning.")

@@ -21,7 +21,7 @@ from parallel.layout.pipeline_schedules import (
     message_counts,
     stage_actions,
 )
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, PeftConfig
 from trainer.parts import BlockParts, block_parts
 from trainer.parts.assembly import (
     BLOCKS,
@@ -30,6 +30,7 @@ from trainer.parts.assembly import (
     parameter_shapes,
     tp_style,
 )
+from trainer.parts.lora import is_adapter
 from trainer.parts.moe import dispatch_rows
 from trainer.parts.mtp import MTP
 from trainer.parts.tokens import Tokens, compute_bytes
@@ -70,6 +71,9 @@ class StageMemory:
     copy_elements: int = 0  # of `parameters`: a tied embedding's copy on the last stage
     buffer_bytes: int = 0  # the model's buffers here (a router's expert bias)
     muon_elements: int = 0  # of `parameters`: those optim=muon updates (one momentum each)
+    # of `parameters`: frozen ones (peft=lora's base): no gradient, no optimizer state, and
+    # outside the optimizer's flat buffers (each its own tensor, unpadded)
+    frozen_elements: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -82,7 +86,7 @@ class StageMemory:
         buffers."""
         p_bytes = BYTES_PER_ELEMENT[0]
         return p_bytes * (3 * self.parameters - 2 * self.copy_elements
-                          - self.muon_elements) + self.buffer_bytes
+                          - self.muon_elements - 2 * self.frozen_elements) + self.buffer_bytes
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "total_bytes": self.total_bytes,
@@ -166,26 +170,29 @@ class ModelWeights:
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], num_layers: int,
                  tie_word_embeddings: bool = False, buffer_bytes: list[int] | None = None,
-                 muon: MuonPlan | None = None):
+                 muon: MuonPlan | None = None, lora: bool = False):
         """buffer_bytes: each block's buffers (model_buffer_bytes), whole on every rank;
-        muon: optim=muon's matrices (None: AdamW on every parameter)."""
+        muon: optim=muon's matrices (None: AdamW on every parameter); lora: only the adapters
+        train (peft=lora; `shapes` has them), the rest is frozen."""
         prefix = f"{BLOCKS}."
         self.muon = muon
         names = muon.names if muon else frozenset()
         blocks: list[dict[str, tuple]] = [{} for _ in range(num_layers)]
-        self.outside: list[tuple[str, tuple[int, ...]]] = []
+        self.outside: list[tuple[str, tuple[int, ...], bool]] = []  # (name, shape, frozen)
         for name, shape in shapes.items():
+            frozen = lora and not is_adapter(name)
             if name.startswith(prefix):
                 index, rest = name[len(prefix):].split(".", 1)
-                blocks[int(index)][rest] = (shape, name in names)
+                blocks[int(index)][rest] = (shape, name in names, frozen)
             else:
-                self.outside.append((name, shape))
+                self.outside.append((name, shape, frozen))
         kinds: dict[tuple, int] = {}
         self.kind_of = [kinds.setdefault(tuple(b.items()), len(kinds)) for b in blocks]
         self.kinds = list(kinds)
         self.num_layers, self.tied = num_layers, tie_word_embeddings
         self.mtp = any(name.startswith(f"{MTP}.") for name in shapes)
         self.embedding = shapes[EMBEDDING_WEIGHT]
+        self.embedding_frozen = lora
         self.buffer_bytes = buffer_bytes or [0] * num_layers
 
     def stages(self, layout: Layout) -> list[StageWeights]:
@@ -194,15 +201,18 @@ class ModelWeights:
         WHOLE, NORMS, EXPERTS) each padded to a multiple of its replicas (weight_replica, or
         expert DP), each replica updating one part (trainer.train.optim.FlatBuffer)."""
         g, pp = layout.gtp_remat_size, layout.pp_size
-        kinds = []  # per block kind: (elements per buffer, gathered elements, Muon matrices)
+        # per block kind: (elements per buffer, gathered elements, Muon matrices, frozen ones)
+        kinds = []
         for kind in self.kinds:
-            local = [local_numel(f"{BLOCKS}.0.{name}", shape, layout, muon)
-                     for name, (shape, muon) in kind]
-            kinds.append(([sum(n for n, b in local if b == buffer) for buffer in BUFFERS],
-                          sum(n * g for n, b in local if b in (SHARDED, MUON_SHARDED)),
+            local = [(*local_numel(f"{BLOCKS}.0.{name}", shape, layout, muon), frozen)
+                     for name, (shape, muon, frozen) in kind]
+            kinds.append(([sum(n for n, b, f in local if b == buffer and not f)
+                           for buffer in BUFFERS],
+                          sum(n * g for n, b, _ in local if b in (SHARDED, MUON_SHARDED)),
                           [(b, self._held(f"{BLOCKS}.0.{name}", shape, b, layout))
-                           for (name, (shape, _)), (_, b) in zip(kind, local)
-                           if b in TO_MUON.values()]))
+                           for (name, (shape, _, _)), (_, b, _) in zip(kind, local)
+                           if b in TO_MUON.values()],
+                          sum(n for n, _, f in local if f)))
         embedding = local_numel(EMBEDDING_WEIGHT, self.embedding, layout)[0]
         p_bytes, g_bytes, o_bytes = BYTES_PER_ELEMENT
         all_chunks, out = layout.pipeline_layers(self.num_layers), []
@@ -212,12 +222,16 @@ class ModelWeights:
             held = [kinds[self.kind_of[i]] for i in blocks]
             buffers = [sum(k[0][buffer] for k in held) for buffer in BUFFERS]
             matrices = [m for k in held for m in k[2]]  # (Muon buffer, its matrices)
+            frozen = sum(k[3] for k in held)
             ends, depth = [], []
-            for name, shape in self.outside:
+            for name, shape, is_frozen in self.outside:
                 if stage == (0 if name.startswith(f"{EMBEDDING}.") else pp - 1):
                     muon = self.muon is not None and name in self.muon.names
                     numel, buffer = local_numel(name, shape, layout, muon)
-                    buffers[buffer] += numel
+                    if is_frozen:
+                        frozen += numel
+                    else:
+                        buffers[buffer] += numel
                     if muon:
                         matrices.append((buffer, self._held(name, shape, buffer, layout)))
                     if buffer in (SHARDED, MUON_SHARDED) and name.startswith(f"{MTP}."):
@@ -242,10 +256,13 @@ class ModelWeights:
                           if b not in muon] + [exchange_bytes(h, self.muon.steps, g_bytes,
                                                               self.muon.ns_bytes)
                                                 for h in muon_buffers], default=0)
-            memory = StageMemory(stage, sum(buffers) + copy, (flat + copy) * p_bytes,
-                                 (flat + copy) * g_bytes, state, blocks, update, copy,
+            # a frozen embedding's copy on the last stage has no gradient either
+            copy_grad = 0 if self.embedding_frozen else copy
+            memory = StageMemory(stage, sum(buffers) + copy + frozen,
+                                 (flat + copy + frozen) * p_bytes,
+                                 (flat + copy_grad) * g_bytes, state, blocks, update, copy,
                                  sum(self.buffer_bytes[i] for i in blocks),
-                                 sum(buffers[b] for b in muon))
+                                 sum(buffers[b] for b in muon), frozen)
             out.append(StageWeights(memory, chunks, max((k[1] for k in held), default=0),
                                     max(ends, default=0), sum(depth), max(depth, default=0),
                                     tuple(k[1] for k in held), muon_buffers))
@@ -308,11 +325,12 @@ def _planned_step(m: ModelConfig, layout: Layout, options: EngineOptions,
 
 
 def memory_per_stage(shapes: dict[str, tuple[int, ...]], num_layers: int, layout: Layout,
-                     tie_word_embeddings: bool = False, muon: MuonPlan | None = None
-                     ) -> list[StageMemory]:
-    """What one rank of each pipeline stage keeps between steps."""
+                     tie_word_embeddings: bool = False, muon: MuonPlan | None = None,
+                     lora: bool = False) -> list[StageMemory]:
+    """What one rank of each pipeline stage keeps between steps (lora: only the adapters in
+    `shapes` train)."""
     return [s.memory for s in ModelWeights(shapes, num_layers, tie_word_embeddings,
-                                           muon=muon).stages(layout)]
+                                           muon=muon, lora=lora).stages(layout)]
 
 
 def step_per_stage(shapes: dict[str, tuple[int, ...]], model: ModelConfig, layout: Layout,
@@ -325,29 +343,32 @@ def step_per_stage(shapes: dict[str, tuple[int, ...]], model: ModelConfig, layou
     return [_planned_step(model, layout, options, s) for s in stages]
 
 
-def unsharded_memory(shapes: dict[str, tuple[int, ...]], muon: MuonPlan | None = None
-                     ) -> StageMemory:
+def unsharded_memory(shapes: dict[str, tuple[int, ...]], muon: MuonPlan | None = None,
+                     lora: bool = False) -> StageMemory:
     """The same model in one process: the reference the per-rank figures divide."""
     numel = sum(math.prod(shape) for shape in shapes.values())
     taken = sum(math.prod(s) for n, s in shapes.items() if muon and n in muon.names)
+    frozen = sum(math.prod(s) for n, s in shapes.items() if lora and not is_adapter(n))
     p_bytes, g_bytes, o_bytes = BYTES_PER_ELEMENT
     blocks = sorted({int(name.split(".")[1]) for name in shapes if name.startswith(f"{BLOCKS}.")})
-    return StageMemory(0, numel, numel * p_bytes, numel * g_bytes,
-                       (numel - taken) * o_bytes + taken * MUON_STATE_BYTES, tuple(blocks),
-                       muon_elements=taken)
+    return StageMemory(0, numel, numel * p_bytes, (numel - frozen) * g_bytes,
+                       (numel - taken - frozen) * o_bytes + taken * MUON_STATE_BYTES,
+                       tuple(blocks), muon_elements=taken, frozen_elements=frozen)
 
 
 def memory_plan(model: ModelConfig, layout: Layout, options: EngineOptions,
-                muon: MuonPlan | None = None) -> dict[str, Any]:
+                muon: MuonPlan | None = None, peft: PeftConfig | None = None
+                ) -> dict[str, Any]:
     """layout.json's `memory`: per pipeline stage, one rank's state, step transients and peak;
     the unsharded model for reference; under EP or ETP, a MoE layer's dispatched rows, expected
-    (what the peak counts) and at most (trainer.parts.moe.dispatch_rows)."""
-    shapes = parameter_shapes(model)
+    (what the peak counts) and at most (trainer.parts.moe.dispatch_rows). peft=lora: the
+    adapters train, the rest is frozen."""
+    shapes, lora = parameter_shapes(model, peft), peft is not None
     stages = ModelWeights(shapes, model.num_layers, model.tie_word_embeddings,
-                          block_buffer_bytes(model), muon).stages(layout)
+                          block_buffer_bytes(model), muon, lora).stages(layout)
     plan = {"per_stage": [{**s.memory.as_dict(), **_planned_step(model, layout, options, s)}
                           for s in stages],
-            "unsharded": unsharded_memory(shapes, muon).as_dict()}
+            "unsharded": unsharded_memory(shapes, muon, lora).as_dict()}
     dispatch = dispatch_rows(model, Tokens.of(layout), compute_bytes(options.precision),
                              options.recompute_granularity, layout.micro_batch_tokens)
     owners = [{"stage": s.memory.stage, "buffer": h.name, **owner_balance(h, muon.steps)}

@@ -57,6 +57,9 @@ def state_bytes(engine: Engine) -> int:
     for name in model.stage_copies:  # tied embeddings: the last stage's copy and its gradient
         param = model.module.get_parameter(name)
         total += param.nbytes + (param.grad.nbytes if param.grad is not None else 0)
+    # frozen parameters (peft=lora's base): outside the optimizer, each its own tensor
+    total += sum(p.nbytes for n, p in model.module.named_parameters()
+                 if not p.requires_grad and n not in model.stage_copies)
     return total + sum(t.nbytes for t in optimizer.state_tensors())
 
 

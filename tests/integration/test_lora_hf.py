@@ -1,0 +1,85 @@
+"""peft=lora against Hugging Face PEFT itself (offline): a random tiny transformers Llama is
+imported, fine-tuned here with LoRA under TP 2 + SP (its base loaded from the import, the
+adapters starting fresh), and exported twice: the adapter alone in PEFT's format and the model
+with the adapters merged. PeftModel.from_pretrained on transformers' base with our adapter gives
+the logits of our own model (base + adapters, from the checkpoint) and of our merged export.
+
+Tolerance: 1e-6 relative (2-norm), the fp32 rounding of the same operations in another order
+(measured: printed). The adapters moved far enough that leaving them out fails it: the test
+checks the base alone misses by more than 1e-3.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+import transformers
+from peft import PeftModel
+
+from trainer.checkpoint.hf import read_model_config
+from trainer.checkpoint.hf_lora import recorded_peft
+from trainer.model.lora import add_adapters
+from trainer.model.transformer import Transformer
+
+from test_hf import cli, relative
+
+TOLERANCE = 1e-6
+TARGETS = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
+
+
+def tiny_llama(folder: Path) -> None:
+    config = transformers.LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-5,
+        attention_bias=False, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+
+
+def ours_with_adapters(ckpt: Path) -> Transformer:
+    model, peft = read_model_config(ckpt, None), recorded_peft(ckpt)
+    ours = Transformer(model)
+    add_adapters(ours, model, peft)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load({f"model.{n}": p.data for n, p in ours.named_parameters()},
+                 checkpoint_id=ckpt, no_dist=True)
+    return ours.eval()
+
+
+def test_our_lora_adapter_loads_in_peft_with_the_same_logits_as_ours_and_the_merged(tmp_path):
+    tiny_llama(tmp_path / "base")
+    cli("-m", "trainer.hf", "import", str(tmp_path / "base"), str(tmp_path / "imported"))
+    cli("launch.py", "--config-dir", str(tmp_path / "imported"), "model=../model",
+        "peft=lora", "peft.lora_rank=4", "peft.lora_alpha=8", f"peft.target_modules={TARGETS}",
+        "train.micro_batch_size=4", "train.seq_length=32", "train.train_samples=32",
+        "train.eval_interval=null", "schedule.lr=1e-2", "schedule.lr_warmup_samples=0",
+        "schedule.lr_warmup_fraction=null", f"checkpoint.load={tmp_path / 'imported'}",
+        "checkpoint.finetune=true", "cluster.procs_per_node=2",
+        "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+        f"hydra.run.dir={tmp_path / 'run'}")
+    ckpt = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))[-1]
+    cli("-m", "trainer.hf", "export", str(ckpt), str(tmp_path / "adapter"), "--adapter-only",
+        "--base", str(tmp_path / "base"))
+    cli("-m", "trainer.hf", "export", str(ckpt), str(tmp_path / "merged"))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
+
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    base = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "base").eval()
+    with torch.no_grad():
+        plain = base(tokens).logits
+        peft = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        theirs = peft(tokens).logits
+        merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()(
+            tokens).logits
+        ours = ours_with_adapters(ckpt)(tokens)[..., :256]
+    errors = {"ours": relative(ours, theirs), "merged": relative(merged, theirs),
+              "base alone": relative(plain, theirs)}
+    print(f"\nLoRA adapter in PEFT against: {errors}")
+    assert errors["ours"] <= TOLERANCE and errors["merged"] <= TOLERANCE
+    assert errors["base alone"] > 1e-3  # the adapters changed the model: the check can fail
