@@ -1,0 +1,159 @@
+"""peft=lora on every axis: one process equals each layout (fp64 at 1e-10, fp32 at 1e-5), the
+frozen base never moves, never forms a gradient message and holds no optimizer state, and the
+memory plan's state is what the ranks allocate.
+
+The adapters split as their projections do (trainer.parts.lora): B of q|k|v and gate|up by rows
+over TP, A of o and down by columns; the other factor whole. Every layout below trains the same
+adapters on the same global batch as one process: TP with and without SP, GTP_remat weight
+shards (the adapters' split factors join the block's bundle; the frozen base is gathered and
+never reduced), sequence shards with CP, pipeline stages, and EP on a mixture of experts (its
+experts frozen, attention adapted).
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from parallel.layout import Layout
+from trainer.config import PeftConfig
+from trainer.parts.assembly import parameter_shapes
+from trainer.parts.lora import is_adapter
+from trainer.plan.memory import memory_per_stage
+from trainer.train.batch import rank_micro_batches
+from trainer.train.engine import build_engine
+from trainer.train.step import train_step
+from trainer.train.throughput import state_bytes
+
+from harness import run_ranks
+from test_moe_parity import MODELS
+from test_parity import OPTIM, SEED, TINY, TOLERANCE, make_data, make_layout, relative
+
+PEFT = PeftConfig("lora", lora_rank=4, lora_alpha=8.0, lora_dropout=0.0,
+                  target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
+LR = 1e-2  # large enough that B (zero at the start) and then A move in three steps
+LAYOUTS = {  # name -> (world, Layout keywords, model)
+    "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), TINY),
+    "tp2": (2, dict(tensor_model_parallel_size=2), TINY),
+    "ws3_padded": (3, dict(tensor_parallel_num_weight_shards=3), TINY),
+    "ws2_ss2_cp2": (4, dict(tensor_parallel_num_weight_shards=2,
+                            tensor_parallel_num_sequence_shards=2, context_parallel_size=2),
+                    TINY),
+    "pp2_dp2": (4, dict(pipeline_model_parallel_size=2), replace(TINY, num_layers=4)),
+    "tp2_sp_ep2": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                           expert_model_parallel_size=2), MODELS["aux_z"]),
+}
+CASES = [*((name, torch.float64) for name in LAYOUTS), ("ws2_ss2_cp2", torch.float32)]
+
+
+def train(rank: int, layout: Layout, batches: list[torch.Tensor], dtype: torch.dtype,
+          model=TINY) -> dict:
+    torch.set_default_dtype(dtype)
+    engine = build_engine(model, OPTIM, SEED, layout, torch.device("cpu"), peft=PEFT)
+    start = engine.model.full_state_dict()
+    stats = engine.groups.world.stats
+    stats.bytes.clear()
+    losses = []
+    for batch in batches:
+        micro_batches = rank_micro_batches(lambda idx, b=batch: b[idx], layout, rank)
+        for mb in micro_batches:  # inputs may not hold the ignore marker; labels keep it
+            mb.tokens = mb.tokens.clamp(min=0)
+        losses.append(train_step(engine.model, engine.optimizer, micro_batches, LR).loss)
+    first_of_stage = not any(layout.coords(rank)[:-1])
+    end = engine.model.full_state_dict()
+    return {"losses": losses, "start": start if first_of_stage else None,
+            "end": end if first_of_stage else None, "bytes": dict(stats.bytes),
+            "grads": [n for n, p in engine.model.module.named_parameters() if p.grad is not None],
+            "trains": [n for n, p in engine.model.module.named_parameters() if p.requires_grad]}
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    cache: dict[tuple, dict] = {}
+
+    def get(layout: Layout, dtype: torch.dtype, model) -> tuple[list, dict]:
+        samples = layout.micro_batch_size * layout.batch_parallel_size
+        key = (repr(model), layout.global_batch_size, samples, dtype)
+        if key not in cache:
+            batches = make_data(layout.global_batch_size, model)
+            one = Layout(1, micro_batch_size=samples, seq_length=layout.seq_length,
+                         global_batch_size=layout.global_batch_size)
+            cache[key] = (batches, run_ranks(1, train, one, batches, dtype, model)[0])
+        return cache[key]
+
+    return get
+
+
+@pytest.mark.parametrize("name,dtype", [pytest.param(n, d, id=f"{n}-{str(d)[6:]}")
+                                        for n, d in CASES])
+def test_lora_under_a_layout_matches_one_process(name, dtype, one_process):
+    world, kwargs, model = LAYOUTS[name]
+    layout = make_layout(world, kwargs)
+    batches, ref = one_process(layout, dtype, model)
+    results = run_ranks(world, train, layout, batches, dtype, model, timeout=180)
+    end, start = {}, {}
+    for result in results:
+        end |= result["end"] or {}
+        start |= result["start"] or {}
+    assert set(end) == set(ref["end"])
+    adapters = [n for n in ref["end"] if is_adapter(n)]
+    worst = {n: relative(end[n], ref["end"][n]) for n in adapters}
+    loss = max(relative(a, b) for a, b in zip(results[0]["losses"], ref["losses"]))
+    print(f"\nLoRA {name} {dtype}: loss {loss:.2e}, adapters {max(worst.values()):.2e} "
+          f"(worst {max(worst, key=worst.get)})")
+    assert loss <= TOLERANCE[dtype] and max(worst.values()) <= TOLERANCE[dtype], worst
+    for n in adapters:  # every adapter trained: B from zero, then A
+        assert relative(ref["end"][n], ref["start"][n]) > 1e-3, n
+    for n in end:  # the base did not move, on any rank
+        if not is_adapter(n):
+            assert torch.equal(end[n], start[n]), n
+    for result in results:  # only adapters train or hold gradients
+        assert result["trains"] and all(is_adapter(n) for n in result["trains"])
+        assert all(is_adapter(n) for n in result["grads"])
+
+
+def test_weight_shards_send_the_adapters_gradients_only():
+    """Under WS 2 the gradient reduce-scatter over GTP_remat carries the adapters' split
+    factors (their rows padded to the shard count), not the frozen base: the bytes of every
+    step's messages are the adapters' alone."""
+    layout = make_layout(2, dict(tensor_parallel_num_weight_shards=2))
+    batches = make_data(layout.global_batch_size)
+    result = run_ranks(2, train, layout, batches, torch.float64)[0]
+    shapes = parameter_shapes(TINY, PEFT)
+    # split factors over GTP_remat: B of a column projection, A of a row one (1 of 2 rows each)
+    split = [s for n, s in shapes.items() if is_adapter(n) and (
+        ("qkv_lora" in n or "gate_up_lora" in n) == n.endswith("lora_B.weight"))]
+    per_message = sum(layout.shard_rows(rows) * cols for rows, cols in split)
+    passes = len(batches) * layout.num_microbatches  # each pass through a block reduces once
+    sent = result["bytes"].get(("gtp_remat", "reduce_scatter"), 0)
+    print(f"\nWS 2 gradient reduce-scatter: {sent:,} B sent, adapters' {per_message:,} "
+          f"elements x {passes} passes")
+    assert sent == (layout.gtp_remat_size - 1) * per_message * 8 * passes
+
+
+def measured_state(rank: int, layout: Layout, model) -> int:
+    engine = build_engine(model, OPTIM, SEED, layout, torch.device("cpu"), peft=PEFT)
+    micro_batches = rank_micro_batches(
+        lambda idx: make_data(layout.global_batch_size, model)[0].clamp(min=0)[idx],
+        layout, rank)
+    train_step(engine.model, engine.optimizer, micro_batches, LR)  # Adam's moments exist
+    return state_bytes(engine)
+
+
+@pytest.mark.parametrize("name", ["tp2_sp", "ws3_padded", "pp2_dp2"])
+def test_the_planned_lora_state_is_what_the_ranks_allocate(name):
+    """Weights (the frozen base's shards and the adapters), the adapters' gradients and Adam
+    state: planned bytes equal the allocated ones on every rank."""
+    world, kwargs, model = LAYOUTS[name]
+    layout = make_layout(world, kwargs)
+    measured = run_ranks(world, measured_state, layout, model)
+    planned = memory_per_stage(parameter_shapes(model, PEFT), model.num_layers, layout,
+                               model.tie_word_embeddings, lora=True)
+    for rank, got in enumerate(measured):
+        want = planned[layout.coords(rank)[-1]].total_bytes
+        assert got == want, (rank, got, want)
+    full = memory_per_stage(parameter_shapes(model), model.num_layers, layout,
+                            model.tie_word_embeddings)
+    print(f"\nLoRA state {name}: {measured[0]:,} B a rank, full fine-tuning "
+          f"{full[0].total_bytes:,} B ({measured[0] / full[0].total_bytes:.3f})")
