@@ -542,7 +542,8 @@ def unknown_keys(cfg: DictConfig, schema: DictConfig | None = None, prefix: str 
         path = f"{prefix}{key}"
         if key not in declared:
             found.append(path)
-        elif OmegaConf.is_dict(schema._get_node(key)) and OmegaConf.is_dict(cfg._get_node(key)):
+        elif OmegaConf.is_dict(schema._get_node(key)) and OmegaConf.is_dict(cfg._get_node(key)) \
+                and not cfg._get_node(key)._is_none():
             found += unknown_keys(cfg[key], schema_node(schema, key), f"{path}.")
     return found
 

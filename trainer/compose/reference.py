@@ -98,8 +98,10 @@ def options(group: str) -> list[str]:
     return sorted(path.stem for path in (CONF / group).glob("*.yaml"))
 
 
-GROUPS = {spec.name: spec.type for spec in dataclasses.fields(schema.Config)
-          if spec.type.endswith("Config")}
+# group -> its schema's class name (a group that is null by default, peft, too)
+GROUPS = {spec.name: spec.type.removeprefix("Optional[").removesuffix("]")
+          for spec in dataclasses.fields(schema.Config)
+          if spec.type.removeprefix("Optional[").removesuffix("]").endswith("Config")}
 
 
 def section(title: str, cls: type, comments: dict[str, str], values: dict[str, Any],
@@ -136,8 +138,13 @@ def render() -> tuple[str, list[str]]:
         listed = ", ".join(f"`{o}`" + (" (default)" if o == chosen.get(group) else "")
                            for o in options(group))
         intro = [f"Options (`{group}=NAME`, files in `conf/{group}/`): {listed}.", ""]
+        shown = values[group]
+        if shown is None:  # null by default: the keys as its first option sets them
+            first = options(group)[0]
+            shown = yaml.safe_load((CONF / group / f"{first}.yaml").read_text())
+            intro[0] = intro[0][:-1] + f"; null by default, the values shown are `{first}`'s."
         lines += section(group, getattr(schema, cls_name), comments.get(cls_name, {}),
-                         values[group], f"{group}.", intro, missing)
+                         shown, f"{group}.", intro, missing)
     lines += section("Top-level keys", schema.Config, comments.get("Config", {}), values, "",
                      [], missing)
     lines += ["Presets that set keys of several groups: "
