@@ -18,13 +18,12 @@ import torch
 import torch.distributed.checkpoint as dcp
 import transformers
 from peft import PeftModel
+from test_hf import cli, relative
 
 from trainer.checkpoint.hf import read_model_config
 from trainer.checkpoint.hf_lora import recorded_peft
 from trainer.model.lora import add_adapters
 from trainer.model.transformer import Transformer
-
-from test_hf import cli, relative
 
 TOLERANCE = 1e-6
 TARGETS = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
