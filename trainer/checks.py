@@ -293,6 +293,36 @@ def check_compile(cfg: Config) -> None:
                          f"train.compile=false.")
 
 
+OBJECTIVES = ("lm", "dpo")
+DPO_LOSSES = ("sigmoid", "ipo")
+
+
+def check_objective(cfg: Config) -> None:
+    """train.objective and dpo.*: DPO reads whole pairs, each document apart."""
+    one_of("train.objective", cfg.train.objective, OBJECTIVES, "objective")
+    if cfg.train.objective != "dpo":
+        return
+    dpo, data = cfg.dpo, cfg.data
+    finite("dpo.beta", dpo.beta, 0, False, fix="use e.g. 0.1 (TRL's default)")
+    one_of("dpo.loss_type", dpo.loss_type, DPO_LOSSES, "DPO loss")
+    finite("dpo.label_smoothing", dpo.label_smoothing, 0, True, 0.5, False,
+           fix="use e.g. 0.1, or 0 for plain DPO")
+    if dpo.label_smoothing and dpo.loss_type != "sigmoid":
+        raise ValueError(f"dpo.label_smoothing={dpo.label_smoothing} with dpo.loss_type="
+                         f"{dpo.loss_type}: smoothing is the sigmoid loss's (conservative DPO). "
+                         f"Fix: dpo.label_smoothing=0, or dpo.loss_type=sigmoid.")
+    unset = [key for key in ("pack", "reset_attention_mask", "reset_position_ids")
+             if not getattr(data, key)]
+    if unset:
+        raise ValueError(f"train.objective=dpo with data.{unset[0]}=false: DPO takes each pair "
+                         f"whole, its two documents apart, as separate sequences. Fix: "
+                         + " ".join(f"data.{k}=true" for k in unset) + ".")
+    if cfg.model.mtp_num_layers:
+        raise ValueError(f"train.objective=dpo with model.mtp_num_layers="
+                         f"{cfg.model.mtp_num_layers}: multi-token prediction's losses are not "
+                         f"part of the preference loss. Fix: model.mtp_num_layers=null for DPO.")
+
+
 def check_values(cfg: Config, layout: Layout) -> None:
     """Everything above, in the order a reader meets the config."""
     check_layout_inputs(cfg.parallel, cfg.cluster, cfg.train)
@@ -302,6 +332,7 @@ def check_values(cfg: Config, layout: Layout) -> None:
     check_compile(cfg)
     check_seeds(cfg)
     check_optim(cfg.optim)
+    check_objective(cfg)
     check_muon_params(cfg.model, cfg.optim)
     check_qk_clip(cfg)
     check_logger(cfg.logger)

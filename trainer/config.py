@@ -396,6 +396,8 @@ class TrainConfig:
     rampup_batch_size: Optional[List[int]] = MISSING
     eval_interval: Optional[int] = MISSING  # steps between evaluations; null = never
     eval_samples: int = MISSING  # validation samples per evaluation
+    # lm: the next-token loss; dpo: preference pairs (trainer --preference data, dpo.*)
+    objective: str = MISSING
 
 
 @dataclass
@@ -494,6 +496,17 @@ class CheckpointConfig:
 
 
 @dataclass
+class DpoConfig:
+    """train.objective=dpo (trainer.train.dpo): Direct Preference Optimization with TRL's
+    names."""
+
+    beta: float = MISSING  # the KL penalty's weight (IPO's tau), > 0
+    loss_type: str = MISSING  # sigmoid (DPO) | ipo (length-normalised, as TRL)
+    # sigmoid only: the chance a pair's preference is flipped (conservative DPO), in [0, 0.5)
+    label_smoothing: float = MISSING
+
+
+@dataclass
 class PeftConfig:
     """peft=lora (trainer.parts.lora): low-rank adapters on the named projections, everything
     else frozen. Hugging Face PEFT's names for the projections and the keys' meanings."""
@@ -518,6 +531,7 @@ class Config:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     peft: Optional[PeftConfig] = None  # null: full fine-tuning (every weight trains)
+    dpo: DpoConfig = field(default_factory=DpoConfig)
     run_name: str = MISSING  # the run folder's parent: outputs/<run_name>/<overrides>
     # plan only: print the layout, its groups and the memory plan, write layout.json, start
     # nothing

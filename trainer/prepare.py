@@ -2,7 +2,7 @@
 
     python -m trainer.prepare SRC [SRC ...] OUT_DIR [--valid-fraction F]
         [--tokenizer byte | TOKENIZER_JSON | FOLDER] [--train-tokenizer VOCAB_SIZE]
-        [--eod-token TOKEN] [--json-key KEY] [--chat [--loss-on assistant|all]]
+        [--eod-token TOKEN] [--json-key KEY] [--chat [--loss-on assistant|all]] [--preference]
         [--seq-length N] [--workers N] [--megatron PREFIX]
 
 SRC: text files (one document each), .jsonl (one document a line, its --json-key field), .json
@@ -22,6 +22,7 @@ import numpy as np
 from trainer.data.dataset import TokenDataset, prepare
 from trainer.data.megatron import check_new_prefix, write_indexed
 from trainer.data.packing import Packs
+from trainer.data.preference import pair_starts
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,6 +47,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--chat", action="store_true",
                         help="JSON records of {\"messages\": [...]}: rendered with the "
                              "tokenizer's chat template, with a loss mask")
+    parser.add_argument("--preference", action="store_true",
+                        help="JSON records of {\"prompt\", \"chosen\", \"rejected\"} (text, "
+                             "or chat messages): two documents a pair, the loss mask on the "
+                             "responses (train.objective=dpo)")
     parser.add_argument("--loss-on", choices=("assistant", "all"), default="assistant",
                         help="with --chat: which tokens the loss counts (assistant turns)")
     parser.add_argument("--seq-length", type=int, metavar="N",
@@ -75,7 +80,8 @@ def main(argv: list[str] | None = None) -> None:
             check_new_prefix(args.megatron)
         out = prepare(args.src, args.out_dir, args.valid_fraction, args.tokenizer,
                       args.train_tokenizer, args.eod_token, progress=True,
-                      json_key=args.json_key, chat=args.chat, loss_on=args.loss_on)
+                      json_key=args.json_key, chat=args.chat, loss_on=args.loss_on,
+                      preference=args.preference)
     except ValueError as e:
         parser.exit(2, f"error: {e}\n")
     ds = TokenDataset.open(out)
@@ -94,7 +100,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"  {name}: tokens [{start:,}, {end:,}) = {end - start:,} tokens, "
               f"{ds.num_documents(name):,} documents")
         if args.seq_length and end > start:
-            packs = Packs(np.asarray(ds.meta["doc_starts"]), start, end, args.seq_length + 1)
+            starts = np.asarray(ds.meta["doc_starts"])
+            pairs = bool(ds.meta.get("preference"))  # each pair packed whole
+            packs = Packs(pair_starts(starts) if pairs else starts, start, end,
+                          args.seq_length + 1, inner=starts if pairs else None)
             print(f"    {packs.describe(name)}")
     if args.megatron:
         try:

@@ -78,8 +78,11 @@ class ChatEncoder:
                              f"conversation ({what}). Fix: correct the conversation or the "
                              f"template, or pass --tokenizer with another") from None
 
-    def encode(self, messages: list[dict], where: str) -> tuple[np.ndarray, np.ndarray]:
-        """(ids with the end-of-document id, loss mask: 1 where the token is a target)."""
+    def encode(self, messages: list[dict], where: str, from_message: int = 0
+               ) -> tuple[np.ndarray, np.ndarray]:
+        """(ids with the end-of-document id, loss mask: 1 where the token is a target).
+        from_message: the assistant turns before it are no targets (a preference pair's
+        prompt: trainer.data.preference)."""
         text = self.render(messages, where)
         encoding = self.tok.tokenizer.encode(text, add_special_tokens=False)
         ids = np.asarray(encoding.ids + [self.tok.eod_id], dtype=np.int64)
@@ -87,16 +90,16 @@ class ChatEncoder:
             return ids, np.ones(ids.size, dtype=np.uint8)
         starts = np.asarray([start for start, _ in encoding.offsets] + [len(text)])
         mask = np.zeros(ids.size, dtype=np.uint8)
-        for begin, end in self._assistant_spans(messages, text, where):
+        for begin, end in self._assistant_spans(messages, text, where, from_message):
             mask[(starts >= begin) & (starts < end)] = 1
         mask[-1] = 0  # the end-of-document id: a separator, not the assistant's
         return ids, mask
 
-    def _assistant_spans(self, messages: list[dict], text: str, where: str
-                         ) -> list[tuple[int, int]]:
+    def _assistant_spans(self, messages: list[dict], text: str, where: str,
+                         from_message: int = 0) -> list[tuple[int, int]]:
         spans = []
         for i, message in enumerate(messages):
-            if message["role"] != "assistant":
+            if message["role"] != "assistant" or i < from_message:
                 continue
             before = self.render(messages[:i], where, generation_prompt=True) if i else ""
             through = self.render(messages[:i + 1], where)

@@ -63,14 +63,16 @@ def split_point(doc_starts: list[int], num_tokens: int, valid_fraction: float) -
 def prepare(sources: list[Path] | Path, out_dir: Path, valid_fraction: float,
             tokenizer: str | Path = "byte", train_vocab_size: int | None = None,
             eod_token: str | None = None, progress: bool = False, json_key: str = "text",
-            chat: bool = False, loss_on: str = "assistant") -> Path:
+            chat: bool = False, loss_on: str = "assistant", preference: bool = False) -> Path:
     """Tokenize the sources (trainer.data.inputs: text, JSON lines, Parquet) into out_dir
     (tokens.bin + meta.json), atomically.
 
     tokenizer: "byte", or a Hugging Face tokenizer.json (or a folder holding one); with
     train_vocab_size, a byte-level BPE of that size is trained on the sources first and kept as
     out_dir/tokenizer.json. chat: JSON lines of messages rendered with the tokenizer's chat
-    template, plus loss_mask.bin (trainer.data.chat; loss_on "assistant" or "all"). The
+    template, plus loss_mask.bin (trainer.data.chat; loss_on "assistant" or "all").
+    preference: JSON lines of prompt, chosen and rejected, two documents a pair with a loss
+    mask on the responses (trainer.data.preference; chat messages need a chat template). The
     dataset is written into a hidden sibling folder and renamed into place, so out_dir either
     does not exist or is complete. If out_dir already holds a dataset (another process won the
     race, or an earlier run), it is kept when it is this same dataset; a different one is an
@@ -114,12 +116,17 @@ def prepare(sources: list[Path] | Path, out_dir: Path, valid_fraction: float,
         else:
             tok = HFTokenizer.load(Path(tokenizer), eod_token)
         encoder = None
-        if chat:
+        template = getattr(tok, "config", {}).get("chat_template")
+        if chat or (preference and template):  # a pair of messages renders as --chat does
             from trainer.data.chat import ChatEncoder
 
             encoder = ChatEncoder(tok, loss_on)
-        meta = write_dataset(Reader(files, json_key, chat), tmp, tok, valid_fraction, progress,
-                             encoder)
+        if preference:
+            from trainer.data.preference import PairEncoder
+
+            encoder = PairEncoder(tok, encoder)
+        meta = write_dataset(Reader(files, json_key, chat and not preference, preference), tmp,
+                             tok, valid_fraction, progress, encoder)
         meta["sources"] = [str(s) for s in sources]
         write_json(tmp / "meta.json", meta)
         try:
@@ -146,6 +153,9 @@ def write_dataset(reader: Reader, folder: Path, tok: Tokenizer, valid_fraction: 
                   progress: bool = False, chat=None) -> dict:
     """Write tokens.bin (and with a chat encoder loss_mask.bin) into folder; the meta.json
     fields that describe it."""
+    from trainer.data.preference import PairEncoder, pair_starts
+
+    preference = isinstance(chat, PairEncoder)
     dtype_name = token_dtype(tok.vocab_size)
     sha, mask_sha, doc_starts, num_tokens = hashlib.sha256(), hashlib.sha256(), [], 0
     started, counted = time.perf_counter(), 0
@@ -156,7 +166,9 @@ def write_dataset(reader: Reader, folder: Path, tok: Tokenizer, valid_fraction: 
     masks = open(folder / LOSS_MASK, "wb") if chat else None
     with open(folder / "tokens.bin", "wb") as f:
         for batch in _batches(reader):
-            if chat is not None:
+            if preference:  # two documents a pair
+                encoded = [doc for d in batch for doc in chat.encode(d.value, d.where)]
+            elif chat is not None:
                 encoded = [chat.encode(d.value, d.where) for d in batch]
             else:  # an empty document is none
                 encoded = [(ids, None) for ids in tok.encode_documents(
@@ -182,16 +194,23 @@ def write_dataset(reader: Reader, folder: Path, tok: Tokenizer, valid_fraction: 
     if num_tokens == 0:
         raise ValueError(f"the sources ({len(reader.files)} files) hold no tokens: every "
                          f"document is empty")
-    if chat is not None and counted == 0:
+    if chat is not None and counted == 0 and not preference:
         raise ValueError(f"--chat --loss-on {chat.loss_on}: not one token of the "
                          f"{len(doc_starts):,} conversations is a target (none has an "
                          f"assistant turn that {chat.source}'s chat template writes), so nothing "
                          f"would train. Fix: add the assistant's answers, or pass --loss-on all")
-    start = split_point(doc_starts, num_tokens, valid_fraction)
+    # a pair's two documents stay in one split
+    starts = [int(s) for s in pair_starts(np.asarray(doc_starts))] if preference else doc_starts
+    if preference and len(starts) < 2 and valid_fraction > 0:
+        raise ValueError(f"valid_fraction={valid_fraction}: one preference pair cannot be split "
+                         f"between train and valid. Fix: --valid-fraction 0, or more pairs")
+    start = split_point(starts, num_tokens, valid_fraction)
     meta = {"format_version": FORMAT_VERSION, "tokenizer": tok.name, "vocab_size": tok.vocab_size,
             "eod_id": tok.eod_id, "dtype": dtype_name, "num_tokens": num_tokens,
             "doc_starts": doc_starts, "splits": {"train": [0, start], "valid": [start, num_tokens]},
             "fingerprint": f"sha256:{sha.hexdigest()}"}
+    if preference:  # pair i: documents 2i and 2i + 1
+        meta |= {"preference": True, "pairs": len(doc_starts) // 2}
     if chat is not None:  # the mask changes what trains: part of the identity
         meta |= {"loss_mask": True, "counted_tokens": counted,
                  "fingerprint": f"sha256:{sha.hexdigest()}+mask:{mask_sha.hexdigest()[:16]}"}
@@ -212,14 +231,21 @@ def _batches(reader: Reader):
     batch, size = [], 0
     for document in reader:
         batch.append(document)
-        value = document.value
-        size += len(value) if isinstance(value, (str, bytes)) else sum(
-            len(m["content"]) for m in value)
+        size += _length(document.value)
         if size >= BATCH_BYTES:
             yield batch
             batch, size = [], 0
     if batch:
         yield batch
+
+
+def _length(value) -> int:
+    """Characters of a document: text, a chat's messages, or a preference pair of either."""
+    if isinstance(value, (str, bytes)):
+        return len(value)
+    if isinstance(value, tuple):  # (prompt, chosen, rejected)
+        return sum(_length(v) for v in value)
+    return sum(len(m["content"]) for m in value)
 
 
 def write_json(path: Path, obj: dict) -> None:

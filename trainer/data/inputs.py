@@ -122,8 +122,12 @@ def unreadable(path: Path, folder: Path | None) -> None:
 class Reader:
     """The documents of `files` in order; `done`: source bytes read so far."""
 
-    def __init__(self, files: list[Path], json_key: str = "text", chat: bool = False):
+    def __init__(self, files: list[Path], json_key: str = "text", chat: bool = False,
+                 preference: bool = False):
+        """preference: each record a (prompt, chosen, rejected) pair
+        (trainer.data.preference)."""
         self.files, self.json_key, self.chat = files, json_key, chat
+        self.preference = preference
         self.total = sum(f.stat().st_size for f in files)
         self.done = self._file_base = 0
 
@@ -131,6 +135,10 @@ class Reader:
         for path in self.files:
             before = self._file_base = self.done
             if kind(path) == "text":
+                if self.preference:
+                    raise ValueError(f"{path}: --preference reads JSON records of {{\"prompt\": "
+                                     f"..., \"chosen\": ..., \"rejected\": ...}}, not text "
+                                     f"files; pass .jsonl or .json files")
                 if self.chat:
                     raise ValueError(f"{path}: --chat reads JSON records of {{\"messages\": "
                                      f"[...]}}, not text files; pass .jsonl or .json files")
@@ -185,6 +193,9 @@ class Reader:
             array = None  # JSON lines (in a .json file: the array would have come first)
 
     def _parquet(self, path: Path) -> Iterator[Document]:
+        if self.preference:
+            raise ValueError(f"{path}: --preference reads JSON lines (.jsonl) or JSON (.json) "
+                             f"records of prompt, chosen and rejected, not Parquet")
         pq = _pyarrow_parquet()
         try:
             table = pq.ParquetFile(path)
@@ -207,6 +218,10 @@ class Reader:
             self.done = base + size * row // rows
 
     def _field(self, record: Any, where: str) -> Any:
+        if self.preference:
+            from trainer.data.preference import pair_fields
+
+            return pair_fields(record, where)
         key = "messages" if self.chat else self.json_key
         if not isinstance(record, dict) or key not in record:
             found = (f"keys {', '.join(map(repr, record))}" if isinstance(record, dict)

@@ -23,7 +23,11 @@ class Packs:
     j holds documents docs[offsets[j]:offsets[j + 1]] (token ranges begins[d], sizes[d]) then
     padding."""
 
-    def __init__(self, doc_starts: np.ndarray, start: int, end: int, length: int):
+    def __init__(self, doc_starts: np.ndarray, start: int, end: int, length: int,
+                 inner: np.ndarray | None = None):
+        """doc_starts: where each example starts; inner: every document's start, where an
+        example holds several (a preference pair's two documents: packed together, apart)."""
+        self.inner = inner
         self.begins, self.sizes, self.truncated = examples(doc_starts, start, end, length)
         self.length, self.examples = length, len(self.begins)
         bins = _best_fit_decreasing(self.sizes.tolist(), length)
@@ -72,8 +76,12 @@ class Packs:
         out = np.zeros((len(samples), self.length), dtype=np.int64)
         for row, j in enumerate(samples.tolist()):
             end = 0
-            for at, _, size in self._pieces(j):
+            for at, begin, size in self._pieces(j):
                 out[row, at:] = at
+                if self.inner is not None:  # the example's later documents start inside it
+                    lo, hi = np.searchsorted(self.inner, [begin + 1, begin + size])
+                    for s in self.inner[lo:hi].tolist():
+                        out[row, at + s - begin:] = at + s - begin
                 end = at + size
             out[row, end:] = end
         return out

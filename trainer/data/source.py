@@ -40,6 +40,13 @@ class DataSource:
                 "would restart at each document while attention still runs across documents, "
                 "so tokens of two documents would meet at the same positions. Fix: set "
                 "data.reset_attention_mask=true too, or data.reset_position_ids=false.")
+        pairs_fix = ("Fix: prepare pairs with python -m trainer.prepare FILE.jsonl OUT "
+                     "--preference and set data.path=OUT, or train.objective=lm")
+        if train.objective == "dpo" and (data.path is None or data.blend is not None
+                                         or is_indexed(data.path)):
+            where = "data.blend" if data.blend is not None else f"data.path={data.path}"
+            raise ValueError(f"train.objective=dpo reads preference pairs, and {where} holds "
+                             f"none. {pairs_fix}.")
         if data.blend is not None:
             return cls._blend(data, model, train)
         if data.path is None:
@@ -65,6 +72,18 @@ class DataSource:
         _check_vocab(meta["vocab_size"], f"the dataset {path}", model)
         _check_splits(meta["splits"], data.path, train)
         _check_end_of_document(data, meta["eod_id"], f"data.path={data.path}")
+        if train.objective == "dpo" and not meta.get("preference"):
+            raise ValueError(f"train.objective=dpo with data.path={data.path}, a dataset of "
+                             f"documents, not preference pairs. {pairs_fix}.")
+        if meta.get("preference") and data.pack:  # packed whole, a pair must fit a sample
+            edges = np.append(np.asarray(meta["doc_starts"][::2]), meta["num_tokens"])
+            longest = int(np.diff(edges).max())
+            if longest > train.seq_length + 1:
+                raise ValueError(
+                    f"data.path={data.path}: its longest preference pair is {longest:,} tokens, "
+                    f"more than a sample of train.seq_length + 1 = {train.seq_length + 1:,}: "
+                    f"cut, a response would be lost. Fix: train.seq_length={longest - 1}, or "
+                    f"prepare the pairs without the long ones.")
         return cls(path, False, float("nan"))
 
     @classmethod

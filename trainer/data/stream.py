@@ -10,6 +10,7 @@ from trainer.config import ConfigError
 from trainer.data.blend import PERIOD, blend_pattern
 from trainer.data.dataset import TokenDataset
 from trainer.data.packing import Packs
+from trainer.data.preference import pair_starts
 from trainer.data.source import DataSource
 
 
@@ -63,7 +64,18 @@ class SampleStream:
     def packs(self) -> Packs | None:
         """data.pack's samples (trainer.data.packing), packed on first use; None unpacked."""
         if self.pack and self._packs is None:
-            self._packs = Packs(self.doc_starts, self.start, self.end, self.seq_length + 1)
+            if self.dataset.meta.get("preference"):  # each pair packed whole, its documents apart
+                packs = Packs(pair_starts(self.doc_starts), self.start, self.end,
+                              self.seq_length + 1, inner=self.doc_starts)
+                if packs.truncated:
+                    raise ValueError(
+                        f"{self.dataset.path}: {packs.truncated:,} preference pair(s) of the "
+                        f"{self.split} split are longer than a sample of train.seq_length + 1 "
+                        f"= {self.seq_length + 1} tokens: cut, a response would be lost. Fix: "
+                        f"raise train.seq_length, or drop the long pairs")
+                self._packs = packs
+            else:
+                self._packs = Packs(self.doc_starts, self.start, self.end, self.seq_length + 1)
         return self._packs
 
     @property

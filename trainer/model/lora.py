@@ -12,6 +12,8 @@ is frozen (freeze_base).
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -44,8 +46,11 @@ class AddAdapters:
         # parts: per fused part, its adapter's name (None: not adapted); shares: their sizes
         self.adapters, self.parts, self.shares = adapters, parts, shares
         self.scaling, self.dropout = scaling, dropout
+        self.enabled = True  # off: the base model (DPO's reference: adapters_off)
 
     def __call__(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        if not self.enabled:
+            return output
         x = args[0]
         if self.dropout and module.training:
             x = F.dropout(x, self.dropout)
@@ -85,6 +90,20 @@ def add_adapters(model: nn.Module, cfg: ModelConfig, peft: PeftConfig | None) ->
                     list(part.fused(cfg).get(module, (1,))),
                     peft.lora_alpha / peft.lora_rank, peft.lora_dropout))
     freeze_base(model)
+
+
+@contextmanager
+def adapters_off(model: nn.Module) -> Iterator[None]:
+    """The base model: every adapter switched off while inside (PEFT's disable_adapter)."""
+    hooks = [h for m in model.modules() for h in m._forward_hooks.values()
+             if isinstance(h, AddAdapters)]
+    for hook in hooks:
+        hook.enabled = False
+    try:
+        yield
+    finally:
+        for hook in hooks:
+            hook.enabled = True
 
 
 def freeze_base(model: nn.Module) -> None:

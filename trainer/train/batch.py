@@ -43,6 +43,10 @@ class MicroBatch:
     # IGNORE past the sample's end, across a document, or where the main label is ignored)
     ahead: torch.Tensor | None = None
     ahead_labels: torch.Tensor | None = None
+    # data.reset_attention_mask: which document of its sample each of this rank's positions
+    # is in (0, 1, ...: a preference pair is documents 2j and 2j + 1), [micro_batch_size,
+    # local seq]; else None
+    document_index: torch.Tensor | None = None
 
 
 # Positions within the global batch -> those samples, [n, seq_length + 1] token ids.
@@ -135,7 +139,12 @@ def rank_micro_batches(samples: Samples | Fetch, layout: Layout, rank: int,
                    keep_local(positions, keep),
                    *(torch.stack([keep_local(t, keep) for t in depth]) for depth in ahead))
         tensors = [t.to(device) if device else t for t in tensors]
-        out.append(MicroBatch(*tensors[:3], documents, empty, *tensors[3:]))
+        index = None
+        if documents is not None:  # a new document where a position is its own start
+            index = keep_local((documents == torch.arange(seq)).cumsum(1) - 1, keep)
+            index = index.to(device) if device else index
+        out.append(MicroBatch(*tensors[:3], documents, empty, *tensors[3:],
+                              document_index=index))
     return out
 
 

@@ -83,6 +83,26 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layo
     return Engine(layout, groups, parallel, optimizer)
 
 
+def build_reference(model_cfg: ModelConfig, seed: int, engine: Engine, device: torch.device,
+                    options: EngineOptions = EngineOptions()) -> ParallelModel:
+    """train.objective=dpo under full fine-tuning: a frozen copy of the model on the engine's
+    layout and groups, at the seed's initial weights (the caller loads the run's starting
+    checkpoint into it). Its parameters are the model's once more, with no gradient or
+    optimizer state (the memory plan's reference term)."""
+    with torch.device("meta"):
+        model = Transformer(model_cfg)
+    for param in model.parameters():
+        param.requires_grad_(False)
+    sections = {"parallel": options, "model": model_cfg}
+    comm = comm_options(lambda key: getattr(sections[key.split(".")[0]], key.split(".")[1]))
+    reference = parallelize(model, parallel_plan(model_cfg), engine.layout, engine.groups,
+                            torch.distributed.get_rank(), device,
+                            COMPUTE_DTYPE[options.precision], comm, model_cfg.vocab_size)
+    routing.wire(model, engine.groups, reference.sequence_parallel)
+    reference.initialize(functools.partial(model.initial_values, seed=seed))
+    return reference
+
+
 def muon_choice(model_cfg: ModelConfig, optim_cfg: OptimConfig) -> MuonChoice | None:
     """The parameters optim=muon orthogonalises and their row blocks; None under adamw."""
     if optim_cfg.name != "muon":

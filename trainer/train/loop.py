@@ -7,9 +7,11 @@ step's remainder), at the learning rate and weight decay of Megatron's scheduler
 """
 from __future__ import annotations
 
+import functools
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -17,17 +19,20 @@ import torch.distributed as dist
 from hydra.errors import CompactHydraException
 
 from trainer.checkpoint import resume
-from trainer.checkpoint.dcp import folder_of
-from trainer.checkpoint.integrity import latest, verify
+from trainer.checkpoint.dcp import folder_of, load_weights
+from trainer.checkpoint.integrity import latest, resolve, verify
 from trainer.checkpoint.saver import Saver
 from trainer.compose.runspec import RunSpec
+from trainer.config import Config
 from trainer.data.stream import open_streams
+from trainer.model.lora import adapters_off
 from trainer.parts.assembly import parameter_shapes
 from trainer.parts.matrices import muon_names
 from trainer.plan.options import EngineOptions
 from trainer.train.batch import DocumentRules, rank_micro_batches
 from trainer.train.compile import COMPILE_CACHE, CompileWatch, use_cache
-from trainer.train.engine import build_engine
+from trainer.train.dpo import Dpo
+from trainer.train.engine import build_engine, build_reference
 from trainer.train.hangs import HangWatch, backend_timeout_s
 from trainer.train.metrics import MetricsLogger
 from trainer.train.samples import Sampler
@@ -85,6 +90,7 @@ class Trainer:
         self.state = resume.start_state(self.engine, config.checkpoint, self.save_dir, expected,
                                         (lambda line: print(line, flush=True))
                                         if self.rank == 0 else None, decided)
+        self.dpo = self._dpo(config, device, options)
         self.saver = Saver(self.engine, self.save_dir, self.meta, config.checkpoint.async_save,
                            backend_timeout_s(config.cluster.timeout_s))
         self.total_steps = self.state.step + self.plan.steps_from(self.state.consumed_samples)
@@ -92,6 +98,19 @@ class Trainer:
                                     (self.state.consumed_samples, self.plan.train_samples),
                                     ramp=self.plan.ramp is not None)
         self.logger.forget_after(self.state.step)  # steps logged after the checkpoint run again
+
+    def _dpo(self, config: Config, device: torch.device, options: EngineOptions) -> Dpo | None:
+        """train.objective=dpo's reference: the model with its adapters off (peft=lora), or a
+        frozen copy of the weights the run started from (checkpoint.load, or the seed's)."""
+        if config.train.objective != "dpo":
+            return None
+        if config.peft is not None:
+            return Dpo(config.dpo, None, functools.partial(adapters_off, self.engine.model.module))
+        reference = build_reference(config.model, config.train.seed, self.engine, device, options)
+        if config.checkpoint.load is not None:  # the fine-tune's start, also on a resume
+            start = resolve(Path(config.checkpoint.load), None, verify)
+            load_weights(SimpleNamespace(model=reference), start)
+        return Dpo(config.dpo, reference)
 
     def run(self, keep_records: bool = False) -> list[dict[str, Any]]:
         """Collective. Steps run until train.train_samples are consumed; the step counter only
@@ -134,7 +153,7 @@ class Trainer:
                 self.compiles.start()
             try:
                 result = train_step(self.engine.model, self.engine.optimizer, micro_batches, lr,
-                                    weight_decay=weight_decay)
+                                    weight_decay=weight_decay, dpo=self.dpo)
             except NonFiniteStep as error:
                 self.finish_saves()
                 logger.close()
@@ -150,7 +169,7 @@ class Trainer:
                       "grad_norm": result.grad_norm, "loss_tokens": result.loss_tokens,
                       "empty_samples": result.empty_samples, **speed.as_dict(),
                       "comm_bytes": self.engine.groups.stats.by_op(),  # this rank, this step
-                      **result.moe,
+                      **result.moe, **result.dpo,
                       # multi-token prediction, by depth (Megatron logs "mtp_1 loss", ...)
                       **{f"mtp_{d + 1}_loss": v for d, v in enumerate(result.mtp_losses)},
                       # QK-clip (Megatron logs "max attention logit")

@@ -18,6 +18,7 @@ import torch
 from parallel.parallelize import ParallelModel
 from trainer.train import routing
 from trainer.train.batch import IGNORE, MicroBatch
+from trainer.train.dpo import Dpo, DpoStep
 from trainer.train.optim import ShardedOptimizer
 
 
@@ -42,14 +43,17 @@ class StepResult:
     mtp_losses: list[float] = field(default_factory=list)
     # QK-clip's largest attention logit of the step, before clipping (None: QK-clip off)
     max_attention_logit: float | None = None
+    # train.objective=dpo: the pairs' rewards, margins and accuracies (TRL's names); loss is
+    # then the mean DPO loss of the global batch's pairs
+    dpo: dict = field(default_factory=dict)
 
 
 def train_step(model: ParallelModel, optimizer: ShardedOptimizer, micro_batches: list[MicroBatch],
                lr: float, mark: Callable[[str], None] | None = None,
-               weight_decay: float | None = None) -> StepResult:
+               weight_decay: float | None = None, dpo: Dpo | None = None) -> StepResult:
     """mark: told "micro_batches" and then "update" as each part of the step begins (the
     measured dry run counts what each allocates). weight_decay: this step's (Megatron's
-    schedule); None keeps optim.weight_decay."""
+    schedule); None keeps optim.weight_decay. dpo: train.objective=dpo (trainer.train.dpo)."""
     mark = mark or (lambda phase: None)
     groups, device = model.groups, next(model.parameters()).device
     # Counted over token_distinct: TP ranks (and pipeline stages) share their tokens.
@@ -65,6 +69,10 @@ def train_step(model: ParallelModel, optimizer: ShardedOptimizer, micro_batches:
     total_tokens, empty_samples, depth_tokens = int(counts[0]), int(counts[1]), counts[2:]
     if total_tokens == 0:
         raise ValueError("the global batch has no loss tokens (every label is ignored)")
+    pairs = None
+    if dpo is not None:  # the reference pass, before the step's own
+        pairs = DpoStep(dpo.cfg, model, micro_batches)
+        pairs.begin(dpo.reference or model, dpo.adapters_off)
     optimizer.zero_grad()
     sums = torch.zeros(1 + depths, dtype=torch.float64, device=device)  # main, each depth
     routing.begin(model.module, len(micro_batches))
@@ -84,11 +92,13 @@ def train_step(model: ParallelModel, optimizer: ShardedOptimizer, micro_batches:
             loss = loss + model.module.mtp.loss_scale * depth / max(depth_tokens[d], 1.0)
         return loss
 
-    model.runner.run(_inputs(micro_batches), last_stage)
+    model.runner.run(_inputs(micro_batches), pairs.loss if pairs else last_stage)
     model.finish_grads()  # sharded, replicated, then tied embeddings' (ParallelModel)
     # Both are global values, so every rank refuses a non-finite step together.
     sums = _from_last_stage(model, sums)
-    loss = sums[0].item() / total_tokens
+    loss, rewards = sums[0].item() / total_tokens, {}
+    if pairs is not None:
+        loss, rewards = pairs.metrics(_from_last_stage(model, pairs.sums))
     mtp_losses = [sums[1 + d].item() / max(depth_tokens[d], 1.0) for d in range(depths)]
     mark("update")
     grad_norm = optimizer.reduce_gradients()
@@ -100,7 +110,7 @@ def train_step(model: ParallelModel, optimizer: ShardedOptimizer, micro_batches:
                       empty_samples=empty_samples, moe=routing.finish(model.module, groups,
                                          groups.pp if model.mixture else None,
                                          model.sequence_parallel), mtp_losses=mtp_losses,
-                      max_attention_logit=optimizer.max_attention_logit)
+                      max_attention_logit=optimizer.max_attention_logit, dpo=rewards)
 
 
 @torch.no_grad()
