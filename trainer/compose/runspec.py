@@ -92,7 +92,7 @@ def settle(cfg: DictConfig) -> RunSpec:
                              f"sample a checkpoint with python -m trainer.generate --tokenizer.")
         check_peft(config.model, config.peft, config.optim, layout)
         memory = memory_plan(config.model, layout, options, muon_plan(config.model, config.optim),
-                             config.peft)
+                             config.peft, config.train.objective == "dpo" and not config.peft)
     except ValueError as error:
         raise ConfigError(str(error)) from None
     return RunSpec(config, layout, plan, schedule, weight_decay, data, memory, auto)

@@ -74,6 +74,9 @@ class StageMemory:
     # of `parameters`: frozen ones (peft=lora's base): no gradient, no optimizer state, and
     # outside the optimizer's flat buffers (each its own tensor, unpadded)
     frozen_elements: int = 0
+    # train.objective=dpo under full fine-tuning: the reference, a frozen copy of this stage's
+    # weights (in param_bytes, not in `parameters`: no checkpoint saves it)
+    reference_elements: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -170,10 +173,12 @@ class ModelWeights:
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], num_layers: int,
                  tie_word_embeddings: bool = False, buffer_bytes: list[int] | None = None,
-                 muon: MuonPlan | None = None, lora: bool = False):
+                 muon: MuonPlan | None = None, lora: bool = False, reference: bool = False):
         """buffer_bytes: each block's buffers (model_buffer_bytes), whole on every rank;
         muon: optim=muon's matrices (None: AdamW on every parameter); lora: only the adapters
-        train (peft=lora; `shapes` has them), the rest is frozen."""
+        train (peft=lora; `shapes` has them), the rest is frozen; reference: a frozen copy
+        of every weight beside them (DPO's reference under full fine-tuning)."""
+        self.reference = reference
         prefix = f"{BLOCKS}."
         self.muon = muon
         names = muon.names if muon else frozenset()
@@ -258,11 +263,12 @@ class ModelWeights:
                                                 for h in muon_buffers], default=0)
             # a frozen embedding's copy on the last stage has no gradient either
             copy_grad = 0 if self.embedding_frozen else copy
+            reference = sum(buffers) + copy + frozen if self.reference else 0
             memory = StageMemory(stage, sum(buffers) + copy + frozen,
-                                 (flat + copy + frozen) * p_bytes,
+                                 (flat + copy + frozen + reference) * p_bytes,
                                  (flat + copy_grad) * g_bytes, state, blocks, update, copy,
                                  sum(self.buffer_bytes[i] for i in blocks),
-                                 sum(buffers[b] for b in muon), frozen)
+                                 sum(buffers[b] for b in muon), frozen, reference)
             out.append(StageWeights(memory, chunks, max((k[1] for k in held), default=0),
                                     max(ends, default=0), sum(depth), max(depth, default=0),
                                     tuple(k[1] for k in held), muon_buffers))
@@ -357,15 +363,16 @@ def unsharded_memory(shapes: dict[str, tuple[int, ...]], muon: MuonPlan | None =
 
 
 def memory_plan(model: ModelConfig, layout: Layout, options: EngineOptions,
-                muon: MuonPlan | None = None, peft: PeftConfig | None = None
-                ) -> dict[str, Any]:
+                muon: MuonPlan | None = None, peft: PeftConfig | None = None,
+                reference: bool = False) -> dict[str, Any]:
     """layout.json's `memory`: per pipeline stage, one rank's state, step transients and peak;
     the unsharded model for reference; under EP or ETP, a MoE layer's dispatched rows, expected
     (what the peak counts) and at most (trainer.parts.moe.dispatch_rows). peft=lora: the
-    adapters train, the rest is frozen."""
+    adapters train, the rest is frozen. reference: train.objective=dpo's frozen copy of the
+    weights (full fine-tuning; under LoRA the reference is the base, held already)."""
     shapes, lora = parameter_shapes(model, peft), peft is not None
     stages = ModelWeights(shapes, model.num_layers, model.tie_word_embeddings,
-                          block_buffer_bytes(model), muon, lora).stages(layout)
+                          block_buffer_bytes(model), muon, lora, reference).stages(layout)
     plan = {"per_stage": [{**s.memory.as_dict(), **_planned_step(model, layout, options, s)}
                           for s in stages],
             "unsharded": unsharded_memory(shapes, muon, lora).as_dict()}

@@ -213,8 +213,9 @@ class Trainer:
 
     def report_memory(self) -> None:
         """Collective: each stage's state and peak beside the plan's, printed by rank 0."""
-        mine = torch.tensor([self.throughput.measured_bytes(self.engine)], dtype=torch.int64,
-                            device=self.device)
+        reference = self.dpo.reference if self.dpo else None  # DPO's frozen copy, if any
+        mine = torch.tensor([self.throughput.measured_bytes(self.engine, reference)],
+                            dtype=torch.int64, device=self.device)
         every = self.engine.groups.world.all_gather(mine).tolist()
         for line in self.throughput.memory_table(every):
             self.logger.note(line)

@@ -97,9 +97,12 @@ class Throughput:
         return StepSpeed(tokens_per_s, flops / 1e12, flops / self.peak_flops,
                          peak_memory_bytes(self.device), data_seconds / seconds)
 
-    def measured_bytes(self, engine: Engine) -> list[int]:
-        """This rank's [state it holds, peak above the baseline] (see the module's note)."""
-        return [state_bytes(engine), max(0, peak_memory_bytes(self.device) - self.baseline)]
+    def measured_bytes(self, engine: Engine, reference=None) -> list[int]:
+        """This rank's [state it holds, peak above the baseline] (see the module's note);
+        reference: DPO's frozen copy of the model (a ParallelModel), held beside."""
+        held = sum(p.nbytes for p in reference.parameters()) if reference is not None else 0
+        return [state_bytes(engine) + held,
+                max(0, peak_memory_bytes(self.device) - self.baseline)]
 
     def memory_table(self, measured: list[list[int]]) -> list[str]:
         """measured: measured_bytes() of every rank, by rank. One line a pipeline stage: the
