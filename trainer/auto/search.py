@@ -25,7 +25,7 @@ from typing import Any, Optional
 from parallel.layout import Layout, LayoutError
 from parallel.layout.axes import COMM_KEYS, PARALLEL_KEYS
 from trainer.checks import check_model
-from trainer.config import ModelConfig, Precision, RecomputeGranularity
+from trainer.config import ModelConfig, PeftConfig, Precision, RecomputeGranularity
 from trainer.parts.assembly import parameter_shapes
 from trainer.plan.axis_costs import SEARCH_ORDER, describe_layout
 from trainer.plan.axis_costs.entry import Offer, walk
@@ -70,6 +70,10 @@ class Problem:
     # parallel.* inputs that are not searched: overlap, bf16 reduction, stage layer counts
     given: tuple[tuple[str, Any], ...] = ()
     muon: MuonPlan | None = None  # optim=muon: its state, update transient and update time
+    # peft=lora: only the adapters hold gradients and state (the memory plan; the cost model
+    # still prices full fine-tuning's messages); reference: DPO's frozen copy beside the model
+    peft: PeftConfig | None = None
+    reference: bool = False
 
 
 @dataclass(frozen=True)
@@ -138,7 +142,8 @@ def search(p: Problem) -> Choice:
     started = time.perf_counter()
     check_model(p.model)
     fixed, given = dict(p.fixed), dict(p.given)
-    m, planner = p.model, PeakPlanner(parameter_shapes(p.model), p.model, p.muon)
+    m, planner = p.model, PeakPlanner(parameter_shapes(p.model, p.peft), p.model, p.muon,
+                                      p.peft is not None, p.reference)
     budget, dropped = p.hardware.budget_bytes, Counter()
     over = "planned peak over the device memory less its margin"
     fits: list[tuple[float, int, Candidate]] = []

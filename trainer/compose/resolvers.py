@@ -68,10 +68,12 @@ def auto_problem(root: DictConfig) -> Problem | None:
     given = tuple((path, parallel[path.split(".")[1]]) for path in GIVEN)
     world = cluster.num_nodes * cluster.procs_per_node
     optim: OptimConfig = OmegaConf.to_object(root.optim)
+    peft = None if root.get("peft") is None else OmegaConf.to_object(root.peft)
     return Problem(model, Hardware.from_cluster(cluster), world, train.micro_batch_size,
                    train.global_batch_size, train.seq_length,
                    Precision(_plain(train.precision)), train.recompute_num_layers, tuple(fixed),
-                   given, muon_plan(model, optim))
+                   given, muon_plan(model, optim), peft,
+                   train.objective == "dpo" and peft is None)
 
 
 def _plain(value: Any) -> Any:

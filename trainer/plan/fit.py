@@ -18,9 +18,10 @@ class PeakPlanner:
     layout's stages once for all of its options."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], m: ModelConfig,
-                 muon: MuonPlan | None = None):
+                 muon: MuonPlan | None = None, lora: bool = False, reference: bool = False):
         self.m = m
-        self.weights = ModelWeights(shapes, m.num_layers, m.tie_word_embeddings, muon=muon)
+        self.weights = ModelWeights(shapes, m.num_layers, m.tie_word_embeddings, muon=muon,
+                                    lora=lora, reference=reference)
 
     def stages(self, layout: Layout) -> list[StageWeights]:
         return self.weights.stages(layout)
