@@ -43,6 +43,8 @@ TP2 = ("parallel.tensor_model_parallel_size=2 parallel.sequence_parallel=true "
        "cluster.procs_per_node=2")
 TP4 = ("parallel.tensor_model_parallel_size=4 parallel.sequence_parallel=true "
        "cluster.procs_per_node=4")
+# DPO's data flags: a row past them reaches the data and dpo.* checks
+DPO_DATA = "data.pack=true data.reset_attention_mask=true data.reset_position_ids=true"
 SHORT = "train.train_samples=64"  # a real start that wrongly passed would still end soon
 PP2 = "cluster.procs_per_node=2 parallel.pipeline_model_parallel_size=2"
 
@@ -349,6 +351,19 @@ TABLE = [
       ("peft.lora_dropout=0.1 under tensor parallel", "sequence_parallel=true")),
     R("peft.lora_rank=8", ("peft.lora_rank=8: peft is null", "peft=lora")),
     R("peft=lora peft.lora_rnk=8", ("peft has no key lora_rnk", "peft.lora_rank")),
+    # train.objective=dpo and dpo.* (trainer.checks.check_objective, trainer.data.source)
+    R("train.objective=ppo", ("train.objective='ppo'", "lm, dpo")),
+    R("train.objective=dpo", ("train.objective=dpo with data.pack=false",
+                              "data.reset_attention_mask=true")),
+    R(f"train.objective=dpo {DPO_DATA}",
+      ("train.objective=dpo reads preference pairs", "the built-in corpus", "--preference")),
+    R(f"train.objective=dpo {DPO_DATA} dpo.beta=0", ("dpo.beta=0.0",)),
+    R(f"train.objective=dpo {DPO_DATA} dpo.loss_type=hinge", ("dpo.loss_type='hinge'", "ipo")),
+    R(f"train.objective=dpo {DPO_DATA} dpo.loss_type=ipo dpo.label_smoothing=0.1",
+      ("dpo.label_smoothing=0.1 with dpo.loss_type=ipo",)),
+    R(f"train.objective=dpo {DPO_DATA} dpo.label_smoothing=0.5", ("dpo.label_smoothing=0.5",)),
+    R(f"train.objective=dpo {DPO_DATA} model=tiny_deepseek",
+      ("model.mtp_num_layers=1", "multi-token prediction")),
     R("schedule.lr=nan", ("schedule.lr=nan",)),
     R("schedule.lr=-1", ("schedule.lr=-1",)),
     R("schedule.lr=inf", ("schedule.lr=inf",)),

@@ -256,3 +256,27 @@ def test_under_muon_the_search_sizes_a_layout_exactly_as_the_dry_runs_plan(world
     plan = [s["peak_bytes"] for s in step_per_stage(shapes, m, layout, options, muon)]
     assert planned_peak(shapes, m, layout, options, muon) == (max(plan), plan.index(max(plan)))
     assert max(plan) != max(s["peak_bytes"] for s in step_per_stage(shapes, m, layout, options))
+
+
+def test_lora_plans_the_adapters_state_only_so_70b_fits_one_node():
+    """Llama 3.1 70B at 4,096 tokens on 8 H100s: full fine-tuning fits no layout (its state
+    alone is 131 GiB a rank), LoRA fits (the frozen weights without gradients or Adam state),
+    and its planned peak is what the dry run's memory plan says for the chosen layout."""
+    from trainer.config import PeftConfig
+    from trainer.parts.assembly import parameter_shapes
+    from trainer.plan.memory import memory_per_stage
+
+    m, hw = model("llama3_1_70b"), hardware("dgx_h100")
+    with pytest.raises(ValueError, match="no layout of world_size=8 fits"):
+        search(problem(m, hw, 8, 4096, gbs=64))
+    peft = PeftConfig("lora", 16, 32.0, 0.0, ["q_proj", "k_proj", "v_proj", "o_proj",
+                                              "gate_proj", "up_proj", "down_proj"])
+    choice = search(replace(problem(m, hw, 8, 4096, gbs=64), peft=peft))
+    layout = choice.chosen.layout
+    (state,) = {s.total_bytes for s in memory_per_stage(
+        parameter_shapes(m, peft), m.num_layers, layout, m.tie_word_embeddings, lora=True)}
+    full = memory_per_stage(parameter_shapes(m), m.num_layers, layout, m.tie_word_embeddings)
+    print(f"\n70B LoRA on 8 H100s: {choice.chosen.describe()}; state {state / 2**30:.1f} GiB "
+          f"a rank, full fine-tuning's {full[0].total_bytes / 2**30:.1f} GiB")
+    assert choice.chosen.peak_bytes <= choice.budget_bytes
+    assert state < full[0].total_bytes / 3  # fp32 weights only, against 16 bytes a weight

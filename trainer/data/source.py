@@ -44,7 +44,9 @@ class DataSource:
                      "--preference and set data.path=OUT, or train.objective=lm")
         if train.objective == "dpo" and (data.path is None or data.blend is not None
                                          or is_indexed(data.path)):
-            where = "data.blend" if data.blend is not None else f"data.path={data.path}"
+            where = ("data.blend" if data.blend is not None else
+                     "data.path=null (the built-in corpus)" if data.path is None else
+                     f"data.path={data.path} (a Megatron dataset)")
             raise ValueError(f"train.objective=dpo reads preference pairs, and {where} holds "
                              f"none. {pairs_fix}.")
         if data.blend is not None:
