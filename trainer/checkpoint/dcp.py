@@ -322,6 +322,8 @@ def check_loadable(path: Path, shapes: dict[str, tuple[int, ...]], finetune: boo
     saved = saved_entries(path) if saved is None else saved
     for name, shape in shapes.items():
         entry = saved.get(f"model.{name}")
+        if entry is None and finetune and is_adapter(name):
+            continue  # peft=lora from a base: the adapters start fresh
         if not isinstance(entry, TensorStorageMetadata):
             raise ValueError(f"{where} has no weight {name!r}: another model wrote it. "
                              f"Fix: {fix}.")

@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import asdict, fields, replace
 from typing import Any
 
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, PeftConfig
 from trainer.parts.assembly import BUFFER_NAMES, EMBEDDING, HEAD, buffer_shapes, parameter_shapes
 from trainer.parts.families import hf_family
+from trainer.parts.lora import is_adapter
 
 HEAD_WEIGHT, EMBEDDING_WEIGHT = f"{HEAD}.weight", f"{EMBEDDING}.weight"
 # Keys that change nothing a loaded model computes: init_std only draws the initial values (the
@@ -27,12 +28,12 @@ TIE = "model.tie_word_embeddings"
 BIAS = "model.moe_router_enable_expert_bias"
 
 
-def weights(saved: set[str], model: ModelConfig, where: str, finetune: bool, fix: str
-            ) -> list[str]:
+def weights(saved: set[str], model: ModelConfig, where: str, finetune: bool, fix: str,
+            peft: PeftConfig | None = None) -> list[str]:
     """`saved`: the model.* tensor names the checkpoint holds, without the prefix. Refuses what
     would drop a trained weight, and on a resume what the model would miss; returns the notes of
     a fine-tune (the head starting as the embedding, the bias starting at zero)."""
-    shapes, buffers, notes = parameter_shapes(model), buffer_shapes(model), []
+    shapes, buffers, notes = parameter_shapes(model, peft), buffer_shapes(model), []
     if model.tie_word_embeddings and HEAD_WEIGHT in saved:
         raise ValueError(
             f"{where} has an output head of its own ({HEAD_WEIGHT!r}: trained with {TIE}=false), "
@@ -50,8 +51,10 @@ def weights(saved: set[str], model: ModelConfig, where: str, finetune: bool, fix
     dropped = sorted(saved - set(shapes) - set(buffers))
     extra_weights = [name for name in dropped if not name.endswith(BUFFER_NAMES)]
     if extra_weights:
+        lora = " (with peft=lora and its adapters' settings, meta.json's peft)" if any(
+            is_adapter(n) for n in extra_weights) else ""
         raise ValueError(f"{where} holds {len(extra_weights)} weight(s) this model has none of, "
-                         f"e.g. {extra_weights[0]!r}: loading would drop them. Fix: {fix}.")
+                         f"e.g. {extra_weights[0]!r}: loading would drop them. Fix: {fix}{lora}.")
     if dropped and not finetune:  # the routers' bias of a run with moe_router_enable_expert_bias
         raise ValueError(
             f"{where} holds the routers' expert bias ({dropped[0]!r}), this run has none "

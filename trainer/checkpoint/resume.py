@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Callable
 from parallel.layout import Layout
 from trainer.checkpoint import match
 from trainer.checkpoint.integrity import Verifier, agreed, latest, read_meta, resolve
-from trainer.config import RUN_CHECKPOINTS, CheckpointConfig, ConfigError, ModelConfig
+from trainer.config import (
+    RUN_CHECKPOINTS,
+    CheckpointConfig,
+    ConfigError,
+    ModelConfig,
+    PeftConfig,
+)
+from trainer.parts.lora import is_adapter
 from trainer.plan.accounting import RunPlan
 
 if TYPE_CHECKING:
@@ -70,6 +77,9 @@ class Expected:
     # the parameters optim=muon updates (trainer.parts.matrices; each saves a momentum_buffer
     # where AdamW saves exp_avg and exp_avg_sq); empty under adamw
     muon: frozenset[str] = frozenset()
+    # peft=lora: `shapes` holds the adapters, the only parameters with optimizer state; a
+    # fine-tune may start them fresh (a base checkpoint has none)
+    peft: PeftConfig | None = None
 
 
 def check(point: ResumePoint, expected: Expected) -> list[str]:
@@ -87,7 +97,8 @@ def check(point: ResumePoint, expected: Expected) -> list[str]:
         raise ValueError(f"{point.where}: {error}. Fix: start from another checkpoint.") from None
     saved = dcp.saved_entries(point.path)
     names = {name.removeprefix("model.") for name in saved if name.startswith("model.")}
-    notes = match.weights(names, expected.model, point.where, point.weights_only, fix)
+    notes = match.weights(names, expected.model, point.where, point.weights_only, fix,
+                          expected.peft)
     # A tied checkpoint has no head; a fine-tune's untied head starts as its embedding.
     shapes = {name: shape for name, shape in expected.shapes.items()
               if name != match.HEAD_WEIGHT or name in names}
@@ -186,8 +197,8 @@ def _check_optimizer_state(saved: dict, expected: Expected, where: str, fix: str
     """A resume continues the optimizer it was saved with: each weight's state is the one this
     run's optimizer keeps (Muon's momentum, or AdamW's two moments)."""
     for name in expected.shapes:
-        if f"model.{name}" not in saved:
-            continue
+        if f"model.{name}" not in saved or (expected.peft and not is_adapter(name)):
+            continue  # not in it, or frozen (LoRA's base: no state)
         muon = name in expected.muon
         if f"optim.{'momentum_buffer' if muon else 'exp_avg'}.{name}" in saved:
             continue

@@ -219,8 +219,6 @@ class Reader:
 
     def _field(self, record: Any, where: str) -> Any:
         if self.preference:
-            from trainer.data.preference import pair_fields
-
             return pair_fields(record, where)
         key = "messages" if self.chat else self.json_key
         if not isinstance(record, dict) or key not in record:
@@ -235,6 +233,26 @@ class Reader:
         if not isinstance(value, str):
             raise ValueError(f"{where}: {key!r} is a {type(value).__name__}, not text")
         return _unicode(value, where, key)
+
+
+PAIR_FIELDS = ("prompt", "chosen", "rejected")  # a preference line (trainer.data.preference)
+
+
+def pair_fields(record: Any, where: str) -> tuple[Any, Any, Any]:
+    """(prompt, chosen, rejected) of one line, checked: all text, or all chat messages."""
+    if not isinstance(record, dict) or any(f not in record for f in PAIR_FIELDS):
+        found = (f"keys {', '.join(map(repr, record))}" if isinstance(record, dict)
+                 else f"a JSON {type(record).__name__}")
+        missing = [f for f in PAIR_FIELDS if not isinstance(record, dict) or f not in record]
+        raise ValueError(f"{where}: no {missing[0]!r} ({found}). Fix: each line of --preference "
+                         f"data is {{\"prompt\": ..., \"chosen\": ..., \"rejected\": ...}}")
+    values = [record[f] for f in PAIR_FIELDS]
+    if all(isinstance(v, str) for v in values):
+        return tuple(_unicode(v, where, f) for v, f in zip(values, PAIR_FIELDS))
+    if all(isinstance(v, list) for v in values):
+        return tuple(_messages(v, f"{where} ({f})") for v, f in zip(values, PAIR_FIELDS))
+    kinds = ", ".join(f"{f} a {type(v).__name__}" for f, v in zip(PAIR_FIELDS, values))
+    raise ValueError(f"{where}: {kinds}. Fix: three strings, or three lists of chat messages")
 
 
 def _parse(line: str, path: Path, number: int, first_of_json: bool = False) -> Any:

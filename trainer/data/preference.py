@@ -15,27 +15,6 @@ from typing import Any
 
 import numpy as np
 
-FIELDS = ("prompt", "chosen", "rejected")
-
-
-def pair_fields(record: Any, where: str) -> tuple[Any, Any, Any]:
-    """(prompt, chosen, rejected) of one line, checked: all text, or all chat messages."""
-    from trainer.data.inputs import _messages, _unicode
-
-    if not isinstance(record, dict) or any(f not in record for f in FIELDS):
-        found = (f"keys {', '.join(map(repr, record))}" if isinstance(record, dict)
-                 else f"a JSON {type(record).__name__}")
-        missing = [f for f in FIELDS if not isinstance(record, dict) or f not in record]
-        raise ValueError(f"{where}: no {missing[0]!r} ({found}). Fix: each line of --preference "
-                         f"data is {{\"prompt\": ..., \"chosen\": ..., \"rejected\": ...}}")
-    values = [record[f] for f in FIELDS]
-    if all(isinstance(v, str) for v in values):
-        return tuple(_unicode(v, where, f) for v, f in zip(values, FIELDS))
-    if all(isinstance(v, list) for v in values):
-        return tuple(_messages(v, f"{where} ({f})") for v, f in zip(values, FIELDS))
-    kinds = ", ".join(f"{f} a {type(v).__name__}" for f, v in zip(FIELDS, values))
-    raise ValueError(f"{where}: {kinds}. Fix: three strings, or three lists of chat messages")
-
 
 class PairEncoder:
     """Two documents (ids, loss mask) per pair: prompt + chosen, prompt + rejected."""

@@ -33,9 +33,10 @@ def check_inputs(spec: RunSpec, run_dir: Path) -> resume.Decided:
         # the stream's identity only: a packed stream packs when a sample is first read
         train, _ = open_streams(spec.data, spec.layout.seq_length, spec.config.data.seed,
                                 with_valid=False, pack=spec.config.data.pack)
-        return resume.Expected(parameter_shapes(spec.config.model), train.identity, spec.plan,
-                               spec.layout, spec.config.model,
-                               muon_names(spec.config.model, spec.config.optim))
+        return resume.Expected(parameter_shapes(spec.config.model, spec.config.peft),
+                               train.identity, spec.plan, spec.layout, spec.config.model,
+                               muon_names(spec.config.model, spec.config.optim),
+                               spec.config.peft)
 
     try:
         spec.data.prepare(spec.config.train, spec.config.data.pack)

@@ -84,9 +84,10 @@ class Trainer:
         # launch.py checked this choice before the ranks started (and hands it over, `decided`,
         # in its own process); here every file's checksum is verified too, so a damaged newest
         # checkpoint gives way to the one before it.
-        expected = resume.Expected(parameter_shapes(config.model), self.train_stream.identity,
-                                   self.plan, self.layout, config.model,
-                                   muon_names(config.model, config.optim))
+        expected = resume.Expected(parameter_shapes(config.model, config.peft),
+                                   self.train_stream.identity, self.plan, self.layout,
+                                   config.model, muon_names(config.model, config.optim),
+                                   config.peft)
         self.state = resume.start_state(self.engine, config.checkpoint, self.save_dir, expected,
                                         (lambda line: print(line, flush=True))
                                         if self.rank == 0 else None, decided)
