@@ -54,6 +54,11 @@ CHANGES = {
          "parallel.cp_comm_type=p2p"),
         ("cluster.procs_per_node=4", "parallel.context_parallel_size=4",
          "parallel.cp_comm_type=a2a")),
+    # peft=lora: the frozen base and the adapters (moments of the adapters only) reshard
+    "lora_ws2_dp2_to_tp2_sp": (
+        ("peft=lora", "cluster.procs_per_node=4", "parallel.tensor_parallel_num_weight_shards=2"),
+        ("peft=lora", "cluster.procs_per_node=2", "parallel.tensor_model_parallel_size=2",
+         "parallel.sequence_parallel=true")),
     "tp1_to_tp2_sp": (
         ("cluster.procs_per_node=2",),
         ("cluster.procs_per_node=2", "parallel.tensor_model_parallel_size=2",
@@ -134,7 +139,7 @@ def state_chunks(engine) -> dict:
     chunks, shapes = {}, {}
     for name, param in model.module.named_parameters():
         shapes[name] = model.global_shape(name)
-        moments = {} if name in model.stage_copies else views[name]  # its owner has them
+        moments = views.get(name, {})  # none: a copy (its owner has them), or frozen
         for kind, tensor in {"param": param.data, **moments}.items():
             chunks[kind, name] = [(o, t.clone()) for o, t in model.global_chunks(name, tensor)]
     return {"chunks": chunks, "shapes": shapes}
@@ -165,7 +170,8 @@ def job_train_and_save(rank, spec, run_dir):
 def job_load(rank, spec, path):
     settings = spec.config
     engine = build_engine(settings.model, settings.optim, settings.train.seed, spec.layout,
-                          torch.device("cpu"), EngineOptions.from_config(settings))
+                          torch.device("cpu"), EngineOptions.from_config(settings),
+                          peft=settings.peft)
     state = checkpoint.load(engine, path)
     return {"train_state": state, "state": state_chunks(engine)}
 
