@@ -17,6 +17,7 @@ DeepSeek-V3, gpt-oss, Gemma 3: trainer.checkpoint.hf_families).
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from pathlib import Path
 
@@ -30,6 +31,9 @@ def main(argv: list[str] | None = None) -> None:
     imp = sub.add_parser("import", help="a Hugging Face model folder -> a checkpoint")
     imp.add_argument("hf_dir", type=Path)
     imp.add_argument("out_dir", type=Path)
+    imp.add_argument("--adapter", type=Path, help="a LoRA adapter PEFT saved for this model "
+                                                  "(adapter_config.json, adapter_model."
+                                                  "safetensors), imported beside it")
     exp = sub.add_parser("export", help="a checkpoint -> a Hugging Face model folder")
     exp.add_argument("ckpt_dir", type=Path)
     exp.add_argument("hf_dir", type=Path)
@@ -70,11 +74,21 @@ def main(argv: list[str] | None = None) -> None:
             print(f"wrote {args.hf_dir} (a random Llama, vocabulary {vocab}, with a ChatML "
                   f"tokenizer) and {args.chats} (chats)")
         elif args.command == "import":
-            model = import_hf(args.hf_dir, args.out_dir, say=progress)
+            from trainer.checkpoint.hf_lora import read_adapter, recorded_peft
+
+            model = import_hf(args.hf_dir, args.out_dir, say=progress, adapter=None
+                              if args.adapter is None else functools.partial(read_adapter,
+                                                                             args.adapter))
+            lora = ""
+            if args.adapter is not None:
+                peft = recorded_peft(args.out_dir)
+                lora = (f" peft=lora peft.lora_rank={peft.lora_rank} peft.lora_alpha="
+                        f"{peft.lora_alpha:g} peft.target_modules="
+                        f"[{','.join(peft.target_modules)}]")
             print(f"wrote {args.out_dir}: a weights-only checkpoint of {model.num_layers} layers "
                   f"x hidden {model.hidden_size} (vocabulary {model.vocab_size}) and model.yaml."
                   f"\n  fine-tune: python launch.py --config-dir {args.out_dir} model=../model "
-                  f"checkpoint.load={args.out_dir} checkpoint.finetune=true")
+                  f"checkpoint.load={args.out_dir} checkpoint.finetune=true{lora}")
         else:
             from trainer.checkpoint.hf_lora import export_adapter, merge_into, recorded_peft
 

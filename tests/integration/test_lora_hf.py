@@ -11,6 +11,8 @@ checks the base alone misses by more than 1e-3.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -24,6 +26,8 @@ from trainer.checkpoint.hf import read_model_config
 from trainer.checkpoint.hf_lora import recorded_peft
 from trainer.model.lora import add_adapters
 from trainer.model.transformer import Transformer
+
+from config_helpers import ROOT
 
 TOLERANCE = 1e-6
 TARGETS = "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj]"
@@ -82,3 +86,62 @@ def test_our_lora_adapter_loads_in_peft_with_the_same_logits_as_ours_and_the_mer
     print(f"\nLoRA adapter in PEFT against: {errors}")
     assert errors["ours"] <= TOLERANCE and errors["merged"] <= TOLERANCE
     assert errors["base alone"] > 1e-3  # the adapters changed the model: the check can fail
+
+
+def test_an_adapter_made_by_peft_imports_with_its_logits_and_trains_on(tmp_path):
+    """PEFT's own LoRA (random A and B: init_lora_weights=False) on q, v and down, saved by
+    save_pretrained, imported beside its base: our model gives PEFT's logits, and a run
+    fine-tunes it from there (its first loss is the adapted model's, not the base's)."""
+    from peft import LoraConfig, get_peft_model
+
+    tiny_llama(tmp_path / "base")
+    torch.manual_seed(1)
+    theirs = get_peft_model(
+        transformers.LlamaForCausalLM.from_pretrained(tmp_path / "base"),
+        LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
+                   init_lora_weights=False)).eval()
+    theirs.save_pretrained(tmp_path / "adapter")
+    out = cli("-m", "trainer.hf", "import", str(tmp_path / "base"), str(tmp_path / "imported"),
+              "--adapter", str(tmp_path / "adapter"))
+    assert "peft=lora peft.lora_rank=4 peft.lora_alpha=16" in out.stdout
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = theirs(tokens).logits
+        got = ours_with_adapters(tmp_path / "imported")(tokens)[..., :256]
+        base = theirs.get_base_model()
+        with theirs.disable_adapter():
+            plain = base(tokens).logits
+    print(f"\nPEFT's adapter imported: logits {relative(got, want):.1e} (the base alone: "
+          f"{relative(plain, want):.1e})")
+    assert relative(got, want) <= TOLERANCE and relative(plain, want) > 1e-3
+
+    common = ("--config-dir", str(tmp_path / "imported"), "model=../model", "peft=lora",
+              "peft.lora_rank=4", "peft.lora_alpha=16", "peft.target_modules=[down_proj,q_proj,"
+              "v_proj]", "train.micro_batch_size=4", "train.seq_length=32",
+              "train.train_samples=8", "train.eval_interval=null",
+              f"checkpoint.load={tmp_path / 'imported'}", "checkpoint.finetune=true")
+    cli("-m", "trainer.hf", "import", str(tmp_path / "base"), str(tmp_path / "plain"))
+    first = {}
+    for name, load in (("adapted", ()), ("base", (f"checkpoint.load={tmp_path / 'plain'}",))):
+        cli("launch.py", *common, *load, f"hydra.run.dir={tmp_path / name}")
+        first[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text()
+                                 .splitlines()[0])["loss"]
+    assert first["adapted"] != first["base"]  # the run started from PEFT's adapter
+
+
+def test_an_adapter_that_is_not_plain_lora_or_not_this_models_is_one_line(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    tiny_llama(tmp_path / "base")
+    get_peft_model(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "base"),
+                   LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "a")
+    config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    for change, message in (({"use_dora": True}, "use_dora=True is not plain LoRA"),
+                            ({"r": 8}, "is (4, 64), this model's adapter is (8, 64)"),
+                            ({"target_modules": ["q_a_proj"]}, "'q_a_proj' is no projection")):
+        (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(config | change))
+        out = subprocess.run([sys.executable, "-m", "trainer.hf", "import", str(tmp_path / "base"),
+                              str(tmp_path / "out"), "--adapter", str(tmp_path / "a")],
+                             capture_output=True, text=True, cwd=ROOT)
+        assert out.returncode == 2 and message in out.stderr, out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()

@@ -61,7 +61,7 @@ from trainer.checkpoint.integrity import CHECKSUMS, METADATA, file_checksum
 from trainer.checkpoint.match import weights
 from trainer.checkpoint.safetensors_io import SafetensorsReader, write_streamed
 from trainer.checks import check_model
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, PeftConfig
 from trainer.parts.assembly import buffer_shapes, parameter_shapes
 from trainer.parts.lora import is_adapter
 from trainer.units import duration, size
@@ -94,11 +94,14 @@ class Paced:
                  f"{duration(left)} left")
 
 
-def import_hf(hf_dir: Path, out_dir: Path, say: Callable[[str], None] | None = None
+def import_hf(hf_dir: Path, out_dir: Path, say: Callable[[str], None] | None = None,
+              adapter: Callable[[ModelConfig], tuple[PeftConfig, dict]] | None = None
               ) -> ModelConfig:
     """HF_DIR (config.json + safetensors) -> OUT_DIR: a weights-only DCP checkpoint in fp32
     (the trainer's master weights) and model.yaml. say: told the progress (python -m
-    trainer.hf prints it)."""
+    trainer.hf prints it). adapter: reads a LoRA adapter PEFT saved for the model (its peft
+    config, its tensors by our names: hf_lora.read_adapter), imported beside the base
+    (meta.json records the config)."""
     config_path = hf_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"{config_path} does not exist. Fix: point at a Hugging Face "
@@ -111,10 +114,14 @@ def import_hf(hf_dir: Path, out_dir: Path, say: Callable[[str], None] | None = N
     parts, stored = hf_parts(model), layouts(model, config)
     shapes = _shapes(model, parts)
     _check_weights(reader, model, shapes, parts, stored, config_path)
+    peft, adapters = adapter(model) if adapter is not None else (None, {})
+    shapes |= {name: tuple(t.shape) for name, t in adapters.items()}
     paced = Paced(f"importing {hf_dir} into {out_dir} (fp32)",
                   sum(4 * torch.Size(shape).numel() for shape in shapes.values()), say)
 
     def value(name: str) -> torch.Tensor:  # asked by DCP one tensor at a time, while writing
+        if name in adapters:
+            return adapters[name]
         pieces = [_ours(reader.get(hf_name).to(torch.float32), stored.get(hf_name))
                   for hf_name, _ in parts[name]]
         full = torch.zeros(shapes[name], dtype=torch.float32)  # padding rows stay zero
@@ -123,7 +130,7 @@ def import_hf(hf_dir: Path, out_dir: Path, say: Callable[[str], None] | None = N
         return full
 
     with _new_folder(out_dir) as tmp:
-        _write_import(tmp, shapes, value, hf_dir, model)
+        _write_import(tmp, shapes, value, hf_dir, model, peft)
     return model
 
 
@@ -233,7 +240,8 @@ def _check_copies(reader: SafetensorsReader, copies: dict[str, str], hf_dir: Pat
 
 
 def _write_import(out_dir: Path, shapes: dict[str, tuple[int, ...]],
-                  value: Callable[[str], torch.Tensor], hf_dir: Path, model: ModelConfig) -> None:
+                  value: Callable[[str], torch.Tensor], hf_dir: Path, model: ModelConfig,
+                  peft: PeftConfig | None = None) -> None:
     # Each tensor whole, planned from its shape alone (a meta tensor carries no values).
     tensors = {f"model.{n}": Chunked(s, [((0,) * len(s), torch.empty(s, device="meta"))])
                for n, s in shapes.items()}
@@ -254,7 +262,7 @@ def _write_import(out_dir: Path, shapes: dict[str, tuple[int, ...]],
                  if f.name == METADATA or f.suffix == ".distcp"}
     write_meta(out_dir, {WEIGHTS_ONLY: True, "source": str(hf_dir.resolve()),
                          "model": asdict(model), "step": 0, "consumed_samples": 0,
-                         CHECKSUMS: checksums})
+                         "peft": asdict(peft) if peft else None, CHECKSUMS: checksums})
 
 
 @contextlib.contextmanager

@@ -17,9 +17,11 @@ from typing import Callable
 import torch
 import torch.distributed.checkpoint as dcp
 
+from trainer.checkpoint.hf import _new_folder, one_process
+from trainer.checkpoint.hf_families import hf_parts
 from trainer.config import ModelConfig, PeftConfig
 from trainer.parts.assembly import BLOCKS, parameter_shapes
-from trainer.parts.lora import ADAPTERS, targets
+from trainer.parts.lora import ADAPTERS, check_peft, targets
 
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -55,8 +57,6 @@ def hf_module(ours: str, hf_parts: dict[str, list[tuple[str, int]]]) -> str:
 
 
 def load_tensor(ckpt: Path, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    from trainer.checkpoint.hf import one_process
-
     full = torch.zeros(shape, dtype=torch.float32)
     with one_process():
         dcp.load({f"model.{name}": full}, checkpoint_id=ckpt, no_dist=True)
@@ -108,9 +108,6 @@ def export_adapter(ckpt: Path, out_dir: Path, model: ModelConfig, peft: PeftConf
     names as its base model)."""
     from safetensors.torch import save_file
 
-    from trainer.checkpoint.hf import _new_folder
-    from trainer.checkpoint.hf_families import hf_parts
-
     parts = hf_parts(model)
     tensors = {f"{PEFT_PREFIX}{hf_module(name, parts)}.{name.rsplit('.', 2)[-2]}.weight":
                load_tensor(ckpt, name, shape).to(dtype).contiguous()
@@ -125,3 +122,59 @@ def export_adapter(ckpt: Path, out_dir: Path, model: ModelConfig, peft: PeftConf
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         (tmp / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2))
     return [out_dir / ADAPTER_WEIGHTS, out_dir / ADAPTER_CONFIG]
+
+
+# adapter_config.json keys whose non-default values change what LoRA computes (ours: plain LoRA)
+PLAIN = {"use_dora": False, "use_rslora": False, "bias": "none", "fan_in_fan_out": False,
+         "rank_pattern": {}, "alpha_pattern": {}}
+
+
+def read_adapter(adapter_dir: Path, model: ModelConfig
+                 ) -> tuple[PeftConfig, dict[str, torch.Tensor]]:
+    """An adapter PEFT wrote (PeftModel.save_pretrained) for `model`: its config as ours and
+    its tensors by our names, checked: one line naming the file and the fix."""
+    from safetensors import safe_open
+
+    config_path, weights_path = adapter_dir / ADAPTER_CONFIG, adapter_dir / ADAPTER_WEIGHTS
+    fix = "point --adapter at a folder PeftModel.save_pretrained wrote for this base model"
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} does not exist. Fix: {fix}.")
+    config = json.loads(config_path.read_text())
+    if config.get("peft_type") != "LORA":
+        raise ValueError(f"{config_path}: peft_type {config.get('peft_type')!r} is not LORA, the "
+                         f"only adapter this trainer trains. Fix: {fix}.")
+    for key, plain in PLAIN.items():
+        if config.get(key, plain) not in (plain, None):
+            raise ValueError(f"{config_path}: {key}={config[key]!r} is not plain LoRA, which "
+                             f"is what peft=lora trains ({key}={plain!r}). Fix: use an adapter "
+                             f"without it.")
+    targets = config.get("target_modules")
+    if not isinstance(targets, list):
+        raise ValueError(f"{config_path}: target_modules {targets!r} is not a list of "
+                         f"projection names (a pattern is not read here). Fix: save the adapter "
+                         f"with target_modules as a list, e.g. [q_proj, v_proj].")
+    peft = PeftConfig("lora", int(config.get("r", 8)), float(config.get("lora_alpha", 8)),
+                      float(config.get("lora_dropout", 0.0)), sorted(targets))
+    try:
+        check_peft(model, peft)
+    except ValueError as error:
+        raise ValueError(f"{config_path}: {error}") from None
+    parts, tensors = hf_parts(model), {}
+    with safe_open(str(weights_path), "pt") as f:
+        found = set(f.keys())
+        for name, shape in adapter_tensors(model, peft).items():
+            key = f"{PEFT_PREFIX}{hf_module(name, parts)}.{name.rsplit('.', 2)[-2]}.weight"
+            if key not in found:
+                raise ValueError(f"{weights_path} has no {key!r}, which its config's "
+                                 f"target_modules and r={peft.lora_rank} promise. Fix: {fix}.")
+            tensor = f.get_tensor(key)
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"{weights_path}: {key!r} is {tuple(tensor.shape)}, this "
+                                 f"model's adapter is {shape}. Fix: {fix}.")
+            tensors[name] = tensor.to(torch.float32)
+            found.discard(key)
+    if found:
+        raise ValueError(f"{weights_path} holds {len(found)} tensor(s) this trainer's LoRA has "
+                         f"no place for, e.g. {sorted(found)[0]!r}. Fix: {fix}.")
+    return peft, tensors

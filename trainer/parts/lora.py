@@ -91,11 +91,14 @@ def is_adapter(name: str) -> bool:
     return f"{ADAPTERS}." in name and name.rsplit(".", 2)[-2] in FACTORS
 
 
-def check_peft(model: ModelConfig, peft: PeftConfig | None, optim: Any, layout: Any) -> None:
-    """peft.*'s rules: a ValueError naming the key, the value and the fix."""
+def check_peft(model: ModelConfig, peft: PeftConfig | None, optim: Any = None,
+               layout: Any = None) -> None:
+    """peft.*'s rules: a ValueError naming the key, the value and the fix (with the optimizer
+    and the layout: theirs too; an adapter import has neither)."""
     if peft is None:
         return
-    if peft.lora_dropout and layout.tp_size > 1 and not layout.sequence_parallel:
+    if layout is not None and peft.lora_dropout and layout.tp_size > 1 \
+            and not layout.sequence_parallel:
         # Without SP every TP rank runs the same tokens into a column projection's whole A:
         # masks drawn per rank would give its replicas different gradients.
         raise ValueError(f"peft.lora_dropout={peft.lora_dropout} under tensor parallel without "
@@ -128,6 +131,6 @@ def check_peft(model: ModelConfig, peft: PeftConfig | None, optim: Any, layout: 
         raise ValueError(f"peft.lora_rank={peft.lora_rank} must be in [1, {smallest}] (the "
                          f"smallest side of an adapted projection): a larger one adds nothing "
                          f"a full update lacks. Fix: e.g. peft.lora_rank=16.")
-    if optim.name != "adamw":
+    if optim is not None and optim.name != "adamw":
         raise ValueError(f"peft=lora with optim={optim.name}: Muon on low-rank adapters is "
                          f"not built (their matrices are r wide). Fix: optim=adamw.")
