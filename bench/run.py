@@ -28,6 +28,7 @@ import compose  # noqa: E402
 import context  # noqa: E402
 import deepseek  # noqa: E402
 import documents  # noqa: E402
+import finetune  # noqa: E402
 import fsdp2  # noqa: E402
 import hf_interop  # noqa: E402
 import loader  # noqa: E402
@@ -86,6 +87,7 @@ def sections(quick: bool) -> list[tuple[str, Callable[[dict], dict]]]:
         ("sliding windows", one("window", lambda: window.measure(quick))),
         ("compiled blocks", one("compile", lambda: compile_blocks.measure(quick))),
         ("Muon against AdamW", one("muon", lambda: muon.measure(quick))),
+        ("LoRA and DPO", one("finetune", lambda: finetune.measure(quick))),
         ("soak (2 x 4,096 steps of 8 ranks)", one("soak", lambda: soak.measure(quick))),
     ]
 

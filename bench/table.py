@@ -170,11 +170,28 @@ def rows(figures: dict[str, Any]) -> list[dict[str, Any]]:
         out += _window_rows(f["window"])
     if "muon" in f:  # nor before bench/muon.py
         out += _muon_rows(f["muon"])
+    if "finetune" in f:  # nor before bench/finetune.py
+        out += _finetune_rows(f["finetune"])
     if "soak" in f:  # nor before bench/soak.py
         out += _soak_rows(f["soak"])
     if "deepseek" in f:  # nor before bench/deepseek.py
         out += _deepseek_rows(f["deepseek"])
     return out
+
+
+def _finetune_rows(t: dict) -> list[dict[str, Any]]:
+    """peft=lora over full fine-tuning (step, state), DPO over two next-token steps."""
+    fb, up, state = t["forward_backward_s"], t["update_s"], t["state_lora_over_full"]
+    return [
+        _row("lora_step_over_full", t["lora_step_over_full"]["value"], "<= 0.8",
+             f"model=small, rank 16 on every projection; forward+backward {fb['lora']} s vs "
+             f"{fb['full']} s, update {up['lora']} s vs {up['full']} s"),
+        _row("lora_state_over_full", state["measured"], str(state["planned"]),
+             "a rank's weights, gradients and optimizer state, measured (goal: the plan's)"),
+        _row("dpo_step_over_two_lm_steps", t["dpo_step_over_two_lm_steps"]["value"], "<= 1.0",
+             f"LoRA, reference = adapters off: {t['step_s']['lora_dpo']} s vs 2 x "
+             f"{t['step_s']['lora']} s"),
+    ]
 
 
 def _deepseek_rows(d: dict) -> list[dict[str, Any]]:

@@ -90,21 +90,32 @@ def main(argv: list[str] | None = None) -> None:
                   f"\n  fine-tune: python launch.py --config-dir {args.out_dir} model=../model "
                   f"checkpoint.load={args.out_dir} checkpoint.finetune=true{lora}")
         else:
+            from trainer.checkpoint.adapters import base_of, find_base
             from trainer.checkpoint.hf_lora import export_adapter, merge_into, recorded_peft
 
             ckpt = resolve(args.ckpt_dir, print, key="CKPT_DIR")
-            model, peft = read_model_config(ckpt, args.model), recorded_peft(ckpt)
+            peft, base = recorded_peft(ckpt), base_of(ckpt)
+            # a LoRA checkpoint holds the adapters: the base's weights are in its base
+            weights = ckpt
+            if base and not args.adapter_only:
+                if "path" not in base:
+                    raise ValueError(f"{ckpt} holds adapters of the base drawn from train.seed="
+                                     f"{base['seed']}, which no checkpoint holds. Fix: export "
+                                     f"--adapter-only.")
+                weights = find_base(str(ckpt), base, base.get("seed", 0))
+            model = read_model_config(weights, args.model)
             if args.adapter_only and peft is None:
                 raise ValueError(f"--adapter-only: {ckpt} holds no adapters (its run had "
                                  f"peft=null). Fix: leave --adapter-only out to export the "
                                  f"model.")
             if args.adapter_only:
+                named = args.base or (base or {}).get("path") or str(ckpt)
                 files = export_adapter(ckpt, args.hf_dir, model, peft, getattr(torch, args.dtype),
-                                       args.base or str(ckpt))
+                                       named)
                 print(f"wrote {args.hf_dir}: the LoRA adapter (rank {peft.lora_rank}) of {ckpt} "
                       f"in PEFT's format")
                 return
-            files = export_hf(ckpt, args.hf_dir, model, getattr(torch, args.dtype),
+            files = export_hf(weights, args.hf_dir, model, getattr(torch, args.dtype),
                               max(int(args.max_shard_gb * 2**30), 1), say=progress,
                               merge=merge_into(model, peft, ckpt) if peft else None)
             kept = copy_tokenizer(ckpt, args.hf_dir)

@@ -22,10 +22,12 @@ import transformers
 from peft import PeftModel
 from test_hf import cli, relative
 
+from trainer.checkpoint.adapters import base_of
 from trainer.checkpoint.hf import read_model_config
 from trainer.checkpoint.hf_lora import recorded_peft
 from trainer.model.lora import add_adapters
 from trainer.model.transformer import Transformer
+from trainer.parts.lora import is_adapter
 
 from config_helpers import ROOT
 
@@ -44,12 +46,18 @@ def tiny_llama(folder: Path) -> None:
 
 
 def ours_with_adapters(ckpt: Path) -> Transformer:
-    model, peft = read_model_config(ckpt, None), recorded_peft(ckpt)
+    """Our single-device model with a checkpoint's adapters, and its base's weights (a LoRA
+    checkpoint holds only the adapters and names its base; an import holds both)."""
+    model, peft, base = read_model_config(ckpt, None), recorded_peft(ckpt), base_of(ckpt)
     ours = Transformer(model)
     add_adapters(ours, model, peft)
+    params = dict(ours.named_parameters())
+    frozen_from = Path(base["path"]) if base else ckpt
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load({f"model.{n}": p.data for n, p in ours.named_parameters()},
+        dcp.load({f"model.{n}": p.data for n, p in params.items() if not is_adapter(n)},
+                 checkpoint_id=frozen_from, no_dist=True)
+        dcp.load({f"model.{n}": p.data for n, p in params.items() if is_adapter(n)},
                  checkpoint_id=ckpt, no_dist=True)
     return ours.eval()
 
@@ -145,3 +153,48 @@ def test_an_adapter_that_is_not_plain_lora_or_not_this_models_is_one_line(tmp_pa
                              capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 2 and message in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+def test_a_lora_checkpoint_holds_the_adapters_resumes_on_its_base_and_refuses_another(tmp_path):
+    """A LoRA run's checkpoint holds the adapters, their Adam moments and nothing of the frozen
+    base; meta.json names the base (its folder and a fingerprint of its files). A relaunch
+    resumes on that base exactly as an uninterrupted run continues; a base imported anew into
+    the same folder is another base: the resume is one line naming both."""
+    import shutil
+
+    from trainer.checkpoint.dcp import saved_entries
+
+    tiny_llama(tmp_path / "hf")
+    cli("-m", "trainer.hf", "import", str(tmp_path / "hf"), str(tmp_path / "base"))
+    run = ("launch.py", "--config-dir", str(tmp_path / "base"), "model=../model", "peft=lora",
+           "peft.lora_rank=4", "train.micro_batch_size=4", "train.seq_length=32",
+           "train.eval_interval=null", "logger.log_interval=1", "schedule.lr=1e-2",
+           "schedule.lr_warmup_samples=4", "schedule.lr_warmup_fraction=null",
+           "schedule.lr_decay_samples=16",  # the same schedule, however long the run
+           f"checkpoint.load={tmp_path / 'base'}", "checkpoint.finetune=true")
+    cli(*run, "train.train_samples=8", f"hydra.run.dir={tmp_path / 'run'}")
+    (ckpt,) = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))
+    held = {n.removeprefix("model.") for n in saved_entries(ckpt) if n.startswith("model.")}
+    assert held and all(is_adapter(n) for n in held), sorted(held)[:3]
+    assert any(n.startswith("optim.exp_avg.") for n in saved_entries(ckpt))
+    assert base_of(ckpt)["path"] == str((tmp_path / "base").resolve())
+
+    cli(*run, "train.train_samples=16", f"hydra.run.dir={tmp_path / 'run'}")  # resumes
+    cli(*run, "train.train_samples=16", f"hydra.run.dir={tmp_path / 'straight'}")
+    resumed, straight = ([json.loads(line) for line in (tmp_path / name / "metrics.jsonl")
+                          .read_text().splitlines()] for name in ("run", "straight"))
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
+
+    shutil.rmtree(tmp_path / "base")
+    config = transformers.LlamaConfig.from_pretrained(tmp_path / "hf")
+    torch.manual_seed(5)  # another model of the same shapes, in the same folder
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
+    cli("-m", "trainer.hf", "import", str(tmp_path / "hf"), str(tmp_path / "base"))
+    out = subprocess.run([sys.executable, *run, "train.train_samples=24",
+                          f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True,
+                         cwd=ROOT)
+    lines = [line for line in out.stderr.splitlines() if line and not line.startswith(
+        ("Error executing job", "Set the environment"))]
+    assert out.returncode != 0 and len(lines) == 1, out.stderr
+    assert "whose files have changed" in lines[0] and "Fix:" in lines[0]

@@ -137,6 +137,8 @@ class _ChunkLoadPlanner(DefaultLoadPlanner):
 def _tensors(engine: Engine, moments_views: dict) -> dict[str, Chunked]:
     model, out = engine.model, _buffers(engine)
     for name, param in model.module.named_parameters():
+        if not param.requires_grad:  # frozen (peft=lora's base): its base checkpoint holds it
+            continue
         shape = model.global_shape(name)
         out[f"model.{name}"] = Chunked(shape, model.global_chunks(name, param.data))
         if name in model.stage_copies:  # the same values as its owner's; no moments here
@@ -350,6 +352,8 @@ def load_weights(engine: Engine, path: Path) -> None:
             head[f"model.{EMBEDDING_WEIGHT}"] = chunked
         elif f"model.{name}" not in saved and is_adapter(name):
             continue  # peft=lora on a base checkpoint: the adapters start as initialised
+        elif f"model.{name}" not in saved and not param.requires_grad:
+            continue  # a LoRA checkpoint: the frozen base came from its base (adapters.py)
         else:
             tensors[f"model.{name}"] = chunked
     with torch.no_grad():

@@ -342,6 +342,8 @@ def read_model_config(ckpt: Path, model_yaml: Path | None) -> ModelConfig:
         why = (str(error).splitlines() or [type(error).__name__])[0]
         raise ValueError(f"{source}: {why}. Fix: {fix}.") from None
     saved = saved_entries(ckpt)
+    if values_of(ckpt).get("base"):  # a LoRA checkpoint: its adapters' shapes are checked
+        return model  # where they are read (hf_lora); its base is checked where it is read
     # No weight of the checkpoint left out (an untied head under a tied --model), none missing.
     # peft=lora's adapters are beside the base (trainer.checkpoint.hf_lora reads them)
     weights({n.removeprefix("model.") for n in saved if n.startswith("model.")
@@ -349,6 +351,14 @@ def read_model_config(ckpt: Path, model_yaml: Path | None) -> ModelConfig:
     check_loadable(ckpt, parameter_shapes(model), finetune=True, where=where, fix=fix,
                    saved=saved)
     return model
+
+
+def values_of(ckpt: Path) -> dict:
+    """A checkpoint's meta.json ({} where it has none)."""
+    try:
+        return json.loads((ckpt / "meta.json").read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def copy_tokenizer(ckpt: Path, hf_dir: Path) -> Path | None:

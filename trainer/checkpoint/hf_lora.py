@@ -108,6 +108,15 @@ def export_adapter(ckpt: Path, out_dir: Path, model: ModelConfig, peft: PeftConf
     names as its base model)."""
     from safetensors.torch import save_file
 
+    from trainer.checkpoint.dcp import saved_entries
+
+    saved = saved_entries(ckpt)
+    for name, shape in adapter_tensors(model, peft).items():
+        entry = saved.get(f"model.{name}")
+        if entry is None or tuple(entry.size) != shape:
+            raise ValueError(f"{ckpt} has no adapter {name!r} of shape {shape}, which its "
+                             f"meta.json's peft promises. Fix: export a checkpoint its own run "
+                             f"wrote.")
     parts = hf_parts(model)
     tensors = {f"{PEFT_PREFIX}{hf_module(name, parts)}.{name.rsplit('.', 2)[-2]}.weight":
                load_tensor(ckpt, name, shape).to(dtype).contiguous()

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable
 
 from parallel.layout import Layout
 from trainer.checkpoint import match
+from trainer.checkpoint.adapters import BASE, base_of, find_base
 from trainer.checkpoint.integrity import Verifier, agreed, latest, read_meta, resolve
 from trainer.config import (
     RUN_CHECKPOINTS,
@@ -80,6 +81,7 @@ class Expected:
     # peft=lora: `shapes` holds the adapters, the only parameters with optimizer state; a
     # fine-tune may start them fresh (a base checkpoint has none)
     peft: PeftConfig | None = None
+    seed: int = 0  # train.seed: a LoRA checkpoint's base may be the seed's initial weights
 
 
 def check(point: ResumePoint, expected: Expected) -> list[str]:
@@ -97,11 +99,19 @@ def check(point: ResumePoint, expected: Expected) -> list[str]:
         raise ValueError(f"{point.where}: {error}. Fix: start from another checkpoint.") from None
     saved = dcp.saved_entries(point.path)
     names = {name.removeprefix("model.") for name in saved if name.startswith("model.")}
+    base = meta.get(BASE)  # a LoRA checkpoint: the adapters, its base elsewhere
+    if base and expected.peft is None:
+        raise ValueError(f"{point.where} holds LoRA adapters (its base: {base}), this run has "
+                         f"peft=null. Fix: peft=lora with meta.json's peft settings, or export "
+                         f"it merged (python -m trainer.hf export) and import that.")
+    if base:
+        find_base(point.where, base, expected.seed)
     notes = match.weights(names, expected.model, point.where, point.weights_only, fix,
                           expected.peft)
     # A tied checkpoint has no head; a fine-tune's untied head starts as its embedding.
     shapes = {name: shape for name, shape in expected.shapes.items()
-              if name != match.HEAD_WEIGHT or name in names}
+              if (name != match.HEAD_WEIGHT or name in names)
+              and (not base or is_adapter(name))}
     dcp.check_loadable(point.path, shapes, point.weights_only, point.where, fix, saved)
     finetune = ("checkpoint.finetune=true" if not point.own else
                 f"checkpoint.load={point.path} checkpoint.finetune=true, in another folder")
@@ -170,6 +180,9 @@ def start_state(engine: dcp.Engine, ckpt: CheckpointConfig, save_dir: Path, expe
         raise ConfigError(str(error)) from None
     if point is None:
         return fresh
+    base = base_of(point.path)
+    if base and "path" in base:  # a LoRA checkpoint: its frozen base first (check() found it)
+        dcp.load_weights(engine, Path(base["path"]))
     if point.weights_only:  # fine-tuning: this run starts at step 0
         dcp.load_weights(engine, point.path)
         if say:

@@ -36,7 +36,7 @@ def check_inputs(spec: RunSpec, run_dir: Path) -> resume.Decided:
         return resume.Expected(parameter_shapes(spec.config.model, spec.config.peft),
                                train.identity, spec.plan, spec.layout, spec.config.model,
                                muon_names(spec.config.model, spec.config.optim),
-                               spec.config.peft)
+                               spec.config.peft, spec.config.train.seed)
 
     try:
         spec.data.prepare(spec.config.train, spec.config.data.pack)
@@ -84,9 +84,7 @@ def _start_ranks(spec: RunSpec, run_dir: Path, env: RankEnv | None,
     # blend's stream identity holds no seq_length).
     meta = {"run_dir": str(run_dir), "model": asdict(spec.config.model),
             "global_batch_size": spec.plan.global_batch_size,
-            "seq_length": spec.layout.seq_length, "tokenizer": spec.data.tokenizer_file(),
-            # peft=lora: which adapters the checkpoint holds (python -m trainer.hf export)
-            "peft": asdict(spec.config.peft) if spec.config.peft else None}
+            "seq_length": spec.layout.seq_length, "tokenizer": spec.data.tokenizer_file()}
     if env is not None:  # this process is one rank of a world started elsewhere
         run_rank(env, spec, run_dir, meta, decided=decided)
     elif spec.layout.world_size > 1:  # spawned: each rank decides (a restart, afresh)

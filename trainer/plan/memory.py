@@ -86,10 +86,13 @@ class StageMemory:
     def staging_bytes(self) -> int:
         """What checkpoint.async_save copies to host memory (trainer.checkpoint.saver): each
         parameter and its two Adam moments or its Muon momentum (a copy has none), and the
-        buffers."""
+        buffers; nothing of a frozen one."""
         p_bytes = BYTES_PER_ELEMENT[0]
-        return p_bytes * (3 * self.parameters - 2 * self.copy_elements
-                          - self.muon_elements - 2 * self.frozen_elements) + self.buffer_bytes
+        # a frozen weight is not saved (peft=lora's checkpoints: the adapters), nor a frozen
+        # embedding's copy
+        copies = self.copy_elements * (3 if self.frozen_elements else 2)
+        return p_bytes * (3 * self.parameters - copies - self.muon_elements
+                          - 3 * self.frozen_elements) + self.buffer_bytes
 
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "total_bytes": self.total_bytes,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import signal
 import time
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from hydra.errors import CompactHydraException
 
 from trainer.checkpoint import resume
+from trainer.checkpoint.adapters import BASE, base_record
 from trainer.checkpoint.dcp import folder_of, load_weights
 from trainer.checkpoint.integrity import latest, resolve, verify
 from trainer.checkpoint.saver import Saver
@@ -58,6 +60,8 @@ class Trainer:
         config = spec.config
         self.layout, self.device = spec.layout, device
         self.rank, self.meta, self.watch = dist.get_rank(), meta or {}, watch
+        if config.peft is not None:  # which adapters the checkpoints hold, and on which base
+            self.meta = {**self.meta, "peft": asdict(config.peft), BASE: base_record(config)}
         self.run_dir, self.timeout_s = run_dir, config.cluster.timeout_s
         self.plan, self.schedule, self.weight_decay = spec.plan, spec.schedule, spec.weight_decay
         self.save_interval = config.checkpoint.save_interval
@@ -87,7 +91,7 @@ class Trainer:
         expected = resume.Expected(parameter_shapes(config.model, config.peft),
                                    self.train_stream.identity, self.plan, self.layout,
                                    config.model, muon_names(config.model, config.optim),
-                                   config.peft)
+                                   config.peft, config.train.seed)
         self.state = resume.start_state(self.engine, config.checkpoint, self.save_dir, expected,
                                         (lambda line: print(line, flush=True))
                                         if self.rank == 0 else None, decided)
