@@ -17,10 +17,11 @@ import pytest
 import torch
 
 from parallel.layout import Layout
-from trainer.config import PeftConfig
+from trainer.config import PeftConfig, RecomputeGranularity
 from trainer.parts.assembly import parameter_shapes
 from trainer.parts.lora import is_adapter
 from trainer.plan.memory import memory_per_stage
+from trainer.plan.options import EngineOptions
 from trainer.train.batch import rank_micro_batches
 from trainer.train.engine import build_engine
 from trainer.train.step import train_step
@@ -43,14 +44,21 @@ LAYOUTS = {  # name -> (world, Layout keywords, model)
     "pp2_dp2": (4, dict(pipeline_model_parallel_size=2), replace(TINY, num_layers=4)),
     "tp2_sp_ep2": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True,
                            expert_model_parallel_size=2), MODELS["aux_z"]),
+    # what a block's backward replays runs the adapters' hooks again, inside the bundle's gather
+    "ws2_full_recompute": (2, dict(tensor_parallel_num_weight_shards=2), TINY),
+    "tp2_sp_selective_recompute": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True),
+                                   TINY),
 }
+OPTIONS = {"ws2_full_recompute": EngineOptions(recompute_granularity=RecomputeGranularity.full),
+           "tp2_sp_selective_recompute": EngineOptions(
+               recompute_granularity=RecomputeGranularity.selective)}
 CASES = [*((name, torch.float64) for name in LAYOUTS), ("ws2_ss2_cp2", torch.float32)]
 
 
 def train(rank: int, layout: Layout, batches: list[torch.Tensor], dtype: torch.dtype,
-          model=TINY) -> dict:
+          model=TINY, options: EngineOptions = EngineOptions()) -> dict:
     torch.set_default_dtype(dtype)
-    engine = build_engine(model, OPTIM, SEED, layout, torch.device("cpu"), peft=PEFT)
+    engine = build_engine(model, OPTIM, SEED, layout, torch.device("cpu"), options, peft=PEFT)
     start = engine.model.full_state_dict()
     stats = engine.groups.world.stats
     stats.bytes.clear()
@@ -91,7 +99,8 @@ def test_lora_under_a_layout_matches_one_process(name, dtype, one_process):
     world, kwargs, model = LAYOUTS[name]
     layout = make_layout(world, kwargs)
     batches, ref = one_process(layout, dtype, model)
-    results = run_ranks(world, train, layout, batches, dtype, model, timeout=180)
+    results = run_ranks(world, train, layout, batches, dtype, model,
+                        OPTIONS.get(name, EngineOptions()), timeout=180)
     end, start = {}, {}
     for result in results:
         end |= result["end"] or {}
