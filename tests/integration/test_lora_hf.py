@@ -1,8 +1,10 @@
 """peft=lora against Hugging Face PEFT itself (offline): a random tiny transformers Llama is
-imported, fine-tuned here with LoRA under TP 2 + SP (its base loaded from the import, the
-adapters starting fresh), and exported twice: the adapter alone in PEFT's format and the model
-with the adapters merged. PeftModel.from_pretrained on transformers' base with our adapter gives
-the logits of our own model (base + adapters, from the checkpoint) and of our merged export.
+imported once (the module's base), fine-tuned here with LoRA under TP 2 + SP (its base loaded
+from the import, the adapters starting fresh), and exported twice: the adapter alone in PEFT's
+format and the model with the adapters merged. PeftModel.from_pretrained on transformers' base
+with our adapter gives the logits of our own model (base + adapters, from the checkpoint) and of
+our merged export. The run's checkpoint holds the adapters only and resumes on its base; an
+adapter PEFT made comes in beside the base and trains on.
 
 Tolerance: 1e-6 relative (2-norm), the fp32 rounding of the same operations in another order
 (measured: printed). The adapters moved far enough that leaving them out fails it: the test
@@ -11,11 +13,13 @@ checks the base alone misses by more than 1e-3.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import transformers
@@ -23,6 +27,7 @@ from peft import PeftModel
 from test_hf import cli, relative
 
 from trainer.checkpoint.adapters import base_of
+from trainer.checkpoint.dcp import saved_entries
 from trainer.checkpoint.hf import read_model_config
 from trainer.checkpoint.hf_lora import recorded_peft
 from trainer.model.lora import add_adapters
@@ -62,30 +67,43 @@ def ours_with_adapters(ckpt: Path) -> Transformer:
     return ours.eval()
 
 
-def test_our_lora_adapter_loads_in_peft_with_the_same_logits_as_ours_and_the_merged(tmp_path):
-    tiny_llama(tmp_path / "base")
-    cli("-m", "trainer.hf", "import", str(tmp_path / "base"), str(tmp_path / "imported"))
-    cli("launch.py", "--config-dir", str(tmp_path / "imported"), "model=../model",
-        "peft=lora", "peft.lora_rank=4", "peft.lora_alpha=8", f"peft.target_modules={TARGETS}",
-        "train.micro_batch_size=4", "train.seq_length=32", "train.train_samples=32",
-        "train.eval_interval=null", "schedule.lr=1e-2", "schedule.lr_warmup_samples=0",
-        "schedule.lr_warmup_fraction=null", f"checkpoint.load={tmp_path / 'imported'}",
-        "checkpoint.finetune=true", "cluster.procs_per_node=2",
-        "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
-        f"hydra.run.dir={tmp_path / 'run'}")
-    ckpt = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))[-1]
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> tuple[Path, Path]:
+    """(the Hugging Face folder, its import): every test's base."""
+    folder = tmp_path_factory.mktemp("lora_base")
+    tiny_llama(folder / "hf")
+    cli("-m", "trainer.hf", "import", str(folder / "hf"), str(folder / "imported"))
+    return folder / "hf", folder / "imported"
+
+
+def lora_run(imported: Path, *extra: str) -> tuple[str, ...]:
+    """launch.py fine-tuning `imported` with LoRA rank 4 on every projection, on a schedule
+    that does not depend on the run's length (so a resumed run continues an uninterrupted one)."""
+    return ("launch.py", "--config-dir", str(imported), "model=../model", "peft=lora",
+            "peft.lora_rank=4", "peft.lora_alpha=8", f"peft.target_modules={TARGETS}",
+            "train.micro_batch_size=4", "train.seq_length=32", "train.eval_interval=null",
+            "logger.log_interval=1", "schedule.lr=1e-2", "schedule.lr_warmup_samples=4",
+            "schedule.lr_warmup_fraction=null", "schedule.lr_decay_samples=32",
+            f"checkpoint.load={imported}", "checkpoint.finetune=true", *extra)
+
+
+def test_our_lora_adapter_loads_in_peft_and_its_checkpoint_resumes_on_its_base(base, tmp_path):
+    hf, imported = base
+    tp2 = ("cluster.procs_per_node=2", "parallel.tensor_model_parallel_size=2",
+           "parallel.sequence_parallel=true")
+    cli(*lora_run(imported, *tp2, "train.train_samples=16", f"hydra.run.dir={tmp_path / 'run'}"))
+    (ckpt,) = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))
     cli("-m", "trainer.hf", "export", str(ckpt), str(tmp_path / "adapter"), "--adapter-only",
-        "--base", str(tmp_path / "base"))
+        "--base", str(hf))
     cli("-m", "trainer.hf", "export", str(ckpt), str(tmp_path / "merged"))
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["peft_type"]) == (4, 8.0, "LORA")
 
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
-    base = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "base").eval()
+    model = transformers.LlamaForCausalLM.from_pretrained(hf).eval()
     with torch.no_grad():
-        plain = base(tokens).logits
-        peft = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
-        theirs = peft(tokens).logits
+        plain = model(tokens).logits
+        theirs = PeftModel.from_pretrained(model, tmp_path / "adapter").eval()(tokens).logits
         merged = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval()(
             tokens).logits
         ours = ours_with_adapters(ckpt)(tokens)[..., :256]
@@ -95,106 +113,101 @@ def test_our_lora_adapter_loads_in_peft_with_the_same_logits_as_ours_and_the_mer
     assert errors["ours"] <= TOLERANCE and errors["merged"] <= TOLERANCE
     assert errors["base alone"] > 1e-3  # the adapters changed the model: the check can fail
 
+    # The checkpoint: the adapters and their moments, nothing of the base, which it names.
+    held = {n.removeprefix("model.") for n in saved_entries(ckpt) if n.startswith("model.")}
+    assert held and all(is_adapter(n) for n in held), sorted(held)[:3]
+    assert any(n.startswith("optim.exp_avg.") for n in saved_entries(ckpt))
+    assert base_of(ckpt)["path"] == str(imported.resolve())
+    # A relaunch (another layout: one process) resumes on the base as a straight run goes on.
+    cli(*lora_run(imported, "train.train_samples=32", f"hydra.run.dir={tmp_path / 'run'}"))
+    cli(*lora_run(imported, *tp2, "train.train_samples=32",
+                  f"hydra.run.dir={tmp_path / 'straight'}"))
+    resumed, straight = ([json.loads(line) for line in (tmp_path / name / "metrics.jsonl")
+                          .read_text().splitlines()] for name in ("run", "straight"))
+    assert [r["step"] for r in resumed] == list(range(1, 9))
+    worst = max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(resumed, straight))
+    assert worst <= 1e-5, worst  # TP 2 + SP then one process: fp32 rounding apart
 
-def test_an_adapter_made_by_peft_imports_with_its_logits_and_trains_on(tmp_path):
+
+def test_a_lora_checkpoint_whose_base_changed_is_one_line(base, tmp_path):
+    """Another model imported into the base's folder is another base: the resume (and the
+    export) is one line naming both, before any rank starts."""
+    hf, imported = base
+    own = tmp_path / "base"
+    shutil.copytree(imported, own)
+    cli(*lora_run(own, "train.train_samples=4", f"hydra.run.dir={tmp_path / 'run'}"))
+    shutil.rmtree(own)
+    other = transformers.LlamaForCausalLM(transformers.LlamaConfig.from_pretrained(hf))
+    other.save_pretrained(tmp_path / "other")  # the same shapes, other weights
+    cli("-m", "trainer.hf", "import", str(tmp_path / "other"), str(own))
+    (ckpt,) = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))
+    for args in (lora_run(own, "train.train_samples=8", f"hydra.run.dir={tmp_path / 'run'}"),
+                 ("-m", "trainer.hf", "export", str(ckpt), str(tmp_path / "merged"))):
+        out = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT)
+        lines = [line for line in out.stderr.splitlines() if line and not line.startswith(
+            ("Error executing job", "Set the environment"))]
+        assert out.returncode != 0 and len(lines) == 1, out.stderr
+        assert "whose files have changed" in lines[0] and "Fix:" in lines[0]
+        assert not (tmp_path / "merged").exists()
+
+
+def test_an_adapter_made_by_peft_imports_with_its_logits_and_trains_on(base, tmp_path):
     """PEFT's own LoRA (random A and B: init_lora_weights=False) on q, v and down, saved by
-    save_pretrained, imported beside its base: our model gives PEFT's logits, and a run
-    fine-tunes it from there (its first loss is the adapted model's, not the base's)."""
+    save_pretrained, imported beside its base: our model gives PEFT's logits, and a run starts
+    from it (after its first step, at the warmup's lr 0, the adapters are still PEFT's) and
+    trains it on."""
     from peft import LoraConfig, get_peft_model
 
-    tiny_llama(tmp_path / "base")
+    hf, _ = base
     torch.manual_seed(1)
     theirs = get_peft_model(
-        transformers.LlamaForCausalLM.from_pretrained(tmp_path / "base"),
+        transformers.LlamaForCausalLM.from_pretrained(hf),
         LoraConfig(r=4, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
                    init_lora_weights=False)).eval()
     theirs.save_pretrained(tmp_path / "adapter")
-    out = cli("-m", "trainer.hf", "import", str(tmp_path / "base"), str(tmp_path / "imported"),
+    out = cli("-m", "trainer.hf", "import", str(hf), str(tmp_path / "imported"),
               "--adapter", str(tmp_path / "adapter"))
     assert "peft=lora peft.lora_rank=4 peft.lora_alpha=16" in out.stdout
     tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = theirs(tokens).logits
         got = ours_with_adapters(tmp_path / "imported")(tokens)[..., :256]
-        base = theirs.get_base_model()
         with theirs.disable_adapter():
-            plain = base(tokens).logits
+            plain = theirs.get_base_model()(tokens).logits
     print(f"\nPEFT's adapter imported: logits {relative(got, want):.1e} (the base alone: "
           f"{relative(plain, want):.1e})")
     assert relative(got, want) <= TOLERANCE and relative(plain, want) > 1e-3
 
-    common = ("--config-dir", str(tmp_path / "imported"), "model=../model", "peft=lora",
-              "peft.lora_rank=4", "peft.lora_alpha=16", "peft.target_modules=[down_proj,q_proj,"
-              "v_proj]", "train.micro_batch_size=4", "train.seq_length=32",
-              "train.train_samples=8", "train.eval_interval=null",
-              f"checkpoint.load={tmp_path / 'imported'}", "checkpoint.finetune=true")
-    cli("-m", "trainer.hf", "import", str(tmp_path / "base"), str(tmp_path / "plain"))
-    first = {}
-    for name, load in (("adapted", ()), ("base", (f"checkpoint.load={tmp_path / 'plain'}",))):
-        cli("launch.py", *common, *load, f"hydra.run.dir={tmp_path / name}")
-        first[name] = json.loads((tmp_path / name / "metrics.jsonl").read_text()
-                                 .splitlines()[0])["loss"]
-    assert first["adapted"] != first["base"]  # the run started from PEFT's adapter
+    imported = tmp_path / "imported"
+    cli("launch.py", "--config-dir", str(imported), "model=../model", "peft=lora",
+        "peft.lora_rank=4", "peft.lora_alpha=16", "peft.target_modules=[down_proj,q_proj,"
+        "v_proj]", "train.micro_batch_size=4", "train.seq_length=32", "train.train_samples=8",
+        "train.eval_interval=null", "checkpoint.save_interval=1",
+        f"checkpoint.load={imported}", "checkpoint.finetune=true",
+        f"hydra.run.dir={tmp_path / 'run'}")
+    first, second = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))
+    start, trained = ours_with_adapters(first), ours_with_adapters(second)
+    start_ours = dict(ours_with_adapters(imported).named_parameters())
+    for name, value in start.named_parameters():
+        if is_adapter(name):
+            assert torch.equal(value, start_ours[name]), name  # PEFT's values, loaded
+    assert any(not torch.equal(v, start_ours[n]) for n, v in trained.named_parameters()
+               if is_adapter(n))  # then trained
 
 
-def test_an_adapter_that_is_not_plain_lora_or_not_this_models_is_one_line(tmp_path):
+def test_an_adapter_that_is_not_plain_lora_or_not_this_models_is_one_line(base, tmp_path):
     from peft import LoraConfig, get_peft_model
 
-    tiny_llama(tmp_path / "base")
-    get_peft_model(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "base"),
+    hf, _ = base
+    get_peft_model(transformers.LlamaForCausalLM.from_pretrained(hf),
                    LoraConfig(r=4, target_modules=["q_proj"])).save_pretrained(tmp_path / "a")
     config = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
     for change, message in (({"use_dora": True}, "use_dora=True is not plain LoRA"),
                             ({"r": 8}, "is (4, 64), this model's adapter is (8, 64)"),
                             ({"target_modules": ["q_a_proj"]}, "'q_a_proj' is no projection")):
         (tmp_path / "a" / "adapter_config.json").write_text(json.dumps(config | change))
-        out = subprocess.run([sys.executable, "-m", "trainer.hf", "import", str(tmp_path / "base"),
+        out = subprocess.run([sys.executable, "-m", "trainer.hf", "import", str(hf),
                               str(tmp_path / "out"), "--adapter", str(tmp_path / "a")],
                              capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 2 and message in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
-
-
-def test_a_lora_checkpoint_holds_the_adapters_resumes_on_its_base_and_refuses_another(tmp_path):
-    """A LoRA run's checkpoint holds the adapters, their Adam moments and nothing of the frozen
-    base; meta.json names the base (its folder and a fingerprint of its files). A relaunch
-    resumes on that base exactly as an uninterrupted run continues; a base imported anew into
-    the same folder is another base: the resume is one line naming both."""
-    import shutil
-
-    from trainer.checkpoint.dcp import saved_entries
-
-    tiny_llama(tmp_path / "hf")
-    cli("-m", "trainer.hf", "import", str(tmp_path / "hf"), str(tmp_path / "base"))
-    run = ("launch.py", "--config-dir", str(tmp_path / "base"), "model=../model", "peft=lora",
-           "peft.lora_rank=4", "train.micro_batch_size=4", "train.seq_length=32",
-           "train.eval_interval=null", "logger.log_interval=1", "schedule.lr=1e-2",
-           "schedule.lr_warmup_samples=4", "schedule.lr_warmup_fraction=null",
-           "schedule.lr_decay_samples=16",  # the same schedule, however long the run
-           f"checkpoint.load={tmp_path / 'base'}", "checkpoint.finetune=true")
-    cli(*run, "train.train_samples=8", f"hydra.run.dir={tmp_path / 'run'}")
-    (ckpt,) = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))
-    held = {n.removeprefix("model.") for n in saved_entries(ckpt) if n.startswith("model.")}
-    assert held and all(is_adapter(n) for n in held), sorted(held)[:3]
-    assert any(n.startswith("optim.exp_avg.") for n in saved_entries(ckpt))
-    assert base_of(ckpt)["path"] == str((tmp_path / "base").resolve())
-
-    cli(*run, "train.train_samples=16", f"hydra.run.dir={tmp_path / 'run'}")  # resumes
-    cli(*run, "train.train_samples=16", f"hydra.run.dir={tmp_path / 'straight'}")
-    resumed, straight = ([json.loads(line) for line in (tmp_path / name / "metrics.jsonl")
-                          .read_text().splitlines()] for name in ("run", "straight"))
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in straight]
-
-    shutil.rmtree(tmp_path / "base")
-    config = transformers.LlamaConfig.from_pretrained(tmp_path / "hf")
-    torch.manual_seed(5)  # another model of the same shapes, in the same folder
-    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "hf")
-    cli("-m", "trainer.hf", "import", str(tmp_path / "hf"), str(tmp_path / "base"))
-    out = subprocess.run([sys.executable, *run, "train.train_samples=24",
-                          f"hydra.run.dir={tmp_path / 'run'}"], capture_output=True, text=True,
-                         cwd=ROOT)
-    lines = [line for line in out.stderr.splitlines() if line and not line.startswith(
-        ("Error executing job", "Set the environment"))]
-    assert out.returncode != 0 and len(lines) == 1, out.stderr
-    assert "whose files have changed" in lines[0] and "Fix:" in lines[0]
