@@ -2,10 +2,11 @@
 
 Each case is one of test_parity's layouts (or test_pipeline's) with its blocks compiled by
 torch.compile (inductor, CPU kernels), trained 3 steps against the one-process eager reference
-with test_parity's tolerance (fp32 1e-5): weight shards with full recompute, TP + SP with
-selective recompute, context parallel's ring, two pipeline stages, and bf16 autocast (within
-bf16 rounding of the fp32 reference, as test_parity's bf16 test). Inductor fuses and reorders
-float work, so fp32 agrees to rounding, not bit for bit.
+with test_parity's tolerance (fp32 1e-5): weight shards with full recompute, multi-latent
+attention under TP + SP with selective recompute, local attention's window under context
+parallel, two pipeline stages, and a mixture of experts under EP in bf16 autocast (within bf16
+rounding of the fp32 reference, as test_parity's bf16 test). Inductor fuses and reorders float
+work, so fp32 agrees to rounding, not bit for bit.
 
 No recompile: every rank has compiled the same number of graphs after the first step as after
 the last. Graph breaks: only where the block communicates (parallel.comm's collectives kept
@@ -46,8 +47,9 @@ COMPILED = EngineOptions(compile_blocks=True)
 CASES = {
     "ws2_full_recompute": (*LAYOUTS["ws2"], replace(
         COMPILED, recompute_granularity=RecomputeGranularity.full), 2),
-    "tp2_sp_selective": (*LAYOUTS["tp2_sp"], replace(
-        COMPILED, recompute_granularity=RecomputeGranularity.selective), 2),
+    # (TP + SP with selective recompute compiled: the MLA case below, which runs both; bf16
+    # compiled: the mixture of experts' case and test_documents' one-process bf16 case. Their
+    # own cases, 20 s and 13 s, left CI for its time budget in issue 44.)
     # (CP compiled: test_compiled_local_attention_under_cp2_matches_one_process, the window's
     # exchange; the ring's own case, 25 s, left CI for its time budget in issue 43)
     "pp2": (2, dict(pipeline_model_parallel_size=2), COMPILED, 4),
@@ -108,34 +110,19 @@ def test_compiled_blocks_match_one_process(name, references):
 
 
 def test_compiled_multi_latent_attention_under_tp_sp_matches_one_process(references):
-    """DeepSeek-V3's attention compiled under TP with SP: its shared key's gather (a
+    """DeepSeek-V3's attention compiled under TP with SP and selective recompute (the
+    attention core and the MLP's activation replayed in backward): its shared key's gather (a
     collective) is the only break."""
     from test_mla_parity import MLA
 
     world, kwargs = LAYOUTS["tp2_sp"]
     layout = make_layout(world, kwargs)
     batches, ref = references(layout.global_batch_size, torch.float32, MLA)
-    results = run_ranks(world, compiled_rank, layout, batches, torch.float32, COMPILED, MLA,
+    options = replace(COMPILED, recompute_granularity=RecomputeGranularity.selective)
+    results = run_ranks(world, compiled_rank, layout, batches, torch.float32, options, MLA,
                         timeout=300)
     assert_compiled_once(results)
     assert_parity(results, ref, torch.float32, f"MLA tp2_sp compiled (world {world})")
-
-
-def test_compiled_bf16_trains_close_to_fp32(references):
-    """bf16 autocast inside the compiled blocks: losses within test_parity's bf16 bound of the
-    fp32 reference, and not equal to it (autocast really ran)."""
-    world, kwargs = LAYOUTS["ws2"]
-    layout = make_layout(world, kwargs)
-    batches, ref = references(layout.global_batch_size, torch.float32)
-    options = replace(COMPILED, precision=Precision.bf16)
-    results = run_ranks(world, compiled_rank, layout, batches, torch.float32, options,
-                        timeout=300)
-    assert_compiled_once(results)
-    losses = [relative(a, b) for a, b in zip(results[0]["losses"], ref["losses"])]
-    norms = [relative(a, b) for a, b in zip(results[0]["norms"], ref["norms"])]
-    print(f"\nbf16 ws2 compiled: relative differences to fp32: loss {losses}, norm {norms}")
-    assert max(losses) < 1e-2 and max(norms) < 5e-2  # test_parity's bf16 bounds
-    assert max(norms) > 1e-4  # far above fp32 rounding: the compute was bf16
 
 
 def test_a_compiled_mixture_of_experts_under_ep_trains_close_to_fp32():
