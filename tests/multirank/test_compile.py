@@ -129,7 +129,8 @@ def test_a_compiled_mixture_of_experts_under_ep_trains_close_to_fp32():
     """bf16 (torch compiles the experts' grouped GEMM in bf16 only; fp32 is refused in one
     line): EP 2 with the alltoall dispatcher, within bf16 bounds of the fp32 one-process
     reference, no recompile, breaks only at collectives and the dispatch's data-dependent
-    shapes."""
+    shapes. (Its one-process twin, one graph and no break, left CI in issue 44 for its time:
+    25 s; it passed when last run.)"""
     layout = make_layout(2, dict(expert_model_parallel_size=2))
     batches = make_data(layout.global_batch_size, MOE)
     (ref,) = run_ranks(1, reference, batches, torch.float32, MOE,
@@ -143,12 +144,6 @@ def test_a_compiled_mixture_of_experts_under_ep_trains_close_to_fp32():
     print(f"\nbf16 MoE EP 2 compiled: relative differences to fp32: loss {losses}, norm {norms}")
     assert max(losses) < 1e-2 and max(norms) < 5e-2
     assert max(norms) > 1e-4
-    # One process: routing, experts and its recording make one graph, which both blocks run.
-    (alone,) = run_ranks(1, compiled_rank, make_layout(1, {}, layout.global_batch_size // MICRO),
-                         batches,
-                         torch.float32, options, MOE, timeout=300)
-    assert alone["graphs"] == [1] * len(alone["graphs"]) and not alone["breaks"], (
-        alone["graphs"], alone["breaks"])
 
 
 def compiled_collective(rank: int) -> dict:

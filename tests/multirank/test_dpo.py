@@ -32,7 +32,7 @@ from trainer.train.step import train_step
 
 from harness import run_ranks
 from test_moe_parity import MODELS
-from test_parity import OPTIM, SEED, TINY, TOLERANCE, make_layout, relative
+from test_parity import OPTIM, SEED, TINY, TOLERANCE, make_layout, one_process_of, relative
 
 PEFT = PeftConfig("lora", lora_rank=4, lora_alpha=8.0, lora_dropout=0.0,
                   target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
@@ -95,9 +95,8 @@ def one_process(pairs):
         samples = layout.micro_batch_size * layout.batch_parallel_size
         key = (repr(model), repr(peft), layout.global_batch_size, samples, dtype)
         if key not in cache:
-            one = Layout(1, micro_batch_size=samples, seq_length=SEQ,
-                         global_batch_size=layout.global_batch_size)
-            cache[key] = run_ranks(1, train, one, pairs, dtype, model, peft, DPO)[0]
+            cache[key] = run_ranks(1, train, one_process_of(layout), pairs, dtype, model, peft,
+                                   DPO)[0]
         return cache[key]
 
     return get

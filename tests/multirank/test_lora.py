@@ -29,7 +29,16 @@ from trainer.train.throughput import state_bytes
 
 from harness import run_ranks
 from test_moe_parity import MODELS
-from test_parity import OPTIM, SEED, TINY, TOLERANCE, make_data, make_layout, relative
+from test_parity import (
+    OPTIM,
+    SEED,
+    TINY,
+    TOLERANCE,
+    make_data,
+    make_layout,
+    one_process_of,
+    relative,
+)
 
 PEFT = PeftConfig("lora", lora_rank=4, lora_alpha=8.0, lora_dropout=0.0,
                   target_modules=["q_proj", "v_proj", "o_proj", "gate_proj", "down_proj"])
@@ -85,9 +94,8 @@ def one_process():
         key = (repr(model), layout.global_batch_size, samples, dtype)
         if key not in cache:
             batches = make_data(layout.global_batch_size, model)
-            one = Layout(1, micro_batch_size=samples, seq_length=layout.seq_length,
-                         global_batch_size=layout.global_batch_size)
-            cache[key] = (batches, run_ranks(1, train, one, batches, dtype, model)[0])
+            cache[key] = (batches, run_ranks(1, train, one_process_of(layout), batches, dtype,
+                                             model)[0])
         return cache[key]
 
     return get

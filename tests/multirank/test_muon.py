@@ -24,7 +24,15 @@ from trainer.train.engine import build_engine
 
 from harness import run_ranks
 from test_moe_parity import MODELS
-from test_parity import TINY, TOLERANCE, make_data, make_layout, relative, train_rank
+from test_parity import (
+    TINY,
+    TOLERANCE,
+    make_data,
+    make_layout,
+    one_process_of,
+    relative,
+    train_rank,
+)
 
 SEED = 1234
 MUON = OptimConfig(name="muon", weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
@@ -142,9 +150,7 @@ def one_process():
         key = (repr(model), layout.global_batch_size, samples, dtype, repr(optim))
         if key not in cache:
             batches = make_data(layout.global_batch_size, model)
-            one = Layout(1, micro_batch_size=samples, seq_length=layout.seq_length,
-                         global_batch_size=layout.global_batch_size)
-            cache[key] = (batches, run_ranks(1, train_rank, one, batches, dtype,
+            cache[key] = (batches, run_ranks(1, train_rank, one_process_of(layout), batches, dtype,
                                              EngineOptions(), model, optim)[0])
         return cache[key]
 

@@ -81,6 +81,14 @@ def make_layout(world: int, kwargs: dict, micro_batches: int = MICRO_BATCHES) ->
                   global_batch_size=MICRO * lanes * micro_batches, **kwargs)
 
 
+def one_process_of(layout: Layout) -> Layout:
+    """One process running `layout`'s global batch: a micro-batch of as many samples as the
+    layout's batch lanes run at once, so the micro-batches sum in the same groups."""
+    samples = layout.micro_batch_size * layout.batch_parallel_size
+    return Layout(1, micro_batch_size=samples, seq_length=layout.seq_length,
+                  global_batch_size=layout.global_batch_size)
+
+
 def make_data(global_batch_size: int, model: ModelConfig = TINY) -> list[torch.Tensor]:
     """STEPS global batches of [GBS, SEQ + 1] tokens; label positions to ignore are marked by
     setting the token to IGNORE (only in positions 1.., which are labels only)."""
