@@ -36,7 +36,7 @@ from test_parity import (
     TOLERANCE,
     make_data,
     make_layout,
-    one_process_of,
+    one_process_cache,
     relative,
 )
 
@@ -87,18 +87,8 @@ def train(rank: int, layout: Layout, batches: list[torch.Tensor], dtype: torch.d
 
 @pytest.fixture(scope="module")
 def one_process():
-    cache: dict[tuple, dict] = {}
-
-    def get(layout: Layout, dtype: torch.dtype, model) -> tuple[list, dict]:
-        samples = layout.micro_batch_size * layout.batch_parallel_size
-        key = (repr(model), layout.global_batch_size, samples, dtype)
-        if key not in cache:
-            batches = make_data(layout.global_batch_size, model)
-            cache[key] = (batches, run_ranks(1, train, one_process_of(layout), batches, dtype,
-                                             model)[0])
-        return cache[key]
-
-    return get
+    return one_process_cache(lambda one, batches, dtype, model: run_ranks(
+        1, train, one, batches, dtype, model)[0])
 
 
 @pytest.mark.parametrize("name,dtype", [pytest.param(n, d, id=f"{n}-{str(d)[6:]}")
@@ -106,7 +96,7 @@ def one_process():
 def test_lora_under_a_layout_matches_one_process(name, dtype, one_process):
     world, kwargs, model = LAYOUTS[name]
     layout = make_layout(world, kwargs)
-    batches, ref = one_process(layout, dtype, model)
+    batches, ref = one_process(model, layout, dtype)
     results = run_ranks(world, train, layout, batches, dtype, model,
                         OPTIONS.get(name, EngineOptions()), timeout=180)
     end, start = {}, {}

@@ -29,7 +29,7 @@ from test_parity import (
     TOLERANCE,
     make_data,
     make_layout,
-    one_process_of,
+    one_process_cache,
     relative,
     train_rank,
 )
@@ -141,20 +141,10 @@ CASES = [*((name, torch.float64) for name in LAYOUTS),
 
 @pytest.fixture(scope="module")
 def one_process():
-    """get(model, layout, dtype, optim) -> (batches, the trainer's one-process run on the
+    """get(model, layout, dtype) -> (batches, the trainer's one-process Muon run on the
     layout's global batch), each computed once."""
-    cache: dict[tuple, tuple] = {}
-
-    def get(model: ModelConfig, layout: Layout, dtype: torch.dtype, optim: OptimConfig):
-        samples = layout.micro_batch_size * layout.batch_parallel_size
-        key = (repr(model), layout.global_batch_size, samples, dtype, repr(optim))
-        if key not in cache:
-            batches = make_data(layout.global_batch_size, model)
-            cache[key] = (batches, run_ranks(1, train_rank, one_process_of(layout), batches, dtype,
-                                             EngineOptions(), model, optim)[0])
-        return cache[key]
-
-    return get
+    return one_process_cache(lambda one, batches, dtype, model: run_ranks(
+        1, train_rank, one, batches, dtype, EngineOptions(), model, MUON)[0])
 
 
 @pytest.mark.parametrize("name,dtype", [pytest.param(n, d, id=f"{n}-{str(d)[6:]}")
@@ -162,7 +152,7 @@ def one_process():
 def test_muon_under_a_layout_matches_one_process(name, dtype, one_process):
     world, kwargs, model = LAYOUTS[name]
     layout = make_layout(world, kwargs)
-    batches, ref = one_process(model, layout, dtype, MUON)
+    batches, ref = one_process(model, layout, dtype)
     schedule = "interleaved_1f1b" if layout.virtual_pipeline_size > 1 else "1f1b"
     results = run_ranks(world, train_rank, layout, batches, dtype,
                         EngineOptions(pipeline_schedule=schedule), model, MUON, timeout=180)
@@ -279,7 +269,7 @@ def test_muon_under_bf16_autocast_trains_close_to_fp32(one_process):
 
     layout = make_layout(4, dict(tensor_parallel_num_weight_shards=2,
                                  tensor_parallel_num_sequence_shards=2))
-    batches, ref = one_process(TINY, layout, torch.float32, MUON)
+    batches, ref = one_process(TINY, layout, torch.float32)
     got = run_ranks(4, train_rank, layout, batches, torch.float32,
                     EngineOptions(Precision.bf16), TINY, MUON, timeout=180)[0]
     assert_close_to_fp32(got, ref, "Muon bf16 ws2_ss2_dp2")

@@ -15,6 +15,8 @@ shows the engine itself is exact; there we assert 1e-10.
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -87,6 +89,23 @@ def one_process_of(layout: Layout) -> Layout:
     samples = layout.micro_batch_size * layout.batch_parallel_size
     return Layout(1, micro_batch_size=samples, seq_length=layout.seq_length,
                   global_batch_size=layout.global_batch_size)
+
+
+def one_process_cache(run: Callable[[Layout, list[torch.Tensor], torch.dtype, ModelConfig], dict]
+                      ) -> Callable:
+    """get(model, layout, dtype) -> (batches, run(one_process_of(layout), batches, dtype,
+    model)): a suite's one-process reference on a layout's global batch, each computed once."""
+    cache: dict[tuple, tuple] = {}
+
+    def get(model: ModelConfig, layout: Layout, dtype: torch.dtype) -> tuple[list, dict]:
+        samples = layout.micro_batch_size * layout.batch_parallel_size
+        key = (repr(model), layout.global_batch_size, samples, dtype)
+        if key not in cache:
+            batches = make_data(layout.global_batch_size, model)
+            cache[key] = (batches, run(one_process_of(layout), batches, dtype, model))
+        return cache[key]
+
+    return get
 
 
 def make_data(global_batch_size: int, model: ModelConfig = TINY) -> list[torch.Tensor]:
