@@ -141,10 +141,10 @@ CASES = [*((name, torch.float64) for name in LAYOUTS),
 
 @pytest.fixture(scope="module")
 def one_process():
-    """get(model, layout, dtype) -> (batches, the trainer's one-process Muon run on the
-    layout's global batch), each computed once."""
-    return one_process_cache(lambda one, batches, dtype, model: run_ranks(
-        1, train_rank, one, batches, dtype, EngineOptions(), model, MUON)[0])
+    """get(model, layout, dtype[, optim]) -> (batches, the trainer's one-process run (optim:
+    MUON by default) on the layout's global batch), each computed once."""
+    return one_process_cache(lambda one, batches, dtype, model, optim=MUON: run_ranks(
+        1, train_rank, one, batches, dtype, EngineOptions(), model, optim)[0])
 
 
 @pytest.mark.parametrize("name,dtype", [pytest.param(n, d, id=f"{n}-{str(d)[6:]}")

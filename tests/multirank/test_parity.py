@@ -91,18 +91,18 @@ def one_process_of(layout: Layout) -> Layout:
                   global_batch_size=layout.global_batch_size)
 
 
-def one_process_cache(run: Callable[[Layout, list[torch.Tensor], torch.dtype, ModelConfig], dict]
-                      ) -> Callable:
-    """get(model, layout, dtype) -> (batches, run(one_process_of(layout), batches, dtype,
-    model)): a suite's one-process reference on a layout's global batch, each computed once."""
+def one_process_cache(run: Callable[..., dict]) -> Callable:
+    """get(model, layout, dtype, *extra) -> (batches, run(one_process_of(layout), batches,
+    dtype, model, *extra)): a suite's one-process reference on a layout's global batch (extra:
+    its own settings, an optimizer config), each computed once."""
     cache: dict[tuple, tuple] = {}
 
-    def get(model: ModelConfig, layout: Layout, dtype: torch.dtype) -> tuple[list, dict]:
+    def get(model: ModelConfig, layout: Layout, dtype: torch.dtype, *extra) -> tuple[list, dict]:
         samples = layout.micro_batch_size * layout.batch_parallel_size
-        key = (repr(model), layout.global_batch_size, samples, dtype)
+        key = (repr(model), layout.global_batch_size, samples, dtype, repr(extra))
         if key not in cache:
             batches = make_data(layout.global_batch_size, model)
-            cache[key] = (batches, run(one_process_of(layout), batches, dtype, model))
+            cache[key] = (batches, run(one_process_of(layout), batches, dtype, model, *extra))
         return cache[key]
 
     return get
