@@ -39,6 +39,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.checkpoint.api import CheckpointException
 
+from trainer.checkpoint.adapters import base_of
 from trainer.checkpoint.dcp import (
     Chunked,
     ChunkSavePlanner,
@@ -342,7 +343,7 @@ def read_model_config(ckpt: Path, model_yaml: Path | None) -> ModelConfig:
         why = (str(error).splitlines() or [type(error).__name__])[0]
         raise ValueError(f"{source}: {why}. Fix: {fix}.") from None
     saved = saved_entries(ckpt)
-    if values_of(ckpt).get("base"):  # a LoRA checkpoint: its adapters' shapes are checked
+    if base_of(ckpt):  # a LoRA checkpoint: its adapters' shapes are checked
         return model  # where they are read (hf_lora); its base is checked where it is read
     # No weight of the checkpoint left out (an untied head under a tied --model), none missing.
     # peft=lora's adapters are beside the base (trainer.checkpoint.hf_lora reads them)
@@ -352,13 +353,6 @@ def read_model_config(ckpt: Path, model_yaml: Path | None) -> ModelConfig:
                    saved=saved)
     return model
 
-
-def values_of(ckpt: Path) -> dict:
-    """A checkpoint's meta.json ({} where it has none)."""
-    try:
-        return json.loads((ckpt / "meta.json").read_text())
-    except (OSError, ValueError):
-        return {}
 
 
 def copy_tokenizer(ckpt: Path, hf_dir: Path) -> Path | None:

@@ -63,9 +63,10 @@ class DpoStep:
     pairs: int = 0  # of the global batch
     sums: torch.Tensor | None = None  # the loss and METRICS, summed over the pairs
 
-    def begin(self, reference_model, adapters_off=None) -> None:
+    def begin(self, reference_model, inputs: list[tuple], adapters_off=None) -> None:
         """Count the pairs, then run the reference pass (`reference_model`, or the model under
-        `adapters_off()`). Collective over the model's groups."""
+        `adapters_off()`) on `inputs`, the model's forward inputs of each micro-batch (without
+        gradients: the step's own). Collective over the model's groups."""
         device = self.micro_batches[0].tokens.device
         for mb in self.micro_batches:
             ones = (mb.labels != IGNORE).to(torch.float64)
@@ -92,7 +93,7 @@ class DpoStep:
 
         routing.begin(reference_model.module, len(self.micro_batches))  # its records go
         with torch.no_grad(), (adapters_off() if adapters_off else nullcontext()):
-            reference_model.runner.run(_inputs(self.micro_batches), last, train=False)
+            reference_model.runner.run(inputs, last, train=False)
         self.sums = torch.zeros(len(METRICS) + 1, dtype=torch.float64, device=device)
 
     def loss(self, i: int, out) -> torch.Tensor:
@@ -162,6 +163,3 @@ def pair_losses(margin: torch.Tensor, cfg: DpoConfig) -> torch.Tensor:
     eps = cfg.label_smoothing
     return -(1 - eps) * F.logsigmoid(cfg.beta * margin) - eps * F.logsigmoid(-cfg.beta * margin)
 
-
-def _inputs(micro_batches: list[MicroBatch]) -> list[tuple]:
-    return [(mb.tokens, mb.positions, mb.documents) for mb in micro_batches]

@@ -72,7 +72,8 @@ def train_step(model: ParallelModel, optimizer: ShardedOptimizer, micro_batches:
     pairs = None
     if dpo is not None:  # the reference pass, before the step's own
         pairs = DpoStep(dpo.cfg, model, micro_batches)
-        pairs.begin(dpo.reference or model, dpo.adapters_off)
+        pairs.begin(dpo.reference or model, _inputs(micro_batches, train=False),
+                    dpo.adapters_off)
     optimizer.zero_grad()
     sums = torch.zeros(1 + depths, dtype=torch.float64, device=device)  # main, each depth
     routing.begin(model.module, len(micro_batches))
