@@ -131,3 +131,38 @@ def test_dpo_under_a_layout_matches_one_process(name, dtype, pairs, one_process)
                                              else 1e-6)
     assert ref["metrics"][0]["rewards/margins"] == 0.0
     assert ref["metrics"][-1]["rewards/margins"] != 0.0  # it trained
+
+
+def counted_transients(rank: int, layout: Layout, data: Path, model, peft, cfg) -> int:
+    """The micro-batches' transient of a second step (the reference pass included), counted
+    by the allocator above the state, as the measured dry run counts an LM step's."""
+    from trainer.train.allocations import Allocations
+
+    engine = build_engine(model, OPTIM, SEED, layout, torch.device("cpu"), peft=peft)
+    dpo = None if cfg is None else \
+        Dpo(cfg, None, functools.partial(adapters_off, engine.model.module)) if peft else \
+        Dpo(cfg, build_reference(model, SEED, engine, torch.device("cpu")))
+    stream = SampleStream(TokenDataset.open(data), "train", MEMORY_SEQ, 0, shuffle=False,
+                          pack=True)
+    micro_batches = rank_micro_batches(stream, layout, rank, rules=RULES)
+    train_step(engine.model, engine.optimizer, micro_batches, LR, dpo=dpo)
+    with Allocations() as counted:
+        train_step(engine.model, engine.optimizer, micro_batches, LR, counted.mark, dpo=dpo)
+    return counted.phase("micro_batches").transient_bytes
+
+
+MEMORY_SEQ = 512
+MEMORY_MODEL = replace(TINY, vocab_size=512, hidden_size=256, num_heads=4, ffn_hidden_size=688)
+
+
+@pytest.mark.parametrize("peft", [PEFT, None], ids=["lora", "full"])
+def test_a_dpo_step_holds_what_an_lm_step_holds(peft, pairs):
+    """The reference pass (adapters off, or the frozen copy) runs without gradients before the
+    policy's micro-batches: it adds nothing to their peak, so the memory plan's step (an LM
+    step's) stands for a DPO step's. The allocator counts both on the same packed pairs."""
+    layout = Layout(1, micro_batch_size=2, seq_length=MEMORY_SEQ, global_batch_size=4)
+    dpo, lm = (run_ranks(1, counted_transients, layout, pairs, MEMORY_MODEL, peft, cfg)[0]
+               for cfg in (DPO, None))
+    print(f"\nDPO step ({'LoRA' if peft else 'full'}): micro-batches {dpo:,} B, an LM step's "
+          f"{lm:,} B ({dpo / lm - 1:+.2%})")
+    assert abs(dpo / lm - 1) < 0.02

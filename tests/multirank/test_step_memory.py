@@ -24,8 +24,16 @@ import torch
 import torch.distributed as dist
 
 from parallel.layout import Layout
-from trainer.config import CPCommType, ModelConfig, OptimConfig, Precision, RecomputeGranularity
+from trainer.config import (
+    CPCommType,
+    ModelConfig,
+    OptimConfig,
+    PeftConfig,
+    Precision,
+    RecomputeGranularity,
+)
 from trainer.parts.assembly import parameter_shapes
+from trainer.parts.lora import Adapters
 from trainer.plan.memory import memory_per_stage, step_per_stage
 from trainer.plan.options import EngineOptions
 
@@ -67,7 +75,8 @@ def saved_activation_bytes(rank: int, layout: Layout, options: EngineOptions,
     from trainer.train.batch import rank_micro_batches
     from trainer.train.engine import build_engine
 
-    engine = build_engine(model, OPTIM, 0, layout, torch.device("cpu"), options)
+    engine = build_engine(model, OPTIM, 0, layout, torch.device("cpu"), options,
+                          peft=peft_of(options))
     fetch = lambda idx: torch.randint(0, model.vocab_size, (len(idx), layout.seq_length + 1))  # noqa: E731
     mb = rank_micro_batches(fetch, layout, rank, mtp_depths=model.mtp_num_layers or 0)[0]
     weights = {p.untyped_storage().data_ptr() for p in engine.model.parameters()}
@@ -89,9 +98,16 @@ def saved_activation_bytes(rank: int, layout: Layout, options: EngineOptions,
     return sum(kept.values())
 
 
+def peft_of(options: EngineOptions) -> PeftConfig | None:
+    """The peft=lora config a case's options.lora stands for (None: full training)."""
+    lora = options.lora
+    return None if lora is None else PeftConfig("lora", lora.rank, 2.0 * lora.rank,
+                                                lora.dropout, sorted(lora.targets))
+
+
 def planned(layout: Layout, options: EngineOptions, model: ModelConfig = MODEL
             ) -> dict[str, int]:
-    shapes = parameter_shapes(model)
+    shapes = parameter_shapes(model, peft_of(options))
     return step_per_stage(shapes, model, layout, options)[0]
 
 
@@ -334,9 +350,26 @@ ACTIVATION_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, mod
     "gpt_oss_moe_selective": (1, {}, dict(recompute_granularity=SELECTIVE), GPT_OSS_MOE),
     "clamped_silu_one_process": (1, {}, {}, CLAMPED_SILU),
 }
+# peft=lora: frozen weights keep no input for their gradient; the adapters' own tensors; the
+# first block, fed by the frozen embedding, keeps less (most where its attention has none).
+ALL_TARGETS = Adapters(16, frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                      "up_proj", "down_proj"}), 0.0)
+LORA_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
+    "lora_one_process": (1, {}, dict(lora=ALL_TARGETS), MODEL),
+    "lora_tp2_sp": (2, TP2_SP, dict(lora=ALL_TARGETS), MODEL),
+    "lora_q_v_bf16": (1, {}, dict(precision=Precision.bf16,
+                                  lora=Adapters(8, frozenset({"q_proj", "v_proj"}), 0.0)), GQA),
+    "lora_o_down_dropout_tp2_sp": (2, TP2_SP, dict(
+        lora=Adapters(8, frozenset({"o_proj", "down_proj"}), 0.1)), MODEL),
+    "lora_selective_bf16": (2, TP2_SP, dict(precision=Precision.bf16,
+                                            recompute_granularity=SELECTIVE, lora=ALL_TARGETS),
+                            MODEL),
+    "lora_mlp_one_process": (1, {}, dict(lora=Adapters(16, frozenset({"gate_proj", "up_proj"}),
+                                                       0.0)), MODEL),
+}
 ALL_CASES = {**CASES, **GQA_CASES, **QK_CASES, **LOCAL_CASES, **GEMMA_CASES,
              **{n: c[:3] for n, c in (MOE_CASES | MLA_CASES | MTP_CASES
-                                      | ACTIVATION_CASES).items()}}
+                                      | ACTIVATION_CASES | LORA_CASES).items()}}
 
 
 def case(name: str) -> tuple[int, dict, dict, ModelConfig]:
@@ -347,8 +380,8 @@ def case(name: str) -> tuple[int, dict, dict, ModelConfig]:
         return (*ALL_CASES[name], MLA_MODELS[MLA_CASES[name][3]])
     if name in MTP_CASES:
         return (*ALL_CASES[name], MTP_MODELS[MTP_CASES[name][3]])
-    if name in ACTIVATION_CASES:
-        return ACTIVATION_CASES[name]
+    if name in ACTIVATION_CASES | LORA_CASES:
+        return (ACTIVATION_CASES | LORA_CASES)[name]
     model = QK if name in QK_CASES else GQA if name in GQA_CASES else \
         LOCAL if name in LOCAL_CASES else GEMMA if name in GEMMA_CASES else MODEL
     return (*ALL_CASES[name], model)
@@ -379,7 +412,8 @@ def allocated_transients(rank: int, layout: Layout, options: EngineOptions,
     from trainer.train.engine import build_engine
     from trainer.train.step import train_step
 
-    engine = build_engine(model, OPTIM, 0, layout, torch.device("cpu"), options)
+    engine = build_engine(model, OPTIM, 0, layout, torch.device("cpu"), options,
+                          peft=peft_of(options))
     fetch = lambda idx: torch.randint(0, model.vocab_size, (len(idx), layout.seq_length + 1))  # noqa: E731
     micro_batches = rank_micro_batches(fetch, layout, rank, mtp_depths=model.mtp_num_layers or 0)
     train_step(engine.model, engine.optimizer, micro_batches, 1e-4)
@@ -398,8 +432,8 @@ def test_allocator_counted_transients_against_the_plan(name):
     options = EngineOptions(**option_kwargs)
     step, update = simulated(world, 0, allocated_transients, layout, options, model)
     plan = planned(layout, options, model)
-    (state,) = memory_per_stage(parameter_shapes(model), model.num_layers, layout,
-                                model.tie_word_embeddings)
+    (state,) = memory_per_stage(parameter_shapes(model, peft_of(options)), model.num_layers,
+                                layout, model.tie_word_embeddings, lora=options.lora is not None)
     transients = plan["transient_bytes"]  # the micro-batches' (the update's is below)
     phase = "head" if plan["head_phase_bytes"] >= plan["block_phase_bytes"] else "block"
     print(f"\n{name}: micro-batches {step:,} B, planned {transients:,} B ({phase}'s backward, "
@@ -457,7 +491,8 @@ def context_bytes(rank: int, layout: Layout, options: EngineOptions, model: Mode
     from trainer.train.batch import rank_micro_batches
     from trainer.train.engine import build_engine
 
-    engine = build_engine(model, OPTIM, 0, layout, torch.device("cpu"), options)
+    engine = build_engine(model, OPTIM, 0, layout, torch.device("cpu"), options,
+                          peft=peft_of(options))
     fetch = lambda idx: torch.randint(0, model.vocab_size, (len(idx), layout.seq_length + 1))  # noqa: E731
     mb = rank_micro_batches(fetch, layout, rank)[0]
     stats = engine.groups.stats

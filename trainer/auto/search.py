@@ -27,6 +27,7 @@ from parallel.layout.axes import COMM_KEYS, PARALLEL_KEYS
 from trainer.checks import check_model
 from trainer.config import ModelConfig, PeftConfig, Precision, RecomputeGranularity
 from trainer.parts.assembly import parameter_shapes
+from trainer.parts.lora import Adapters
 from trainer.plan.axis_costs import SEARCH_ORDER, describe_layout
 from trainer.plan.axis_costs.entry import Offer, walk
 from trainer.plan.cost import Estimate, estimate, floor_s
@@ -196,7 +197,8 @@ def search(p: Problem) -> Choice:
                     p.precision, recompute, p.recompute_num_layers,
                     given.get("parallel.grad_reduce_in_bf16", False),
                     given.get("parallel.overlap_param_gather", True),
-                    given.get("parallel.overlap_grad_reduce", True), **choice)
+                    given.get("parallel.overlap_grad_reduce", True),
+                    lora=Adapters.of(p.peft), **choice)
                 peak, stage = planner.peak(layout, stages, options)
                 values = {**{key.config_key: getattr(layout, key.name)
                              for key in PARALLEL_KEYS if key.searched},

@@ -16,7 +16,6 @@ from contextlib import contextmanager
 from typing import Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import ModelConfig, PeftConfig
@@ -53,7 +52,15 @@ class AddAdapters:
             return output
         x = args[0]
         if self.dropout and module.training:
-            x = F.dropout(x, self.dropout)
+            # native_dropout keeps a one-byte mask on every device (F.dropout on CPU keeps one
+            # in x's dtype)
+            x = torch.native_dropout(x, self.dropout, True)[0]
+        # One input for every part's A, kept once for their backward: contiguous (SP's local
+        # tokens are a strided view, which each A would copy) and, under autocast, cast once
+        # (each A would cast its own copy). trainer.parts.lora.block_kept_bytes counts it.
+        x = x.contiguous()
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         if len(self.parts) == 1:
             return output + self.adapters[self.parts[0]](x) * self.scaling
         total = sum(self.shares)

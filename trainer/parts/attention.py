@@ -88,6 +88,27 @@ def kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularit
             + 8 * k.T * m.head_dim + lse)
 
 
+def lora_kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
+                    cp_comm_type: CPCommType, adapted: frozenset[str], grad_in: bool,
+                    dropout: bool) -> int:
+    """Its weights frozen (peft=lora): qkv's input only for its adapters (the rank's own
+    tokens Tr*h*e, made contiguous and cast once: trainer.model.lora), the attention's tensors
+    where q, k or v carries a gradient, none where none does (the first block, its input the
+    frozen embedding's, q, k and v not adapted) but the core's inputs q, k and v, which
+    selective recompute keeps all the same. o's input is the attention's output, which the
+    attention keeps; o's adapter keeps it (T*q/t*e) where the attention does not, and its
+    dropped copy where the adapter drops its input and the attention keeps the output."""
+    qkv = bool(adapted & {"q_proj", "k_proj", "v_proj"})
+    o_input = k.T * m.q_size // k.t * e if "o_proj" in adapted else 0
+    if not (grad_in or qkv):  # selective recompute still keeps its core's inputs
+        core = k.T * (m.q_size + 2 * m.kv_size) // k.t * e \
+            if recompute is RecomputeGranularity.selective else 0
+        return o_input + core
+    own = k.Tr * m.hidden_size * e if qkv else 0
+    return (own + kept_bytes(m, k, e, recompute, cp_comm_type) - k.T * m.hidden_size * e
+            + o_input * dropout)
+
+
 def hf_names(cfg: ModelConfig, ours: str, theirs: str, family) -> HfNames:
     """q, k and v's projections (and their biases) fused in ours; gpt-oss's sinks."""
     q, kv, h, d = cfg.q_size, cfg.kv_size, cfg.hidden_size, cfg.head_dim
@@ -247,5 +268,5 @@ GQA = Part(
     # rank's heads read through heads_fn.
     tp_heads="heads_fn",
     head_norms=("q_norm", "k_norm", "sinks"),
-    core_flops=core_flops, kept_bytes=kept_bytes, hf_names=hf_names, rules=rules,
-    exchanged_widths=lambda cfg: (cfg.q_size, cfg.kv_size))
+    core_flops=core_flops, kept_bytes=kept_bytes, lora_kept_bytes=lora_kept_bytes,
+    hf_names=hf_names, rules=rules, exchanged_widths=lambda cfg: (cfg.q_size, cfg.kv_size))

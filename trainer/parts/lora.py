@@ -22,10 +22,11 @@ norm is.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from trainer.config import ModelConfig, PeftConfig
-from trainer.parts import PARTS, block_parts
+from trainer.parts import PARTS, BlockParts, block_parts
 
 ADAPTERS = "_lora"  # `attn.qkv` -> `attn.qkv_lora`
 FACTORS = ("lora_A", "lora_B")
@@ -83,6 +84,81 @@ def block_lora_shapes(cfg: ModelConfig, peft: PeftConfig, block: int
         for name, cols, rows in parts:
             out[f"{module}{ADAPTERS}.{name}.lora_A.weight"] = (peft.lora_rank, cols)
             out[f"{module}{ADAPTERS}.{name}.lora_B.weight"] = (rows, peft.lora_rank)
+    return out
+
+
+@dataclass(frozen=True)
+class Adapters:
+    """What the memory plan asks of peft=lora (trainer.plan.options.EngineOptions.lora)."""
+
+    rank: int
+    targets: frozenset[str]  # Hugging Face projection names (peft.target_modules)
+    dropout: float
+
+    @classmethod
+    def of(cls, peft: PeftConfig | None) -> Adapters | None:
+        if peft is None:
+            return None
+        return cls(peft.lora_rank, frozenset(peft.target_modules), peft.lora_dropout)
+
+
+def block_kept_bytes(cfg: ModelConfig, parts: BlockParts, k: Any, e: int, recompute: Any,
+                     cp_comm_type: Any, lora: Adapters, grad_in: bool) -> int:
+    """What a block keeps for its backward under peft=lora (without full recompute; k: the
+    rank's trainer.parts.tokens.Tokens; grad_in: whether its input carries a gradient, not so
+    in the model's first block, fed by the frozen embedding). Its parts' terms with their
+    weights frozen (Part.lora_kept_bytes; a part without one counts as fully trained: an upper
+    bound), and each adapter's own: B's input, A's r-wide output, T*r*e for a column
+    projection (gathered along the sequence under SP) or Tr*r*e for a row one (reduce-
+    scattered), and with dropout its mask (a byte an element of the projection's local input,
+    where that carries a gradient)."""
+    own = {part.name: lora.targets & {n for names in part.lora_targets.values() for n in names}
+           for part in (parts.attention, parts.mlp)}
+    attention_out = grad_in or bool(own[parts.attention.name])
+    mlp_out = attention_out or bool(own[parts.mlp.name])
+    norm_grads = (grad_in, attention_out) + ((attention_out, mlp_out) if cfg.sandwich_norm else ())
+    total = parts.norm.lora_kept_bytes(cfg, k, e, recompute, cp_comm_type, frozenset(),
+                                       norm_grads)
+    for part, part_in in ((parts.attention, grad_in), (parts.mlp, attention_out)):
+        if part.lora_kept_bytes is None:
+            total += part.kept_bytes(cfg, k, e, recompute, cp_comm_type)
+        else:
+            total += part.lora_kept_bytes(cfg, k, e, recompute, cp_comm_type, own[part.name],
+                                          part_in, lora.dropout > 0)
+        shapes, grad = part.shapes(cfg), part_in
+        for module, names in part.lora_targets.items():  # in order: a row one reads a column's
+            count = len(lora.targets & set(names))
+            if not count:
+                continue
+            column = part.tp_styles[module] == "column"
+            total += count * (k.T if column else k.Tr) * lora.rank * e
+            if lora.dropout and grad:  # the mask is kept for the input's gradient only
+                cols = shapes[f"{module}.weight"][1]
+                total += k.Tr * cols if column else k.T * cols // k.t
+            grad = True
+    return total
+
+
+def head_kept_bytes(cfg: ModelConfig, k: Any, e: int) -> int:
+    """Under peft=lora the frozen final norm keeps no normalised input (Tr*h fp32) and the
+    frozen head no input (T*h*e): what the head's terms of the plan drop."""
+    return k.Tr * cfg.hidden_size * 4 + k.T * cfg.hidden_size * e
+
+
+def uncast_elements(cfg: ModelConfig, lora: Adapters, t: int) -> int:
+    """Under bf16 autocast a frozen weight is cast at each use and the cast kept only where
+    its input carries a gradient: not in the model's first block for qkv, nor for o while q,
+    k and v have no adapters, nor for the MLP's while the attention has none. Their TP-local
+    elements, which the plan's autocast copies drop on the first stage."""
+    parts = block_parts(cfg, 0)
+    shapes = {**parts.attention.shapes(cfg), **parts.mlp.shapes(cfg)}
+    grad, out = False, 0
+    for part in (parts.attention, parts.mlp):
+        for module, names in part.lora_targets.items():
+            if not grad:
+                rows, cols = shapes[f"{module}.weight"]
+                out += rows * cols // t
+            grad = grad or bool(lora.targets & set(names))
     return out
 
 

@@ -31,6 +31,22 @@ def kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularit
     return k.T * m.hidden_size * e + kept * k.T * m.ffn_hidden_size // k.t * e
 
 
+def lora_kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
+                    cp_comm_type, adapted: frozenset[str], grad_in: bool, dropout: bool) -> int:
+    """Its weights frozen (peft=lora): gate_up's input only for its adapters (the rank's own
+    tokens Tr*h*e, contiguous and cast once: trainer.model.lora), the product only for down's
+    adapter (its dropped copy with dropout), and of the rest nothing where neither gate_up's
+    input nor its output carries a gradient (the first block, nothing adapted before), unless
+    selective recompute keeps its activation's inputs all the same."""
+    gate_up = bool(adapted & {"gate_proj", "up_proj"})
+    product = k.T * m.ffn_hidden_size // k.t * e if "down_proj" in adapted else 0
+    if not (grad_in or gate_up or recompute is RecomputeGranularity.selective):
+        return product
+    own = k.Tr * m.hidden_size * e if gate_up else 0
+    return (own + kept_bytes(m, k, e, recompute) - k.T * m.hidden_size * e
+            - k.T * m.ffn_hidden_size // k.t * e + product)
+
+
 def activation_units(m: ModelConfig) -> int:
     """What the gated activation keeps beyond SwiGLU's, in tensors as wide as the MLP's inner
     width (the experts' too; none under selective recompute, which keeps its inputs alone):
@@ -92,5 +108,5 @@ SWIGLU = Part(
     fused=lambda cfg: {"gate_up": (1, 1)},  # gate | up: each TP rank keeps rows of both
     residual_outputs=("down.weight",),
     hook="activation_fn",  # silu(gate) * up: recomputed rather than kept (selective)
-    kept_bytes=kept_bytes, backward_bytes=backward_bytes, hf_names=hf_names,
-    rules=activation_rules)
+    kept_bytes=kept_bytes, lora_kept_bytes=lora_kept_bytes, backward_bytes=backward_bytes,
+    hf_names=hf_names, rules=activation_rules)

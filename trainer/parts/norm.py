@@ -33,6 +33,14 @@ def kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute=None, cp_comm_type=N
     return len(block_norms(m)) * (2 * k.Tr * m.hidden_size * FP32 + k.Tr * FP32)
 
 
+def lora_kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute, cp_comm_type, adapted,
+                    grad_in: tuple[bool, ...], dropout: bool = False) -> int:
+    """Its weight frozen (peft=lora), a norm keeps no normalised input (only the weight's
+    gradient reads it): its input and rsqrt (Tr*h + Tr fp32) where its input carries a gradient
+    (grad_in: a flag per norm of block_norms), nothing where not."""
+    return sum(grad_in) * (k.Tr * m.hidden_size * FP32 + k.Tr * FP32)
+
+
 def backward_bytes(m: ModelConfig, k: Tokens, e: int, selective: bool = False) -> int:
     """A zero-centred norm's backward, the most it forms at once beside what the block keeps:
     the gradient entering the block (Tr*h fp32), its own fp32 gradients of the scaled, the
@@ -73,4 +81,5 @@ def rules(model: ModelConfig) -> None:
 RMSNORM = Part(
     "rmsnorm", "norm", "trainer.model.norm:hidden_norm",
     lambda cfg: {"weight": (cfg.hidden_size,)},
-    kept_bytes=kept_bytes, backward_bytes=backward_bytes, hf_names=hf_names, rules=rules)
+    kept_bytes=kept_bytes, lora_kept_bytes=lora_kept_bytes, backward_bytes=backward_bytes,
+    hf_names=hf_names, rules=rules)

@@ -90,6 +90,13 @@ class Part:
     # gradient entering the block included (an MLP's, the larger of a block's); rebuild_bytes(
     # cfg, k, e): what its forward, rebuilt under full recompute, holds beyond its backward's.
     kept_bytes: Callable[..., int] = _nothing
+    # lora_kept_bytes(cfg, k, e, recompute, cp_comm_type, adapted, grad_in, dropout): what it
+    # keeps under peft=lora, its weights frozen (no input kept for a weight's gradient):
+    # adapted, its Hugging Face projection names that have adapters; grad_in, whether its
+    # input carries a gradient (a norm part: one flag per norm); dropout, whether the adapters
+    # drop their input. None: kept_bytes stands for it (an upper bound). trainer.parts.lora
+    # adds the adapters' own tensors.
+    lora_kept_bytes: Callable[..., int] | None = None
     backward_bytes: Callable[..., int] = _nothing
     rebuild_bytes: Callable[..., int] = _nothing
     # Its Hugging Face names: hf_names(cfg, ours, theirs, family) for one block at prefixes

@@ -35,6 +35,17 @@ norm (2*Tr*h fp32), the head input (T*h*e) and the loss's softmax (T*V/t fp32). 
 a mask. Under bf16 without weight sharding,
 autocast also keeps a bf16 copy of every local weight.
 
+Under peft=lora (EngineOptions.lora) a frozen weight keeps no input for its gradient: a norm
+keeps its input and rsqrt only, qkv's and gate_up's inputs are kept by their adapters alone (the
+rank's own tokens Tr*h*e: trainer.model.lora makes them contiguous and casts them once), down's
+input only for down's adapter, the head's not at all (the final norm: Tr*h fp32); each adapter
+keeps its r-wide A output (T*r*e for a column projection, Tr*r*e for a row one) and, with
+dropout, a one-byte mask. The model's first block is fed by the frozen embedding: its input
+carries no gradient, so its attention norm keeps nothing, and neither does what no adapter
+precedes (trainer.parts.lora.block_kept_bytes; under bf16 those weights' casts are not kept
+either). DPO's reference pass runs without gradients before the policy's micro-batches and adds
+nothing to their peak.
+
 With multi-token prediction (model.mtp_num_layers = D) the last stage also keeps, per depth,
 what trainer.parts.mtp lists: enorm's and hnorm's tensors (4*Tr*h + 2*Tr fp32, hnorm's input
 Tr*h fp32 more unless fp32 without SP), eh_proj's input Tr*2h*e (and under bf16 its whole
@@ -61,6 +72,8 @@ from parallel.layout import Layout
 from parallel.layout.axes.context import window_exchange
 from trainer.config import CPCommType, ModelConfig, RecomputeGranularity
 from trainer.parts import BlockParts, block_parts, mtp
+from trainer.parts.lora import Adapters, head_kept_bytes, uncast_elements
+from trainer.parts.lora import block_kept_bytes as lora_block_bytes
 from trainer.parts.tokens import FP32, Tokens, compute_bytes
 from trainer.plan.axis_costs.gtp_remat import REDUCES_IN_FLIGHT, gathered_bytes
 from trainer.plan.options import EngineOptions
@@ -69,15 +82,20 @@ from trainer.plan.options import EngineOptions
 def block_activation_bytes(m: ModelConfig, k: Tokens, e: int,
                            recompute: RecomputeGranularity | None,
                            cp_comm_type: CPCommType = CPCommType.p2p,
-                           parts: BlockParts | None = None, window: int | None = None) -> int:
+                           parts: BlockParts | None = None, window: int | None = None,
+                           lora: Adapters | None = None, grad_in: bool = True) -> int:
     """What one block keeps for its backward: its parts' (trainer.parts; parts: the block's,
     None for block 0's), and what its sliding window's exchange receives (window: the
-    block's)."""
+    block's). lora: peft=lora's adapters, the base frozen (grad_in: whether the block's input
+    carries a gradient; not so in the model's first block)."""
     if recompute is RecomputeGranularity.full:
         return k.Tr * m.hidden_size * FP32
     parts = parts or block_parts(m, 0)
-    return (sum(part.kept_bytes(m, k, e, recompute, cp_comm_type) for part in parts)
-            + window_bytes(m, k, e, recompute, cp_comm_type, window))
+    if lora is not None:
+        kept = lora_block_bytes(m, parts, k, e, recompute, cp_comm_type, lora, grad_in)
+    else:
+        kept = sum(part.kept_bytes(m, k, e, recompute, cp_comm_type) for part in parts)
+    return kept + window_bytes(m, k, e, recompute, cp_comm_type, window)
 
 
 def window_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
@@ -171,16 +189,17 @@ def chunk_activation_bytes(m: ModelConfig, layout: Layout, options: EngineOption
                            chunk: range) -> int:
     """What one model chunk (its blocks, `chunk`) keeps of one micro-batch (without the
     head): its blocks counted by what each recomputes and by their parts."""
-    k, e = Tokens.of(layout), compute_bytes(options.precision)
-    if blocks_alike(m):
+    k, e, lora = Tokens.of(layout), compute_bytes(options.precision), options.lora
+    if blocks_alike(m) and (lora is None or 0 not in chunk):
         return sum(count * block_activation_bytes(m, k, e, recompute, options.cp_comm_type,
-                                                  window=m.window_size)
+                                                  window=m.window_size, lora=lora)
                    for recompute, count in options.chunk_recompute(len(chunk)).items() if count)
-    kinds = Counter((options.recomputes(p), block_parts(m, i), m.window_of(i))
+    # under peft=lora the model's first block is fed by the frozen embedding: no gradient
+    kinds = Counter((options.recomputes(p), block_parts(m, i), m.window_of(i), i > 0)
                     for p, i in enumerate(chunk))
     return sum(count * block_activation_bytes(m, k, e, recompute, options.cp_comm_type, parts,
-                                              window)
-               for (recompute, parts, window), count in kinds.items())
+                                              window, lora, grad_in)
+               for (recompute, parts, window, grad_in), count in kinds.items())
 
 
 def stage_chunk_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
@@ -196,10 +215,10 @@ def stage_chunk_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
         per_chunk.append(chunk_activation_bytes(m, layout, options, chunk))
         alike[len(chunk)] = per_chunk[-1]
     if last:
-        per_chunk[-1] += head_activation_bytes(m, Tokens.of(layout),
-                                               compute_bytes(options.precision),
-                                               options.recompute_granularity,
-                                               options.cp_comm_type)
+        k, e = Tokens.of(layout), compute_bytes(options.precision)
+        per_chunk[-1] += head_activation_bytes(m, k, e, options.recompute_granularity,
+                                               options.cp_comm_type) \
+            - (head_kept_bytes(m, k, e) if options.lora else 0)
     return per_chunk
 
 
@@ -227,7 +246,8 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
     # A fully recomputed block is rebuilt from its input, which the chunk keeps already (a
     # windowed one with what its exchange receives: the kind's largest).
     windows = {m.window_of(i) for chunk in chunks for i in chunk} or {m.window_of(0)}
-    rebuilt_of = {parts: max(block_activation_bytes(m, k, e, None, comm, parts, w)
+    lora = options.lora
+    rebuilt_of = {parts: max(block_activation_bytes(m, k, e, None, comm, parts, w, lora)
                              for w in windows) - k.Tr * h * FP32
                   if full else 0 for parts in kinds}
     rebuilt = max(rebuilt_of.values())
@@ -239,6 +259,9 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
         if last and options.recompute_granularity is not RecomputeGranularity.full:
             autocast += mtp.depths(m) * depth_weights[0] * e  # the depths' blocks' copies
         autocast += (kept_copies * block_weights + head_weights) * e
+        if lora is not None and first and options.recomputes(0) is not RecomputeGranularity.full:
+            # the first block's input carries no gradient: some casts are not kept
+            autocast -= uncast_elements(m, lora, k.t) * e
     # Backward of the head: the gradient of the logits (fp32, and its scaled copy) beside the
     # saved softmax; under TP in bf16 also its bf16 cast, which autograd makes for the
     # vocab-parallel loss's input while the loss's own buffers are still held.
@@ -255,14 +278,14 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
     sizes = [len(chunk) for chunk in chunks] or [0]
     if sharded:
         freed = max(block_activation_bytes(m, k, e, options.recompute_granularity, comm, parts,
-                                           w) for parts in kinds for w in windows)
+                                           w, lora) for parts in kinds for w in windows)
         block, head = gathered_bytes(layout, options, e, sizes, block_weights, head_weights,
                                      freed, first, last)
     else:  # weights are used in place; the head's gradient is formed before it is added
         block, head = 0, head_weights * FP32
     # freed when the model's blocks' backward starts (the depths' included)
     head_kept = head_activation_bytes(m, k, e, options.recompute_granularity, comm) \
-        if last else 0
+        - (head_kept_bytes(m, k, e) if lora else 0) if last else 0
     # A block's backward beside what it keeps, block by block (its kind's terms, and under
     # weight sharding its neighbours' weights); a fully recomputed block (the first
     # recompute_num_layers of a chunk) is rebuilt after the chunk's later blocks have run their

@@ -1,6 +1,7 @@
 """EngineOptions: the config keys that change what a rank holds and how it communicates, never
-what it computes (every combination trains the same model). No torch: the memory plan reads
-them at compose time, the engine applies them.
+what it computes (every combination trains the same model), and which weights train
+(peft=lora, whose frozen weights keep less for backward). No torch: the memory plan reads them
+at compose time, the engine applies them.
 """
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from trainer.config import Config, CPCommType, Precision, RecomputeGranularity
+from trainer.parts.lora import Adapters
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,7 @@ class EngineOptions:
     cp_comm_type: CPCommType = CPCommType.p2p
     pipeline_schedule: str = "1f1b"  # parallel.layout.pipeline_schedules.SCHEDULES
     compile_blocks: bool = False  # train.compile=blocks
+    lora: Optional[Adapters] = None  # peft=lora's adapters (None: every weight trains)
 
     @classmethod
     def from_config(cls, cfg: Config) -> EngineOptions:
@@ -28,7 +31,8 @@ class EngineOptions:
         return cls(train.precision, train.recompute_granularity, train.recompute_num_layers,
                    parallel.grad_reduce_in_bf16, parallel.overlap_param_gather,
                    parallel.overlap_grad_reduce, parallel.cp_comm_type,
-                   parallel.pipeline_schedule, train.compile == "blocks")
+                   parallel.pipeline_schedule, train.compile == "blocks",
+                   Adapters.of(cfg.peft))
 
     def recomputes(self, block: int) -> Optional[RecomputeGranularity]:
         """What block `block` (its position in its model chunk: recompute_num_layers counts

@@ -69,6 +69,7 @@ def train_step(model: ParallelModel, optimizer: ShardedOptimizer, micro_batches:
     total_tokens, empty_samples, depth_tokens = int(counts[0]), int(counts[1]), counts[2:]
     if total_tokens == 0:
         raise ValueError("the global batch has no loss tokens (every label is ignored)")
+    mark("micro_batches")
     pairs = None
     if dpo is not None:  # the reference pass, before the step's own
         pairs = DpoStep(dpo.cfg, model, micro_batches)
@@ -77,7 +78,6 @@ def train_step(model: ParallelModel, optimizer: ShardedOptimizer, micro_batches:
     optimizer.zero_grad()
     sums = torch.zeros(1 + depths, dtype=torch.float64, device=device)  # main, each depth
     routing.begin(model.module, len(micro_batches))
-    mark("micro_batches")
 
     def last_stage(i: int, out: torch.Tensor | tuple[torch.Tensor, ...]) -> torch.Tensor:
         mb = micro_batches[i]
