@@ -102,3 +102,40 @@ def test_window_flops_are_what_torch_counts_over_the_band(window):
     assert ours == pytest.approx(want, rel=1e-12)
     full = TokenFlops.of(replace(cfg, window_size=None, window_attn_skip_freq=None), seq)
     assert (token.block_attention < full.block_attention) == (window < seq - 1)
+
+
+@pytest.mark.parametrize("dpo", [False, True], ids=["lm", "dpo"])
+def test_lora_training_flops_are_what_torch_counts(dpo):
+    """peft=lora: the frozen weights' backward forms the input's gradient only, the adapters'
+    and the attention core's their whole backward; with DPO the reference's forward (adapters
+    off) adds one forward of the base. torch counts a forward and a backward of the tiny model
+    with adapters on five projections (and the base's forward alone for DPO's reference). The
+    embedding is set to train here, so the first block forms its input's gradient as the others
+    do: the count MFU keeps for every block (the real first block skips it, 1/L of qkv's)."""
+    from trainer.config import PeftConfig
+    from trainer.model.lora import adapters_off, add_adapters
+    from trainer.parts.lora import Adapters
+
+    cfg, seq, b = preset("tiny"), 32, 2
+    peft = PeftConfig("lora", 4, 8.0, 0.0, ["q_proj", "v_proj", "o_proj", "gate_proj",
+                                            "down_proj"])
+    model = Transformer(cfg)
+    add_adapters(model, cfg, peft)
+    with torch.no_grad():
+        model.init_weights(1)
+    model.embed.weight.requires_grad_(True)
+    for module in model.modules():
+        if hasattr(module, "attention_fn"):
+            module.attention_fn = lambda q, k, v, *rest, **kwargs: plain_attention(q, k, v)
+    tokens = torch.randint(0, cfg.vocab_size, (b, seq))
+    with FlopCounterMode(display=False) as counter:
+        if dpo:
+            with torch.no_grad(), adapters_off(model):
+                model(tokens)
+        model(tokens).float().sum().backward()
+    counts = {str(op): n for op, n in counter.get_flop_counts()["Global"].items()}
+    want = counts["aten.mm"] + counts["aten.bmm"] / 2  # causal: half the keys
+    token = TokenFlops.of(cfg, seq, Adapters.of(peft))
+    ours = b * seq * (token.training + (token.forward if dpo else 0.0))
+    assert ours == pytest.approx(want, rel=1e-12)
+    assert token.training < 0.75 * TokenFlops.of(cfg, seq).training  # so it can fail

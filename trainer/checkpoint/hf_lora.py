@@ -21,7 +21,7 @@ from trainer.checkpoint.hf import _new_folder, one_process
 from trainer.checkpoint.hf_families import hf_parts
 from trainer.config import ModelConfig, PeftConfig
 from trainer.parts.assembly import BLOCKS, parameter_shapes
-from trainer.parts.lora import ADAPTERS, check_peft, targets
+from trainer.parts.lora import ADAPTERS, check_peft, projections, targets
 
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -79,9 +79,9 @@ def merge_into(model: ModelConfig, peft: PeftConfig, ckpt: Path
         if names is None:
             return full
         # each fused part's rows in order: an adapter's part is where its name is
-        rows = _part_rows(model, within, full.shape[0], len(names))
+        block = int(module.split(".", 2)[1])
         start = 0
-        for projection, count in zip(names, rows):
+        for projection, _, count in projections(model, block)[within]:
             a_name = f"{module}{ADAPTERS}.{projection}.lora_A.weight"
             if a_name in shapes:
                 b_name = a_name.replace("lora_A", "lora_B")
@@ -92,14 +92,6 @@ def merge_into(model: ModelConfig, peft: PeftConfig, ckpt: Path
         return full
 
     return merged
-
-
-def _part_rows(model: ModelConfig, module: str, rows: int, parts: int) -> list[int]:
-    from trainer.parts.assembly import parallel_plan
-
-    sizes = parallel_plan(model).linears[module][1]
-    sizes = sizes if len(sizes) == parts else (1,)
-    return [rows * s // sum(sizes) for s in sizes]
 
 
 def export_adapter(ckpt: Path, out_dir: Path, model: ModelConfig, peft: PeftConfig,

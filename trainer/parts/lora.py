@@ -57,6 +57,20 @@ def plan_entries() -> tuple[dict[str, tuple[str, tuple[int, ...]]], tuple[str, .
     return split, tuple(whole)
 
 
+def projections(cfg: ModelConfig, block: int) -> dict[str, list[tuple[str, int, int]]]:
+    """Module name within block `block` -> (Hugging Face name, in features, the part's rows)
+    of each fused part of every projection LoRA can adapt, in the fused order."""
+    out: dict[str, list[tuple[str, int, int]]] = {}
+    for part in block_parts(cfg, block):
+        shapes, fused = part.shapes(cfg), part.fused(cfg)
+        for module, names in part.lora_targets.items():
+            rows, cols = shapes[f"{module}.weight"]
+            sizes = fused.get(module, (1,))
+            out[f"{part.slot}.{module}"] = [(n, cols, rows * s // sum(sizes))
+                                            for n, s in zip(names, sizes)]
+    return out
+
+
 def adapted(cfg: ModelConfig, peft: PeftConfig, block: int | None = None
             ) -> dict[str, list[tuple[str, int, int]]]:
     """Module name within a block -> (Hugging Face name, in features, the part's rows) of each
@@ -64,16 +78,19 @@ def adapted(cfg: ModelConfig, peft: PeftConfig, block: int | None = None
     wanted = set(peft.target_modules)
     out: dict[str, list[tuple[str, int, int]]] = {}
     for i in range(cfg.num_layers) if block is None else (block,):
-        for part in block_parts(cfg, i):
-            shapes, fused = part.shapes(cfg), part.fused(cfg)
-            for module, names in part.lora_targets.items():
-                rows, cols = shapes[f"{module}.weight"]
-                sizes = fused.get(module, (1,))
-                chosen = [(n, cols, rows * s // sum(sizes)) for n, s in zip(names, sizes)
-                          if n in wanted]
-                if chosen:
-                    out.setdefault(f"{part.slot}.{module}", chosen)
+        for module, parts in projections(cfg, i).items():
+            chosen = [p for p in parts if p[0] in wanted]
+            if chosen:
+                out.setdefault(module, chosen)
     return out
+
+
+def adapter_elements(cfg: ModelConfig, lora: Adapters) -> float:
+    """The adapters' weight elements a token multiplies by in a block (r x (in + rows) each),
+    averaged over the blocks: the FLOP count's (trainer.plan.cost.TokenFlops)."""
+    return sum(lora.rank * (cols + rows) for block in range(cfg.num_layers)
+               for parts in projections(cfg, block).values()
+               for name, cols, rows in parts if name in lora.targets) / max(cfg.num_layers, 1)
 
 
 def block_lora_shapes(cfg: ModelConfig, peft: PeftConfig, block: int

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from parallel.layout import Layout
 from trainer.config import ModelConfig, Precision, RecomputeGranularity
 from trainer.parts.assembly import block_core_flops, block_weight_elements, mtp_token_flops
+from trainer.parts.lora import Adapters, adapter_elements
 from trainer.parts.tokens import compute_bytes
 from trainer.plan.axis_costs import REGISTRY
 from trainer.plan.axis_costs.entry import Micro
@@ -54,25 +55,39 @@ class TokenFlops:
     causal attention 2*S*q (QK^T and AV, 2*S*q each over S keys, halved: a query sees the keys
     before it), the head 2*h*V, and multi-token prediction's depths (each its eh_proj, block
     and head). The embedding is a lookup; norms and activations are not counted (Megatron's
-    and torchtitan's convention)."""
+    and torchtitan's convention). Under peft=lora the adapters' matmuls count, and the frozen
+    weights' skipped weight gradients do not (`training`)."""
     block_linear: float
     block_attention: float
     head: float
     num_layers: int
     mtp: float = 0.0
+    block_adapters: float = 0.0  # peft=lora: its adapters' 2*r*(in + rows) each
+    frozen: bool = False  # peft=lora: every weight but the adapters'
 
     @classmethod
-    def of(cls, m: ModelConfig, seq_length: int) -> TokenFlops:
+    def of(cls, m: ModelConfig, seq_length: int, lora: Adapters | None = None) -> TokenFlops:
         return cls(2 * block_weight_elements(m), block_core_flops(m, seq_length),
                    2 * m.hidden_size * m.padded_vocab_size, m.num_layers,
-                   mtp_token_flops(m, seq_length))
+                   mtp_token_flops(m, seq_length),
+                   2 * adapter_elements(m, lora) if lora else 0.0, lora is not None)
+
+    @property
+    def forward(self) -> float:
+        """One forward of the base model (DPO's reference pass: no adapters)."""
+        return self.num_layers * (self.block_linear + self.block_attention) + self.head \
+            + self.mtp
 
     @property
     def training(self) -> float:
         """Model FLOPs of a trained token: forward and a backward of twice its FLOPs. What
-        recompute runs again is not model FLOPs (MFU counts it as lost time)."""
-        return 3 * (self.num_layers * (self.block_linear + self.block_attention) + self.head
-                    + self.mtp)
+        recompute runs again is not model FLOPs (MFU counts it as lost time). Under peft=lora
+        a frozen weight's backward forms the input's gradient only (once its forward's FLOPs,
+        not twice); the adapters and attention's core run their whole backward."""
+        if not self.frozen:
+            return 3 * self.forward
+        return (self.num_layers * (2 * self.block_linear + 3 * self.block_adapters
+                                   + 3 * self.block_attention) + 2 * (self.head + self.mtp))
 
 
 @dataclass(frozen=True)
@@ -96,10 +111,12 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
     t = layout.tp_size
     b, s, S = layout.micro_batch_size, layout.context_local_length, layout.seq_length
     T, W = b * s, block_weight_elements(m)
-    e, token = compute_bytes(options.precision), TokenFlops.of(m, S)
+    e, token = compute_bytes(options.precision), TokenFlops.of(m, S, options.lora)
     flops = hw.flops(options.precision)
-    # Compute of one micro-batch through one block, forward and backward.
-    linear_fwd = T * token.block_linear / t / flops
+    # Compute of one micro-batch through one block, forward and backward; under peft=lora the
+    # frozen weights' backward skips their weight gradients (once their forward, not twice).
+    linear_fwd = T * (token.block_linear + token.block_adapters) / t / flops
+    skipped = T * token.block_linear / t / flops if token.frozen else 0.0
     attn_fwd = T * token.block_attention / t / flops
     extra = {RecomputeGranularity.full: linear_fwd + attn_fwd,
              RecomputeGranularity.selective: attn_fwd, None: 0.0}
@@ -121,7 +138,7 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
                 counts[recompute] = counts.get(recompute, 0) + count
         for recompute, count in counts.items():
             fwd = linear_fwd + attn_fwd
-            bwd = 2 * fwd + extra[recompute]
+            bwd = 2 * fwd + extra[recompute] - skipped
             parts["compute"] += count * (fwd + bwd)
             for costs in REGISTRY:
                 if costs.block_s:
@@ -129,7 +146,7 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
         first, last = stage == 0, stage == pp - 1
         elements = sum(len(chunk) for chunk in chunks) * W
         if last:  # the head
-            parts["compute"] += 3 * head_fwd
+            parts["compute"] += (2 if token.frozen else 3) * head_fwd
             for costs in REGISTRY:
                 if costs.head_s:
                     parts[costs.kind] += costs.head_s(micro)

@@ -3,9 +3,11 @@ MFU, the rank's peak memory, and the share of the step spent waiting for data; a
 run, each pipeline stage's measured peak beside the memory plan's.
 
 Model FLOPs are counted from the config (trainer.plan.cost.TokenFlops: 6 x the weights a token
-multiplies by, plus causal attention's 6 x S x q per layer), so recompute is not counted as
-useful work. MFU divides a rank's model FLOP/s by the cluster preset's peak for the precision
-(cluster.peak_bf16_tflops or peak_fp32_tflops; `local`'s were measured on this CPU).
+multiplies by, plus causal attention's 6 x S x q per layer; under peft=lora 4 x the frozen
+weights and 6 x the adapters; with train.objective=dpo the reference's forward, 2 x the weights
+more), so recompute is not counted as useful work. MFU divides a rank's model FLOP/s by the
+cluster preset's peak for the precision (cluster.peak_bf16_tflops or peak_fp32_tflops; `local`'s
+were measured on this CPU).
 
 Peak memory is the allocator's high-water mark on a GPU (torch.cuda.max_memory_allocated) and
 the process's own peak resident set on CPU (the kernel's VmHWM: getrusage's ru_maxrss of a rank
@@ -23,6 +25,7 @@ import torch
 
 from parallel.layout import Layout
 from trainer.config import Config
+from trainer.parts.lora import Adapters
 from trainer.plan.cost import TokenFlops
 from trainer.plan.hardware import Hardware
 from trainer.train.engine import Engine
@@ -84,7 +87,10 @@ class Throughput:
                  planned: list[dict]):
         """planned: the memory plan's per_stage (RunSpec.memory, planned by settle)."""
         self.config, self.layout, self.device, self.planned = config, layout, device, planned
-        self.flops_per_token = TokenFlops.of(config.model, layout.seq_length).training
+        flops = TokenFlops.of(config.model, layout.seq_length, Adapters.of(config.peft))
+        # train.objective=dpo: each token also runs the reference's forward
+        self.flops_per_token = flops.training + (
+            flops.forward if config.train.objective == "dpo" else 0.0)
         self.peak_flops = Hardware.from_cluster(config.cluster).peak_flops(
             config.train.precision)
         self.baseline = 0 if device.type == "cuda" else resident_bytes()
