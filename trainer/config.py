@@ -517,6 +517,10 @@ class PeftConfig:
     lora_dropout: float = MISSING  # dropout on the adapters' input, in [0, 1)
     # q_proj k_proj v_proj o_proj gate_proj up_proj down_proj: the projections adapted
     target_modules: List[str] = MISSING
+    # the frozen base's projections (and untied head) kept in: fp32, or bf16 (half the bytes;
+    # needs train.precision=bf16, which computes in bf16 anyway). Adapters, norms and the
+    # embedding stay fp32.
+    base_precision: Precision = Precision.fp32
 
 
 @dataclass

@@ -344,6 +344,8 @@ TABLE = [
     R("peft=lora peft.lora_rank=0", ("peft.lora_rank=0", "[1, 64]")),
     R("peft=lora peft.lora_alpha=0", ("peft.lora_alpha=0.0", "> 0")),
     R("peft=lora peft.lora_dropout=1.0", ("peft.lora_dropout=1.0", "[0, 1)")),
+    R("peft=lora peft.base_precision=bf16",
+      ("peft.base_precision=bf16 with train.precision=fp32", "train.precision=bf16")),
     R("peft=lora optim=muon", ("peft=lora with optim=muon", "optim=adamw")),
     R("peft=lora peft.lora_dropout=0.1 cluster.procs_per_node=2 "
       "parallel.tensor_model_parallel_size=2",

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from parallel.layout import Layout
-from trainer.config import PeftConfig, RecomputeGranularity
+from trainer.config import PeftConfig, Precision, RecomputeGranularity
 from trainer.parts.assembly import parameter_shapes
 from trainer.parts.lora import is_adapter
 from trainer.plan.memory import memory_per_stage
@@ -65,9 +65,9 @@ CASES = [*((name, torch.float64) for name in LAYOUTS), ("ws2_ss2_cp2", torch.flo
 
 
 def train(rank: int, layout: Layout, batches: list[torch.Tensor], dtype: torch.dtype,
-          model=TINY, options: EngineOptions = EngineOptions()) -> dict:
+          model=TINY, options: EngineOptions = EngineOptions(), peft: PeftConfig = PEFT) -> dict:
     torch.set_default_dtype(dtype)
-    engine = build_engine(model, OPTIM, SEED, layout, torch.device("cpu"), options, peft=PEFT)
+    engine = build_engine(model, OPTIM, SEED, layout, torch.device("cpu"), options, peft=peft)
     start = engine.model.full_state_dict()
     stats = engine.groups.world.stats
     stats.bytes.clear()
@@ -82,7 +82,9 @@ def train(rank: int, layout: Layout, batches: list[torch.Tensor], dtype: torch.d
     return {"losses": losses, "start": start if first_of_stage else None,
             "end": end if first_of_stage else None, "bytes": dict(stats.bytes),
             "grads": [n for n, p in engine.model.module.named_parameters() if p.grad is not None],
-            "trains": [n for n, p in engine.model.module.named_parameters() if p.requires_grad]}
+            "trains": [n for n, p in engine.model.module.named_parameters() if p.requires_grad],
+            "frozen_dtypes": {n: p.dtype for n, p in engine.model.module.named_parameters()
+                              if not p.requires_grad}, "state": state_bytes(engine)}
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +120,36 @@ def test_lora_under_a_layout_matches_one_process(name, dtype, one_process):
     for result in results:  # only adapters train or hold gradients
         assert result["trains"] and all(is_adapter(n) for n in result["trains"])
         assert all(is_adapter(n) for n in result["grads"])
+
+
+BF16_BASE = replace(PEFT, base_precision=Precision.bf16)
+
+
+@pytest.mark.parametrize("name", ["tp2_sp", "ws2_ss2_cp2", "pp2_dp2"])
+def test_a_bf16_base_trains_as_the_fp32_base_does_in_bf16(name):
+    """peft.base_precision=bf16 under train.precision=bf16: the frozen matrices are held in
+    bf16 (autocast would round them so at each use), so the run equals the fp32 base's bit for
+    bit, in half the bytes, which the plan counts (the embedding and norms stay fp32)."""
+    world, kwargs, model = LAYOUTS[name]
+    layout = make_layout(world, kwargs)
+    batches = make_data(layout.global_batch_size, model)
+    bf16 = EngineOptions(Precision.bf16)
+    half, full = (run_ranks(world, train, layout, batches, torch.float32, model, bf16, peft,
+                            timeout=180) for peft in (BF16_BASE, PEFT))
+    assert half[0]["losses"] == full[0]["losses"]
+    for a, b in zip(half, full):
+        for n in a["end"] or {}:  # the adapters alike, the base its fp32 values rounded
+            assert torch.equal(a["end"][n], b["end"][n].to(a["end"][n].dtype)), n
+        kept = a["frozen_dtypes"]  # matrices in bf16; the embedding and the norms in fp32
+        assert all((d == torch.bfloat16) == ("norm" not in n and not n.startswith("embed."))
+                   for n, d in kept.items()), kept
+    planned = memory_per_stage(parameter_shapes(model, PEFT), model.num_layers, layout,
+                               model.tie_word_embeddings, lora=True, base_bf16=True)
+    for rank, result in enumerate(half):
+        assert result["state"] == planned[layout.coords(rank)[-1]].total_bytes, rank
+    print(f"\nbf16 base {name}: losses equal the fp32 base's, state {half[0]['state']:,} B "
+          f"(fp32 base {full[0]['state']:,} B)")
+    assert half[0]["state"] < full[0]["state"]
 
 
 def test_weight_shards_send_the_adapters_gradients_only():

@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 from multiprocessing import get_context
 
 import pytest
@@ -101,8 +102,9 @@ def saved_activation_bytes(rank: int, layout: Layout, options: EngineOptions,
 def peft_of(options: EngineOptions) -> PeftConfig | None:
     """The peft=lora config a case's options.lora stands for (None: full training)."""
     lora = options.lora
-    return None if lora is None else PeftConfig("lora", lora.rank, 2.0 * lora.rank,
-                                                lora.dropout, sorted(lora.targets))
+    return None if lora is None else PeftConfig(
+        "lora", lora.rank, 2.0 * lora.rank, lora.dropout, sorted(lora.targets),
+        Precision.bf16 if lora.base_bf16 else Precision.fp32)
 
 
 def planned(layout: Layout, options: EngineOptions, model: ModelConfig = MODEL
@@ -366,6 +368,11 @@ LORA_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
                             MODEL),
     "lora_mlp_one_process": (1, {}, dict(lora=Adapters(16, frozenset({"gate_proj", "up_proj"}),
                                                        0.0)), MODEL),
+    # peft.base_precision=bf16: autocast keeps casts of the adapters alone
+    "lora_bf16_base_tp2_sp": (2, TP2_SP, dict(precision=Precision.bf16, lora=replace(
+        ALL_TARGETS, base_bf16=True)), MODEL),
+    "lora_bf16_base_q_v": (1, {}, dict(precision=Precision.bf16, lora=Adapters(
+        8, frozenset({"q_proj", "v_proj"}), 0.0, base_bf16=True)), GQA),
 }
 ALL_CASES = {**CASES, **GQA_CASES, **QK_CASES, **LOCAL_CASES, **GEMMA_CASES,
              **{n: c[:3] for n, c in (MOE_CASES | MLA_CASES | MTP_CASES

@@ -144,7 +144,8 @@ def search(p: Problem) -> Choice:
     check_model(p.model)
     fixed, given = dict(p.fixed), dict(p.given)
     m, planner = p.model, PeakPlanner(parameter_shapes(p.model, p.peft), p.model, p.muon,
-                                      p.peft is not None, p.reference)
+                                      p.peft is not None, p.reference,
+                                      p.peft is not None and Adapters.of(p.peft).base_bf16)
     budget, dropped = p.hardware.budget_bytes, Counter()
     over = "planned peak over the device memory less its margin"
     fits: list[tuple[float, int, Candidate]] = []

@@ -12,13 +12,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import asdict
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
 from trainer.checkpoint.integrity import CHECKSUMS, read_meta, resolve, verify
-from trainer.config import Config
+from trainer.config import Config, PeftConfig
 
 BASE = "base"  # meta.json's key
+
+
+def peft_record(peft: PeftConfig) -> dict[str, Any]:
+    """peft's keys as meta.json keeps them (an enum by its value)."""
+    return {k: v.value if isinstance(v, Enum) else v for k, v in asdict(peft).items()}
 
 
 def fingerprint(meta: dict[str, Any]) -> str:

@@ -39,7 +39,7 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from torch.distributed.checkpoint.api import CheckpointException
 
-from trainer.checkpoint.adapters import base_of
+from trainer.checkpoint.adapters import base_of, peft_record
 from trainer.checkpoint.dcp import (
     Chunked,
     ChunkSavePlanner,
@@ -263,7 +263,7 @@ def _write_import(out_dir: Path, shapes: dict[str, tuple[int, ...]],
                  if f.name == METADATA or f.suffix == ".distcp"}
     write_meta(out_dir, {WEIGHTS_ONLY: True, "source": str(hf_dir.resolve()),
                          "model": asdict(model), "step": 0, "consumed_samples": 0,
-                         "peft": asdict(peft) if peft else None, CHECKSUMS: checksums})
+                         "peft": peft_record(peft) if peft else None, CHECKSUMS: checksums})
 
 
 @contextlib.contextmanager

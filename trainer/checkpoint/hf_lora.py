@@ -10,7 +10,7 @@ the family's own mapping (hf_families.hf_parts), so every family the export know
 from __future__ import annotations
 
 import json
-from dataclasses import fields
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Callable
 
@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from trainer.checkpoint.hf import _new_folder, one_process
 from trainer.checkpoint.hf_families import hf_parts
-from trainer.config import ModelConfig, PeftConfig
+from trainer.config import ModelConfig, PeftConfig, Precision
 from trainer.parts.assembly import BLOCKS, parameter_shapes
 from trainer.parts.lora import ADAPTERS, check_peft, projections, targets
 
@@ -34,7 +34,8 @@ def recorded_peft(ckpt: Path) -> PeftConfig | None:
     if not values:
         return None
     known = {f.name for f in fields(PeftConfig)}
-    return PeftConfig(**{k: v for k, v in values.items() if k in known})
+    peft = PeftConfig(**{k: v for k, v in values.items() if k in known})
+    return replace(peft, base_precision=Precision(peft.base_precision))
 
 
 def adapter_tensors(model: ModelConfig, peft: PeftConfig) -> dict[str, tuple[int, ...]]:

@@ -90,7 +90,7 @@ def settle(cfg: DictConfig) -> RunSpec:
                              f"the data's tokenizer, and data.path={config.data.path} (a Megatron "
                              f"dataset) records none. Fix: set logger.sample_prompts=null, and "
                              f"sample a checkpoint with python -m trainer.generate --tokenizer.")
-        check_peft(config.model, config.peft, config.optim, layout)
+        check_peft(config.model, config.peft, config.optim, layout, config.train.precision)
         memory = memory_plan(config.model, layout, options, muon_plan(config.model, config.optim),
                              config.peft, config.train.objective == "dpo" and not config.peft)
     except ValueError as error:

@@ -20,6 +20,7 @@ from torch import nn
 
 from trainer.config import ModelConfig, PeftConfig
 from trainer.parts import block_parts
+from trainer.parts.assembly import EMBEDDING
 from trainer.parts.lora import ADAPTERS, adapted, is_adapter
 
 
@@ -118,6 +119,15 @@ def freeze_base(model: nn.Module) -> None:
     parameters)."""
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
+
+
+def keep_base_in(model: nn.Module, dtype: torch.dtype) -> None:
+    """peft.base_precision=bf16: the frozen matrices (the projections, an untied head, the
+    experts) held in `dtype`, before they are filled (an fp32 base converts as it loads). The
+    embedding and the norms stay fp32: the residual stream is fp32."""
+    for name, param in model.named_parameters():
+        if not param.requires_grad and param.ndim >= 2 and not name.startswith(f"{EMBEDDING}."):
+            param.data = torch.empty_like(param, dtype=dtype)
 
 
 def adapter_std(name: str, in_features: int) -> float | None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.config import ModelConfig, PeftConfig
+from trainer.config import ModelConfig, PeftConfig, Precision
 from trainer.parts import PARTS, BlockParts, block_parts
 
 ADAPTERS = "_lora"  # `attn.qkv` -> `attn.qkv_lora`
@@ -111,12 +111,14 @@ class Adapters:
     rank: int
     targets: frozenset[str]  # Hugging Face projection names (peft.target_modules)
     dropout: float
+    base_bf16: bool = False  # peft.base_precision=bf16
 
     @classmethod
     def of(cls, peft: PeftConfig | None) -> Adapters | None:
         if peft is None:
             return None
-        return cls(peft.lora_rank, frozenset(peft.target_modules), peft.lora_dropout)
+        return cls(peft.lora_rank, frozenset(peft.target_modules), peft.lora_dropout,
+                   Precision(peft.base_precision) is Precision.bf16)
 
 
 def block_kept_bytes(cfg: ModelConfig, parts: BlockParts, k: Any, e: int, recompute: Any,
@@ -162,6 +164,24 @@ def head_kept_bytes(cfg: ModelConfig, k: Any, e: int) -> int:
     return k.Tr * cfg.hidden_size * 4 + k.T * cfg.hidden_size * e
 
 
+def local_adapter_elements(cfg: ModelConfig, lora: Adapters, t: int) -> float:
+    """A block's adapters' elements on a TP rank (a column projection's B and a row one's A
+    split over TP, the other factor whole), averaged over the blocks: under bf16 autocast
+    keeps a cast of each, and with peft.base_precision=bf16 of nothing else in a block."""
+    return sum(lora.rank * (cols + rows // t if column else cols // t + rows)
+               for block in range(cfg.num_layers)
+               for module, parts in projections(cfg, block).items()
+               for column in (module_style(cfg, block, module) == "column",)
+               for name, cols, rows in parts if name in lora.targets) / max(cfg.num_layers, 1)
+
+
+def module_style(cfg: ModelConfig, block: int, module: str) -> str:
+    """The TP style of projection `module` ("attn.qkv") of block `block`."""
+    slot, name = module.split(".", 1)
+    part = next(p for p in block_parts(cfg, block) if p.slot == slot)
+    return part.tp_styles[name]
+
+
 def uncast_elements(cfg: ModelConfig, lora: Adapters, t: int) -> int:
     """Under bf16 autocast a frozen weight is cast at each use and the cast kept only where
     its input carries a gradient: not in the model's first block for qkv, nor for o while q,
@@ -185,9 +205,9 @@ def is_adapter(name: str) -> bool:
 
 
 def check_peft(model: ModelConfig, peft: PeftConfig | None, optim: Any = None,
-               layout: Any = None) -> None:
-    """peft.*'s rules: a ValueError naming the key, the value and the fix (with the optimizer
-    and the layout: theirs too; an adapter import has neither)."""
+               layout: Any = None, precision: Precision | None = None) -> None:
+    """peft.*'s rules: a ValueError naming the key, the value and the fix (with the optimizer,
+    the layout and train.precision: theirs too; an adapter import has none)."""
     if peft is None:
         return
     if layout is not None and peft.lora_dropout and layout.tp_size > 1 \
@@ -224,6 +244,12 @@ def check_peft(model: ModelConfig, peft: PeftConfig | None, optim: Any = None,
         raise ValueError(f"peft.lora_rank={peft.lora_rank} must be in [1, {smallest}] (the "
                          f"smallest side of an adapted projection): a larger one adds nothing "
                          f"a full update lacks. Fix: e.g. peft.lora_rank=16.")
+    if precision is not None and Precision(peft.base_precision) is Precision.bf16 \
+            and precision is not Precision.bf16:
+        raise ValueError(f"peft.base_precision=bf16 with train.precision={precision.value}: the "
+                         f"frozen base in bf16 is multiplied in bf16, which train.precision=fp32 "
+                         f"does not compute in. Fix: train.precision=bf16, or "
+                         f"peft.base_precision=fp32.")
     if optim is not None and optim.name != "adamw":
         raise ValueError(f"peft=lora with optim={optim.name}: Muon on low-rank adapters is "
                          f"not built (their matrices are r wide). Fix: optim=adamw.")

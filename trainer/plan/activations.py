@@ -72,7 +72,7 @@ from parallel.layout import Layout
 from parallel.layout.axes.context import window_exchange
 from trainer.config import CPCommType, ModelConfig, RecomputeGranularity
 from trainer.parts import BlockParts, block_parts, mtp
-from trainer.parts.lora import Adapters, head_kept_bytes, uncast_elements
+from trainer.parts.lora import Adapters, head_kept_bytes, local_adapter_elements, uncast_elements
 from trainer.parts.lora import block_kept_bytes as lora_block_bytes
 from trainer.parts.tokens import FP32, Tokens, compute_bytes
 from trainer.plan.axis_costs.gtp_remat import REDUCES_IN_FLIGHT, gathered_bytes
@@ -259,7 +259,12 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
         if last and options.recompute_granularity is not RecomputeGranularity.full:
             autocast += mtp.depths(m) * depth_weights[0] * e  # the depths' blocks' copies
         autocast += (kept_copies * block_weights + head_weights) * e
-        if lora is not None and first and options.recomputes(0) is not RecomputeGranularity.full:
+        if lora is not None and lora.base_bf16:  # the frozen matrices are bf16 already:
+            # the adapters' casts (and a tied head's, the fp32 embedding's) only
+            autocast = int(kept_copies * local_adapter_elements(m, lora, k.t)
+                           + (head_weights if m.tie_word_embeddings else 0)) * e
+        elif lora is not None and first and \
+                options.recomputes(0) is not RecomputeGranularity.full:
             # the first block's input carries no gradient: some casts are not kept
             autocast -= uncast_elements(m, lora, k.t) * e
     # Backward of the head: the gradient of the logits (fp32, and its scaled copy) beside the

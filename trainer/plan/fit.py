@@ -18,10 +18,11 @@ class PeakPlanner:
     layout's stages once for all of its options."""
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], m: ModelConfig,
-                 muon: MuonPlan | None = None, lora: bool = False, reference: bool = False):
+                 muon: MuonPlan | None = None, lora: bool = False, reference: bool = False,
+                 base_bf16: bool = False):
         self.m = m
         self.weights = ModelWeights(shapes, m.num_layers, m.tie_word_embeddings, muon=muon,
-                                    lora=lora, reference=reference)
+                                    lora=lora, reference=reference, base_bf16=base_bf16)
 
     def stages(self, layout: Layout) -> list[StageWeights]:
         return self.weights.stages(layout)

@@ -30,7 +30,7 @@ from trainer.parts.assembly import (
     parameter_shapes,
     tp_style,
 )
-from trainer.parts.lora import is_adapter
+from trainer.parts.lora import Adapters, is_adapter
 from trainer.parts.moe import dispatch_rows
 from trainer.parts.mtp import MTP
 from trainer.parts.tokens import Tokens, compute_bytes
@@ -49,8 +49,10 @@ from trainer.plan.options import EngineOptions
 
 # (param, grad, optimizer) bytes per element. Weights, gradients and both AdamW moments are fp32
 # under every train.precision: bf16 autocasts the compute (and halves activations); it does not
-# change what a rank keeps between steps.
+# change what a rank keeps between steps (but peft.base_precision=bf16 keeps the frozen
+# matrices in BF16).
 BYTES_PER_ELEMENT = (4, 4, 8)
+BF16 = 2
 EMBEDDING_WEIGHT = f"{EMBEDDING}.weight"
 DEPTH_BLOCK = f"{MTP}.depths.0.block."  # the first multi-token prediction depth's block
 UPDATE_TEMPORARIES = 2  # fp32 tensors of a part's size alive at once in AdamW's update
@@ -176,12 +178,14 @@ class ModelWeights:
 
     def __init__(self, shapes: dict[str, tuple[int, ...]], num_layers: int,
                  tie_word_embeddings: bool = False, buffer_bytes: list[int] | None = None,
-                 muon: MuonPlan | None = None, lora: bool = False, reference: bool = False):
+                 muon: MuonPlan | None = None, lora: bool = False, reference: bool = False,
+                 base_bf16: bool = False):
         """buffer_bytes: each block's buffers (model_buffer_bytes), whole on every rank;
         muon: optim=muon's matrices (None: AdamW on every parameter); lora: only the adapters
         train (peft=lora; `shapes` has them), the rest is frozen; reference: a frozen copy
-        of every weight beside them (DPO's reference under full fine-tuning)."""
-        self.reference = reference
+        of every weight beside them (DPO's reference under full fine-tuning); base_bf16:
+        peft.base_precision=bf16, the frozen matrices (not the embedding) held in bf16."""
+        self.reference, self.base_bf16 = reference, base_bf16
         prefix = f"{BLOCKS}."
         self.muon = muon
         names = muon.names if muon else frozenset()
@@ -220,7 +224,9 @@ class ModelWeights:
                           [(b, self._held(f"{BLOCKS}.0.{name}", shape, b, layout))
                            for (name, (shape, _, _)), (_, b, _) in zip(kind, local)
                            if b in TO_MUON.values()],
-                          sum(n for n, _, f in local if f)))
+                          sum(n for n, _, f in local if f),
+                          sum(n for (n, _, f), (_, (shape, _, _)) in zip(local, kind)
+                              if f and len(shape) >= 2)))
         embedding = local_numel(EMBEDDING_WEIGHT, self.embedding, layout)[0]
         p_bytes, g_bytes, o_bytes = BYTES_PER_ELEMENT
         all_chunks, out = layout.pipeline_layers(self.num_layers), []
@@ -231,6 +237,7 @@ class ModelWeights:
             buffers = [sum(k[0][buffer] for k in held) for buffer in BUFFERS]
             matrices = [m for k in held for m in k[2]]  # (Muon buffer, its matrices)
             frozen = sum(k[3] for k in held)
+            half = sum(k[4] for k in held) if self.base_bf16 else 0  # of them in bf16
             ends, depth = [], []
             for name, shape, is_frozen in self.outside:
                 if stage == (0 if name.startswith(f"{EMBEDDING}.") else pp - 1):
@@ -238,6 +245,8 @@ class ModelWeights:
                     numel, buffer = local_numel(name, shape, layout, muon)
                     if is_frozen:
                         frozen += numel
+                        half += numel if self.base_bf16 and len(shape) >= 2 and \
+                            not name.startswith(f"{EMBEDDING}.") else 0
                     else:
                         buffers[buffer] += numel
                     if muon:
@@ -268,7 +277,8 @@ class ModelWeights:
             copy_grad = 0 if self.embedding_frozen else copy
             reference = sum(buffers) + copy + frozen if self.reference else 0
             memory = StageMemory(stage, sum(buffers) + copy + frozen,
-                                 (flat + copy + frozen + reference) * p_bytes,
+                                 (flat + copy + frozen + reference) * p_bytes
+                                 - half * (p_bytes - BF16),
                                  (flat + copy_grad) * g_bytes, state, blocks, update, copy,
                                  sum(self.buffer_bytes[i] for i in blocks),
                                  sum(buffers[b] for b in muon), frozen, reference)
@@ -335,11 +345,11 @@ def _planned_step(m: ModelConfig, layout: Layout, options: EngineOptions,
 
 def memory_per_stage(shapes: dict[str, tuple[int, ...]], num_layers: int, layout: Layout,
                      tie_word_embeddings: bool = False, muon: MuonPlan | None = None,
-                     lora: bool = False) -> list[StageMemory]:
+                     lora: bool = False, base_bf16: bool = False) -> list[StageMemory]:
     """What one rank of each pipeline stage keeps between steps (lora: only the adapters in
-    `shapes` train)."""
-    return [s.memory for s in ModelWeights(shapes, num_layers, tie_word_embeddings,
-                                           muon=muon, lora=lora).stages(layout)]
+    `shapes` train; base_bf16: the frozen matrices in bf16)."""
+    return [s.memory for s in ModelWeights(shapes, num_layers, tie_word_embeddings, muon=muon,
+                                           lora=lora, base_bf16=base_bf16).stages(layout)]
 
 
 def step_per_stage(shapes: dict[str, tuple[int, ...]], model: ModelConfig, layout: Layout,
@@ -353,14 +363,17 @@ def step_per_stage(shapes: dict[str, tuple[int, ...]], model: ModelConfig, layou
 
 
 def unsharded_memory(shapes: dict[str, tuple[int, ...]], muon: MuonPlan | None = None,
-                     lora: bool = False) -> StageMemory:
+                     lora: bool = False, base_bf16: bool = False) -> StageMemory:
     """The same model in one process: the reference the per-rank figures divide."""
     numel = sum(math.prod(shape) for shape in shapes.values())
     taken = sum(math.prod(s) for n, s in shapes.items() if muon and n in muon.names)
     frozen = sum(math.prod(s) for n, s in shapes.items() if lora and not is_adapter(n))
+    half = sum(math.prod(s) for n, s in shapes.items() if base_bf16 and not is_adapter(n)
+               and len(s) >= 2 and n != EMBEDDING_WEIGHT)
     p_bytes, g_bytes, o_bytes = BYTES_PER_ELEMENT
     blocks = sorted({int(name.split(".")[1]) for name in shapes if name.startswith(f"{BLOCKS}.")})
-    return StageMemory(0, numel, numel * p_bytes, (numel - frozen) * g_bytes,
+    return StageMemory(0, numel, numel * p_bytes - half * (p_bytes - BF16),
+                       (numel - frozen) * g_bytes,
                        (numel - taken - frozen) * o_bytes + taken * MUON_STATE_BYTES,
                        tuple(blocks), muon_elements=taken, frozen_elements=frozen)
 
@@ -374,11 +387,12 @@ def memory_plan(model: ModelConfig, layout: Layout, options: EngineOptions,
     adapters train, the rest is frozen. reference: train.objective=dpo's frozen copy of the
     weights (full fine-tuning; under LoRA the reference is the base, held already)."""
     shapes, lora = parameter_shapes(model, peft), peft is not None
+    half = lora and Adapters.of(peft).base_bf16
     stages = ModelWeights(shapes, model.num_layers, model.tie_word_embeddings,
-                          block_buffer_bytes(model), muon, lora, reference).stages(layout)
+                          block_buffer_bytes(model), muon, lora, reference, half).stages(layout)
     plan = {"per_stage": [{**s.memory.as_dict(), **_planned_step(model, layout, options, s)}
                           for s in stages],
-            "unsharded": unsharded_memory(shapes, muon, lora).as_dict()}
+            "unsharded": unsharded_memory(shapes, muon, lora, half).as_dict()}
     dispatch = dispatch_rows(model, Tokens.of(layout), compute_bytes(options.precision),
                              options.recompute_granularity, layout.micro_batch_tokens)
     owners = [{"stage": s.memory.stage, "buffer": h.name, **owner_balance(h, muon.steps)}

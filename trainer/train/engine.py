@@ -18,7 +18,7 @@ from parallel.groups import Groups, build_groups
 from parallel.layout import Layout
 from parallel.parallelize import ParallelModel, parallelize
 from trainer.config import ModelConfig, OptimConfig, PeftConfig, Precision
-from trainer.model.lora import add_adapters, freeze_base
+from trainer.model.lora import add_adapters, freeze_base, keep_base_in
 from trainer.model.transformer import Transformer
 from trainer.parts.assembly import parallel_plan, parameter_shapes
 from trainer.parts.matrices import muon_names
@@ -79,6 +79,8 @@ def build_engine(model_cfg: ModelConfig, optim_cfg: OptimConfig, seed: int, layo
         parallel, model_cfg, optim_cfg.qk_clip_threshold, optim_cfg.qk_clip_alpha)
     optimizer = ShardedOptimizer(parallel, optim_cfg, layout, muon_choice(model_cfg, optim_cfg),
                                  clip)
+    if peft is not None and Precision(peft.base_precision) is Precision.bf16:
+        keep_base_in(model, torch.bfloat16)  # frozen: outside the optimizer's fp32 buffers
     parallel.initialize(functools.partial(model.initial_values, seed=seed))
     return Engine(layout, groups, parallel, optimizer)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import signal
 import time
-from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -20,7 +19,7 @@ import torch.distributed as dist
 from hydra.errors import CompactHydraException
 
 from trainer.checkpoint import resume
-from trainer.checkpoint.adapters import BASE, base_record
+from trainer.checkpoint.adapters import BASE, base_record, peft_record
 from trainer.checkpoint.dcp import folder_of, load_weights
 from trainer.checkpoint.integrity import latest, resolve, verify
 from trainer.checkpoint.saver import Saver
@@ -61,7 +60,8 @@ class Trainer:
         self.layout, self.device = spec.layout, device
         self.rank, self.meta, self.watch = dist.get_rank(), meta or {}, watch
         if config.peft is not None:  # which adapters the checkpoints hold, and on which base
-            self.meta = {**self.meta, "peft": asdict(config.peft), BASE: base_record(config)}
+            self.meta = {**self.meta, "peft": peft_record(config.peft),
+                         BASE: base_record(config)}
         self.run_dir, self.timeout_s = run_dir, config.cluster.timeout_s
         self.plan, self.schedule, self.weight_decay = spec.plan, spec.schedule, spec.weight_decay
         self.save_interval = config.checkpoint.save_interval
