@@ -1,6 +1,8 @@
 """LoRA's adapters from the config alone (no torch): which projections peft.target_modules
-adapts, the adapters' names and shapes, how tensor parallel splits them, and the compose-time
-rules. trainer.model.lora builds them; parallel/ splits them by the plan entries written here.
+adapts, the adapters' names and shapes, how tensor parallel splits them, their terms of the
+memory plan and the FLOP count (a frozen base keeps less: block_kept_bytes), and the
+compose-time rules. trainer.model.lora builds them; parallel/ splits them by the plan entries
+written here.
 
 Names. Beside a projection `attn.qkv` its adapters live in `attn.qkv_lora`, one per Hugging Face
 name of its fused parts: `attn.qkv_lora.q_proj.lora_A.weight` [r, in] and `...lora_B.weight`
@@ -25,8 +27,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainer.config import ModelConfig, PeftConfig, Precision
+from trainer.config import CPCommType, ModelConfig, PeftConfig, Precision, RecomputeGranularity
 from trainer.parts import PARTS, BlockParts, block_parts
+from trainer.parts.tokens import FP32, Tokens
 
 ADAPTERS = "_lora"  # `attn.qkv` -> `attn.qkv_lora`
 FACTORS = ("lora_A", "lora_B")
@@ -121,10 +124,11 @@ class Adapters:
                    Precision(peft.base_precision) is Precision.bf16)
 
 
-def block_kept_bytes(cfg: ModelConfig, parts: BlockParts, k: Any, e: int, recompute: Any,
-                     cp_comm_type: Any, lora: Adapters, grad_in: bool) -> int:
+def block_kept_bytes(cfg: ModelConfig, parts: BlockParts, k: Tokens, e: int,
+                     recompute: RecomputeGranularity | None, cp_comm_type: CPCommType,
+                     lora: Adapters, grad_in: bool) -> int:
     """What a block keeps for its backward under peft=lora (without full recompute; k: the
-    rank's trainer.parts.tokens.Tokens; grad_in: whether its input carries a gradient, not so
+    rank's local sizes; grad_in: whether its input carries a gradient, not so
     in the model's first block, fed by the frozen embedding). Its parts' terms with their
     weights frozen (Part.lora_kept_bytes; a part without one counts as fully trained: an upper
     bound), and each adapter's own: B's input, A's r-wide output, T*r*e for a column
@@ -158,10 +162,10 @@ def block_kept_bytes(cfg: ModelConfig, parts: BlockParts, k: Any, e: int, recomp
     return total
 
 
-def head_kept_bytes(cfg: ModelConfig, k: Any, e: int) -> int:
+def head_kept_bytes(cfg: ModelConfig, k: Tokens, e: int) -> int:
     """Under peft=lora the frozen final norm keeps no normalised input (Tr*h fp32) and the
     frozen head no input (T*h*e): what the head's terms of the plan drop."""
-    return k.Tr * cfg.hidden_size * 4 + k.T * cfg.hidden_size * e
+    return k.Tr * cfg.hidden_size * FP32 + k.T * cfg.hidden_size * e
 
 
 def local_adapter_elements(cfg: ModelConfig, lora: Adapters, t: int) -> float:

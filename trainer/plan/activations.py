@@ -35,16 +35,10 @@ norm (2*Tr*h fp32), the head input (T*h*e) and the loss's softmax (T*V/t fp32). 
 a mask. Under bf16 without weight sharding,
 autocast also keeps a bf16 copy of every local weight.
 
-Under peft=lora (EngineOptions.lora) a frozen weight keeps no input for its gradient: a norm
-keeps its input and rsqrt only, qkv's and gate_up's inputs are kept by their adapters alone (the
-rank's own tokens Tr*h*e: trainer.model.lora makes them contiguous and casts them once), down's
-input only for down's adapter, the head's not at all (the final norm: Tr*h fp32); each adapter
-keeps its r-wide A output (T*r*e for a column projection, Tr*r*e for a row one) and, with
-dropout, a one-byte mask. The model's first block is fed by the frozen embedding: its input
-carries no gradient, so its attention norm keeps nothing, and neither does what no adapter
-precedes (trainer.parts.lora.block_kept_bytes; under bf16 those weights' casts are not kept
-either). DPO's reference pass runs without gradients before the policy's micro-batches and adds
-nothing to their peak.
+Under peft=lora (EngineOptions.lora) a frozen weight keeps no input for its gradient, the
+adapters keep their r-wide outputs, and the first block, fed by the frozen embedding, keeps
+less: trainer.parts.lora.block_kept_bytes. DPO's reference pass runs without gradients before
+the policy's micro-batches and adds nothing to their peak.
 
 With multi-token prediction (model.mtp_num_layers = D) the last stage also keeps, per depth,
 what trainer.parts.mtp lists: enorm's and hnorm's tensors (4*Tr*h + 2*Tr fp32, hnorm's input
