@@ -464,7 +464,10 @@ PP_CASES = {  # name -> (world, Layout kwargs, schedule, model)
     # multi-token prediction's depth on the last stage, beside its copy of the embedding
     "pp2_mtp": (2, dict(pipeline_model_parallel_size=2), "1f1b",
                 dataclasses.replace(PP_MODEL, mtp_num_layers=1)),
+    # peft=lora: the model's first block (fed by the frozen embedding) on stage 0 only
+    "pp2_lora": (2, dict(pipeline_model_parallel_size=2), "1f1b", PP_MODEL),
 }
+PP_LORA = {"pp2_lora": ALL_TARGETS}
 
 
 @pytest.mark.parametrize("name", PP_CASES)
@@ -476,12 +479,13 @@ def test_allocator_counted_transients_of_pipeline_stages(name, stage):
     world, layout_kwargs, schedule, model = PP_CASES[name]
     layout = Layout(world, micro_batch_size=2, seq_length=512, global_batch_size=4 * world,
                     **layout_kwargs)
-    options = EngineOptions(pipeline_schedule=schedule)
+    options = EngineOptions(pipeline_schedule=schedule, lora=PP_LORA.get(name))
     rank = layout.groups("pp")[0][stage]
     step, update = simulated(world, rank, allocated_transients, layout, options, model)
-    shapes = parameter_shapes(model)
+    shapes = parameter_shapes(model, peft_of(options))
     plan = step_per_stage(shapes, model, layout, options)[stage]
-    state = memory_per_stage(shapes, model.num_layers, layout)[stage]
+    state = memory_per_stage(shapes, model.num_layers, layout,
+                             lora=options.lora is not None)[stage]
     transients = plan["peak_bytes"] - state.total_bytes
     print(f"\n{name} stage {stage}: micro-batches {step:,} B, planned {transients:,} B "
           f"({transients / step - 1:+.2%}, messages {plan['message_bytes']:,} B); update "

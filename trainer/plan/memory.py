@@ -356,9 +356,12 @@ def step_per_stage(shapes: dict[str, tuple[int, ...]], model: ModelConfig, layou
                    options: EngineOptions, muon: MuonPlan | None = None
                    ) -> list[dict[str, int]]:
     """Each stage's activations and transients of one micro-batch, walking its schedule, and
-    its planned peak: state plus all of them."""
-    stages = ModelWeights(shapes, model.num_layers, model.tie_word_embeddings,
-                          muon=muon).stages(layout)
+    its planned peak: state plus all of them (options.lora: peft=lora's, `shapes` with its
+    adapters)."""
+    lora = options.lora
+    stages = ModelWeights(shapes, model.num_layers, model.tie_word_embeddings, muon=muon,
+                          lora=lora is not None,
+                          base_bf16=lora is not None and lora.base_bf16).stages(layout)
     return [_planned_step(model, layout, options, s) for s in stages]
 
 
