@@ -95,6 +95,24 @@ def merge_into(model: ModelConfig, peft: PeftConfig, ckpt: Path
     return merged
 
 
+MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+def check_peft_reads(model: ModelConfig, peft: PeftConfig) -> None:
+    """An adapter PEFT would load as something else is refused: on a mixture of experts
+    (transformers 5's fused experts) PEFT 0.21 reads gate_proj, up_proj and down_proj in
+    target_modules as the routed experts' weights, which take no adapters here, and drops
+    ours on the dense MLPs (a missing-keys warning, the base's logits)."""
+    mlp = sorted(set(peft.target_modules) & set(MLP_NAMES))
+    if model.num_moe_experts is not None and mlp:
+        raise ValueError(f"export --adapter-only: peft.target_modules has {', '.join(mlp)} on a "
+                         f"mixture-of-experts model (model.num_moe_experts="
+                         f"{model.num_moe_experts}), which PEFT reads as its routed experts' "
+                         f"weights and would load without our adapters. Fix: export the merged "
+                         f"model (python -m trainer.hf export CKPT OUT), or adapt the attention "
+                         f"only (q_proj, k_proj, v_proj, o_proj).")
+
+
 def export_adapter(ckpt: Path, out_dir: Path, model: ModelConfig, peft: PeftConfig,
                    dtype: torch.dtype, base: str) -> list[Path]:
     """The checkpoint's adapters alone, as PEFT writes them (`base`: what the adapter config
@@ -103,6 +121,7 @@ def export_adapter(ckpt: Path, out_dir: Path, model: ModelConfig, peft: PeftConf
 
     from trainer.checkpoint.dcp import saved_entries
 
+    check_peft_reads(model, peft)
     saved = saved_entries(ckpt)
     for name, shape in adapter_tensors(model, peft).items():
         entry = saved.get(f"model.{name}")

@@ -35,13 +35,20 @@ ADAPTERS = "_lora"  # `attn.qkv` -> `attn.qkv_lora`
 FACTORS = ("lora_A", "lora_B")
 
 
+def part_targets(cfg: ModelConfig, part: Any) -> dict[str, tuple[str, ...]]:
+    """The projections `part` has in this model that LoRA can adapt (Part.lora_targets less
+    those the config leaves out, e.g. a mixture of experts without a shared expert)."""
+    shapes = part.shapes(cfg)
+    return {m: names for m, names in part.lora_targets.items() if f"{m}.weight" in shapes}
+
+
 def targets(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
     """Module name within a block -> the Hugging Face names of its parts, for every projection
     the model's blocks have that LoRA can adapt."""
     out: dict[str, tuple[str, ...]] = {}
     for block in range(cfg.num_layers):
         for part in block_parts(cfg, block):
-            out |= {f"{part.slot}.{m}": names for m, names in part.lora_targets.items()}
+            out |= {f"{part.slot}.{m}": names for m, names in part_targets(cfg, part).items()}
     return out
 
 
@@ -66,7 +73,7 @@ def projections(cfg: ModelConfig, block: int) -> dict[str, list[tuple[str, int, 
     out: dict[str, list[tuple[str, int, int]]] = {}
     for part in block_parts(cfg, block):
         shapes, fused = part.shapes(cfg), part.fused(cfg)
-        for module, names in part.lora_targets.items():
+        for module, names in part_targets(cfg, part).items():
             rows, cols = shapes[f"{module}.weight"]
             sizes = fused.get(module, (1,))
             out[f"{part.slot}.{module}"] = [(n, cols, rows * s // sum(sizes))
@@ -135,7 +142,8 @@ def block_kept_bytes(cfg: ModelConfig, parts: BlockParts, k: Tokens, e: int,
     projection (gathered along the sequence under SP) or Tr*r*e for a row one (reduce-
     scattered), and with dropout its mask (a byte an element of the projection's local input,
     where that carries a gradient)."""
-    own = {part.name: lora.targets & {n for names in part.lora_targets.values() for n in names}
+    own = {part.name: lora.targets & {n for names in part_targets(cfg, part).values()
+                                      for n in names}
            for part in (parts.attention, parts.mlp)}
     attention_out = grad_in or bool(own[parts.attention.name])
     mlp_out = attention_out or bool(own[parts.mlp.name])
@@ -149,7 +157,7 @@ def block_kept_bytes(cfg: ModelConfig, parts: BlockParts, k: Tokens, e: int,
             total += part.lora_kept_bytes(cfg, k, e, recompute, cp_comm_type, own[part.name],
                                           part_in, lora.dropout > 0)
         shapes, grad = part.shapes(cfg), part_in
-        for module, names in part.lora_targets.items():  # in order: a row one reads a column's
+        for module, names in part_targets(cfg, part).items():  # a row one reads a column's
             count = len(lora.targets & set(names))
             if not count:
                 continue
@@ -195,7 +203,7 @@ def uncast_elements(cfg: ModelConfig, lora: Adapters, t: int) -> int:
     shapes = {**parts.attention.shapes(cfg), **parts.mlp.shapes(cfg)}
     grad, out = False, 0
     for part in (parts.attention, parts.mlp):
-        for module, names in part.lora_targets.items():
+        for module, names in part_targets(cfg, part).items():
             if not grad:
                 rows, cols = shapes[f"{module}.weight"]
                 out += rows * cols // t

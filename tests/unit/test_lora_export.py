@@ -1,0 +1,49 @@
+"""The adapter-only export refuses what PEFT would load as something else: on a mixture of
+experts PEFT 0.21 with transformers 5 (fused experts) turns gate_proj, up_proj and down_proj in
+an adapter's target_modules into its routed experts' fused weights (target_parameters), so our
+adapters on the dense MLPs would load as nothing. The first test holds PEFT to that (if PEFT
+changes, the refusal can go); the second, our refusal to it."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import transformers
+from peft import LoraConfig, PeftModel, get_peft_model
+from test_flops import preset
+
+from trainer.checkpoint.hf_lora import check_peft_reads
+from trainer.config import ModelConfig, PeftConfig
+
+
+def test_peft_reads_mlp_targets_on_a_mixture_of_experts_as_its_experts(tmp_path):
+    config = transformers.Qwen3MoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+        num_experts_per_tok=2, head_dim=8)
+    model = transformers.Qwen3MoeForCausalLM(config)
+    # an adapter on q_proj as PEFT saves it, its config then naming the MLP's projections too
+    get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"])
+                   ).save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "adapter_config.json").read_text())
+    written["target_modules"] = ["q_proj", "gate_proj", "up_proj", "down_proj"]
+    (tmp_path / "adapter_config.json").write_text(json.dumps(written))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded = PeftModel.from_pretrained(transformers.Qwen3MoeForCausalLM(config),
+                                           str(tmp_path))
+    config = loaded.peft_config["default"]
+    assert set(config.target_modules) == {"q_proj"}
+    assert set(config.target_parameters) == {"gate_up_proj", "down_proj"}
+
+
+def test_an_adapter_peft_would_misread_is_not_exported():
+    moe = preset("tiny_moe")
+    assert moe.num_moe_experts is not None
+    mlp = PeftConfig("lora", 4, 8.0, 0.0, ["q_proj", "gate_proj", "up_proj"])
+    with pytest.raises(ValueError, match=r"gate_proj, up_proj on a mixture-of-experts.*Fix:"):
+        check_peft_reads(moe, mlp)
+    check_peft_reads(moe, PeftConfig("lora", 4, 8.0, 0.0, ["q_proj", "o_proj"]))
+    dense: ModelConfig = preset("tiny")
+    check_peft_reads(dense, mlp)
