@@ -125,7 +125,7 @@ def test_lora_under_a_layout_matches_one_process(name, dtype, one_process):
 BF16_BASE = replace(PEFT, base_precision=Precision.bf16)
 
 
-@pytest.mark.parametrize("name", ["tp2_sp", "ws2_ss2_cp2", "pp2_dp2"])
+@pytest.mark.parametrize("name", ["ws2_ss2_cp2", "pp2_dp2"])
 def test_a_bf16_base_trains_as_the_fp32_base_does_in_bf16(name):
     """peft.base_precision=bf16 under train.precision=bf16: the frozen matrices are held in
     bf16 (autocast would round them so at each use), so the run equals the fp32 base's bit for
