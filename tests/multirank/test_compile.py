@@ -3,10 +3,8 @@
 Each case is one of test_parity's layouts (or test_pipeline's) with its blocks compiled by
 torch.compile (inductor, CPU kernels), trained 3 steps against the one-process eager reference
 with test_parity's tolerance (fp32 1e-5): weight shards with full recompute, multi-latent
-attention under TP + SP with selective recompute, two pipeline stages, and a mixture of experts
-under EP in bf16 autocast (within bf16 rounding of the fp32 reference, as test_parity's bf16
-test). Inductor fuses and reorders float
-work, so fp32 agrees to rounding, not bit for bit.
+attention under TP + SP with selective recompute, and two pipeline stages. Inductor fuses and
+reorders float work, so fp32 agrees to rounding, not bit for bit.
 
 No recompile: every rank has compiled the same number of graphs after the first step as after
 the last. Graph breaks: only where the block communicates (parallel.comm's collectives kept
@@ -23,22 +21,17 @@ from dataclasses import replace
 import pytest
 import torch
 
-from trainer.config import Precision, RecomputeGranularity
+from trainer.config import RecomputeGranularity
 from trainer.plan.options import EngineOptions
 from trainer.train.compile import graph_breaks
 
 from harness import run_ranks
-from test_moe_parity import MOE
 from test_parity import (
     LAYOUTS,
-    MICRO,
     TINY,
     assert_parity,
-    make_data,
     make_layout,
-    reference,
     reference_cache,
-    relative,
     train_rank,
 )
 
@@ -48,8 +41,9 @@ CASES = {
     "ws2_full_recompute": (*LAYOUTS["ws2"], replace(
         COMPILED, recompute_granularity=RecomputeGranularity.full), 2),
     # (TP + SP with selective recompute compiled: the MLA case below, which runs both; bf16
-    # compiled: the mixture of experts' case and test_documents' one-process bf16 case. Their
-    # own cases, 20 s and 13 s, left CI for its time budget in issue 44.)
+    # compiled: test_documents' one-process bf16 case. Their own cases, 20 s and 13 s, left CI
+    # for its time budget in issue 44, as did a mixture of experts compiled under EP 2 in bf16,
+    # 56 s: it passed when last run, at c818714.)
     # (CP compiled: the ring's own case, 25 s, left CI for its time budget in issue 43; gpt-oss's
     # windows and sinks under CP 2 compiled, 65 s, in issue 44: it passed when last run, at
     # 3bc68d0. CP itself is proven eager in test_context_parallel and
@@ -81,12 +75,6 @@ def monkeypatch_module():
 def compiled_rank(rank, layout, batches, dtype, options, model=TINY) -> dict:
     result = train_rank(rank, layout, batches, dtype, options, model)
     return result | {"breaks": set(graph_breaks())}
-
-
-# Under expert parallelism a mixture of experts also breaks where the dispatch's all-to-all
-# needs each rank's row counts on the host (parallel.experts: the shapes that follow are the
-# data's); its routing is recorded by an operator, so one process has no break at all.
-DISPATCH_BREAKS = frozenset({"Dynamic shape operator", "Data dependent operator"})
 
 
 def assert_compiled_once(results: list[dict], also: frozenset[str] = frozenset()) -> None:
@@ -125,27 +113,6 @@ def test_compiled_multi_latent_attention_under_tp_sp_matches_one_process(referen
                         timeout=300)
     assert_compiled_once(results)
     assert_parity(results, ref, torch.float32, f"MLA tp2_sp compiled (world {world})")
-
-
-def test_a_compiled_mixture_of_experts_under_ep_trains_close_to_fp32():
-    """bf16 (torch compiles the experts' grouped GEMM in bf16 only; fp32 is refused in one
-    line): EP 2 with the alltoall dispatcher, within bf16 bounds of the fp32 one-process
-    reference, no recompile, breaks only at collectives and the dispatch's data-dependent
-    shapes. (Its one-process twin, one graph and no break, left CI in issue 44 for its time:
-    25 s; it passed when last run.)"""
-    layout = make_layout(2, dict(expert_model_parallel_size=2))
-    batches = make_data(layout.global_batch_size, MOE)
-    (ref,) = run_ranks(1, reference, batches, torch.float32, MOE,
-                       MICRO * layout.batch_parallel_size)
-    options = replace(COMPILED, precision=Precision.bf16)
-    results = run_ranks(2, compiled_rank, layout, batches, torch.float32, options, MOE,
-                        timeout=300)
-    assert_compiled_once(results, DISPATCH_BREAKS)
-    losses = [relative(a, b) for a, b in zip(results[0]["losses"], ref["losses"])]
-    norms = [relative(a, b) for a, b in zip(results[0]["norms"], ref["norms"])]
-    print(f"\nbf16 MoE EP 2 compiled: relative differences to fp32: loss {losses}, norm {norms}")
-    assert max(losses) < 1e-2 and max(norms) < 5e-2
-    assert max(norms) > 1e-4
 
 
 def compiled_collective(rank: int) -> dict:
