@@ -20,7 +20,7 @@ from torch import nn
 
 from trainer.config import ModelConfig, PeftConfig
 from trainer.parts import block_parts
-from trainer.parts.assembly import EMBEDDING
+from trainer.parts.assembly import kept_in_bf16
 from trainer.parts.lora import ADAPTERS, adapted, is_adapter
 
 
@@ -126,7 +126,7 @@ def keep_base_in(model: nn.Module, dtype: torch.dtype) -> None:
     experts) held in `dtype`, before they are filled (an fp32 base converts as it loads). The
     embedding and the norms stay fp32: the residual stream is fp32."""
     for name, param in model.named_parameters():
-        if not param.requires_grad and param.ndim >= 2 and not name.startswith(f"{EMBEDDING}."):
+        if kept_in_bf16(name, tuple(param.shape)):
             param.data = torch.empty_like(param, dtype=dtype)
 
 

@@ -9,7 +9,7 @@ import math
 from parallel.layout.parallel_plan import ParallelPlan, by_suffix
 from trainer.config import ModelConfig, PeftConfig
 from trainer.parts import PARTS, block_parts, model_parts
-from trainer.parts.lora import block_lora_shapes, plan_entries
+from trainer.parts.lora import block_lora_shapes, is_adapter, plan_entries
 from trainer.parts.mtp import EH_PROJ, MTP, depth_shapes, depths
 from trainer.parts.norm import block_norms
 
@@ -161,3 +161,10 @@ def parameter_shapes(cfg: ModelConfig, peft: PeftConfig | None = None
         shapes |= {f"{MTP}.depths.{d}.{name}": shape
                    for name, shape in depth_shapes(cfg, last).items()}
     return shapes
+
+
+def kept_in_bf16(name: str, shape: tuple[int, ...]) -> bool:
+    """peft.base_precision=bf16: whether parameter `name` is held in bf16, a frozen matrix (a
+    projection, an untied head, the experts). The embedding and the norms stay fp32 (the
+    residual stream is fp32), and the adapters train in fp32."""
+    return len(shape) >= 2 and not is_adapter(name) and not name.startswith(f"{EMBEDDING}.")

@@ -116,12 +116,15 @@ def blocks_alike(m: ModelConfig) -> bool:
 
 def head_activation_bytes(m: ModelConfig, k: Tokens, e: int,
                           recompute: RecomputeGranularity | None = None,
-                          cp_comm_type: CPCommType = CPCommType.p2p) -> int:
+                          cp_comm_type: CPCommType = CPCommType.p2p,
+                          lora: Adapters | None = None) -> int:
     """The final norm, the head's input and the loss's saved softmax; and multi-token
-    prediction's depths, after the head (their blocks recompute as `recompute` says)."""
+    prediction's depths, after the head (their blocks recompute as `recompute` says). Under
+    peft=lora (`lora`) the frozen final norm and head keep less (head_kept_bytes)."""
     return (2 * k.Tr * m.hidden_size * FP32 + k.T * m.hidden_size * e + loss_bytes(m, k)
             + mtp.depths(m) * mtp.kept_bytes(m, k, e, mtp_block_bytes(m, k, e, recompute,
-                                                                      cp_comm_type)))
+                                                                      cp_comm_type))
+            - (head_kept_bytes(m, k, e) if lora else 0))
 
 
 def mtp_block_bytes(m: ModelConfig, k: Tokens, e: int,
@@ -209,10 +212,10 @@ def stage_chunk_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
         per_chunk.append(chunk_activation_bytes(m, layout, options, chunk))
         alike[len(chunk)] = per_chunk[-1]
     if last:
-        k, e = Tokens.of(layout), compute_bytes(options.precision)
-        per_chunk[-1] += head_activation_bytes(m, k, e, options.recompute_granularity,
-                                               options.cp_comm_type) \
-            - (head_kept_bytes(m, k, e) if options.lora else 0)
+        per_chunk[-1] += head_activation_bytes(m, Tokens.of(layout),
+                                               compute_bytes(options.precision),
+                                               options.recompute_granularity,
+                                               options.cp_comm_type, options.lora)
     return per_chunk
 
 
@@ -283,8 +286,8 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
     else:  # weights are used in place; the head's gradient is formed before it is added
         block, head = 0, head_weights * FP32
     # freed when the model's blocks' backward starts (the depths' included)
-    head_kept = head_activation_bytes(m, k, e, options.recompute_granularity, comm) \
-        - (head_kept_bytes(m, k, e) if lora else 0) if last else 0
+    head_kept = head_activation_bytes(m, k, e, options.recompute_granularity, comm, lora) \
+        if last else 0
     # A block's backward beside what it keeps, block by block (its kind's terms, and under
     # weight sharding its neighbours' weights); a fully recomputed block (the first
     # recompute_num_layers of a chunk) is rebuilt after the chunk's later blocks have run their

@@ -27,6 +27,7 @@ from trainer.parts.assembly import (
     BLOCKS,
     EMBEDDING,
     block_buffer_bytes,
+    kept_in_bf16,
     parameter_shapes,
     tp_style,
 )
@@ -225,8 +226,8 @@ class ModelWeights:
                            for (name, (shape, _, _)), (_, b, _) in zip(kind, local)
                            if b in TO_MUON.values()],
                           sum(n for n, _, f in local if f),
-                          sum(n for (n, _, f), (_, (shape, _, _)) in zip(local, kind)
-                              if f and len(shape) >= 2)))
+                          sum(n for (n, _, _), (name, (shape, _, _)) in zip(local, kind)
+                              if kept_in_bf16(f"{BLOCKS}.0.{name}", shape))))
         embedding = local_numel(EMBEDDING_WEIGHT, self.embedding, layout)[0]
         p_bytes, g_bytes, o_bytes = BYTES_PER_ELEMENT
         all_chunks, out = layout.pipeline_layers(self.num_layers), []
@@ -245,8 +246,7 @@ class ModelWeights:
                     numel, buffer = local_numel(name, shape, layout, muon)
                     if is_frozen:
                         frozen += numel
-                        half += numel if self.base_bf16 and len(shape) >= 2 and \
-                            not name.startswith(f"{EMBEDDING}.") else 0
+                        half += numel if self.base_bf16 and kept_in_bf16(name, shape) else 0
                     else:
                         buffers[buffer] += numel
                     if muon:
@@ -371,8 +371,7 @@ def unsharded_memory(shapes: dict[str, tuple[int, ...]], muon: MuonPlan | None =
     numel = sum(math.prod(shape) for shape in shapes.values())
     taken = sum(math.prod(s) for n, s in shapes.items() if muon and n in muon.names)
     frozen = sum(math.prod(s) for n, s in shapes.items() if lora and not is_adapter(n))
-    half = sum(math.prod(s) for n, s in shapes.items() if base_bf16 and not is_adapter(n)
-               and len(s) >= 2 and n != EMBEDDING_WEIGHT)
+    half = sum(math.prod(s) for n, s in shapes.items() if base_bf16 and kept_in_bf16(n, s))
     p_bytes, g_bytes, o_bytes = BYTES_PER_ELEMENT
     blocks = sorted({int(name.split(".")[1]) for name in shapes if name.startswith(f"{BLOCKS}.")})
     return StageMemory(0, numel, numel * p_bytes - half * (p_bytes - BF16),
