@@ -41,11 +41,16 @@ from parallel.regions import all_to_all_rows, gather_along, scatter_along
 class ExpertWeight:
     """One 3-D parameter of an expert module ([experts, out, in]) as the single device holds
     it, and the dim ETP splits: 1 (out, a column split: each fused part, e.g. gate|up, split
-    alike) or 2 (in, a row split: the partial outputs are summed over ETP)."""
+    alike), 2 (in, a row split: the partial outputs are summed over ETP) or None (whole on
+    every ETP rank: a LoRA factor, whose gradient each ETP rank forms a part of)."""
 
     shape: tuple[int, ...]
-    dim: int
+    dim: int | None
     parts: tuple[int, ...] = (1,)  # fused parts' relative sizes along dim
+
+    @property
+    def whole(self) -> bool:
+        return self.dim is None
 
 
 class ExpertDispatch(ABC):
@@ -95,7 +100,8 @@ class ExpertDispatch(ABC):
     def local_shape(self, name: str) -> tuple[int, ...]:
         weight = self.weights[name]
         shape = [self.local, *weight.shape[1:]]
-        shape[weight.dim] //= self.split.size
+        if not weight.whole:
+            shape[weight.dim] //= self.split.size
         return tuple(shape)
 
     def chunks(self, name: str, local: torch.Tensor
@@ -103,6 +109,8 @@ class ExpertDispatch(ABC):
         """Where `local` (this rank's slice of weight `name`, or a tensor of its shape) sits
         in the single-device weight: (offsets, view) pairs, one per fused part."""
         weight, etp = self.weights[name], self.split
+        if weight.whole:
+            return [((self.first,) + (0,) * (local.ndim - 1), local)]
         full = weight.shape[weight.dim]
         sizes = [full * p // sum(weight.parts) for p in weight.parts]
         out, start = [], 0
@@ -119,7 +127,9 @@ class ExpertDispatch(ABC):
         whole = local.new_zeros(self.weights[name].shape)
         for offsets, view in self.chunks(name, local):
             whole[tuple(slice(o, o + n) for o, n in zip(offsets, view.shape))] = view
-        return self.group.all_reduce(self.split.all_reduce(whole))
+        if not self.weights[name].whole:
+            whole = self.split.all_reduce(whole)
+        return self.group.all_reduce(whole)
 
 
 class AllToAllDispatch(ExpertDispatch):
@@ -213,7 +223,8 @@ def shard_experts(build: Build) -> None:
     dispatcher = DISPATCHERS[build.options.moe_token_dispatcher_type]
     groups = build.groups
     for module in expert_modules(build.model, build.plan.experts).values():
-        params = dict(module.named_parameters(recurse=False))
+        # its weights and, under peft=lora, its adapters' factors (submodules' parameters)
+        params = dict(module.named_parameters())
         weights = {name: ExpertWeight(tuple(param.shape), *build.plan.expert_splits[name])
                    for name, param in params.items()}
         module.dispatch = dispatcher(groups.expert_model_parallel,
@@ -223,4 +234,6 @@ def shard_experts(build: Build) -> None:
         for pname, param in params.items():
             local = torch.empty(module.dispatch.local_shape(pname), dtype=param.dtype,
                                 device=param.device)
-            setattr(module, pname, nn.Parameter(local, requires_grad=param.requires_grad))
+            owner, _, leaf = pname.rpartition(".")
+            setattr(module.get_submodule(owner), leaf,
+                    nn.Parameter(local, requires_grad=param.requires_grad))

@@ -60,10 +60,16 @@ class ParallelModel(nn.Module):
         self.compute_dtype = compute_dtype
         self.layers = {n: m for n, m in module.named_modules() if isinstance(m, ParallelLayer)}
         sharded = {f"{n}.weight" for n in self.layers}
-        # Experts split over EP (parallel.experts): parameter name -> its module's dispatch.
-        self.experts = {f"{n}.{p}": m.dispatch for n, m in module.named_modules()
+        # Experts split over EP (parallel.experts): parameter name -> its module's dispatch
+        # and its name there (the experts' weights, and their LoRA factors under peft=lora).
+        self.experts = {f"{n}.{p}": (m.dispatch, p) for n, m in module.named_modules()
                         if isinstance(getattr(m, "dispatch", None), ExpertDispatch)
-                        for p, _ in m.named_parameters(recurse=False)}
+                        for p, _ in m.named_parameters()}
+        # Of those, what every ETP rank holds whole but forms a part of the gradient of (a
+        # LoRA factor beside a split one): summed over ETP before the optimizer reads it.
+        self.etp_whole = [p for n, p in module.named_parameters() if n in self.experts
+                          and self.experts[n][0].split.size > 1
+                          and self.experts[n][0].weights[self.experts[n][1]].whole]
         sharded |= set(self.experts)  # their gradients are summed by the optimizer alone
         # Whether the model has experts on some stage (its plan names them), this one or not.
         self.mixture = mixture
@@ -109,6 +115,7 @@ class ParallelModel(nn.Module):
         call, in this order, so a step cannot leave one out or reorder the sums."""
         self._finish_grad_reduce()
         self._reduce_replicated_grads()
+        self._reduce_etp_whole_grads()
         self._reduce_embedding_grads()
 
     def _reduce_embedding_grads(self) -> None:
@@ -148,7 +155,8 @@ class ParallelModel(nn.Module):
         layer = self.layers.get(name.removesuffix(".weight"))
         shape = tuple(self.module.get_parameter(name).shape)
         if name in self.experts:
-            return self.experts[name].weights[name.rpartition(".")[2]].shape
+            dispatch, within = self.experts[name]
+            return dispatch.weights[within].shape
         return layer.full_shape if layer else shape
 
     def global_chunks(self, name: str, local: torch.Tensor
@@ -156,7 +164,8 @@ class ParallelModel(nn.Module):
         """Where the values of `local` (parameter `name` as this rank stores it, or a tensor
         of the same shape) sit in the single-device parameter: (offsets, view) pairs."""
         if name in self.experts:  # this rank's experts (dim 0), their ETP slice
-            return self.experts[name].chunks(name.rpartition(".")[2], local)
+            dispatch, within = self.experts[name]
+            return dispatch.chunks(within, local)
         layer = self.layers.get(name.removesuffix(".weight"))
         if layer is None:  # whole on every rank
             return [((0,) * local.ndim, local)]
@@ -192,6 +201,19 @@ class ParallelModel(nn.Module):
             raise RuntimeError(f"{owed} bundled linear use(s) of this step's forward got no "
                                f"backward: their weight gradients were never reduced")
 
+    def _reduce_etp_whole_grads(self) -> None:
+        """The experts' LoRA factors held whole over ETP: each ETP rank formed the part of
+        their gradient its slice of the other factor gives; one all-reduce sums them."""
+        grads = [p.grad for p in self.etp_whole if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.groups.expert_tensor_parallel.all_reduce(flat)
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
+
     def _reduce_replicated_grads(self) -> None:
         """Coalesced: one all-reduce per group for all small tensors."""
         held = [(i, p.grad) for i, (_, p) in enumerate(self.replicated) if p.grad is not None]
@@ -218,7 +240,8 @@ class ParallelModel(nn.Module):
         for name, param in self.module.named_parameters():
             layer = self.layers.get(name.removesuffix(".weight"))
             if name in self.experts:
-                out[name] = self.experts[name].full(name.rpartition(".")[2], param.detach())
+                dispatch, within = self.experts[name]
+                out[name] = dispatch.full(within, param.detach())
             else:
                 out[name] = param.detach().clone() if layer is None else \
                     layer.full_weight().clone()

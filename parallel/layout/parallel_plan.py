@@ -49,8 +49,10 @@ class ParallelPlan:
     experts: tuple[str, ...] = ()
     # Each expert parameter's split over expert tensor parallel, by parameter name within its
     # module: (the dim ETP splits, its fused parts' relative sizes): 1 splits each expert's
-    # outputs (a column split), 2 its inputs (a row split, partial outputs summed).
-    expert_splits: dict[str, tuple[int, tuple[int, ...]]] = field(default_factory=dict)
+    # outputs (a column split), 2 its inputs (a row split, partial outputs summed); None keeps
+    # it whole on every ETP rank (a LoRA factor beside a split one), its gradient summed over
+    # ETP.
+    expert_splits: dict[str, tuple[int | None, tuple[int, ...]]] = field(default_factory=dict)
 
     def linear_style(self, name: str) -> tuple[str, tuple[int, ...]]:
         """(style, fused parts) of linear module `name`; ("whole", (1,)) where kept whole."""

@@ -350,6 +350,10 @@ TABLE = [
     R("peft=lora peft.lora_dropout=0.1 cluster.procs_per_node=2 "
       "parallel.tensor_model_parallel_size=2",
       ("peft.lora_dropout=0.1 under tensor parallel", "sequence_parallel=true")),
+    R("peft=lora model=tiny_moe peft.lora_dropout=0.1 cluster.procs_per_node=2 "
+      "parallel.tensor_model_parallel_size=2 parallel.sequence_parallel=true",
+      ("peft.lora_dropout=0.1 with the routed experts adapted under expert tensor parallel",
+       "expert_tensor_parallel_size=1")),
     R("peft.lora_rank=8", ("peft.lora_rank=8: peft is null", "peft=lora")),
     # train.objective=dpo and dpo.* (trainer.checks.check_objective, trainer.data.source)
     R("train.objective=ppo", ("train.objective='ppo'", "lm, dpo")),

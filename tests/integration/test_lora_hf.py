@@ -204,3 +204,66 @@ def test_an_adapter_that_is_not_plain_lora_or_not_this_models_is_one_line(base, 
                              capture_output=True, text=True, cwd=ROOT)
         assert out.returncode == 2 and message in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+MOE_BASES = {  # every block a mixture of experts (PEFT reads gate, up and down as experts')
+    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+    # Mixtral's experts are w1 (gate), w3 (up) and w2 (down) to PEFT
+    "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
+}
+
+
+@pytest.mark.parametrize("family", MOE_BASES)
+def test_the_routed_experts_adapters_load_in_peft_and_come_back(family, tmp_path):
+    """LoRA on every routed expert (one adapter per expert, gate and up apart) after a step of
+    training: the adapter alone, in PEFT's per-expert form, gives in PeftModel (which fuses it
+    into transformers 5's experts: gate|up at rank 2r) the logits of our model and of our
+    merged export; imported back (--adapter), our model gives them again."""
+    torch.manual_seed(0)
+    MOE_BASES[family]().save_pretrained(tmp_path / "hf")
+    imported = tmp_path / "imported"
+    cli("-m", "trainer.hf", "import", str(tmp_path / "hf"), str(imported))
+    cli("launch.py", "--config-dir", str(imported), "model=../model", "peft=lora",
+        "peft.lora_rank=4", "peft.lora_alpha=8",
+        "peft.target_modules=[q_proj,gate_proj,up_proj,down_proj]", "train.micro_batch_size=4",
+        "train.seq_length=32", "train.train_samples=4", "train.eval_interval=null",
+        "schedule.lr=3e-2", "schedule.lr_warmup_samples=0", "schedule.lr_warmup_fraction=null",
+        "checkpoint.save_interval=1", f"checkpoint.load={imported}", "checkpoint.finetune=true",
+        f"hydra.run.dir={tmp_path / 'run'}")
+    ckpt, = (tmp_path / "run" / "checkpoints").glob("step_*")
+    ours_model = ours_with_adapters(ckpt)
+    experts = [n for n, _ in ours_model.named_parameters() if "experts.gate_up_lora" in n]
+    assert experts and all(p.ndim == 3 for n, p in ours_model.named_parameters()
+                           if "experts." in n and is_adapter(n))
+    cli("-m", "trainer.hf", "export", str(ckpt), str(tmp_path / "adapter"), "--adapter-only",
+        "--base", str(tmp_path / "hf"))
+    cli("-m", "trainer.hf", "export", str(ckpt), str(tmp_path / "merged"))
+    cli("-m", "trainer.hf", "import", str(tmp_path / "hf"), str(tmp_path / "back"),
+        "--adapter", str(tmp_path / "adapter"))
+
+    tokens = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(3))
+    load = getattr(transformers, type(MOE_BASES[family]()).__name__).from_pretrained
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = load(tmp_path / "hf").eval()
+        plain = model(tokens).logits
+        peft = PeftModel.from_pretrained(model, tmp_path / "adapter").eval()
+        theirs = peft(tokens).logits
+        merged = load(tmp_path / "merged").eval()(tokens).logits
+        ours = ours_model(tokens)[..., :256]
+        back = ours_with_adapters(tmp_path / "back")(tokens)[..., :256]
+    fused = peft.peft_config["default"]  # PEFT read ours as its fused experts' adapters
+    assert set(fused.target_parameters) == {"gate_up_proj", "down_proj"}
+    errors = {"ours": relative(ours, theirs), "merged": relative(merged, theirs),
+              "imported back": relative(back, theirs), "base alone": relative(plain, theirs)}
+    print(f"\n{family} experts' adapters in PEFT against: {errors}")
+    assert max(errors["ours"], errors["merged"], errors["imported back"]) <= TOLERANCE
+    assert errors["base alone"] > 1e-3

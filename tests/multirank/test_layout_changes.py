@@ -59,6 +59,13 @@ CHANGES = {
         ("peft=lora", "cluster.procs_per_node=4", "parallel.tensor_parallel_num_weight_shards=2"),
         ("peft=lora", "cluster.procs_per_node=2", "parallel.tensor_model_parallel_size=2",
          "parallel.sequence_parallel=true")),
+    # ... and a mixture of experts' per-expert adapters: split over EP and ETP 2 (B of gate|up
+    # by rows, A of down by columns, the other factors whole over ETP), then in one process
+    "lora_moe_tp2_sp_etp2_ep2_to_one_process": (
+        ("peft=lora", "model=tiny_moe", "cluster.procs_per_node=4",
+         "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+         "parallel.expert_model_parallel_size=2"),
+        ("peft=lora", "model=tiny_moe")),
     "tp1_to_tp2_sp": (
         ("cluster.procs_per_node=2",),
         ("cluster.procs_per_node=2", "parallel.tensor_model_parallel_size=2",

@@ -6,8 +6,10 @@ The adapters split as their projections do (trainer.parts.lora): B of q|k|v and 
 over TP, A of o and down by columns; the other factor whole. Every layout below trains the same
 adapters on the same global batch as one process: TP with and without SP, GTP_remat weight
 shards (the adapters' split factors join the block's bundle; the frozen base is gathered and
-never reduced), sequence shards with CP, pipeline stages, and EP on a mixture of experts (its
-experts frozen, attention adapted).
+never reduced), sequence shards with CP, pipeline stages, and EP on a mixture of experts: one
+adapter per routed expert (gate_proj and down_proj name them there), split over EP as the
+experts are, and under ETP (TP's size by default) B of gate|up split as its rows, A of down as
+its columns, the other factor whole and its gradient summed over ETP.
 """
 from __future__ import annotations
 
@@ -51,6 +53,7 @@ LAYOUTS = {  # name -> (world, Layout keywords, model)
                             tensor_parallel_num_sequence_shards=2, context_parallel_size=2),
                     TINY),
     "pp2_dp2": (4, dict(pipeline_model_parallel_size=2), replace(TINY, num_layers=4)),
+    "ep2": (2, dict(expert_model_parallel_size=2), MODELS["aux_z"]),
     "tp2_sp_ep2": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True,
                            expert_model_parallel_size=2), MODELS["aux_z"]),
     # what a block's backward replays runs the adapters' hooks again, inside the bundle's gather
@@ -114,6 +117,8 @@ def test_lora_under_a_layout_matches_one_process(name, dtype, one_process):
     assert loss <= TOLERANCE[dtype] and max(worst.values()) <= TOLERANCE[dtype], worst
     for n in adapters:  # every adapter trained: B from zero, then A
         assert relative(ref["end"][n], ref["start"][n]) > 1e-3, n
+    if model.num_moe_experts:  # the routed experts' own, one per expert
+        assert any(".experts." in n and ref["end"][n].ndim == 3 for n in adapters)
     for n in end:  # the base did not move, on any rank
         if not is_adapter(n):
             assert torch.equal(end[n], start[n]), n
@@ -180,7 +185,7 @@ def measured_state(rank: int, layout: Layout, model) -> int:
     return state_bytes(engine)
 
 
-@pytest.mark.parametrize("name", ["tp2_sp", "ws3_padded", "pp2_dp2"])
+@pytest.mark.parametrize("name", ["tp2_sp", "ws3_padded", "pp2_dp2", "tp2_sp_ep2"])
 def test_the_planned_lora_state_is_what_the_ranks_allocate(name):
     """Weights (the frozen base's shards and the adapters), the adapters' gradients and Adam
     state: planned bytes equal the allocated ones on every rank."""

@@ -373,6 +373,12 @@ LORA_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
         ALL_TARGETS, base_bf16=True)), MODEL),
     "lora_bf16_base_q_v": (1, {}, dict(precision=Precision.bf16, lora=Adapters(
         8, frozenset({"q_proj", "v_proj"}), 0.0, base_bf16=True)), GQA),
+    # a mixture of experts: one adapter per routed expert (a shared expert takes none)
+    "lora_moe_one_process": (1, {}, dict(lora=ALL_TARGETS), MOE_MODELS["moe_sigmoid_shared"]),
+    "lora_moe_ep2_bf16": (2, dict(expert_model_parallel_size=2), dict(
+        precision=Precision.bf16, lora=ALL_TARGETS), MOE_MODELS["moe_losses"]),
+    "lora_moe_bf16_base_tp2_sp_etp2": (2, TP2_SP, dict(precision=Precision.bf16, lora=Adapters(
+        8, frozenset({"q_proj", "up_proj"}), 0.0, base_bf16=True)), MOE_MODELS["moe"]),
 }
 ALL_CASES = {**CASES, **GQA_CASES, **QK_CASES, **LOCAL_CASES, **GEMMA_CASES,
              **{n: c[:3] for n, c in (MOE_CASES | MLA_CASES | MTP_CASES

@@ -1,8 +1,9 @@
-"""The adapter-only export refuses what PEFT would load as something else: on a mixture of
+"""The adapter-only export refuses what PEFT would load as something else. On a mixture of
 experts PEFT 0.21 with transformers 5 (fused experts) turns gate_proj, up_proj and down_proj in
-an adapter's target_modules into its routed experts' fused weights (target_parameters), so our
-adapters on the dense MLPs would load as nothing. The first test holds PEFT to that (if PEFT
-changes, the refusal can go); the second, our refusal to it."""
+an adapter's target_modules into its routed experts' fused weights (target_parameters), as our
+per-expert adapters are (tests/integration/test_lora_hf.py loads them there), and adapts
+nothing else by those names: ours on a dense block's MLP would load as nothing. The first test
+holds PEFT to that (if PEFT changes, the refusal can go); the second, our refusals to it."""
 from __future__ import annotations
 
 import json
@@ -39,11 +40,17 @@ def test_peft_reads_mlp_targets_on_a_mixture_of_experts_as_its_experts(tmp_path)
 
 
 def test_an_adapter_peft_would_misread_is_not_exported():
-    moe = preset("tiny_moe")
-    assert moe.num_moe_experts is not None
-    mlp = PeftConfig("lora", 4, 8.0, 0.0, ["q_proj", "gate_proj", "up_proj"])
-    with pytest.raises(ValueError, match=r"gate_proj, up_proj on a mixture-of-experts.*Fix:"):
-        check_peft_reads(moe, mlp)
-    check_peft_reads(moe, PeftConfig("lora", 4, 8.0, 0.0, ["q_proj", "o_proj"]))
+    moe = preset("tiny_moe")  # every block a mixture of experts (Mixtral's names)
+    assert moe.num_moe_experts is not None and all(moe.is_moe_block(i)
+                                                   for i in range(moe.num_layers))
+    mlp = PeftConfig("lora", 4, 8.0, 0.0, ["q_proj", "gate_proj", "up_proj", "down_proj"])
+    check_peft_reads(moe, mlp)  # the experts' adapters: PEFT's per-expert form
+    with pytest.raises(ValueError, match=r"gate_proj without the other.*Fix:"):
+        check_peft_reads(moe, PeftConfig("lora", 4, 8.0, 0.0, ["q_proj", "gate_proj"]))
+    with pytest.raises(ValueError, match=r"block 0 is dense: PEFT reads.*Fix:"):
+        check_peft_reads(preset("tiny_deepseek"), mlp)
+    with pytest.raises(ValueError, match=r"gpt_oss model, which PEFT has no per-expert form.*Fix:"):
+        check_peft_reads(preset("tiny_gpt_oss"), mlp)
+    check_peft_reads(preset("tiny_gpt_oss"), PeftConfig("lora", 4, 8.0, 0.0, ["q_proj", "o_proj"]))
     dense: ModelConfig = preset("tiny")
     check_peft_reads(dense, mlp)

@@ -6,7 +6,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from trainer.config import ModelConfig
+from trainer.config import ModelConfig, PeftConfig
+from trainer.model.lora import add_adapters
 from trainer.model.rotary import apply_rotary
 from trainer.model.transformer import Transformer
 from trainer.plan.muon import scale_factor
@@ -129,6 +130,8 @@ def test_every_part_names_a_layer_that_builds_with_its_shapes():
 @pytest.mark.parametrize("changes", [{}, {"num_query_groups": 2}, {"tie_word_embeddings": True},
                                      {"vocab_size": 250, "num_layers": 3},
                                      {"num_moe_experts": 4, "moe_layer_freq": [0, 1]},
+                                     {"num_moe_experts": 4, "moe_shared_expert_intermediate_size":
+                                      32},
                                      {"num_moe_experts": 4, "moe_layer_freq": [1, 0, 1],
                                       "num_layers": 3, "moe_router_score_function": "sigmoid",
                                       "moe_router_enable_expert_bias": True},
@@ -147,3 +150,38 @@ def test_parameter_shapes_from_the_config_are_the_built_models(changes):
     built = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
     assert list(parameter_shapes(cfg).items()) == built
     assert buffer_shapes(cfg) == {name: tuple(b.shape) for name, b in model.named_buffers()}
+    # peft=lora: with its adapters (a mixture of experts' per expert, before a shared expert)
+    peft = PeftConfig("lora", 4, 8.0, 0.0, ["q_proj", "o_proj", "up_proj", "down_proj"])
+    with torch.device("meta"):
+        model = Transformer(cfg)
+        add_adapters(model, cfg, peft)
+    built = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    assert list(parameter_shapes(cfg, peft).items()) == built
+    assert len(built) > len(parameter_shapes(cfg))
+
+
+def test_switching_adapters_off_gives_the_base_model_with_its_experts_adapted():
+    """DPO's reference under peft=lora is the model with its adapters off: the routed experts'
+    (Experts.lora_fn) as well as the projections' hooks. With every B non-zero the adapted
+    model differs from its base, and with the adapters off it is the base exactly."""
+    from dataclasses import replace
+
+    from trainer.model.lora import adapters_off
+
+    cfg = replace(TINY, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
+    peft = PeftConfig("lora", 4, 8.0, 0.0, ["q_proj", "gate_proj", "up_proj", "down_proj"])
+    base, model = Transformer(cfg), Transformer(cfg)
+    add_adapters(model, cfg, peft)
+    base.init_weights(1)
+    model.init_weights(1)  # the same base weights: drawn by name
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora_B.weight"):
+                param.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    assert any(n.endswith("lora_B.weight") and p.ndim == 3 for n, p in model.named_parameters())
+    tokens = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = base(tokens)
+        assert not torch.allclose(model(tokens), want, atol=1e-3)
+        with adapters_off(model):
+            assert torch.equal(model(tokens), want)

@@ -6,6 +6,11 @@ PEFT names an adapter by its projection's module path under the PeftModel wrappe
 `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`. Ours is
 `layers.0.attn.qkv_lora.q_proj.lora_A.weight`; the projection's Hugging Face path comes from
 the family's own mapping (hf_families.hf_parts), so every family the export knows is covered.
+
+A routed expert's adapter goes out as PEFT wrote it for transformers 4's per-expert modules
+(`...mlp.experts.3.gate_proj.lora_A.weight`, [r, h]), which PEFT 0.21 reads into transformers
+5's fused experts: gate and up together at rank 2r (their Bs block-diagonal) and alpha 2 alpha,
+the same update (tests/integration/test_lora_hf.py holds the logits equal).
 """
 from __future__ import annotations
 
@@ -18,10 +23,11 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from trainer.checkpoint.hf import _new_folder, one_process
-from trainer.checkpoint.hf_families import hf_parts
+from trainer.checkpoint.hf_families import MAPPINGS, hf_parts
 from trainer.config import ModelConfig, PeftConfig, Precision
 from trainer.parts.assembly import BLOCKS, parameter_shapes
-from trainer.parts.lora import ADAPTERS, check_peft, projections, targets
+from trainer.parts.families import hf_family
+from trainer.parts.lora import ADAPTERS, check_peft, is_expert_projection, projections, targets
 
 PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
@@ -44,17 +50,25 @@ def adapter_tensors(model: ModelConfig, peft: PeftConfig) -> dict[str, tuple[int
     return {n: s for n, s in parameter_shapes(model, peft).items() if n not in base}
 
 
-def hf_module(ours: str, hf_parts: dict[str, list[tuple[str, int]]]) -> str:
-    """An adapter's projection as transformers names it: layers.0.attn.qkv_lora.q_proj.lora_A
-    .weight -> model.layers.0.self_attn.q_proj (the base tensor of that part, less .weight)."""
+def hf_keys(model: ModelConfig, ours: str, hf_parts: dict[str, list[tuple[str, int]]]
+            ) -> list[str]:
+    """An adapter factor's keys in PEFT's file: layers.0.attn.qkv_lora.q_proj.lora_A.weight ->
+    [base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight] (the base tensor of that
+    part, less .weight, and the factor); a routed expert's, one key per expert, in order."""
     module, _, rest = ours.partition(f"{ADAPTERS}.")
-    projection = rest.split(".")[0]
-    for hf_name, _ in hf_parts[f"{module}.weight"]:
-        path = hf_name.removesuffix(".weight")
-        if path.rsplit(".", 1)[-1] == projection:
-            return path
-    raise ValueError(f"{ours}: the family's Hugging Face names have no {projection} under "
-                     f"{module}")
+    projection, factor = rest.split(".")[:2]
+    block, within = module.split(".", 2)[1:]
+    if is_expert_projection(within):  # each expert's parts in the fused order
+        names = [n for n, _, _ in projections(model, int(block))[within]]
+        entries = hf_parts[module][names.index(projection)::len(names)]
+        paths = [name.removesuffix(".weight") for name, _ in entries]
+    else:
+        paths = [name.removesuffix(".weight") for name, _ in hf_parts[f"{module}.weight"]
+                 if name.removesuffix(".weight").rsplit(".", 1)[-1] == projection]
+    if not paths:
+        raise ValueError(f"{ours}: the family's Hugging Face names have no {projection} under "
+                         f"{module}")
+    return [f"{PEFT_PREFIX}{path}.{factor}.weight" for path in paths]
 
 
 def load_tensor(ckpt: Path, name: str, shape: tuple[int, ...]) -> torch.Tensor:
@@ -72,9 +86,9 @@ def merge_into(model: ModelConfig, peft: PeftConfig, ckpt: Path
     fused_by_module = {m: n for m, n in targets(model).items()}
 
     def merged(name: str, full: torch.Tensor) -> torch.Tensor:
-        if not name.startswith(f"{BLOCKS}.") or not name.endswith(".weight"):
+        if not name.startswith(f"{BLOCKS}."):
             return full
-        module = name.removesuffix(".weight")
+        module = name.removesuffix(".weight")  # (a routed experts' weight has no .weight)
         within = module.split(".", 2)[2]  # attn.qkv
         names = fused_by_module.get(within)
         if names is None:
@@ -88,7 +102,7 @@ def merge_into(model: ModelConfig, peft: PeftConfig, ckpt: Path
                 b_name = a_name.replace("lora_A", "lora_B")
                 a = load_tensor(ckpt, a_name, shapes[a_name])
                 b = load_tensor(ckpt, b_name, shapes[b_name])
-                full[start:start + count] += scaling * (b @ a)
+                full[..., start:start + count, :] += scaling * (b @ a)  # each expert's
             start += count
         return full
 
@@ -96,21 +110,38 @@ def merge_into(model: ModelConfig, peft: PeftConfig, ckpt: Path
 
 
 MLP_NAMES = ("gate_proj", "up_proj", "down_proj")
+# Hugging Face model types whose per-expert adapters PEFT 0.21 reads into transformers 5's
+# fused experts (its _MOE_TARGET_MODULE_MAPPING; gpt-oss's experts were fused before, so
+# PEFT has no per-expert form of them).
+PER_EXPERT_TYPES = ("mixtral", "qwen3_moe", "deepseek_v3")
 
 
 def check_peft_reads(model: ModelConfig, peft: PeftConfig) -> None:
-    """An adapter PEFT would load as something else is refused: on a mixture of experts
-    (transformers 5's fused experts) PEFT 0.21 reads gate_proj, up_proj and down_proj in
-    target_modules as the routed experts' weights, which take no adapters here, and drops
-    ours on the dense MLPs (a missing-keys warning, the base's logits)."""
+    """An adapter PEFT would load as something else is refused. On a mixture of experts
+    (transformers 5's fused experts) PEFT 0.21 reads gate_proj, up_proj and down_proj as the
+    routed experts' (as we do), gate and up only together, and nothing else by those names:
+    adapters on a dense block's MLP would be dropped (a missing-keys warning)."""
     mlp = sorted(set(peft.target_modules) & set(MLP_NAMES))
-    if model.num_moe_experts is not None and mlp:
-        raise ValueError(f"export --adapter-only: peft.target_modules has {', '.join(mlp)} on a "
-                         f"mixture-of-experts model (model.num_moe_experts="
-                         f"{model.num_moe_experts}), which PEFT reads as its routed experts' "
-                         f"weights and would load without our adapters. Fix: export the merged "
-                         f"model (python -m trainer.hf export CKPT OUT), or adapt the attention "
-                         f"only (q_proj, k_proj, v_proj, o_proj).")
+    if model.num_moe_experts is None or not mlp:
+        return
+    fix = ("export the merged model (python -m trainer.hf export CKPT OUT), or adapt the "
+           "attention only (q_proj, k_proj, v_proj, o_proj)")
+    dense = [i for i in range(model.num_layers) if not model.is_moe_block(i)]
+    if dense:
+        raise ValueError(f"export --adapter-only: peft.target_modules has {', '.join(mlp)} on "
+                         f"a mixture of experts whose block {dense[0]} is dense: PEFT reads "
+                         f"those names as the routed experts' only and would drop the dense "
+                         f"MLPs' adapters. Fix: {fix}.")
+    model_type = MAPPINGS[hf_family(model).name].model_type
+    if model_type not in PER_EXPERT_TYPES:
+        raise ValueError(f"export --adapter-only: the routed experts' adapters of a "
+                         f"{model_type} model, which PEFT has no per-expert form of (its "
+                         f"experts are fused in transformers). Fix: {fix}.")
+    if len(set(mlp) & {"gate_proj", "up_proj"}) == 1:
+        raise ValueError(f"export --adapter-only: peft.target_modules has "
+                         f"{', '.join(sorted(set(mlp) & {'gate_proj', 'up_proj'}))} without "
+                         f"the other, which PEFT refuses on fused experts (gate|up is one "
+                         f"weight there). Fix: {fix}, or adapt gate_proj and up_proj both.")
 
 
 def export_adapter(ckpt: Path, out_dir: Path, model: ModelConfig, peft: PeftConfig,
@@ -129,10 +160,12 @@ def export_adapter(ckpt: Path, out_dir: Path, model: ModelConfig, peft: PeftConf
             raise ValueError(f"{ckpt} has no adapter {name!r} of shape {shape}, which its "
                              f"meta.json's peft promises. Fix: export a checkpoint its own run "
                              f"wrote.")
-    parts = hf_parts(model)
-    tensors = {f"{PEFT_PREFIX}{hf_module(name, parts)}.{name.rsplit('.', 2)[-2]}.weight":
-               load_tensor(ckpt, name, shape).to(dtype).contiguous()
-               for name, shape in adapter_tensors(model, peft).items()}
+    parts, tensors = hf_parts(model), {}
+    for name, shape in adapter_tensors(model, peft).items():
+        value = load_tensor(ckpt, name, shape).to(dtype)
+        keys = hf_keys(model, name, parts)  # a routed expert's: one per expert
+        tensors |= {key: v.contiguous() for key, v in
+                    zip(keys, value if len(shape) == 3 else [value])}
     projections = sorted({key.rsplit(".", 3)[-3] for key in tensors})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": peft.lora_rank,
               "lora_alpha": peft.lora_alpha, "lora_dropout": peft.lora_dropout,
@@ -170,13 +203,22 @@ def read_adapter(adapter_dir: Path, model: ModelConfig
             raise ValueError(f"{config_path}: {key}={config[key]!r} is not plain LoRA, which "
                              f"is what peft=lora trains ({key}={plain!r}). Fix: use an adapter "
                              f"without it.")
+    if config.get("target_parameters"):
+        raise ValueError(f"{config_path}: target_parameters={config['target_parameters']!r}: "
+                         f"adapters on transformers 5's fused expert weights are read here in "
+                         f"PEFT's per-expert form only (gate_proj, up_proj, down_proj in "
+                         f"target_modules, as export --adapter-only writes them). Fix: {fix}.")
     targets = config.get("target_modules")
     if not isinstance(targets, list):
         raise ValueError(f"{config_path}: target_modules {targets!r} is not a list of "
                          f"projection names (a pattern is not read here). Fix: save the adapter "
                          f"with target_modules as a list, e.g. [q_proj, v_proj].")
+    # a family's own names of its experts' projections (Mixtral's w1, w3, w2) are ours
+    _, theirs = hf_family(model).expert_names
+    ours = dict(zip(theirs, MLP_NAMES)) if model.num_moe_experts is not None else {}
     peft = PeftConfig("lora", int(config.get("r", 8)), float(config.get("lora_alpha", 8)),
-                      float(config.get("lora_dropout", 0.0)), sorted(targets))
+                      float(config.get("lora_dropout", 0.0)),
+                      sorted(ours.get(t, t) for t in targets))
     try:
         check_peft(model, peft)
     except ValueError as error:
@@ -185,16 +227,19 @@ def read_adapter(adapter_dir: Path, model: ModelConfig
     with safe_open(str(weights_path), "pt") as f:
         found = set(f.keys())
         for name, shape in adapter_tensors(model, peft).items():
-            key = f"{PEFT_PREFIX}{hf_module(name, parts)}.{name.rsplit('.', 2)[-2]}.weight"
-            if key not in found:
-                raise ValueError(f"{weights_path} has no {key!r}, which its config's "
-                                 f"target_modules and r={peft.lora_rank} promise. Fix: {fix}.")
-            tensor = f.get_tensor(key)
+            keys, values = hf_keys(model, name, parts), []
+            for key in keys:  # a routed expert's: one per expert
+                if key not in found:
+                    raise ValueError(f"{weights_path} has no {key!r}, which its config's "
+                                     f"target_modules and r={peft.lora_rank} promise. Fix: "
+                                     f"{fix}.")
+                values.append(f.get_tensor(key))
+                found.discard(key)
+            tensor = torch.stack(values) if len(shape) == 3 else values[0]
             if tuple(tensor.shape) != shape:
-                raise ValueError(f"{weights_path}: {key!r} is {tuple(tensor.shape)}, this "
-                                 f"model's adapter is {shape}. Fix: {fix}.")
+                raise ValueError(f"{weights_path}: {keys[0]!r} is {tuple(values[0].shape)}, "
+                                 f"this model's adapter is {shape[-2:]}. Fix: {fix}.")
             tensors[name] = tensor.to(torch.float32)
-            found.discard(key)
     if found:
         raise ValueError(f"{weights_path} holds {len(found)} tensor(s) this trainer's LoRA has "
                          f"no place for, e.g. {sorted(found)[0]!r}. Fix: {fix}.")

@@ -19,9 +19,10 @@ import torch
 from torch import nn
 
 from trainer.config import ModelConfig, PeftConfig
+from trainer.model.moe import grouped
 from trainer.parts import block_parts
 from trainer.parts.assembly import kept_in_bf16
-from trainer.parts.lora import ADAPTERS, adapted, is_adapter
+from trainer.parts.lora import ADAPTERS, adapted, is_adapter, per_expert
 
 
 class LoRA(nn.Module):
@@ -34,6 +35,27 @@ class LoRA(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.lora_B(self.lora_A(x))
+
+
+class ExpertFactor(nn.Module):
+    """One factor of every routed expert's adapter, [E, out, in] as the experts' weights."""
+
+    def __init__(self, experts: int, out_features: int, in_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, out_features, in_features))
+
+
+class ExpertLoRA(nn.Module):
+    """One part's adapter on each routed expert: A [E, r, in], B [E, rows, r]; each expert's
+    rows through its own, one grouped GEMM a factor."""
+
+    def __init__(self, experts: int, in_features: int, rows: int, rank: int):
+        super().__init__()
+        self.lora_A = ExpertFactor(experts, rank, in_features)
+        self.lora_B = ExpertFactor(experts, rows, rank)
+
+    def forward(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        return grouped(grouped(rows, self.lora_A.weight, counts), self.lora_B.weight, counts)
 
 
 class AddAdapters:
@@ -73,6 +95,32 @@ class AddAdapters:
         return torch.cat(pieces, dim=-1)
 
 
+class AddExpertAdapters:
+    """The routed experts' Experts.lora_fn: a projection's output (gate_up, or down; the
+    rank's experts' rows, sorted by expert) plus each adapted part's update, in the part's
+    place (gate | up). Under expert tensor parallel the output is this rank's slice of each
+    part and B of gate_up is split alike (A of down is split as down's input is: its partial
+    updates are summed with the outputs'; parallel.experts)."""
+
+    def __init__(self, parts: dict[str, list[str | None]], scaling: float, dropout: float):
+        self.parts, self.scaling, self.dropout = parts, scaling, dropout
+        self.enabled = True  # off: the base model (DPO's reference: adapters_off)
+
+    def __call__(self, module: nn.Module, projection: str, rows: torch.Tensor,
+                 counts: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        names = self.parts.get(projection)
+        if not self.enabled or names is None:
+            return out
+        adapters = getattr(module, projection + ADAPTERS)
+        if self.dropout and module.training:
+            rows = torch.native_dropout(rows, self.dropout, True)[0]
+        pieces = list(out.chunk(len(names), dim=-1))
+        for i, name in enumerate(names):
+            if name is not None:
+                pieces[i] = pieces[i] + adapters[name](rows, counts) * self.scaling
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=-1)
+
+
 def add_adapters(model: nn.Module, cfg: ModelConfig, peft: PeftConfig | None) -> None:
     """peft=lora: adapters beside every adapted projection of the model's blocks, then the
     base frozen. Works on the meta device (ParallelModel.initialize fills them)."""
@@ -84,12 +132,21 @@ def add_adapters(model: nn.Module, cfg: ModelConfig, peft: PeftConfig | None) ->
             if not part.lora_targets:
                 continue
             slot = block.get_submodule(part.slot)
+            experts: dict[str, list[str | None]] = {}
             for module, names in part.lora_targets.items():
                 parts = chosen.get(f"{part.slot}.{module}")
                 if not parts:
                     continue
                 parent_name, _, attr = module.rpartition(".")
                 parent = slot.get_submodule(parent_name) if parent_name else slot
+                if per_expert(part, module):  # the routed experts' (trainer.parts.lora)
+                    setattr(parent, attr + ADAPTERS, nn.ModuleDict({
+                        name: ExpertLoRA(cfg.num_moe_experts, cols, rows, peft.lora_rank)
+                        for name, cols, rows in parts}))
+                    experts[attr] = [n if n in {p[0] for p in parts} else None for n in names]
+                    parent.lora_fn = AddExpertAdapters(  # one for the module's projections
+                        experts, peft.lora_alpha / peft.lora_rank, peft.lora_dropout)
+                    continue
                 adapters = nn.ModuleDict({name: LoRA(cols, rows, peft.lora_rank)
                                           for name, cols, rows in parts})
                 setattr(parent, attr + ADAPTERS, adapters)
@@ -103,8 +160,9 @@ def add_adapters(model: nn.Module, cfg: ModelConfig, peft: PeftConfig | None) ->
 @contextmanager
 def adapters_off(model: nn.Module) -> Iterator[None]:
     """The base model: every adapter switched off while inside (PEFT's disable_adapter)."""
-    hooks = [h for m in model.modules() for h in m._forward_hooks.values()
-             if isinstance(h, AddAdapters)]
+    hooks = [h for m in model.modules()
+             for h in (*m._forward_hooks.values(), getattr(m, "lora_fn", None))
+             if isinstance(h, (AddAdapters, AddExpertAdapters))]
     for hook in hooks:
         hook.enabled = False
     try:

@@ -7,7 +7,7 @@ token reaches its top-k experts; the (token, expert) pairs are sorted by expert 
 projection is one grouped GEMM over them. MoE: the router, the experts and an optional shared
 expert.
 
-Like the attention, it knows nothing of ranks. Four attributes are the hooks set from outside:
+Like the attention, it knows nothing of ranks. Five attributes are the hooks set from outside:
     Router.token_sum     sums a tensor over every rank that holds other tokens of this
                          micro-batch (identity on one process): the balance losses and the
                          token counts are those of the whole micro-batch, whatever the layout
@@ -17,6 +17,8 @@ Like the attention, it knows nothing of ranks. Four attributes are the hooks set
     Experts.dispatch     takes the rows sorted by expert to their experts and back (expert
                          parallel: parallel.experts holds some experts on each rank and sends
                          the rows there by all-to-all); by default all are here
+    Experts.lora_fn      adds each expert's LoRA update to a projection's output (peft=lora:
+                         trainer.model.lora); by default nothing
 What each micro-batch routed is recorded once, when its backward passes the router (a recomputed
 forward records nothing): Router.records, read and cleared by the step.
 """
@@ -240,6 +242,7 @@ class Experts(nn.Module):
         self.row_bias_fn: Sum = _unchanged
         self.activation_fn = activation_fn  # selective recompute wraps it, as the dense MLP's
         self.dispatch: Dispatch = _here  # expert parallel sends the rows to their experts' ranks
+        self.lora_fn: Adapt = _not_adapted  # peft=lora adds the adapters' updates
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor,
                 keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -264,11 +267,12 @@ class Experts(nn.Module):
     def run(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by expert (counts[e] for the e-th expert this module holds) through
         their experts: [rows, h] -> [rows, h]."""
-        gate_up = grouped(rows, self.gate_up, counts)
+        gate_up = self.lora_fn(self, "gate_up", rows, counts, grouped(rows, self.gate_up, counts))
         if self.gate_up_bias is not None:
             gate_up = gate_up + _per_row(self.gate_up_bias, counts, gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
-        out = grouped(self.activation_fn(gate, up), self.down, counts)
+        hidden = self.activation_fn(gate, up)
+        out = self.lora_fn(self, "down", hidden, counts, grouped(hidden, self.down, counts))
         if self.down_bias is not None:
             out = out + _per_row(self.row_bias_fn(self.down_bias), counts, out)
         return out
@@ -282,6 +286,16 @@ def _per_row(bias: torch.Tensor, counts: torch.Tensor, like: torch.Tensor) -> to
 
 # (rows sorted by expert, each expert's row count, Experts.run) -> the rows back, in order
 Dispatch = Callable[[torch.Tensor, torch.Tensor, Callable], torch.Tensor]
+
+
+# (the Experts module, its projection "gate_up" or "down", that projection's input rows sorted by
+# expert, each expert's row count, its output) -> the output with LoRA's updates added
+Adapt = Callable[[nn.Module, str, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _not_adapted(module: nn.Module, projection: str, rows: torch.Tensor, counts: torch.Tensor,
+                 out: torch.Tensor) -> torch.Tensor:
+    return out
 
 
 def _here(rows: torch.Tensor, counts: torch.Tensor, run: Callable) -> torch.Tensor:

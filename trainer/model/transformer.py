@@ -140,10 +140,11 @@ class Transformer(nn.Module):
                 else torch.ones(shape)
         std = self.cfg.init_std
         adapter = adapter_std(name, full[-1])
-        if adapter is not None:  # peft=lora's (trainer.model.lora)
-            return torch.zeros(shape) if adapter == 0 else \
-                normal_rectangle(seed, name, full[1], offsets, shape).mul_(adapter)
-        if name.endswith(RESIDUAL_OUTPUTS):
+        if adapter == 0:  # peft=lora's B (trainer.model.lora)
+            return torch.zeros(shape)
+        if adapter is not None:  # its A, drawn as a weight (a routed expert's: per expert)
+            std = adapter
+        elif name.endswith(RESIDUAL_OUTPUTS):
             # Residual-branch outputs shrink with depth so the residual stream keeps its scale.
             std /= math.sqrt(2 * self.cfg.num_layers)
         if len(full) == 3:  # experts [E, rows, cols]: each expert's matrix drawn on its own

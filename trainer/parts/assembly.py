@@ -9,7 +9,13 @@ import math
 from parallel.layout.parallel_plan import ParallelPlan, by_suffix
 from trainer.config import ModelConfig, PeftConfig
 from trainer.parts import PARTS, block_parts, model_parts
-from trainer.parts.lora import block_lora_shapes, is_adapter, plan_entries
+from trainer.parts.lora import (
+    ADAPTERS,
+    block_lora_shapes,
+    expert_splits,
+    is_adapter,
+    plan_entries,
+)
 from trainer.parts.mtp import EH_PROJ, MTP, depth_shapes, depths
 from trainer.parts.norm import block_norms
 
@@ -53,8 +59,8 @@ def parallel_plan(cfg: ModelConfig) -> ParallelPlan:
         tp_heads_hooks=tuple(dict.fromkeys(p.tp_heads for p in PARTS if p.tp_heads)),
         head_norms=tuple(n for p in PARTS for n in p.prefixed(p.head_norms)),
         experts=tuple(name for part in model_parts(cfg) for name in part.prefixed(part.experts)),
-        expert_splits={name: split for part in PARTS for name, split in
-                       part.expert_splits.items()},
+        expert_splits={**{name: split for part in PARTS for name, split in
+                          part.expert_splits.items()}, **expert_splits()},
     )
 
 
@@ -75,9 +81,25 @@ def block_shapes(cfg: ModelConfig, block: int = 0, peft: PeftConfig | None = Non
               for name, shape in parts.norm.shapes(cfg).items()}
     adapters = block_lora_shapes(cfg, peft, block) if peft else {}
     for part in (parts.attention, parts.mlp):
-        shapes |= part.slot_shapes(cfg)
-        shapes |= {n: s for n, s in adapters.items() if n.startswith(f"{part.slot}.")}
+        shapes |= _with_adapters(part.slot_shapes(cfg), {
+            n: s for n, s in adapters.items() if n.startswith(f"{part.slot}.")})
     return shapes
+
+
+def _with_adapters(own: dict[str, tuple[int, ...]], adapters: dict[str, tuple[int, ...]]
+                   ) -> dict[str, tuple[int, ...]]:
+    """A part's parameters and its adapters in the built model's order: the adapters after
+    the part's own, but the routed experts' (3-D) right after the experts' weights, as
+    submodules of the Experts module (before a shared expert)."""
+    experts = {n: s for n, s in adapters.items() if len(s) == 3}
+    rest = {n: s for n, s in adapters.items() if len(s) != 3}
+    if not experts:
+        return own | rest
+    owner = next(iter(experts)).rpartition(ADAPTERS)[0].rpartition(".")[0] + "."
+    keys = list(own)
+    cut = 1 + max(i for i, k in enumerate(keys) if k.startswith(owner))
+    return {**{k: own[k] for k in keys[:cut]}, **experts,
+            **{k: own[k] for k in keys[cut:]}, **rest}
 
 
 def buffer_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -21,10 +21,19 @@ Splitting B (or A) the other way would need the full-width input gathered, or th
 output reduced, a second time. The split factor is a ParallelLinear, so GTP_remat shards it too
 and gathers it with its block's weights; the whole factor is summed over the weight tile as a
 norm is.
+
+A mixture of experts' routed experts take one adapter per expert, as Hugging Face PEFT reads
+gate_proj, up_proj and down_proj on such a model (transformers' fused experts; its shared
+expert takes none): `mlp.experts.gate_up_lora.gate_proj.lora_A.weight` [E, r, h] and
+`...lora_B.weight` [E, F, r], each expert's factors in its row of dim 0, 3-D like the experts'
+weights and split over expert parallel as they are (parallel.experts); each expert's rows pass
+through its own A and B as one grouped GEMM each. Expert tensor parallel would split one factor
+and need the other's gradient summed over ETP: not built, refused (check_peft).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 from trainer.config import CPCommType, ModelConfig, PeftConfig, Precision, RecomputeGranularity
@@ -37,9 +46,27 @@ FACTORS = ("lora_A", "lora_B")
 
 def part_targets(cfg: ModelConfig, part: Any) -> dict[str, tuple[str, ...]]:
     """The projections `part` has in this model that LoRA can adapt (Part.lora_targets less
-    those the config leaves out, e.g. a mixture of experts without a shared expert)."""
+    those the config leaves out)."""
     shapes = part.shapes(cfg)
-    return {m: names for m, names in part.lora_targets.items() if f"{m}.weight" in shapes}
+    return {m: names for m, names in part.lora_targets.items() if _weight(part, m) in shapes}
+
+
+def per_expert(part: Any, module: str) -> bool:
+    """Whether projection `module` of `part` (`experts.gate_up`) is the routed experts' 3-D
+    weight: its adapters are one per expert, split over expert parallel (no TP style)."""
+    return module.split(".")[0] in part.experts
+
+
+def _weight(part: Any, module: str) -> str:
+    """A projection's weight by name within its part: `qkv` -> `qkv.weight`; the routed
+    experts' are 3-D parameters of their own name (`experts.gate_up`)."""
+    return module if per_expert(part, module) else f"{module}.weight"
+
+
+def is_expert_projection(module: str) -> bool:
+    """Whether `module` (within a block: `mlp.experts.gate_up`) is the routed experts'."""
+    return any(module == f"{part.slot}.{m}" and per_expert(part, m)
+               for part in PARTS for m in part.lora_targets)
 
 
 def targets(cfg: ModelConfig) -> dict[str, tuple[str, ...]]:
@@ -59,6 +86,8 @@ def plan_entries() -> tuple[dict[str, tuple[str, tuple[int, ...]]], tuple[str, .
     whole: list[str] = []
     for part in PARTS:
         for module, names in part.lora_targets.items():
+            if per_expert(part, module):  # split over EP instead
+                continue
             column = part.tp_styles[module] == "column"
             for name in names:
                 a, b = (f"{part.slot}.{module}{ADAPTERS}.{name}.{f}" for f in FACTORS)
@@ -67,14 +96,42 @@ def plan_entries() -> tuple[dict[str, tuple[str, tuple[int, ...]]], tuple[str, .
     return split, tuple(whole)
 
 
+@cache
+def expert_splits() -> dict[str, tuple[int | None, tuple[int, ...]]]:
+    """The routed experts' adapter factors by name within their Experts module
+    (`gate_up_lora.gate_proj.lora_A.weight`) -> how expert tensor parallel splits them
+    (ParallelPlan.expert_splits; None: whole on every ETP rank, its gradient summed over
+    ETP): as the projection's weight for the factor on its split side (B of gate_up, split by
+    rows; A of down, by columns), the other whole."""
+    out: dict[str, tuple[int | None, tuple[int, ...]]] = {}
+    for part in PARTS:
+        for module, names in part.lora_targets.items():
+            if not per_expert(part, module):
+                continue
+            weight = module.partition(".")[2]
+            rows_split = part.expert_splits[weight][0] == 1
+            for name in names:
+                a, b = (f"{weight}{ADAPTERS}.{name}.{f}.weight" for f in FACTORS)
+                out[a], out[b] = (None, (1,)) if rows_split else (2, (1,)), \
+                    (1, (1,)) if rows_split else (None, (1,))
+    return out
+
+
+def whole_over_etp(name: str) -> bool:
+    """Whether 3-D parameter `name` is a routed expert's LoRA factor every ETP rank holds
+    whole (expert_splits: split over EP only)."""
+    return expert_splits().get(".".join(name.split(".")[-4:]), (0,))[0] is None
+
+
 def projections(cfg: ModelConfig, block: int) -> dict[str, list[tuple[str, int, int]]]:
     """Module name within block `block` -> (Hugging Face name, in features, the part's rows)
-    of each fused part of every projection LoRA can adapt, in the fused order."""
+    of each fused part of every projection LoRA can adapt, in the fused order (each expert's,
+    for the routed experts)."""
     out: dict[str, list[tuple[str, int, int]]] = {}
     for part in block_parts(cfg, block):
         shapes, fused = part.shapes(cfg), part.fused(cfg)
         for module, names in part_targets(cfg, part).items():
-            rows, cols = shapes[f"{module}.weight"]
+            rows, cols = shapes[_weight(part, module)][-2:]
             sizes = fused.get(module, (1,))
             out[f"{part.slot}.{module}"] = [(n, cols, rows * s // sum(sizes))
                                             for n, s in zip(names, sizes)]
@@ -96,21 +153,26 @@ def adapted(cfg: ModelConfig, peft: PeftConfig, block: int | None = None
 
 
 def adapter_elements(cfg: ModelConfig, lora: Adapters) -> float:
-    """The adapters' weight elements a token multiplies by in a block (r x (in + rows) each),
-    averaged over the blocks: the FLOP count's (trainer.plan.cost.TokenFlops)."""
-    return sum(lora.rank * (cols + rows) for block in range(cfg.num_layers)
-               for parts in projections(cfg, block).values()
+    """The adapters' weight elements a token multiplies by in a block (r x (in + rows) each;
+    a routed expert's, moe_router_topk times: each token runs that many experts), averaged over
+    the blocks: the FLOP count's (trainer.plan.cost.TokenFlops)."""
+    return sum(lora.rank * (cols + rows) * (cfg.moe_router_topk if is_expert_projection(module)
+                                            else 1)
+               for block in range(cfg.num_layers)
+               for module, parts in projections(cfg, block).items()
                for name, cols, rows in parts if name in lora.targets) / max(cfg.num_layers, 1)
 
 
 def block_lora_shapes(cfg: ModelConfig, peft: PeftConfig, block: int
                       ) -> dict[str, tuple[int, ...]]:
-    """Block `block`'s adapter parameters' single-device shapes, by name within the block."""
+    """Block `block`'s adapter parameters' single-device shapes, by name within the block
+    (the routed experts': one per expert, [E, ...])."""
     out = {}
     for module, parts in adapted(cfg, peft, block).items():
+        each = (cfg.num_moe_experts,) if is_expert_projection(module) else ()
         for name, cols, rows in parts:
-            out[f"{module}{ADAPTERS}.{name}.lora_A.weight"] = (peft.lora_rank, cols)
-            out[f"{module}{ADAPTERS}.{name}.lora_B.weight"] = (rows, peft.lora_rank)
+            out[f"{module}{ADAPTERS}.{name}.lora_A.weight"] = (*each, peft.lora_rank, cols)
+            out[f"{module}{ADAPTERS}.{name}.lora_B.weight"] = (*each, rows, peft.lora_rank)
     return out
 
 
@@ -159,14 +221,38 @@ def block_kept_bytes(cfg: ModelConfig, parts: BlockParts, k: Tokens, e: int,
         shapes, grad = part.shapes(cfg), part_in
         for module, names in part_targets(cfg, part).items():  # a row one reads a column's
             count = len(lora.targets & set(names))
+            if per_expert(part, module):
+                total += _expert_kept_bytes(cfg, part, module, count, k, e, lora)
+                continue
             if not count:
                 continue
+            cols = shapes[_weight(part, module)][-1]
             column = part.tp_styles[module] == "column"
             total += count * (k.T if column else k.Tr) * lora.rank * e
             if lora.dropout and grad:  # the mask is kept for the input's gradient only
-                cols = shapes[f"{module}.weight"][1]
                 total += k.Tr * cols if column else k.T * cols // k.t
             grad = True
+    return total
+
+
+def _expert_kept_bytes(cfg: ModelConfig, part: Any, module: str, count: int, k: Tokens,
+                       e: int, lora: Adapters) -> int:
+    """A routed experts' projection with `count` adapted parts: each adapter's r-wide A output
+    per (token, expert) pair (a rank runs as many pairs as it sends, the router balanced),
+    with dropout its one-byte mask of the input, and under bf16 the casts of its factors on
+    the rank (E / EP experts, split over ETP as expert_splits says). A bf16 base is cast by
+    nothing: Part.kept_bytes's copy of the experts' weight is not made."""
+    E, rows, cols = part.shapes(cfg)[_weight(part, module)]
+    local = E // k.ep
+    pairs = k.Tr * cfg.moe_router_topk
+    total = count * pairs * lora.rank * e + (pairs * cols if count and lora.dropout else 0)
+    if e != FP32:
+        part_rows = rows // len(part.lora_targets[module])
+        rows_split = part.expert_splits[module.partition(".")[2]][0] == 1
+        total += count * local * lora.rank * (cols + part_rows // k.etp if rows_split
+                                              else cols // k.etp + part_rows) * e
+        if lora.base_bf16:
+            total -= local * rows * cols // k.etp * e
     return total
 
 
@@ -179,19 +265,21 @@ def head_kept_bytes(cfg: ModelConfig, k: Tokens, e: int) -> int:
 def local_adapter_elements(cfg: ModelConfig, lora: Adapters, t: int) -> float:
     """A block's adapters' elements on a TP rank (a column projection's B and a row one's A
     split over TP, the other factor whole), averaged over the blocks: under bf16 autocast
-    keeps a cast of each, and with peft.base_precision=bf16 of nothing else in a block."""
-    return sum(lora.rank * (cols + rows // t if column else cols // t + rows)
+    keeps a cast of each, and with peft.base_precision=bf16 of nothing else in a block (the
+    routed experts' casts: block_kept_bytes)."""
+    return sum(lora.rank * (cols + rows // t if style == "column" else cols // t + rows)
                for block in range(cfg.num_layers)
                for module, parts in projections(cfg, block).items()
-               for column in (module_style(cfg, block, module) == "column",)
+               for style in (module_style(cfg, block, module),) if style is not None
                for name, cols, rows in parts if name in lora.targets) / max(cfg.num_layers, 1)
 
 
-def module_style(cfg: ModelConfig, block: int, module: str) -> str:
-    """The TP style of projection `module` ("attn.qkv") of block `block`."""
+def module_style(cfg: ModelConfig, block: int, module: str) -> str | None:
+    """The TP style of projection `module` ("attn.qkv") of block `block` (None: the routed
+    experts', which TP does not split)."""
     slot, name = module.split(".", 1)
     part = next(p for p in block_parts(cfg, block) if p.slot == slot)
-    return part.tp_styles[name]
+    return part.tp_styles.get(name)
 
 
 def uncast_elements(cfg: ModelConfig, lora: Adapters, t: int) -> int:
@@ -204,7 +292,7 @@ def uncast_elements(cfg: ModelConfig, lora: Adapters, t: int) -> int:
     grad, out = False, 0
     for part in (parts.attention, parts.mlp):
         for module, names in part_targets(cfg, part).items():
-            if not grad:
+            if not grad and not per_expert(part, module):  # (the experts': counted whole)
                 rows, cols = shapes[f"{module}.weight"]
                 out += rows * cols // t
             grad = grad or bool(lora.targets & set(names))
@@ -230,6 +318,14 @@ def check_peft(model: ModelConfig, peft: PeftConfig | None, optim: Any = None,
                          f"sequence parallel: the TP ranks would drop different inputs of one "
                          f"replicated adapter. Fix: parallel.sequence_parallel=true, or "
                          f"peft.lora_dropout=0.")
+    if layout is not None and peft.lora_dropout and layout.etp_size > 1 and any(
+            is_expert_projection(m) for m in adapted(model, peft)):
+        # Every ETP peer runs the same rows through its slice of an expert: masks drawn per
+        # rank would feed one whole factor different inputs.
+        raise ValueError(f"peft.lora_dropout={peft.lora_dropout} with the routed experts "
+                         f"adapted under expert tensor parallel (ETP {layout.etp_size}): the "
+                         f"ETP ranks would drop different inputs of one expert's adapter. Fix: "
+                         f"parallel.expert_tensor_parallel_size=1, or peft.lora_dropout=0.")
     if peft.name != "lora":
         raise ValueError(f"peft.name={peft.name!r} is not a method this trainer has. Fix: "
                          f"peft=lora, or peft=null for full fine-tuning.")

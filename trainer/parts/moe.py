@@ -205,6 +205,29 @@ def moe_mlp_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranula
     return router_bytes(m, T) + experts + copies + shared
 
 
+def moe_lora_kept_bytes(m: ModelConfig, k: Tokens, e: int,
+                        recompute: RecomputeGranularity | None, cp_comm_type,
+                        adapted: frozenset[str], grad_in: bool, dropout: bool) -> int:
+    """Its weights frozen (peft=lora; adapters on the routed experts only): the router keeps no
+    input (T*h fp32: its logits' gradient needs its weight alone), the pairs' inputs are kept
+    only for gate_up's adapters and the product only for down's, and the shared expert keeps
+    neither its input nor its product. Where its input carries no gradient (a first block
+    whose attention has no adapters) it counts as trained: an upper bound."""
+    kept = moe_mlp_bytes(m, k, e, recompute, cp_comm_type)
+    if not grad_in:
+        return kept
+    Tk = k.Tr * m.moe_router_topk * k.etp  # the rows a rank's experts run (every ETP peer's)
+    kept -= k.Tr * m.hidden_size * FP32
+    if not adapted & {"gate_proj", "up_proj"}:
+        kept -= Tk * m.hidden_size * e
+    if "down_proj" not in adapted:
+        kept -= Tk * m.expert_ffn_size // k.etp * e
+    if m.moe_shared_expert_intermediate_size:
+        kept -= k.T * m.moe_shared_expert_intermediate_size // k.t * e + (
+            k.T * m.hidden_size * e if e != FP32 or k.sp else 0)
+    return kept
+
+
 def moe_backward_bytes(m: ModelConfig, k: Tokens, e: int, selective: bool) -> int:
     """The most a mixture of experts' backward forms beside what its block keeps, counted by
     the allocator: the gradient entering the block (fp32) and the larger of two moments of the
@@ -302,7 +325,10 @@ def check_groups(model: ModelConfig) -> None:
 MOE = Part(
     "moe", "mlp", "trainer.model.moe:moe_mlp", shapes,
     tp_styles={"shared.gate_up": "column", "shared.down": "row"},
-    fused=lambda cfg: {"shared.gate_up": (1, 1)},
+    fused=lambda cfg: {"shared.gate_up": (1, 1), "experts.gate_up": (1, 1)},
+    # LoRA: one adapter per routed expert, as PEFT reads these names on a mixture of experts
+    # (trainer.parts.lora); the shared expert takes none there, so none here.
+    lora_targets={"experts.gate_up": ("gate_proj", "up_proj"), "experts.down": ("down_proj",)},
     # The router is whole on every rank; the experts are split over expert parallel instead
     # (parallel.experts; trainer.plan.axis_costs.tensor refuses TP without SP for them).
     whole=("router", "experts"),
@@ -316,5 +342,6 @@ MOE = Part(
     buffer_names=(EXPERT_BIAS,), buffers=buffers,
     residual_outputs=("experts.down", "shared.down.weight"),
     hook="activation_fn",  # the experts' act(gate) * up, as the dense MLP's
-    kept_bytes=moe_mlp_bytes, backward_bytes=moe_backward_bytes, rebuild_bytes=moe_rebuild_bytes,
+    kept_bytes=moe_mlp_bytes, lora_kept_bytes=moe_lora_kept_bytes,
+    backward_bytes=moe_backward_bytes, rebuild_bytes=moe_rebuild_bytes,
     hf_names=hf_names, rules=check_moe)

@@ -31,7 +31,7 @@ from trainer.parts.assembly import (
     parameter_shapes,
     tp_style,
 )
-from trainer.parts.lora import Adapters, is_adapter
+from trainer.parts.lora import Adapters, is_adapter, whole_over_etp
 from trainer.parts.moe import dispatch_rows
 from trainer.parts.mtp import MTP
 from trainer.parts.tokens import Tokens, compute_bytes
@@ -143,8 +143,10 @@ def local_numel(name: str, shape: tuple[int, ...], layout: Layout, muon: bool = 
 
 def _local_numel(name: str, shape: tuple[int, ...], layout: Layout) -> tuple[int, int]:
     module = name.removesuffix(".weight")
-    if len(shape) == 3:  # parallel.experts: dim 0 over EP, each expert over ETP
-        return math.prod(shape) // layout.expert_split_size, EXPERTS
+    if len(shape) == 3:  # parallel.experts: dim 0 over EP, each expert over ETP (a LoRA
+        # factor beside a split one: whole over ETP)
+        split = layout.ep_size if whole_over_etp(name) else layout.expert_split_size
+        return math.prod(shape) // split, EXPERTS
     if module == EMBEDDING:
         style = "column"  # vocab-parallel: the rows (vocabulary) split over TP
     elif len(shape) == 2:
