@@ -168,7 +168,7 @@ def search(p: Problem) -> Choice:
             except LayoutError as error:
                 dropped[_rule(str(error))] += 1
                 continue
-            floor = floor_s(m, layout, p.precision, p.hardware)
+            floor = floor_s(m, layout, p.precision, p.hardware, Adapters.of(p.peft))
             floor += p.muon.floor_s(p.world_size, p.hardware) if p.muon else 0.0
             floor /= layout.global_batch_size
             layouts.append((floor, len(layouts), layout))

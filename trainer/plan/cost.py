@@ -122,7 +122,9 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
              RecomputeGranularity.selective: attn_fwd, None: 0.0}
     head_fwd = T * (token.head + token.mtp) / t / flops  # the last stage: head, MTP depths
     # Shared cores compute and move messages in turn: nothing overlaps.
-    micro = Micro(m, layout, hw, options, T, e, W, attn_fwd, head_fwd, not hw.shares_cores)
+    trained = token.block_adapters / 2 if token.frozen else None  # peft=lora: the adapters'
+    micro = Micro(m, layout, hw, options, T, e, W, attn_fwd, head_fwd, not hw.shares_cores,
+                  trained)
 
     # The slowest stage's micro-batch, and each planned stage's weight elements. Each axis's
     # messages are its entry's (trainer.plan.axis_costs): a block's, the head's, the
@@ -144,19 +146,19 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
                 if costs.block_s:
                     parts[costs.kind] += count * costs.block_s(micro, recompute, fwd, bwd)
         first, last = stage == 0, stage == pp - 1
-        elements = sum(len(chunk) for chunk in chunks) * W
+        elements = sum(len(chunk) for chunk in chunks) * micro.grad_weights
+        head = 0 if token.frozen else m.padded_vocab_size * m.hidden_size  # its gradient's
         if last:  # the head
             parts["compute"] += (2 if token.frozen else 3) * head_fwd
             for costs in REGISTRY:
                 if costs.head_s:
                     parts[costs.kind] += costs.head_s(micro)
-            elements += m.padded_vocab_size * m.hidden_size \
-                if not m.tie_word_embeddings or layout.pp_size == 1 else 0
+            elements += head if not m.tie_word_embeddings or layout.pp_size == 1 else 0
         if first:  # the embedding
             for costs in REGISTRY:
                 if costs.embedding_s:
                     parts[costs.kind] += costs.embedding_s(micro)
-            elements += m.padded_vocab_size * m.hidden_size
+            elements += head
         for costs in REGISTRY:
             if costs.stage_s:
                 parts[costs.kind] += costs.stage_s(micro, len(chunks))
@@ -172,24 +174,28 @@ def estimate(m: ModelConfig, layout: Layout, options: EngineOptions, hw: Hardwar
     return Estimate(sum(seconds.values()), seconds)
 
 
-def floor_s(m: ModelConfig, layout: Layout, precision: Precision, hw: Hardware) -> float:
+def floor_s(m: ModelConfig, layout: Layout, precision: Precision, hw: Hardware,
+            lora: Adapters | None = None) -> float:
     """At most estimate(...).step_s under any option of this layout (recompute, cp_comm_type,
     overlap): the last stage's compute without recompute and the messages no option hides (TP's),
     m times and through the bubble, plus the optimizer's reduction of the smallest stage. The
-    search skips a layout whose floor is already slower than the candidates it keeps."""
+    search skips a layout whose floor is already slower than the candidates it keeps. lora:
+    peft=lora's, whose compute and gradients are estimate's under it."""
     t, pp = layout.tp_size, layout.pp_size
     b, s = layout.micro_batch_size, layout.context_local_length
     T, W = b * s, block_weight_elements(m)
-    e, token = compute_bytes(precision), TokenFlops.of(m, layout.seq_length)
+    e, token = compute_bytes(precision), TokenFlops.of(m, layout.seq_length, lora)
     flops = hw.flops(precision)
-    micro = Micro(m, layout, hw, None, T, e, W)
+    micro = Micro(m, layout, hw, None, T, e, W,
+                  trained_weights=token.block_adapters / 2 if token.frozen else None)
     per_stage = [sum(map(len, layout.stage_chunks(stage, m.num_layers))) for stage in range(pp)]
     blocks = per_stage[-1]  # the last stage's, which also runs the head
-    block = 3 * T * (token.block_linear + token.block_attention) / t / flops
+    block = (3 * T * (token.block_linear + token.block_adapters + token.block_attention)
+             - (T * token.block_linear if token.frozen else 0)) / t / flops
     for costs in REGISTRY:
         if costs.floor_block_s:
             block += costs.floor_block_s(micro)
-    step = blocks * block + 3 * T * (token.head + token.mtp) / t / flops
+    step = blocks * block + (2 if token.frozen else 3) * T * (token.head + token.mtp) / t / flops
     for costs in REGISTRY:
         if costs.floor_head_s:
             step += costs.floor_head_s(micro)

@@ -28,5 +28,5 @@ def step_s(k: Micro, micro_s: float, elements: list[int]) -> float:
 COSTS = AxisCosts(
     DATA.name, step_kind="optimizer reduce", step_s=step_s,
     floor_step_s=lambda k, blocks: optimizer_seconds(k.layout, k.hw,
-                                                     min(blocks) * k.block_weights),
+                                                     min(blocks) * k.grad_weights),
     labels=lambda lay, values: ((5, f"DP={lay.data_parallel_size}"),))

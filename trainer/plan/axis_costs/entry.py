@@ -31,6 +31,14 @@ class Micro:
     attention_s: float = 0.0  # a block's attention, forward
     head_s: float = 0.0  # the head's forward
     overlaps: bool = False  # ranks have cores of their own: a message can hide behind compute
+    # Of W, the elements that form gradients (None: all): under peft=lora the adapters' alone,
+    # so only theirs are reduced; the frozen head and embedding send no gradient either.
+    trained_weights: float | None = None
+
+    @property
+    def grad_weights(self) -> float:
+        """A block's weight elements whose gradients are reduced."""
+        return self.block_weights if self.trained_weights is None else self.trained_weights
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,7 @@ def _messages(k: Micro) -> tuple[float, float, bool, bool]:
     is W/t elements."""
     gather, scatter = gather_seconds(k.layout, k.options, k.hw,
                                      k.block_weights / k.layout.tp_size, k.e)
+    scatter *= k.grad_weights / k.block_weights  # peft=lora: the adapters' gradients alone
     return (gather, scatter, k.options.overlap_param_gather and k.overlaps,
             k.options.overlap_grad_reduce and k.overlaps)
 
@@ -88,6 +89,7 @@ def head_s(k: Micro) -> float:
     """The head: gathered for forward and again for backward, hidden behind its compute."""
     gather, scatter, overlap_gather, _ = _messages(k)
     m = k.model
+    scatter = scatter if k.trained_weights is None else 0.0  # a frozen head's: none
     head = (2 * gather + scatter) * m.padded_vocab_size * m.hidden_size / k.block_weights
     return max(0.0, head - 3 * k.head_s) if overlap_gather else head
 
@@ -96,6 +98,7 @@ def embedding_s(k: Micro) -> float:
     """The embedding: gathered once, its gradient reduce-scattered."""
     gather, scatter, _, _ = _messages(k)
     m = k.model
+    scatter = scatter if k.trained_weights is None else 0.0  # a frozen embedding's: none
     return (gather + scatter) * m.padded_vocab_size * m.hidden_size / k.block_weights
 
 
