@@ -515,7 +515,8 @@ class PeftConfig:
     lora_rank: int = MISSING  # r: the adapters' inner width, 1 .. the projection's smaller side
     lora_alpha: float = MISSING  # the update is scaled by lora_alpha / lora_rank
     lora_dropout: float = MISSING  # dropout on the adapters' input, in [0, 1)
-    # q_proj k_proj v_proj o_proj gate_proj up_proj down_proj: the projections adapted
+    # q_proj k_proj v_proj o_proj gate_proj up_proj down_proj: the projections adapted (on a
+    # mixture of experts gate, up and down name the routed experts: one adapter per expert)
     target_modules: List[str] = MISSING
     # the frozen base's projections (and untied head) kept in: fp32, or bf16 (half the bytes;
     # needs train.precision=bf16, which computes in bf16 anyway). Adapters, norms and the

@@ -207,12 +207,10 @@ def test_an_adapter_that_is_not_plain_lora_or_not_this_models_is_one_line(base, 
 
 
 MOE_BASES = {  # every block a mixture of experts (PEFT reads gate, up and down as experts')
-    "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=48,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0})),
-    # Mixtral's experts are w1 (gate), w3 (up) and w2 (down) to PEFT
+    # Mixtral's experts are w1 (gate), w3 (up) and w2 (down) to PEFT. (Qwen3-MoE's, which PEFT
+    # reads as gate_proj, up_proj, down_proj by the same conversion, left CI for its time
+    # budget in issue 44 (16 s); it passed when last run, at 9c8c9a5: num_experts 4 of 48,
+    # top 2 normalised, two blocks, otherwise as here.)
     "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
         vocab_size=256, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,

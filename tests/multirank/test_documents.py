@@ -176,8 +176,9 @@ CASES = {
                        EngineOptions(cp_comm_type=CPCommType.a2a)),
     "pp2_cp2_full_recompute": (4, dict(pipeline_model_parallel_size=2, context_parallel_size=2),
                                FULL),
-    # compiled blocks (fp32: inductor reorders float work): one graph, no break (the
-    # documents' attention is an operator, trainer/model/documents.py)
+    # compiled blocks: one graph, no break (the documents' attention is an operator,
+    # trainer/model/documents.py): the bf16 test below runs them (the fp32 case, 27 s, left CI
+    # for its time budget in issue 44; it passed when last run, at 9c8c9a5)
     "one_process_compiled": (1, {}, COMPILED),
     "moe_one_process": (1, {}, EngineOptions(), MOE),
     "moe_ep2": (2, dict(expert_model_parallel_size=2), EngineOptions(), MOE),
@@ -210,7 +211,7 @@ FP64 = ("one_process", "cp2_p2p", "runtime_cp8_all_gather", "pp2_cp2_full_recomp
 FP64_ONLY = ("pp2_virtual2_interleaved", "gpt_oss_cp4_p2p", "gpt_oss_runtime_cp8_all_gather")
 PARAMS = [pytest.param(name, dtype, id=f"{name}-{label}") for name in CASES
           for dtype, label in ((torch.float32, "fp32"), (torch.float64, "fp64"))
-          if (dtype == torch.float32 and name not in FP64_ONLY) or
+          if (dtype == torch.float32 and name not in (*FP64_ONLY, "one_process_compiled")) or
           (dtype == torch.float64 and name in FP64)]
 
 

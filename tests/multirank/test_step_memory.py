@@ -375,8 +375,7 @@ LORA_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
         8, frozenset({"q_proj", "v_proj"}), 0.0, base_bf16=True)), GQA),
     # a mixture of experts: one adapter per routed expert (a shared expert takes none)
     "lora_moe_one_process": (1, {}, dict(lora=ALL_TARGETS), MOE_MODELS["moe_sigmoid_shared"]),
-    "lora_moe_ep2_bf16": (2, dict(expert_model_parallel_size=2), dict(
-        precision=Precision.bf16, lora=ALL_TARGETS), MOE_MODELS["moe_losses"]),
+    # (EP 2 in bf16 with every target, +0.14% / -0.10%, left CI for its time in issue 44)
     "lora_moe_bf16_base_tp2_sp_etp2": (2, TP2_SP, dict(precision=Precision.bf16, lora=Adapters(
         8, frozenset({"q_proj", "up_proj"}), 0.0, base_bf16=True)), MOE_MODELS["moe"]),
 }

@@ -6,8 +6,10 @@ projection that adds them: y = W x + (alpha / r) B A dropout(x), part by part fo
 The model's own code is untouched, and so are its parameters' names: a checkpoint or a Hugging
 Face import of the base loads as it is. parallelize replaces the projection by its TP layer and
 keeps the hook (parallel.tensor), and splits the adapters by the plan like any linear, so the
-hook's input and output are the projection's local ones on every layout. Every other parameter
-is frozen (freeze_base).
+hook's input and output are the projection's local ones on every layout. The routed experts
+have no module per projection: their adapters (one per expert, 3-D) sit in the Experts module,
+which adds them through its lora_fn hook, and expert parallel splits them as the experts'
+weights (parallel.experts). Every other parameter is frozen (freeze_base).
 """
 from __future__ import annotations
 

@@ -27,8 +27,9 @@ gate_proj, up_proj and down_proj on such a model (transformers' fused experts; i
 expert takes none): `mlp.experts.gate_up_lora.gate_proj.lora_A.weight` [E, r, h] and
 `...lora_B.weight` [E, F, r], each expert's factors in its row of dim 0, 3-D like the experts'
 weights and split over expert parallel as they are (parallel.experts); each expert's rows pass
-through its own A and B as one grouped GEMM each. Expert tensor parallel would split one factor
-and need the other's gradient summed over ETP: not built, refused (check_peft).
+through its own A and B as one grouped GEMM each. Expert tensor parallel splits the factor on
+its projection's split side (B of gate|up by rows, A of down by columns) and keeps the other
+whole on every ETP rank, its gradient summed over ETP (expert_splits).
 """
 from __future__ import annotations
 
