@@ -67,9 +67,9 @@ class ParallelModel(nn.Module):
                         for p, _ in m.named_parameters()}
         # Of those, what every ETP rank holds whole but forms a part of the gradient of (a
         # LoRA factor beside a split one): summed over ETP before the optimizer reads it.
-        self.etp_whole = [p for n, p in module.named_parameters() if n in self.experts
-                          and self.experts[n][0].split.size > 1
-                          and self.experts[n][0].weights[self.experts[n][1]].whole]
+        self.etp_whole_names = {n for n in self.experts if self.experts[n][0].split.size > 1
+                                and self.experts[n][0].weights[self.experts[n][1]].whole}
+        self.etp_whole = [p for n, p in module.named_parameters() if n in self.etp_whole_names]
         sharded |= set(self.experts)  # their gradients are summed by the optimizer alone
         # Whether the model has experts on some stage (its plan names them), this one or not.
         self.mixture = mixture

@@ -76,16 +76,18 @@ def train(rank: int, layout: Layout, batches: list[torch.Tensor], dtype: torch.d
     start = engine.model.full_state_dict()
     stats = engine.groups.world.stats
     stats.bytes.clear()
-    losses, graphs = [], []
+    losses, norms, graphs = [], [], []
     for batch in batches:
         micro_batches = rank_micro_batches(lambda idx, b=batch: b[idx], layout, rank)
         for mb in micro_batches:  # inputs may not hold the ignore marker; labels keep it
             mb.tokens = mb.tokens.clamp(min=0)
-        losses.append(train_step(engine.model, engine.optimizer, micro_batches, LR).loss)
+        step = train_step(engine.model, engine.optimizer, micro_batches, LR)
+        losses.append(step.loss)
+        norms.append(step.grad_norm)  # before clipping: every rank's gradients, counted once
         graphs.append(compiled_graphs())  # compiled so far (no recompile: the same each step)
     first_of_stage = not any(layout.coords(rank)[:-1])
     end = engine.model.full_state_dict()
-    return {"losses": losses, "graphs": graphs, "breaks": set(graph_breaks()),
+    return {"losses": losses, "norms": norms, "graphs": graphs, "breaks": set(graph_breaks()),
             "start": start if first_of_stage else None,
             "end": end if first_of_stage else None, "bytes": dict(stats.bytes),
             "grads": [n for n, p in engine.model.module.named_parameters() if p.grad is not None],
@@ -116,9 +118,11 @@ def test_lora_under_a_layout_matches_one_process(name, dtype, one_process):
     adapters = [n for n in ref["end"] if is_adapter(n)]
     worst = {n: relative(end[n], ref["end"][n]) for n in adapters}
     loss = max(relative(a, b) for a, b in zip(results[0]["losses"], ref["losses"]))
-    print(f"\nLoRA {name} {dtype}: loss {loss:.2e}, adapters {max(worst.values()):.2e} "
-          f"(worst {max(worst, key=worst.get)})")
+    norm = max(relative(a, b) for a, b in zip(results[0]["norms"], ref["norms"]))
+    print(f"\nLoRA {name} {dtype}: loss {loss:.2e}, gradient norm {norm:.2e}, adapters "
+          f"{max(worst.values()):.2e} (worst {max(worst, key=worst.get)})")
     assert loss <= TOLERANCE[dtype] and max(worst.values()) <= TOLERANCE[dtype], worst
+    assert norm <= TOLERANCE[dtype]
     for n in adapters:  # every adapter trained: B from zero, then A
         assert relative(ref["end"][n], ref["start"][n]) > 1e-3, n
     if model.num_moe_experts:  # the routed experts' own, one per expert

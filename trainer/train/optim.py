@@ -44,6 +44,20 @@ class FlatBuffer:
     counted: bool  # whether this rank's part enters the gradient norm
     slots: list[tuple[str, int, torch.Size]]  # (name, offset, shape) of each parameter
     replica: Group  # the ranks its parts are spread over
+    # (start, end) ranges of this rank's part that another rank counts in the gradient norm
+    # (a LoRA factor every ETP rank holds whole: ETP rank 0 counts it)
+    uncounted: tuple[tuple[int, int], ...] = ()
+
+    def ranges_of(self, names: set[str]) -> tuple[tuple[int, int], ...]:
+        """Where parameters `names` lie in this rank's part, as (start, end) within it."""
+        size = self.part.numel()
+        lo = self.replica.rank * size
+        out = []
+        for name, offset, shape in self.slots:
+            start, end = max(offset, lo), min(offset + shape.numel(), lo + size)
+            if name in names and start < end:
+                out.append((start - lo, end - lo))
+        return tuple(out)
 
     def part_of(self, flat: torch.Tensor) -> torch.Tensor:
         size = self.part.numel()
@@ -115,6 +129,8 @@ class ShardedOptimizer:
             group = expert_replica if experts else replica
             counted = tile_root if kind.endswith(("whole", "norms")) else True
             buffer = FlatBuffer.build(params, group, layout, counted, experts)
+            if experts and groups.expert_tensor_parallel.rank > 0:  # counted on ETP rank 0
+                buffer.uncounted = buffer.ranges_of(model.etp_whole_names)
             self.buffers.append(buffer)
             if kind.startswith("muon_"):
                 tile = groups.expert_tensor_parallel if experts else groups.weight_tile
@@ -160,6 +176,9 @@ class ShardedOptimizer:
                     wide = chunk.double()
                     square += torch.dot(wide, wide)
                     del wide  # else held while the next buffer's first chunk is widened
+                for start, end in buffer.uncounted:
+                    wide = buffer.part.grad[start:end].double()
+                    square -= torch.dot(wide, wide)
         return self.world.all_reduce(square).sqrt().item()
 
     @torch.no_grad()
