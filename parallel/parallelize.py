@@ -205,32 +205,23 @@ class ParallelModel(nn.Module):
         """The experts' LoRA factors held whole over ETP: each ETP rank formed the part of
         their gradient its slice of the other factor gives; one all-reduce sums them."""
         grads = [p.grad for p in self.etp_whole if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.groups.expert_tensor_parallel.all_reduce(flat)
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        if grads:
+            _reduce_coalesced(grads, self.groups.expert_tensor_parallel.all_reduce)
 
     def _reduce_replicated_grads(self) -> None:
         """Coalesced: one all-reduce per group for all small tensors."""
         held = [(i, p.grad) for i, (_, p) in enumerate(self.replicated) if p.grad is not None]
         if not held:
             return
-        grads = [grad for _, grad in held]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.groups.gtp_remat.all_reduce(flat)
-        if self.sequence_parallel:
-            self.groups.tp.all_reduce(flat)
-        elif self.head_norm_count:  # the per-head norms lead the flat tensor
-            per_head = sum(g.numel() for i, g in held if i < self.head_norm_count)
-            self.groups.tp.all_reduce(flat[:per_head])
-        offset = 0
-        for grad in grads:
-            grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
-            offset += grad.numel()
+        def reduce(flat: torch.Tensor) -> None:
+            self.groups.gtp_remat.all_reduce(flat)
+            if self.sequence_parallel:
+                self.groups.tp.all_reduce(flat)
+            elif self.head_norm_count:  # the per-head norms lead the flat tensor
+                per_head = sum(g.numel() for i, g in held if i < self.head_norm_count)
+                self.groups.tp.all_reduce(flat[:per_head])
+
+        _reduce_coalesced([grad for _, grad in held], reduce)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -246,6 +237,18 @@ class ParallelModel(nn.Module):
                 out[name] = param.detach().clone() if layer is None else \
                     layer.full_weight().clone()
         return out
+
+
+def _reduce_coalesced(grads: list[torch.Tensor],
+                      reduce: Callable[[torch.Tensor], object]) -> None:
+    """Small gradients summed by one collective each: flattened into one tensor, reduced in
+    place by `reduce`, copied back."""
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    reduce(flat)
+    offset = 0
+    for grad in grads:
+        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        offset += grad.numel()
 
 
 @dataclass
