@@ -291,13 +291,16 @@ class _SharedOverTP:
 
 
 class _HeadsOfRank:
-    """A weight with an entry per query head, whole on every rank (the plan's tp_heads_hooks):
-    this TP rank's heads' entries (the column-parallel q's share), a view, so its gradient
-    reaches only them; the plan's head_norms sum it over TP."""
+    """A weight with an entry per head, whole on every rank (the plan's tp_heads_hooks): this
+    TP rank's heads' entries (the column-parallel projection's share; of each fused part, in
+    order, where `parts` gives their relative sizes: Gated DeltaNet's convolution over q|k|v),
+    views, so its gradient reaches only them; the plan's head_norms sum it over TP."""
 
     def __init__(self, tp: Group):
         self.tp = tp
 
-    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
-        share = weight.shape[0] // self.tp.size
-        return weight.narrow(0, self.tp.rank * share, share)
+    def __call__(self, weight: torch.Tensor, parts: tuple[int, ...] = (1,)) -> torch.Tensor:
+        rows = _part_rows(weight.shape[0], parts)
+        slices = [part.narrow(0, self.tp.rank * (n // self.tp.size), n // self.tp.size)
+                  for part, n in zip(weight.split(rows), rows)]
+        return slices[0] if len(slices) == 1 else torch.cat(slices)

@@ -28,6 +28,7 @@ from trainer.parts import model_parts, mtp
 from trainer.parts.assembly import parameter_shapes
 from trainer.parts.families import FAMILIES
 from trainer.parts.matrices import unmatched_patterns
+from trainer.parts.gdn import GATED_DELTA_NET, check_hybrid
 from trainer.parts.moe import MOE, check_moe
 from trainer.values import finite, one_of, positive_int
 
@@ -55,8 +56,9 @@ def check_model(model: ModelConfig) -> None:
                  "use 128 (Megatron's default), or 1 for no padding")
     finite("model.init_std", model.init_std, 0, False, fix="use e.g. 0.02")
     check_moe(model)  # the MoE part's keys: refused on a dense model, checked on a MoE one
+    check_hybrid(model)  # Gated DeltaNet's likewise: refused without the variant
     for part in model_parts(model):
-        if part is not MOE:
+        if part not in (MOE, GATED_DELTA_NET):
             part.rules(model)
     mtp.rules(model)
     family.rules(model)

@@ -161,6 +161,28 @@ class ModelConfig:
     # kernels, which use their default)
     softmax_scale: Optional[float] = None
 
+    # Megatron's: only this share of each head's dims turns with rotary positions (the first
+    # ones; Qwen3-Next's partial_rotary_factor 0.25), the rest pass unrotated
+    rotary_percent: float = 1.0
+    # Megatron's: the attention's output times sigmoid of a gate, one per output dim, that q's
+    # projection makes beside each head's query (Qwen3-Next's gated attention)
+    attention_output_gate: bool = False
+
+    # Hybrid linear attention (Qwen3-Next's; Megatron's names; docs/hybrid.md). gated_delta_net:
+    # the blocks linear_attention_freq names run Gated DeltaNet (a recurrent state per value
+    # head, the gated delta rule, a short causal convolution) instead of softmax attention;
+    # null: every block softmax attention.
+    experimental_attention_variant: Optional[str] = None
+    # which blocks are linear: an int N makes every N-th block (N-1, 2N-1, ...) full attention
+    # and the others linear (Qwen3-Next's 4: three linear to one full); a list of 1 (linear)
+    # and 0 (full), one per block
+    linear_attention_freq: Any = None
+    linear_conv_kernel_dim: int = 4  # the causal convolution's width over q, k and v
+    linear_key_head_dim: int = 128  # a query or key head of the linear blocks
+    linear_value_head_dim: int = 128  # a value (and output gate) head of the linear blocks
+    linear_num_key_heads: int = 16  # query and key heads of the linear blocks
+    linear_num_value_heads: int = 32  # value heads (a multiple of the key heads, which they share)
+
     # Multi-latent attention (DeepSeek-V2/V3's; Megatron's names; docs/attention.md): q and
     # K/V each projected down to a latent, normed and projected up per head, with a decoupled
     # rotary key of qk_pos_emb_head_dim shared by a token's heads. Replaces grouped-query
@@ -207,6 +229,9 @@ class ModelConfig:
     moe_ffn_hidden_size: Optional[int] = None  # an expert's inner width; null: ffn_hidden_size
     # a dense SwiGLU of this width that every token also passes; null: no shared expert
     moe_shared_expert_intermediate_size: Optional[int] = None
+    # Megatron's: the shared expert's output times sigmoid of a one-row linear of the token
+    # (Qwen3-Next's shared_expert_gate)
+    moe_shared_expert_gate: bool = False
     # which blocks are MoE: an int k makes blocks 0, k, 2k, ... MoE (1: every block), or a list
     # of 0/1, one per block
     moe_layer_freq: Any = 1
@@ -256,8 +281,22 @@ class ModelConfig:
 
     @property
     def qkv_heads(self) -> tuple[int, int, int]:
-        """Heads of q, k and v in the fused qkv projection (its parts' relative sizes)."""
-        return self.num_heads, self.query_groups, self.query_groups
+        """Heads of q, k and v in the fused qkv projection (its parts' relative sizes); with
+        attention_output_gate each query head's rows are its query's then its gate's."""
+        return (self.num_heads * (2 if self.attention_output_gate else 1), self.query_groups,
+                self.query_groups)
+
+    @property
+    def q_proj_size(self) -> int:
+        """Rows of q's part of the qkv projection: q, and with attention_output_gate each
+        head's gate beside its query (Qwen3-Next's q_proj)."""
+        return self.q_size * (2 if self.attention_output_gate else 1)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of a head that turn with rotary positions (rotary_percent of head_dim, the
+        first ones; transformers' int(head_dim * partial_rotary_factor))."""
+        return int(self.head_dim * self.rotary_percent)
 
     @property
     def kv_size(self) -> int:
@@ -283,6 +322,26 @@ class ModelConfig:
             return False
         freq = self.moe_layer_freq
         return bool(freq[block]) if isinstance(freq, (list, tuple)) else block % freq == 0
+
+    def is_linear_block(self, block: int) -> bool:
+        """Whether block `block` runs linear attention (linear_attention_freq, as Megatron's
+        counts blocks from one: N makes blocks N-1, 2N-1, ... full attention)."""
+        if self.experimental_attention_variant is None:
+            return False
+        freq = self.linear_attention_freq
+        if isinstance(freq, (list, tuple)):
+            return bool(freq[block])
+        return bool((block + 1) % freq)
+
+    @property
+    def linear_key_size(self) -> int:
+        """Width of a linear block's q (and of its k): its key heads of key_head_dim."""
+        return self.linear_num_key_heads * self.linear_key_head_dim
+
+    @property
+    def linear_value_size(self) -> int:
+        """Width of a linear block's v (and of its output gate z and its output)."""
+        return self.linear_num_value_heads * self.linear_value_head_dim
 
     def window_of(self, block: int) -> int | None:
         """Block `block`'s sliding window (window_attn_skip_freq, as Megatron's

@@ -16,6 +16,9 @@ writing the tensors is trainer.checkpoint.hf's.
     GptOssForCausalLM      biases, sinks, sliding windows by layer_types, YaRN with truncate;
                            experts in every block, fused, transposed, gate and up interleaved
                            (their Layouts: trainer.checkpoint.hf_gpt_oss)
+    Gemma3ForCausalLM      Gemma 3's text model (trainer.checkpoint.hf_gemma3)
+    Qwen3NextForCausalLM   the hybrid: Gated DeltaNet blocks by layer_types between gated
+                           full attention (trainer.checkpoint.hf_qwen3_next)
 
 Which of their tensors each of our parameters is comes from the model's parts (trainer.parts:
 each part names its own); the family (trainer.parts.families) gives a model.name to an imported
@@ -33,7 +36,7 @@ from typing import Any, Callable
 
 import torch
 
-from trainer.checkpoint import hf_deepseek, hf_gemma3, hf_gpt_oss
+from trainer.checkpoint import hf_deepseek, hf_gemma3, hf_gpt_oss, hf_qwen3_next
 from trainer.checkpoint.hf_fields import (
     BOOL,
     INT,
@@ -151,6 +154,9 @@ class HfMapping:
     # its own read, write and holds map Gemma's block keys (hf_gemma3.GEMMA_KEYS; else it holds
     # none of them)
     gemma_block: bool = False
+    # its own read, write and holds map the hybrid's keys (hf_qwen3_next.HYBRID_KEYS, partial
+    # rotary; its norms zero-centred); else it holds none of them
+    hybrid: bool = False
 
 
 def _read_mixtral(fields: Fields, need) -> dict:
@@ -240,6 +246,9 @@ MAPPINGS = {
     "gemma3": HfMapping("gemma3_text", read=hf_gemma3.read, write=hf_gemma3.write,
                         holds=hf_gemma3.holds, rope_scaling="own", own_keys=True,
                         gemma_block=True),
+    "qwen3_next": HfMapping("qwen3_next", read=hf_qwen3_next.read, write=hf_qwen3_next.write,
+                            holds=hf_qwen3_next.holds, layouts=hf_qwen3_next.layouts,
+                            hybrid=True),
 }
 
 
@@ -279,7 +288,10 @@ def architecture_of(model: ModelConfig) -> str:
          or mapping.rope_scaling == "yarn"),
         ("mtp_num_layers", model.mtp_num_layers, model.mtp_num_layers is None or mapping.mtp),
         *([] if mapping.own_keys else _swiglu_holds(model)),
-        *([] if mapping.gemma_block else hf_gemma3.not_held(model)),
+        *([] if mapping.gemma_block else [
+            held for held in hf_gemma3.not_held(model)  # Qwen3-Next's norms are zero-centred
+            if not (mapping.hybrid and held[0] == "layernorm_zero_centered_gamma")]),
+        *([] if mapping.hybrid else hf_qwen3_next.not_held(model)),
         *mapping.holds(model)) if not ok]
     if unmapped:
         key, value = unmapped[0]

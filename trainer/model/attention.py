@@ -73,7 +73,7 @@ class Attention(nn.Module):
         self.heads_fn = _identity
         self.parts = cfg.qkv_heads  # q | k | v
         # q, k and v in one projection: one GEMM, and under TP one collective for all three.
-        self.qkv = nn.Linear(h, cfg.q_size + 2 * cfg.kv_size,
+        self.qkv = nn.Linear(h, cfg.q_proj_size + 2 * cfg.kv_size,
                              bias=cfg.add_bias_linear or cfg.add_qkv_bias)
         self.o = nn.Linear(cfg.q_size, h, bias=cfg.add_bias_linear)
         # qk_layernorm: one norm of head_dim shared by every head of q (and one of k).
@@ -96,16 +96,31 @@ class Attention(nn.Module):
         widths = [qkv.shape[-1] * n // sum(self.parts) for n in self.parts]
         q, k, v = qkv.split(widths, dim=-1)
         b, s = q.shape[:2]
-        q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))
+        gate = None
+        if self.cfg.attention_output_gate:  # each head's query, then its gate
+            q, gate = q.view(b, s, -1, 2 * self.head_dim).chunk(2, dim=-1)
+        q, k, v = (t.reshape(b, s, -1, self.head_dim) for t in (q, k, v))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        freqs, factor = rotary_frequencies(self.cfg, self.head_dim, x.device, self.window)
-        q, k = apply_rotary(q, positions, freqs, factor), apply_rotary(k, positions, freqs, factor)
+        q, k = self._rotated(q, positions), self._rotated(k, positions)
         if self.q_scale != 1.0:
             q = q * self.q_scale
         out = self.attention_fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                 documents, self.window, self._sinks(q), logits=self.max_logits)
-        return self.o(out.transpose(1, 2).reshape(b, s, -1))
+        out = out.transpose(1, 2).reshape(b, s, -1)
+        if gate is not None:  # model.attention_output_gate (Qwen3-Next's gated attention)
+            out = out * torch.sigmoid(gate.reshape(b, s, -1))
+        return self.o(out)
+
+    def _rotated(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x's rotary dims turned (the first rotary_dim of each head: model.rotary_percent),
+        the rest as they are."""
+        dim = self.cfg.rotary_dim
+        freqs, factor = rotary_frequencies(self.cfg, dim, x.device, self.window)
+        if dim == self.head_dim:
+            return apply_rotary(x, positions, freqs, factor)
+        return torch.cat([apply_rotary(x[..., :dim], positions, freqs, factor), x[..., dim:]],
+                         dim=-1)
 
     def _sinks(self, q: torch.Tensor) -> torch.Tensor | None:
         """The sink logits of q's heads (this rank's under tensor parallel), or None."""

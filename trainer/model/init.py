@@ -42,3 +42,17 @@ def normal_rectangle(seed: int, name: str, full_cols: int, offsets: tuple[int, i
         out[row - offsets[0]:row - offsets[0] + count] = drawn[:, col:col + cols]
         row += count
     return out
+
+
+def special_values(rule: tuple, seed: int, name: str, full: int, offset: int, size: int
+                   ) -> torch.Tensor:
+    """Entries offset..+size of a vector of `full` entries initialised by a part's rule
+    (trainer.parts.part.Part.initial): ("ones",), or ("log_uniform", low, high), the log of a
+    uniform draw in [low, high) per entry, the whole vector drawn from one generator of
+    (seed, name) whoever asks for which part of it."""
+    if rule[0] == "ones":
+        return torch.ones(size)
+    _, low, high = rule
+    gen = torch.Generator().manual_seed(block_seed(seed, name, 0))
+    drawn = torch.rand(full, generator=gen, dtype=torch.float64) * (high - low) + low
+    return drawn.log().float()[offset:offset + size]

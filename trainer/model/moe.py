@@ -326,12 +326,19 @@ class MoE(nn.Module):
         super().__init__()
         self.router, self.experts = Router(cfg), Experts(cfg, activation_fn)
         self.shared = shared  # a dense MLP every token passes through (or None)
+        # model.moe_shared_expert_gate: the shared expert's output times sigmoid(x w), one
+        # scalar a token (Qwen3-Next's shared_expert_gate); whole on every rank, as the router
+        self.shared_gate = nn.Linear(cfg.hidden_size, 1, bias=False) \
+            if shared is not None and cfg.moe_shared_expert_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts, loss, counts, keep, dropped = self.router(x)
         out = self.experts(x.reshape(-1, x.shape[-1]), weights, experts, keep).view(x.shape)
         if self.shared is not None:
-            out = out + self.shared(x)
+            shared = self.shared(x)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(x)) * shared
+            out = out + shared
         return _RecordRouting.apply(out, loss, self.router, counts, dropped)
 
 

@@ -17,11 +17,11 @@ from torch import nn
 
 from trainer.checks import check_model
 from trainer.config import ModelConfig
-from trainer.model.init import normal_rectangle
+from trainer.model.init import normal_rectangle, special_values
 from trainer.model.lora import adapter_std
 from trainer.model.mtp import MultiTokenPrediction
 from trainer.parts import block_parts
-from trainer.parts.assembly import RESIDUAL_OUTPUTS
+from trainer.parts.assembly import INITIAL, RESIDUAL_OUTPUTS
 from trainer.parts.part import Part
 
 
@@ -133,6 +133,9 @@ class Transformer(nn.Module):
         and a rank asks only for its shards (trainer.model.init). Norms start at one, every
         bias (the router's expert bias, a buffer, too) and attention sinks at zero, and so do
         zero-centred norms (model.layernorm_zero_centered_gamma: applied as 1 + weight)."""
+        rule = next((r for suffix, r in INITIAL.items() if name.endswith(f".{suffix}")), None)
+        if rule is not None:  # a part's own (Gated DeltaNet's decay, its gated norm)
+            return special_values(rule, seed, name, full[0], offsets[0], shape[0])
         if name.endswith(("bias", "sinks")):  # the sinks start as off-by-one's
             return torch.zeros(shape)
         if len(full) == 1:

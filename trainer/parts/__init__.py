@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 from trainer.config import ModelConfig
 from trainer.parts.attention import GQA
+from trainer.parts.gdn import GATED_DELTA_NET
 from trainer.parts.mla import MLA
 from trainer.parts.mlp import SWIGLU
 from trainer.parts.moe import MOE
@@ -21,7 +22,7 @@ from trainer.parts.part import Part
 
 REGISTRY: dict[str, dict[str, Part]] = {
     "norm": {RMSNORM.name: RMSNORM},
-    "attention": {GQA.name: GQA, MLA.name: MLA},
+    "attention": {GQA.name: GQA, MLA.name: MLA, GATED_DELTA_NET.name: GATED_DELTA_NET},
     "mlp": {SWIGLU.name: SWIGLU, MOE.name: MOE},
 }
 PARTS = tuple(part for kind in REGISTRY.values() for part in kind.values())
@@ -37,11 +38,13 @@ class BlockParts(NamedTuple):
 
 
 def block_parts(cfg: ModelConfig, block: int) -> BlockParts:
-    """The layer pattern: block `block`'s parts; its attention multi-latent where
-    model.multi_latent_attention says, its MLP a mixture of experts where model.moe_layer_freq
+    """The layer pattern: block `block`'s parts; its attention Gated DeltaNet where
+    model.linear_attention_freq says (a hybrid), else multi-latent where
+    model.multi_latent_attention says; its MLP a mixture of experts where model.moe_layer_freq
     says."""
-    return BlockParts(RMSNORM, MLA if cfg.multi_latent_attention else GQA,
-                      MOE if cfg.is_moe_block(block) else SWIGLU)
+    attention = GATED_DELTA_NET if cfg.is_linear_block(block) else \
+        MLA if cfg.multi_latent_attention else GQA
+    return BlockParts(RMSNORM, attention, MOE if cfg.is_moe_block(block) else SWIGLU)
 
 
 def model_parts(cfg: ModelConfig) -> list[Part]:

@@ -39,6 +39,9 @@ ADAMW_LINEARS = tuple(name for part in PARTS for name in part.prefixed(part.adam
 BUFFER_NAMES = tuple(name for part in PARTS for name in part.prefixed(part.buffer_names))
 # Parameters on a residual branch's output (their init std shrinks with depth).
 RESIDUAL_OUTPUTS = tuple(name for part in PARTS for name in part.prefixed(part.residual_outputs))
+# Parameters whose initial values a part gives otherwise (Part.initial), by name suffix.
+INITIAL = {name: rule for part in PARTS
+           for name, rule in zip(part.prefixed(part.initial), part.initial.values())}
 
 
 def parallel_plan(cfg: ModelConfig) -> ParallelPlan:

@@ -23,7 +23,7 @@ def shapes(cfg: ModelConfig) -> Shapes:
     norms = {"q_norm.weight": (cfg.head_dim,), "k_norm.weight": (cfg.head_dim,)} \
         if cfg.qk_layernorm else {}
     sinks = {"sinks": (cfg.num_heads,)} if cfg.softmax_type == "learnable" else {}
-    qkv_rows = cfg.q_size + 2 * cfg.kv_size
+    qkv_rows = cfg.q_proj_size + 2 * cfg.kv_size
     qkv_bias = {"qkv.bias": (qkv_rows,)} if cfg.add_bias_linear or cfg.add_qkv_bias else {}
     o_bias = {"o.bias": (cfg.hidden_size,)} if cfg.add_bias_linear else {}
     return {**sinks, "qkv.weight": (qkv_rows, cfg.hidden_size), **qkv_bias,
@@ -111,7 +111,7 @@ def lora_kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranu
 
 def hf_names(cfg: ModelConfig, ours: str, theirs: str, family) -> HfNames:
     """q, k and v's projections (and their biases) fused in ours; gpt-oss's sinks."""
-    q, kv, h, d = cfg.q_size, cfg.kv_size, cfg.hidden_size, cfg.head_dim
+    q, kv, h, d = cfg.q_proj_size, cfg.kv_size, cfg.hidden_size, cfg.head_dim
     qkv = (("q", q), ("k", kv), ("v", kv))
     kinds = ("weight", "bias") if cfg.add_bias_linear or cfg.add_qkv_bias else ("weight",)
     return {
@@ -152,6 +152,13 @@ def rules(model: ModelConfig) -> None:
         raise ValueError(
             f"{width} is odd; rotary embeddings need an even head dim. Fix: change "
             f"model.kv_channels, model.num_heads or model.hidden_size.")
+    finite("model.rotary_percent", model.rotary_percent, 0, False, 1, True,
+           fix="use Qwen3-Next's 0.25, or 1.0 to turn every dim")
+    if model.rotary_dim % 2 or model.rotary_dim < 2:
+        raise ValueError(f"model.rotary_percent={model.rotary_percent} of a head dim of "
+                         f"{head_dim} turns {model.rotary_dim} dims; rotary embeddings need an "
+                         f"even number, at least 2. Fix: a share that gives an even count, "
+                         f"e.g. {max(2, head_dim // 4 // 2 * 2) / head_dim:g}.")
     rope_rules(model)
     local_rules(model)
 

@@ -18,6 +18,9 @@ requires of the keys. Presets of each live in conf/model/.
     gemma3     Gemma 3's text model: zero-centred sandwich norms, qk norms, GeGLU, the embedding
                scaled by sqrt(hidden), windowed layers with their own rotary base between
                global ones (5:1), a softmax scale of its own
+    qwen3_next the hybrid: Gated DeltaNet blocks (trainer.parts.gdn) between gated full
+               attention (three to one), partial rotary, zero-centred norms, experts with a
+               gated shared expert (Qwen3-Next; Qwen3.5's text model is the same block)
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ MIXTRAL, QWEN3_MOE = "MixtralForCausalLM", "Qwen3MoeForCausalLM"
 DEEPSEEK_V3 = "DeepseekV3ForCausalLM"  # Kimi K2's and Moonlight's too
 GPT_OSS = "GptOssForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
+QWEN3_NEXT = "Qwen3NextForCausalLM"
 
 
 def _requires(name: str, **wanted: Callable[[ModelConfig], bool]) -> Callable:
@@ -87,6 +91,27 @@ def _gemma3_rules(model: ModelConfig) -> None:
                              f" does, or model.name=llama for Llama's block with its variants.")
 
 
+def _qwen3_next_rules(model: ModelConfig) -> None:
+    """Qwen3-Next's block: what its keys must say (conf/model/qwen3_next_80b_a3b.yaml has them
+    all); its MLP dense, or experts with a gated shared expert."""
+    wanted = (("experimental_attention_variant", "gated_delta_net"),
+              ("attention_output_gate", True), ("qk_layernorm", True),
+              ("layernorm_zero_centered_gamma", True), ("activation_func", "silu"),
+              ("add_bias_linear", False), ("sandwich_norm", False))
+    if model.num_moe_experts is not None:
+        wanted += (("moe_shared_expert_gate", True), ("moe_router_score_function", "softmax"))
+    for key, want in wanted:
+        if getattr(model, key) != want:
+            raise ValueError(f"model.name=qwen3_next needs model.{key}={want!r}, not "
+                             f"{getattr(model, key)!r}. Fix: set it as conf/model/"
+                             f"qwen3_next_80b_a3b.yaml does, or model.name=llama for Llama's "
+                             f"block with its variants.")
+    if model.num_moe_experts is not None and not model.moe_shared_expert_intermediate_size:
+        raise ValueError("model.name=qwen3_next needs a shared expert beside its experts, not "
+                         "model.moe_shared_expert_intermediate_size=null. Fix: set it (Qwen3-"
+                         "Next's 512), or model.num_moe_experts=null for a dense model.")
+
+
 @dataclass(frozen=True)
 class Family:
     name: str  # model.name
@@ -97,6 +122,8 @@ class Family:
     # up and down projections.
     expert_names: tuple[str, tuple[str, str, str]] = ("mlp", ("gate_proj", "up_proj",
                                                               "down_proj"))
+    # its shared expert's module within the MoE module (its gate: this + "_gate")
+    shared: str = "shared_experts"
 
 
 FAMILIES = {f.name: f for f in (
@@ -115,6 +142,7 @@ FAMILIES = {f.name: f for f in (
                                                  mla=lambda m: m.multi_latent_attention)),
     Family("gpt_oss", GPT_OSS, _gpt_oss_rules),
     Family("gemma3", GEMMA3, _gemma3_rules),
+    Family("qwen3_next", QWEN3_NEXT, _qwen3_next_rules, shared="shared_expert"),
 )}
 # The family an imported checkpoint's architecture becomes (llama's is chosen from the keys on
 # export, and its own on import).

@@ -147,6 +147,12 @@ def rules(model: ModelConfig) -> None:
     if model.qk_layernorm:
         raise ValueError("model.qk_layernorm=true with model.multi_latent_attention=true: its "
                          "latents are normed instead. Fix: set model.qk_layernorm=false.")
+    for key, plain in (("rotary_percent", 1.0), ("attention_output_gate", False)):
+        if getattr(model, key) != plain:
+            raise ValueError(f"model.{key}={getattr(model, key)!r} with model."
+                             f"multi_latent_attention=true: grouped-query attention's only "
+                             f"(multi-latent attention's rotary part is qk_pos_emb_head_dim). "
+                             f"Fix: set model.{key}={plain!r}.")
     for key in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
         positive_int(f"model.{key}", getattr(model, key),
                      "see conf/model/deepseek_v3.yaml for DeepSeek-V3's")

@@ -40,14 +40,17 @@ def shapes(cfg: ModelConfig) -> Shapes:
         out = {"router.weight": (E, h), "router.bias": (E,), "experts.gate_up": (E, 2 * fe, h),
                "experts.down": (E, h, fe), "experts.gate_up_bias": (E, 2 * fe, 1),
                "experts.down_bias": (E, h, 1)}
-    return out | (swiglu_shapes(h, shared, "shared.", cfg.add_bias_linear) if shared else {})
+    gate = {"shared_gate.weight": (1, h)} if shared and cfg.moe_shared_expert_gate else {}
+    return out | (swiglu_shapes(h, shared, "shared.", cfg.add_bias_linear) if shared else {}) \
+        | gate
 
 
 def hf_names(cfg: ModelConfig, ours: str, theirs: str, family) -> HfNames:
     """Theirs are per expert on disk (gate, up and down projections, named by the family), so
     expert e's gate and up are rows 2Fe.. of our first weight and its down rows he.. of the
     second, viewed 2-D. The shared expert and the expert bias (a buffer of ours) take
-    DeepSeek-V3's names, the only family that holds them (hf_families.architecture_of)."""
+    the family's names (DeepSeek-V3's shared_experts, Qwen3-Next's shared_expert and its
+    shared_expert_gate)."""
     E, f, h = cfg.num_moe_experts, cfg.expert_ffn_size, cfg.hidden_size
     module, (gate, up, down) = family.expert_names
     experts = f"{theirs}{module}.experts"
@@ -60,13 +63,14 @@ def hf_names(cfg: ModelConfig, ours: str, theirs: str, family) -> HfNames:
     if cfg.moe_router_enable_expert_bias:
         names[f"{ours}mlp.{EXPERT_BIAS}"] = [(f"{theirs}{module}.gate.e_score_correction_bias",
                                               E)]
-    shared = cfg.moe_shared_expert_intermediate_size
+    shared, one = cfg.moe_shared_expert_intermediate_size, f"{theirs}{module}.{family.shared}"
     if shared:
         names |= {
-            f"{ours}mlp.shared.gate_up.weight": [(f"{theirs}{module}.shared_experts.{p}.weight",
-                                                  shared) for p in (gate, up)],
-            f"{ours}mlp.shared.down.weight": [(f"{theirs}{module}.shared_experts.{down}.weight",
-                                               h)]}
+            f"{ours}mlp.shared.gate_up.weight": [(f"{one}.{p}.weight", shared)
+                                                 for p in (gate, up)],
+            f"{ours}mlp.shared.down.weight": [(f"{one}.{down}.weight", h)]}
+    if shared and cfg.moe_shared_expert_gate:
+        names[f"{ours}mlp.shared_gate.weight"] = [(f"{one}_gate.weight", 1)]
     return names
 
 
@@ -83,6 +87,7 @@ def check_moe(model: ModelConfig) -> None:
         ignored = [f"{k}={v}" for k, v in (
             ("moe_ffn_hidden_size", model.moe_ffn_hidden_size),
             ("moe_shared_expert_intermediate_size", model.moe_shared_expert_intermediate_size),
+            ("moe_shared_expert_gate", model.moe_shared_expert_gate or None),
             ("moe_aux_loss_coeff", model.moe_aux_loss_coeff or None),
             ("moe_z_loss_coeff", model.moe_z_loss_coeff),
             ("moe_router_enable_expert_bias", model.moe_router_enable_expert_bias or None),
@@ -108,6 +113,10 @@ def check_moe(model: ModelConfig) -> None:
     for key in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
         if getattr(model, key) is not None:
             positive_int(f"model.{key}", getattr(model, key), "or null")
+    if model.moe_shared_expert_gate and not model.moe_shared_expert_intermediate_size:
+        raise ValueError("model.moe_shared_expert_gate=true gates the shared expert, but "
+                         "model.moe_shared_expert_intermediate_size=null: there is none. Fix: "
+                         "set the shared expert's width, or model.moe_shared_expert_gate=false.")
     freq, layers = model.moe_layer_freq, model.num_layers
     if isinstance(freq, (list, tuple)):
         if len(freq) != layers or any(v not in (0, 1) or isinstance(v, bool) for v in freq):
@@ -202,6 +211,8 @@ def moe_mlp_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranula
         # TP-split as a dense MLP; its input is a new tensor when gathered over TP or cast
         shared = (3 if selective else 4 + activation_units(m)) * k.T * fs // k.t * e + (
             k.T * h * e if e != FP32 or k.sp else 0)
+        if m.moe_shared_expert_gate:  # its output and the gate's sigmoid, for the product
+            shared += T * (h + 1) * e
     return router_bytes(m, T) + experts + copies + shared
 
 
@@ -331,8 +342,10 @@ MOE = Part(
     lora_targets={"experts.gate_up": ("gate_proj", "up_proj"), "experts.down": ("down_proj",)},
     # The router is whole on every rank; the experts are split over expert parallel instead
     # (parallel.experts; trainer.plan.axis_costs.tensor refuses TP without SP for them).
-    whole=("router", "experts"),
-    adamw_linears=("router",),
+    whole=("router", "experts", "shared_gate"),
+    # a router classifies tokens over experts, the shared gate weighs one expert: no hidden
+    # maps for Muon
+    adamw_linears=("router", "shared_gate"),
     experts=("experts",),
     # [E, 2F, h]: each expert's gate|up rows split alike; [E, h, F]: its inputs split
     expert_splits={"gate_up": (1, (1, 1)), "down": (2, (1,)),

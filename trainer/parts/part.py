@@ -58,6 +58,9 @@ class Part:
     # Initialisation: parameters on the residual branch's output, whose std shrinks with depth
     # so the residual stream keeps its scale (the rest: init_std; 1-D ones start at one).
     residual_outputs: tuple[str, ...] = ()
+    # Initial values other than those (trainer.model.init.special_values): name -> ("ones",),
+    # or ("log_uniform", low, high): the log of a uniform draw per entry (Mamba's A_log).
+    initial: dict[str, tuple] = field(default_factory=dict)
     # Selective recompute wraps this function attribute of the layer (the attention core, the
     # MLP's activation); context parallel replaces the attention's (what CP does for the part).
     hook: str | None = None

@@ -46,8 +46,10 @@ def attention_rows(cfg: ModelConfig, mla: bool) -> dict[str, Rows]:
                                             for h in range(heads)]}
     d, groups = cfg.head_dim, cfg.num_query_groups or heads
     per_group = heads // groups
-    rows = [(h * d, (h + 1) * d, h // per_group, "q") for h in range(heads)]
-    rows += [(cfg.q_size + g * d, cfg.q_size + (g + 1) * d, g, "k") for g in range(groups)]
+    step, q = (2 * d, cfg.q_proj_size)  # with attention_output_gate: each query, then its gate
+    step = step if cfg.attention_output_gate else d
+    rows = [(h * step, h * step + d, h // per_group, "q") for h in range(heads)]
+    rows += [(q + g * d, q + (g + 1) * d, g, "k") for g in range(groups)]
     out = {"qkv.weight": rows}
     if cfg.add_bias_linear or cfg.add_qkv_bias:
         out["qkv.bias"] = rows
