@@ -23,10 +23,18 @@ from parallel.comm import Group
 from parallel.context.alltoall import AllToAllAttention
 from parallel.context.chunks import keep_local, local_positions
 from parallel.context.gather import AllGatherAttention
+from parallel.context.linear import (
+    AllToAllLinearAttention,
+    GatheredLinearAttention,
+    RelayLinearAttention,
+)
 from parallel.context.ring import RingAttention
 from parallel.layout import Layout
 
 ATTENTION = {"p2p": RingAttention, "all_gather": AllGatherAttention, "a2a": AllToAllAttention}
+# linear attention's (Gated DeltaNet's linear_attention_fn): linear.py
+LINEAR = {"p2p": RelayLinearAttention, "all_gather": GatheredLinearAttention,
+          "a2a": AllToAllLinearAttention}
 CP_COMM_TYPES = tuple(ATTENTION)
 
 __all__ = ["CP_COMM_TYPES", "context_attention", "inject_attention", "keep_local",
@@ -63,11 +71,15 @@ class NarrowValues:
 
 def inject_attention(build: Build) -> None:
     """The context axis's step of parallelize (wire): with runtime CP > 1, every module that
-    calls an attention_fn calls the configured exchange instead."""
+    calls an attention_fn calls the configured exchange instead, and every linear attention
+    its exchange around its own core (linear.py)."""
     if build.layout.runtime_context_parallel_size == 1:
         return
-    attention = context_attention(build.options.cp_comm_type, build.groups.context,
-                                  build.layout, build.rank)
+    kind, context = build.options.cp_comm_type, build.groups.context
+    attention = context_attention(kind, context, build.layout, build.rank)
     for module in build.model.modules():
         if hasattr(module, "attention_fn"):
             module.attention_fn = attention
+        if hasattr(module, "linear_attention_fn"):  # its own core, run on each rank's part
+            module.linear_attention_fn = LINEAR[kind](module.linear_attention_fn, context,
+                                                      build.layout, build.rank)

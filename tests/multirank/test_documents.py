@@ -56,6 +56,14 @@ MLA = replace(MODEL, multi_latent_attention=True, q_lora_rank=24, kv_lora_rank=3
               original_max_position_embeddings=16, mscale_all_dim=1.0)
 GPT_OSS = replace(MODEL, num_query_groups=4, window_size=5, window_attn_skip_freq=2,
                   softmax_type="learnable")
+# Qwen3-Next's hybrid (dense): a gated full-attention block then a Gated DeltaNet one; the
+# state and the convolution restart at every document, the relay passes them across chunks
+HYBRID = replace(MODEL, name="qwen3_next", num_query_groups=4, kv_channels=8, qk_layernorm=True,
+                 attention_output_gate=True, rotary_percent=0.5,
+                 layernorm_zero_centered_gamma=True,
+                 experimental_attention_variant="gated_delta_net", linear_attention_freq=[0, 1],
+                 linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=4,
+                 linear_num_value_heads=8)
 ALL_RULES = DocumentRules(reset_attention_mask=True, reset_position_ids=True,
                           eod_mask_loss=True)
 STEPS = 2
@@ -199,16 +207,26 @@ CASES = {
     "gpt_oss_tp2_sp_cp2_a2a": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True,
                                        context_parallel_size=2),
                                EngineOptions(cp_comm_type=CPCommType.a2a), GPT_OSS),
+    "hybrid_one_process": (1, {}, EngineOptions(), HYBRID),
+    "hybrid_cp4_p2p": (4, LAYOUTS["cp4"][1], EngineOptions(), HYBRID),
+    "hybrid_tp2_sp_cp2_a2a": (4, dict(tensor_model_parallel_size=2, sequence_parallel=True,
+                                      context_parallel_size=2),
+                              EngineOptions(cp_comm_type=CPCommType.a2a), HYBRID),
+    "hybrid_runtime_cp8_all_gather": (8, LAYOUTS["runtime_cp8"][1],
+                                      EngineOptions(cp_comm_type=CPCommType.all_gather), HYBRID),
 }
 FP64 = ("one_process", "cp2_p2p", "runtime_cp8_all_gather", "pp2_cp2_full_recompute",
         "moe_one_process", "moe_ep2", "pp2_virtual2_interleaved", "mla_one_process",
         "mla_tp2_sp_cp2_a2a", "gpt_oss_one_process", "gpt_oss_cp4_p2p",
-        "gpt_oss_runtime_cp8_all_gather", "gpt_oss_tp2_sp_cp2_a2a")
+        "gpt_oss_runtime_cp8_all_gather", "gpt_oss_tp2_sp_cp2_a2a", "hybrid_one_process",
+        "hybrid_cp4_p2p", "hybrid_tp2_sp_cp2_a2a", "hybrid_runtime_cp8_all_gather")
 # fp64 only: in fp32 AdamW carries the rounding of nearly cancelling gradients to 1.7e-5 in a
 # weight of the 4-block model (test_parity's note), past 1e-5; fp64 agrees to 3e-15.
 # So do two gpt-oss layouts: 1.15e-5 in fp32 on layers.1.mlp.down.weight (losses within 2.2e-8,
 # norms 1.3e-7); fp64 agrees to 2.2e-14.
-FP64_ONLY = ("pp2_virtual2_interleaved", "gpt_oss_cp4_p2p", "gpt_oss_runtime_cp8_all_gather")
+FP64_ONLY = ("pp2_virtual2_interleaved", "gpt_oss_cp4_p2p", "gpt_oss_runtime_cp8_all_gather",
+             "hybrid_one_process", "hybrid_cp4_p2p", "hybrid_tp2_sp_cp2_a2a",
+             "hybrid_runtime_cp8_all_gather")  # the hybrid: fp64 only, for CI's time
 PARAMS = [pytest.param(name, dtype, id=f"{name}-{label}") for name in CASES
           for dtype, label in ((torch.float32, "fp32"), (torch.float64, "fp64"))
           if (dtype == torch.float32 and name not in (*FP64_ONLY, "one_process_compiled")) or

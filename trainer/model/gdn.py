@@ -17,7 +17,9 @@ from chunk to chunk), `recurrent_gated_delta_rule` the token-by-token recurrence
 restart at every document's first token, exactly as separate sequences would.
 
 `linear_attention_fn` is a plain function attribute (the convolution and the rule, from the
-mixed q|k|v before the convolution): selective recompute wraps it, context parallel replaces it.
+mixed q|k|v before the convolution, with the inputs and the state before them): selective
+recompute wraps it, context parallel and generation's cache wrap it (parallel.context.linear:
+the state relayed between ranks; trainer.model.generate).
 `heads_fn` passes the per-head weights (the convolution's channels, the decay's A_log and
 dt_bias), whole on every rank, through tensor parallel's narrowing to the rank's heads.
 """
@@ -35,12 +37,13 @@ from trainer.parts.gdn import CHUNK
 
 L2_EPS = 1e-6  # q and k's L2 norm: x / sqrt(sum x^2 + eps), flash-linear-attention's
 # (mixed q|k|v [b, s, channels], conv weight [channels, width], g [b, s, value heads],
-# beta [b, s, value heads], documents or None, (key_dim, value_dim)) -> o [b, s, v heads, v dim]
-LinearAttentionFn = Callable[..., torch.Tensor]
+# beta [b, s, value heads], document ids of the whole sequence [b, S] or None, (key_dim,
+# value_dim), before=None, state=None, recurrent=False) -> (o [b, s, v heads, v dim], state)
+LinearAttentionFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
-def document_ids(documents: torch.Tensor | None, shape: tuple[int, int],
-                 device: torch.device) -> torch.Tensor | None:
+def document_ids(documents: torch.Tensor | None, device: torch.device
+                 ) -> torch.Tensor | None:
     """[batch, seq] ids, equal within a document and different across (from documents: where
     each position's document starts, trainer.model.attention's AttentionFn); None: one
     document a sample."""
@@ -53,24 +56,27 @@ def document_ids(documents: torch.Tensor | None, shape: tuple[int, int],
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor | None = None,
-                before: torch.Tensor | None = None) -> torch.Tensor:
+                before: torch.Tensor | None = None, before_ids: torch.Tensor | None = None
+                ) -> torch.Tensor:
     """silu of the depthwise causal convolution of x [b, s, channels] by weight
     [channels, width] (tap width-1 on the token itself, as torch's conv1d with width-1 zeros
-    of left padding); a tap never reaches into another document (ids). `before` [b, width-1,
-    channels]: the inputs before x (context parallel's previous chunk; zeros: none), which
-    the first document of x reads."""
+    of left padding); a tap never reaches into another document (ids [b, s]). `before`
+    [b, width-1, channels]: the inputs before x (context parallel's previous chunk; None:
+    zeros), of documents before_ids [b, width-1] (None: x's first)."""
     b, s, c = x.shape
     width = weight.shape[-1]
     if before is None:
         before = x.new_zeros(b, width - 1, c)
     padded = torch.cat([before.to(x.dtype), x], dim=1)
+    if ids is not None:
+        if before_ids is None:
+            before_ids = ids[:, :1].expand(b, width - 1)
+        padded_ids = torch.cat([before_ids, ids], dim=1)
     out = x * weight[:, -1]
     for d in range(1, width):  # the input d tokens back, by tap width-1-d
         tap = padded[:, width - 1 - d:width - 1 - d + s] * weight[:, width - 1 - d]
         if ids is not None:  # within the document only
-            back = torch.cat([ids[:, :1].expand(b, d), ids[:, :-d] if d < s else
-                              ids[:, :0]], dim=1)[:, :s]
-            tap = tap * (back == ids)[..., None]
+            tap = tap * (padded_ids[:, width - 1 - d:width - 1 - d + s] == ids)[..., None]
         out = out + tap
     return F.silu(out)
 
@@ -183,26 +189,21 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 def linear_attention(mixed: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor,
                      beta: torch.Tensor, ids: torch.Tensor | None, dims: tuple[int, int],
                      before: torch.Tensor | None = None, state: torch.Tensor | None = None,
-                     recurrent: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """The causal convolution and the rule, in fp32 at least, from the inputs before `mixed`
-    (before, [b, width-1, channels]) and the state after them (None: zeros; both read by the
-    first document only) -> (o [b, s, value heads, value_dim] in the rule's dtype, the state
-    after the last token). recurrent: token by token (generation's decode step)."""
+                     recurrent: bool = False, before_ids: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's core on one process (its linear_attention_fn): the causal convolution and
+    the rule, in fp32 at least, from the inputs before `mixed` (before, [b, width-1,
+    channels], of documents before_ids: causal_conv) and the state after them (None: zeros;
+    read by mixed's first document only) -> (o [b, s, value heads, value_dim] in the rule's
+    dtype, the state after the last token). recurrent: token by token (generation's decode
+    step)."""
     dtype = torch.promote_types(mixed.dtype, torch.float32)
-    q, k, v = split_mixed(causal_conv(mixed, conv_weight.to(mixed.dtype), ids, before), dims,
-                          g.shape[-1])
-    q, k = prepared(q, k, g.shape[-1], dtype)
-    rule = recurrent_gated_delta_rule if recurrent else gated_delta_rule
-    return rule(q, k, v.to(dtype), g.to(dtype), beta.to(dtype), ids, state)
-
-
-def gated_delta_net(mixed: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor,
-                    beta: torch.Tensor, documents: torch.Tensor | None,
-                    dims: tuple[int, int]) -> torch.Tensor:
-    """The layer's core on one process (its linear_attention_fn): the convolution and the
-    chunked rule over the whole sequence -> o [b, s, value heads, value_dim]."""
-    ids = document_ids(documents, mixed.shape[:2], mixed.device)
-    return linear_attention(mixed, conv_weight, g, beta, ids, dims)[0]
+    q, k, v = split_mixed(causal_conv(mixed, conv_weight.to(mixed.dtype), ids, before,
+                                      before_ids), dims, g.shape[-1])
+    with torch.autocast(mixed.device.type, enabled=False):  # its products in fp32, not bf16
+        q, k = prepared(q, k, g.shape[-1], dtype)
+        rule = recurrent_gated_delta_rule if recurrent else gated_delta_rule
+        return rule(q, k, v.to(dtype), g.to(dtype), beta.to(dtype), ids, state)
 
 
 def _identity(weight: torch.Tensor, parts: tuple[int, ...] = (1,)) -> torch.Tensor:
@@ -247,7 +248,7 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(dv, cfg.norm_eps)
         self.out_proj = nn.Linear(cfg.linear_value_size, h, bias=False)
         self.conv_parts = (cfg.linear_key_size, cfg.linear_key_size, cfg.linear_value_size)
-        self.linear_attention_fn: LinearAttentionFn = gated_delta_net
+        self.linear_attention_fn: LinearAttentionFn = linear_attention
         self.heads_fn = _identity
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
@@ -265,6 +266,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.heads_fn(self.A_log).to(fp32).exp() * F.softplus(
             a.reshape(b, s, -1).to(fp32) + self.heads_fn(self.dt_bias).to(fp32))
         conv = self.heads_fn(self.conv_weight, self.conv_parts)
-        o = self.linear_attention_fn(mixed, conv, g, beta, documents, self.dims)
+        ids = document_ids(documents, mixed.device)  # of the whole sequence, as documents
+        o, _ = self.linear_attention_fn(mixed, conv, g, beta, ids, self.dims)
         o = self.norm(o.to(z.dtype), z.reshape(b, s, -1, dv))  # in the compute dtype
         return self.out_proj(o.reshape(b, s, -1))

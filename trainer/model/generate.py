@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from parallel.context.calls import ALL, FULL
 from parallel.context.kernels import ChunkPairs
 from trainer.model.attention import causal_attention
-from trainer.model.gdn import linear_attention
 from trainer.model.transformer import Transformer
 
 
@@ -57,35 +56,38 @@ class _CachedAttention:
 
 class _CachedLinearAttention:
     """Gated DeltaNet's cache: the recurrent state and the convolution's last width-1 inputs
-    (the prompt through the chunked rule, then one token a step through the recurrence)."""
+    (the prompt through the layer's chunked rule, then one token a step through its
+    recurrence)."""
 
-    def __init__(self) -> None:
+    def __init__(self, core) -> None:
+        self.core = core  # the layer's linear_attention_fn
         self.state: torch.Tensor | None = None
         self.before: torch.Tensor | None = None
 
     def __call__(self, mixed: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor,
-                 beta: torch.Tensor, documents: torch.Tensor | None,
-                 dims: tuple[int, int]) -> torch.Tensor:
+                 beta: torch.Tensor, ids: torch.Tensor | None, dims: tuple[int, int]
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
         first, width = self.state is None, conv_weight.shape[-1]
         if not first and mixed.shape[1] != 1:
             raise ValueError("after the prompt, the cache takes one token at a time")
-        out, self.state = linear_attention(mixed, conv_weight, g, beta, None, dims,
-                                           self.before, self.state, recurrent=not first)
+        out, self.state = self.core(mixed, conv_weight, g, beta, None, dims, self.before,
+                                    self.state, recurrent=not first)
         before = mixed.new_zeros(mixed.shape[0], width - 1, mixed.shape[-1]) if first \
             else self.before
         self.before = torch.cat([before, mixed], dim=1)[:, mixed.shape[1]:]
-        return out
+        return out, self.state
 
 
 @contextlib.contextmanager
 def kv_cache(model: Transformer) -> Iterator[None]:
     """Within: every attention of `model` caches its keys and values, every linear attention
     its state (one sequence)."""
-    hooks = {"attention_fn": _CachedAttention, "linear_attention_fn": _CachedLinearAttention}
+    hooks = {"attention_fn": lambda fn: _CachedAttention(),
+             "linear_attention_fn": _CachedLinearAttention}
     cached = [(m, hook) for m in model.modules() for hook in hooks if hasattr(m, hook)]
     saved = [getattr(m, hook) for m, hook in cached]
-    for module, hook in cached:
-        setattr(module, hook, hooks[hook]())
+    for (module, hook), fn in zip(cached, saved):
+        setattr(module, hook, hooks[hook](fn))
     try:
         yield
     finally:

@@ -15,6 +15,33 @@ from trainer.plan.options import EngineOptions
 
 def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> None:
     check_comm_type(model, layout, options.cp_comm_type)
+    check_linear(model, layout, options.cp_comm_type)
+
+
+def check_linear(model: ModelConfig, layout: Layout, cp_comm_type: CPCommType) -> None:
+    """A hybrid's linear blocks under runtime CP (parallel.context.linear): a2a gives each
+    context rank whole key heads; p2p passes a chunk's last width-1 inputs to the next chunk,
+    which must hold them."""
+    cp, tp = layout.runtime_context_parallel_size, layout.tp_size
+    if cp == 1 or not any(model.is_linear_block(i) for i in range(model.num_layers)):
+        return
+    local = model.linear_num_key_heads // tp
+    if cp_comm_type is CPCommType.a2a and local % cp:
+        raise ValueError(
+            f"parallel.cp_comm_type=a2a needs the linear blocks' key heads per TP rank (model."
+            f"linear_num_key_heads={model.linear_num_key_heads} / parallel."
+            f"tensor_model_parallel_size={tp} = {local}) divisible by runtime CP = {cp} "
+            f"(parallel.context_parallel_size x sequence shards). Fix: use parallel."
+            f"cp_comm_type=p2p, or a runtime CP that divides {local}.")
+    chunk = (layout.seq_length or 0) // (2 * cp)
+    if cp_comm_type is CPCommType.p2p and layout.seq_length and \
+            model.linear_conv_kernel_dim - 1 > chunk:
+        raise ValueError(
+            f"model.linear_conv_kernel_dim={model.linear_conv_kernel_dim} reaches "
+            f"{model.linear_conv_kernel_dim - 1} tokens back, past a context chunk of {chunk} "
+            f"(train.seq_length={layout.seq_length} / (2 x runtime CP {cp})), which p2p passes "
+            f"on whole. Fix: a longer train.seq_length, a smaller runtime CP, or parallel."
+            f"cp_comm_type=a2a.")
 
 
 def check_comm_type(model: ModelConfig, layout: Layout, cp_comm_type: CPCommType) -> None:

@@ -22,6 +22,8 @@ def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> N
             f"parallel.sequence_parallel=true, or parallel.tensor_model_parallel_size=1.")
     shapes = {"num_heads": model.num_heads, "num_query_groups": model.query_groups,
               "ffn_hidden_size": model.ffn_hidden_size}
+    if any(model.is_linear_block(i) for i in range(model.num_layers)):  # whole key heads
+        shapes["linear_num_key_heads"] = model.linear_num_key_heads  # with their value heads
     for key, value in shapes.items():
         if value % tp:
             raise ValueError(
