@@ -32,6 +32,15 @@ def test_each_preset_is_its_familys_and_an_older_llama_record_resumes_under_it(n
     assert changes(asdict(replace(model, name="llama")), model) == []
 
 
+@pytest.mark.parametrize("name", ["tiny_qwen3_next", "qwen3_next_80b_a3b"])
+def test_the_hybrids_presets_are_qwen3_next(name):
+    """Families added after model.name was recorded have no llama records to resume."""
+    model = preset(name)
+    check_model(model)
+    assert model.name == "qwen3_next" and model.is_linear_block(0) and \
+        not model.is_linear_block(3)
+
+
 def test_another_familys_record_is_named_with_the_key_that_differs():
     qwen3 = preset("qwen3_8b")
     dense_llama = replace(qwen3, name="llama", qk_layernorm=False)
@@ -47,7 +56,7 @@ def test_llama_exports_as_the_family_its_keys_make():
     assert hf_family(replace(base, num_moe_experts=4, qk_layernorm=True)).name == "qwen3_moe"
     assert hf_family(replace(base, multi_latent_attention=True)).name == "deepseek_v3"
     assert {f.name for f in FAMILIES.values()} == {"llama", "qwen3", "mixtral", "qwen3_moe",
-                                                   "deepseek_v3", "gpt_oss", "gemma3"}
+                                                   "deepseek_v3", "gpt_oss", "gemma3", "qwen3_next"}
 
 
 def test_every_family_has_its_hugging_face_mapping():
@@ -62,7 +71,8 @@ def test_every_family_has_its_hugging_face_mapping():
     ("qwen3", {"qk_layernorm": True, "num_moe_experts": 4}, "model.num_moe_experts=null"),
     ("mixtral", {}, "model.num_moe_experts set"),
     ("mixtral", {"num_moe_experts": 4, "qk_layernorm": True}, "model.qk_layernorm=false"),
-    ("qwen3_moe", {"qk_layernorm": True}, "model.num_moe_experts set")])
+    ("qwen3_moe", {"qk_layernorm": True}, "model.num_moe_experts set"),
+    ("qwen3_next", {}, "model.experimental_attention_variant='gated_delta_net'")])
 def test_a_family_refuses_the_keys_it_cannot_hold_in_one_line(name, changes_, needs):
     with pytest.raises(ValueError, match=f"model.name={name} needs {needs}") as refused:
         check_model(replace(preset("tiny"), name=name, **changes_))
