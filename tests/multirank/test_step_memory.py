@@ -379,9 +379,28 @@ LORA_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
     "lora_moe_bf16_base_tp2_sp_etp2": (2, TP2_SP, dict(precision=Precision.bf16, lora=Adapters(
         8, frozenset({"q_proj", "up_proj"}), 0.0, base_bf16=True)), MOE_MODELS["moe"]),
 }
+# Qwen3-Next's hybrid: a Gated DeltaNet block (2 key heads shared by 4 value heads) before a
+# gated full-attention block with partial rotary and zero-centred qk norms. What each
+# cp_comm_type keeps of the linear block differs (trainer.parts.gdn.kept_bytes).
+HYBRID = dataclasses.replace(
+    MODEL, name="qwen3_next", num_query_groups=2, kv_channels=64, qk_layernorm=True,
+    attention_output_gate=True, rotary_percent=0.25, layernorm_zero_centered_gamma=True,
+    experimental_attention_variant="gated_delta_net", linear_attention_freq=[1, 0],
+    linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2,
+    linear_num_value_heads=4)
+HYBRID_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
+    "hybrid_one_process": (1, {}, {}, HYBRID),
+    "hybrid_tp2_sp_bf16": (2, TP2_SP, dict(precision=Precision.bf16), HYBRID),
+    "hybrid_selective": (1, {}, dict(recompute_granularity=SELECTIVE), HYBRID),
+    "hybrid_cp2_p2p": (2, dict(context_parallel_size=2), {}, HYBRID),
+    "hybrid_cp2_a2a_bf16": (2, dict(context_parallel_size=2),
+                            dict(cp_comm_type=CPCommType.a2a, precision=Precision.bf16), HYBRID),
+    "hybrid_cp2_all_gather": (2, dict(context_parallel_size=2),
+                              dict(cp_comm_type=CPCommType.all_gather), HYBRID),
+}
 ALL_CASES = {**CASES, **GQA_CASES, **QK_CASES, **LOCAL_CASES, **GEMMA_CASES,
              **{n: c[:3] for n, c in (MOE_CASES | MLA_CASES | MTP_CASES
-                                      | ACTIVATION_CASES | LORA_CASES).items()}}
+                                      | ACTIVATION_CASES | LORA_CASES | HYBRID_CASES).items()}}
 
 
 def case(name: str) -> tuple[int, dict, dict, ModelConfig]:
@@ -392,8 +411,8 @@ def case(name: str) -> tuple[int, dict, dict, ModelConfig]:
         return (*ALL_CASES[name], MLA_MODELS[MLA_CASES[name][3]])
     if name in MTP_CASES:
         return (*ALL_CASES[name], MTP_MODELS[MTP_CASES[name][3]])
-    if name in ACTIVATION_CASES | LORA_CASES:
-        return (ACTIVATION_CASES | LORA_CASES)[name]
+    if name in ACTIVATION_CASES | LORA_CASES | HYBRID_CASES:
+        return (ACTIVATION_CASES | LORA_CASES | HYBRID_CASES)[name]
     model = QK if name in QK_CASES else GQA if name in GQA_CASES else \
         LOCAL if name in LOCAL_CASES else GEMMA if name in GEMMA_CASES else MODEL
     return (*ALL_CASES[name], model)

@@ -29,7 +29,7 @@ def inputs(b=2, s=150, key_heads=2, value_heads=4, dk=8, dv=6, seed=0):
     v = torch.randn(b, s, value_heads, dv, generator=gen, dtype=F64)
     g = -torch.rand(b, s, value_heads, generator=gen, dtype=F64)  # decays in (e^-1, 1]
     beta = torch.rand(b, s, value_heads, generator=gen, dtype=F64)
-    q, k = prepared(q, k, value_heads, F64)
+    q, k = prepared(q, k, F64)
     return q, k, v, g, beta
 
 
@@ -52,6 +52,23 @@ def test_chunked_rule_is_the_recurrence(packed, chunk):
         want, want_state = recurrent_gated_delta_rule(q, k, v, g, beta, ids, start)
         assert (got - want).abs().max() < EXACT
         assert (got_state - want_state).abs().max() < EXACT
+
+
+def test_the_chunked_backward_is_the_recurrences():
+    """The rule's backward (each chunk rebuilt from the state entering it, in reverse) gives
+    autograd's gradients through the recurrence, for every input and the entering state."""
+    q, k, v, g, beta = (t.requires_grad_(True) for t in inputs(s=100))
+    ids = document_ids(documents(s=100)[:, :100], "cpu")
+    state = torch.randn(2, 4, 8, 6, generator=torch.Generator().manual_seed(3), dtype=F64,
+                        requires_grad=True)
+    weights = torch.randn(2, 100, 4, 6, generator=torch.Generator().manual_seed(4), dtype=F64)
+    grads = []
+    for rule, extra in ((gated_delta_rule, dict(chunk=16)), (recurrent_gated_delta_rule, {})):
+        out, final = rule(q, k, v, g, beta, ids, state, **extra)
+        loss = (out * weights).sum() + final.square().sum()
+        grads.append(torch.autograd.grad(loss, (q, k, v, g, beta, state)))
+    for got, want in zip(*grads):
+        assert (got - want).abs().max() < EXACT * max(1.0, want.abs().max().item())
 
 
 def test_a_document_is_its_own_sequence():

@@ -67,12 +67,12 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor | None 
     width = weight.shape[-1]
     if before is None:
         before = x.new_zeros(b, width - 1, c)
-    padded = torch.cat([before.to(x.dtype), x], dim=1)
+    padded = torch.cat([before.to(x.dtype), x], dim=1)  # the one copy its backward keeps
     if ids is not None:
         if before_ids is None:
             before_ids = ids[:, :1].expand(b, width - 1)
         padded_ids = torch.cat([before_ids, ids], dim=1)
-    out = x * weight[:, -1]
+    out = padded[:, width - 1:] * weight[:, -1]
     for d in range(1, width):  # the input d tokens back, by tap width-1-d
         tap = padded[:, width - 1 - d:width - 1 - d + s] * weight[:, width - 1 - d]
         if ids is not None:  # within the document only
@@ -93,16 +93,13 @@ def split_mixed(mixed: torch.Tensor, dims: tuple[int, int], value_heads: int
             v.reshape(b, s, value_heads, value_dim))
 
 
-def prepared(q: torch.Tensor, k: torch.Tensor, value_heads: int, dtype: torch.dtype
+def prepared(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q and k as the rule reads them: in `dtype`, L2-normalised, q scaled by key_dim ** -0.5,
-    each key head repeated for the value heads that share it."""
+    """q and k as the rule reads them: in `dtype`, L2-normalised, q scaled by key_dim ** -0.5
+    (each key head serves its value heads inside the rule)."""
     q, k = q.to(dtype), k.to(dtype)
     q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + L2_EPS) * q.shape[-1] ** -0.5
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
-    share = value_heads // q.shape[2]
-    if share > 1:
-        q, k = q.repeat_interleave(share, dim=2), k.repeat_interleave(share, dim=2)
     return q, k
 
 
@@ -110,59 +107,100 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      beta: torch.Tensor, ids: torch.Tensor | None = None,
                      state: torch.Tensor | None = None, chunk: int = CHUNK
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked gated delta rule. q, k [b, s, h, dk] (prepared), v [b, s, h, dv], g and beta
-    [b, s, h], all in one dtype; ids [b, s] (document_ids) or None; state [b, h, dk, dv] the
-    state before the first token (None: zeros), read by the first document only -> (o
-    [b, s, h, dv], the state after the last token).
-
-    Within a chunk the delta rule's writes are solved at once (a unit lower-triangular system:
-    the UT transform), the state read and written once a chunk. Across documents every
-    pairwise decay is zero, and so is a position's read of the carried state unless it is of
-    the document the state belongs to: exact per document, with no loop over them."""
-    b, s, h, dk = k.shape
-    dv = v.shape[-1]
+    """The chunked gated delta rule. q, k [b, s, key heads, dk] (prepared), v [b, s, h, dv], g
+    and beta [b, s, h] (h value heads, a multiple of the key heads), all in one dtype; ids
+    [b, s] (document_ids) or None; state [b, h, dk, dv] the state before the first token
+    (None: zeros), read by the first document only -> (o [b, s, h, dv], the state after the
+    last token)."""
+    b, s, h, dv = v.shape
     pad = -s % chunk
     n = (s + pad) // chunk
     if ids is None:
         ids = torch.zeros(b, s, dtype=torch.long, device=q.device)
     # padded positions write nothing (k, v, beta zero) and decay nothing (g zero): the final
     # state is the last token's
-    ids = torch.cat([ids, ids[:, -1:].expand(b, pad)], dim=1)  # of the last document
-    q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)).transpose(1, 2).reshape(b, h, n, chunk, -1)
+    ids = torch.cat([ids, ids[:, -1:].expand(b, pad)], dim=1).view(b, 1, n, chunk)
+    q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)).transpose(1, 2).reshape(*t.shape[:1], -1, n,
+                                                                      chunk, t.shape[-1])
                for t in (q, k, v))
     g, beta = (F.pad(t, (0, 0, 0, pad)).transpose(1, 2).reshape(b, h, n, chunk)
                for t in (g, beta))
-    ids = ids.view(b, 1, n, chunk)
-    # the document of the state entering each chunk: the previous chunk's last token's
-    prev = torch.cat([ids[:, :, :1, 0], ids[:, :, :-1, -1]], dim=2)[..., None]
-    same = ids[..., :, None] == ids[..., None, :]  # [b, 1, n, C, C]
+    if state is None:
+        state = q.new_zeros(b, h, q.shape[-1], dv)
+    o, final = _ChunkedRule.apply(q, k, v, g, beta, ids, state.to(q.dtype))
+    return o.reshape(b, h, n * chunk, dv)[:, :, :s].transpose(1, 2), final
+
+
+class _ChunkedRule(torch.autograd.Function):
+    """The chunks in order, each from the state the one before left (_chunk_step). It keeps
+    its inputs and the state entering each chunk ([chunks, b, h, dk, dv]); backward walks the
+    chunks in reverse, rebuilding one chunk's step at a time from them (flash-linear-
+    attention's way): the rule keeps O(tokens + chunks x state), never a chunk's C x C
+    matrices for the whole sequence, and backward holds one chunk's graph at a time."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, ids, state):
+        n = v.shape[2]
+        prev = torch.cat([ids[:, :, :1, 0], ids[:, :, :-1, -1]], dim=2)  # the entering state's
+        entering, out = [], []
+        for i in range(n):
+            entering.append(state)
+            o, state = _chunk_step(*(t[:, :, i] for t in (q, k, v, g, beta, ids)),
+                                   prev[:, :, i], state)
+            out.append(o)
+        ctx.save_for_backward(q, k, v, g, beta, ids, prev, torch.stack(entering))
+        return torch.stack(out, dim=2), state
+
+    @staticmethod
+    def backward(ctx, d_out, d_state):
+        q, k, v, g, beta, ids, prev, entering = ctx.saved_tensors
+        grads = [torch.zeros_like(t) for t in (q, k, v, g, beta)]
+        d_state = torch.zeros_like(entering[0]) if d_state is None else d_state
+        for i in reversed(range(v.shape[2])):
+            leaves = [t[:, :, i].detach().requires_grad_(True) for t in (q, k, v, g, beta)]
+            start = entering[i].detach().requires_grad_(True)
+            with torch.enable_grad():
+                o, final = _chunk_step(*leaves, ids[:, :, i], prev[:, :, i], start)
+            found = torch.autograd.grad([o, final], [*leaves, start], [d_out[:, :, i], d_state])
+            for grad, d in zip(grads, found[:5]):
+                grad[:, :, i] = d
+            d_state = found[5]
+        return (*grads, None, d_state)
+
+
+def _chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, ids: torch.Tensor, prev: torch.Tensor,
+                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk: q, k [b, key heads, C, dk], v [b, h, C, dv], g, beta [b, h, C], ids [b, 1, C],
+    prev [b, 1] (the document of `state`, [b, h, dk, dv]) -> (o [b, h, C, dv], the state after
+    the chunk).
+
+    The delta rule's writes within the chunk are solved at once (a unit lower-triangular
+    system: the UT transform), the state read and written once. Across documents every
+    pairwise decay is zero, and so is a position's read of the carried state unless it is of
+    the state's document: exact per document, with no loop over them."""
+    chunk, share = v.shape[2], v.shape[1] // k.shape[1]
+    if share > 1:  # each key head serves `share` value heads
+        q, k = q.repeat_interleave(share, dim=1), k.repeat_interleave(share, dim=1)
+    same = ids[..., :, None] == ids[..., None, :]  # [b, 1, C, C]
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     cum = g.cumsum(-1)  # within the chunk; differences within a document are its decays
     pair = torch.where(same & causal, cum[..., :, None] - cum[..., None, :], -math.inf).exp()
-    reads = torch.where(ids == prev, cum, -math.inf).exp()  # decay of the carried state
+    reads = torch.where(ids == prev[..., None], cum, -math.inf).exp()  # the state's decay
     last = ids[..., -1:]
     to_end = torch.where(ids == last, cum[..., -1:] - cum, -math.inf).exp()
-    carried = torch.where(last[..., 0] == prev[..., 0], cum[..., -1], -math.inf).exp()
-
+    carried = torch.where(last[..., 0] == prev, cum[..., -1], -math.inf).exp()
     k_beta = k * beta[..., None]
-    strict = (k_beta @ k.transpose(-1, -2)) * pair
-    system = strict.tril(-1)  # I + this: the writes' interaction within the chunk
-    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
-    values = torch.linalg.solve_triangular(system + eye, v * beta[..., None], upper=False,
+    system = ((k_beta @ k.transpose(-1, -2)) * pair).tril(-1)  # I + this: writes' interplay
+    system = system + torch.eye(chunk, dtype=q.dtype, device=q.device)
+    values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False,
                                            unitriangular=True)
-    keys_read = torch.linalg.solve_triangular(system + eye, k_beta * reads[..., None],
-                                              upper=False, unitriangular=True)
-    within = (q @ k.transpose(-1, -2)) * pair
-    q_read = q * reads[..., None]
-    k_write = k * to_end[..., None]
-    state = q.new_zeros(b, h, dk, dv) if state is None else state.to(q.dtype)
-    out = []
-    for i in range(n):
-        new = values[:, :, i] - keys_read[:, :, i] @ state
-        out.append(q_read[:, :, i] @ state + within[:, :, i] @ new)
-        state = state * carried[:, :, i, None, None] + k_write[:, :, i].transpose(-1, -2) @ new
-    o = torch.stack(out, dim=2).reshape(b, h, n * chunk, dv)[:, :, :s]
-    return o.transpose(1, 2), state
+    keys_read = torch.linalg.solve_triangular(system, k_beta * reads[..., None], upper=False,
+                                              unitriangular=True)
+    new = values - keys_read @ state
+    out = (q * reads[..., None]) @ state + ((q @ k.transpose(-1, -2)) * pair) @ new
+    state = state * carried[..., None, None] + (k * to_end[..., None]).transpose(-1, -2) @ new
+    return out, state
 
 
 def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -172,8 +210,11 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same rule token by token (the definition; generation's decode step): the state
     restarts at zero at each document's first token."""
-    b, s, h, dk = k.shape
-    state = q.new_zeros(b, h, dk, v.shape[-1]) if state is None else state.to(q.dtype)
+    b, s, h, dv = v.shape
+    share = h // k.shape[2]
+    if share > 1:
+        q, k = q.repeat_interleave(share, dim=2), k.repeat_interleave(share, dim=2)
+    state = q.new_zeros(b, h, k.shape[-1], dv) if state is None else state.to(q.dtype)
     out = []
     for t in range(s):
         if ids is not None and t > 0:
@@ -201,7 +242,7 @@ def linear_attention(mixed: torch.Tensor, conv_weight: torch.Tensor, g: torch.Te
     q, k, v = split_mixed(causal_conv(mixed, conv_weight.to(mixed.dtype), ids, before,
                                       before_ids), dims, g.shape[-1])
     with torch.autocast(mixed.device.type, enabled=False):  # its products in fp32, not bf16
-        q, k = prepared(q, k, g.shape[-1], dtype)
+        q, k = prepared(q, k, dtype)
         rule = recurrent_gated_delta_rule if recurrent else gated_delta_rule
         return rule(q, k, v.to(dtype), g.to(dtype), beta.to(dtype), ids, state)
 
@@ -213,7 +254,7 @@ def _identity(weight: torch.Tensor, parts: tuple[int, ...] = (1,)) -> torch.Tens
 class GatedRMSNorm(nn.Module):
     """RMSNorm over each head's output, times silu(z) (Qwen3-Next's RMSNormGated): normed in
     fp32 at least and cast back before the weight, as transformers'; its weight starts at
-    one (not zero-centred)."""
+    one (not zero-centred). It keeps x and z alone (_GatedNorm)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -221,10 +262,34 @@ class GatedRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        normed = x.to(dtype) * torch.rsqrt(x.to(dtype).pow(2).mean(-1, keepdim=True) + self.eps)
-        out = self.weight * normed.to(x.dtype)
-        return (out * F.silu(z.to(dtype))).to(x.dtype)
+        return _GatedNorm.apply(x, z, self.weight, self.eps)
+
+
+def _gated_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
+                ) -> torch.Tensor:
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    normed = x.to(dtype) * torch.rsqrt(x.to(dtype).pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * normed.to(x.dtype) * F.silu(z.to(dtype))).to(x.dtype)
+
+
+class _GatedNorm(torch.autograd.Function):
+    """The gated norm keeping its inputs only; backward rebuilds it (a few elementwise ops)
+    rather than keeping five tensors of the output's size for it."""
+
+    @staticmethod
+    def forward(ctx, x, z, weight, eps):
+        ctx.eps = eps
+        ctx.save_for_backward(x, z, weight)
+        return _gated_norm(x, z, weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, z, weight = (t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            out = _gated_norm(x, z, weight, ctx.eps)
+        wanted = [t for t in (x, z, weight) if t.requires_grad]
+        found = iter(torch.autograd.grad(out, wanted, grad))
+        return (*(next(found) if t.requires_grad else None for t in (x, z, weight)), None)
 
 
 class GatedDeltaNet(nn.Module):
@@ -232,12 +297,14 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         h, dk, dv = cfg.hidden_size, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.dims, self.share = (dk, dv), cfg.linear_num_value_heads // cfg.linear_num_key_heads
-        # Per key head, q, k, then its value heads' v and z (transformers' and Qwen's grouped
-        # order): a tensor-parallel split by rows keeps whole key heads with their value heads.
-        self.in_proj_qkvz = nn.Linear(h, 2 * cfg.linear_key_size + 2 * cfg.linear_value_size,
-                                      bias=False)
-        # Per key head, its value heads' b (write strength) then a (decay), grouped likewise.
-        self.in_proj_ba = nn.Linear(h, 2 * cfg.linear_num_value_heads, bias=False)
+        # One projection of two fused parts (Megatron's in_proj): per key head q, k, then its
+        # value heads' v and z (transformers' and Qwen's in_proj_qkvz, grouped); then per key
+        # head its value heads' b (write strength) and a (decay) (their in_proj_ba). A
+        # tensor-parallel split of each part by rows keeps whole key heads with their value
+        # heads; one GEMM, one input kept (and cast), one gather under SP.
+        self.in_parts = (2 * cfg.linear_key_size + 2 * cfg.linear_value_size,
+                         2 * cfg.linear_num_value_heads)
+        self.in_proj = nn.Linear(h, sum(self.in_parts), bias=False)
         # Depthwise over q|k|v's channels (each part's heads in order), not a linear: whole on
         # every rank, each TP rank's channels read through heads_fn.
         self.conv_weight = nn.Parameter(torch.empty(
@@ -254,7 +321,9 @@ class GatedDeltaNet(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         (dk, dv), share = self.dims, self.share
-        qkvz, ba = self.in_proj_qkvz(x), self.in_proj_ba(x)
+        projected = self.in_proj(x)
+        qkvz, ba = projected.split([projected.shape[-1] * n // sum(self.in_parts)
+                                    for n in self.in_parts], dim=-1)
         # Heads from the projections, not the config: a tensor-parallel rank has fewer.
         b, s = qkvz.shape[:2]
         qkvz = qkvz.view(b, s, -1, 2 * dk + 2 * share * dv)
@@ -268,5 +337,6 @@ class GatedDeltaNet(nn.Module):
         conv = self.heads_fn(self.conv_weight, self.conv_parts)
         ids = document_ids(documents, mixed.device)  # of the whole sequence, as documents
         o, _ = self.linear_attention_fn(mixed, conv, g, beta, ids, self.dims)
-        o = self.norm(o.to(z.dtype), z.reshape(b, s, -1, dv))  # in the compute dtype
+        # z a copy of its own, whatever the heads (a view would keep all of in_proj's output)
+        o = self.norm(o.to(z.dtype), z.reshape(b, s, -1, dv).contiguous())
         return self.out_proj(o.reshape(b, s, -1))

@@ -126,7 +126,8 @@ def block_weight_elements(cfg: ModelConfig) -> float:
     """A block's weight elements each token multiplies by (the cost model's W), averaged over
     the blocks: its linears', and of a mixture of experts the router's and moe_router_topk
     experts' (each token runs that many)."""
-    if cfg.num_moe_experts is None:  # every block alike (the search asks this often)
+    if cfg.num_moe_experts is None and cfg.experimental_attention_variant is None:
+        # every block alike (the search asks this often)
         return sum(math.prod(s) for s in block_shapes(cfg).values() if len(s) == 2)
     return sum(_elements_a_token_runs(cfg, block_shapes(cfg, block))
                for block in range(cfg.num_layers)) / cfg.num_layers
@@ -160,8 +161,9 @@ def block_core_flops(cfg: ModelConfig, seq_length: int) -> float:
     """A block's forward FLOPs per token beyond its weights' (its parts' core_flops: the
     attention's QK^T and AV, over the keys its window lets a query see), averaged over the
     blocks."""
-    if cfg.num_moe_experts is None and cfg.window_size is None:  # every block alike (the
-        return sum(part.core_flops(cfg, seq_length) for part in block_parts(cfg, 0))  # search)
+    if cfg.num_moe_experts is None and cfg.window_size is None and \
+            cfg.experimental_attention_variant is None:  # every block alike (the search)
+        return sum(part.core_flops(cfg, seq_length) for part in block_parts(cfg, 0))
     return sum(part.core_flops(cfg, seq_length, cfg.window_of(block))
                for block in range(cfg.num_layers)
                for part in block_parts(cfg, block)) / cfg.num_layers

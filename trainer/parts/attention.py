@@ -53,14 +53,24 @@ def attention_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranu
     q = k.T * m.q_size // k.t * e  # q or the output, this rank's tokens
     kv = k.T * m.kv_size // k.t * e  # k or v
     if not k.cp or recompute is RecomputeGranularity.selective:
-        return 3 * q + 3 * kv + qk_norm_bytes(m, k, e, False)
+        return 3 * q + 3 * kv + qk_norm_bytes(m, k, e, False) + gate_bytes(m, k, e, True)
     if cp_comm_type is CPCommType.p2p:
         kept = 2 * q + 2 * kv
     elif cp_comm_type is CPCommType.all_gather:
         kept = 2 * q + 2 * k.b * k.S * m.kv_size // k.t * e
     else:
         kept = 3 * q + 2 * kv
-    return kept + qk_norm_bytes(m, k, e, True)
+    keeps_qkv = m.qk_layernorm and not (m.layernorm_zero_centered_gamma and e != FP32)
+    return kept + qk_norm_bytes(m, k, e, True) + gate_bytes(m, k, e, keeps_qkv)
+
+
+def gate_bytes(m: ModelConfig, k: Tokens, e: int, keeps_qkv: bool) -> int:
+    """attention_output_gate: the gate's sigmoid and its product with the attention's output
+    (o's input), and the gate's rows of the qkv output where that output is kept (keeps_qkv)."""
+    if not m.attention_output_gate:
+        return 0
+    q = k.T * m.q_size // k.t * e
+    return 2 * q + (q if keeps_qkv else 0)
 
 
 def qk_norm_bytes(m: ModelConfig, k: Tokens, e: int, keeps_qkv: bool) -> int:
@@ -80,12 +90,13 @@ def qk_norm_bytes(m: ModelConfig, k: Tokens, e: int, keeps_qkv: bool) -> int:
 
 def kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
                 cp_comm_type: CPCommType = CPCommType.p2p) -> int:
-    """qkv's input T*h*e, the attention's tensors, rotary cos/sin 8*T*d and (not under
-    selective recompute) the logsumexp 4*b*(n/t)*s."""
+    """qkv's input T*h*e, the attention's tensors, rotary cos/sin 8*T*r (r: the rotary dims,
+    model.rotary_percent of d) and (not under selective recompute) the logsumexp
+    4*b*(n/t)*s."""
     selective = recompute is RecomputeGranularity.selective
     lse = 0 if selective else FP32 * k.b * m.num_heads // k.t * k.s
     return (k.T * m.hidden_size * e + attention_bytes(m, k, e, recompute, cp_comm_type)
-            + 8 * k.T * m.head_dim + lse)
+            + 8 * k.T * m.rotary_dim + lse)
 
 
 def lora_kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,

@@ -2,10 +2,10 @@
 the blocks model.linear_attention_freq names linear (model.experimental_attention_variant=
 gated_delta_net). Its layer: trainer.model.gdn.
 
-Projections: in_proj_qkvz (per key head: q, k, then its value heads' v and z) and in_proj_ba
-(per key head: its value heads' b and a), both column-parallel: a split by rows keeps whole key
-heads with their value heads, so TP splits the key heads (and with them the value heads) with
-no fused parts. out_proj is row-parallel. The convolution's weight (depthwise over q|k|v's
+Projections: in_proj, column-parallel, of two fused parts: transformers' in_proj_qkvz (per key
+head: q, k, then its value heads' v and z) and in_proj_ba (per key head: its value heads' b and
+a); TP splits each part by rows, which keeps whole key heads with their value heads. out_proj
+is row-parallel. The convolution's weight (depthwise over q|k|v's
 channels), A_log and dt_bias (per value head) and the gated norm's weight (per value dim,
 shared by the heads) are whole on every rank: each TP rank reads its heads' entries through
 heads_fn, and their gradients are summed over TP (head_norms).
@@ -31,9 +31,8 @@ def shapes(cfg: ModelConfig) -> Shapes:
     h, hv = cfg.hidden_size, cfg.linear_num_value_heads
     kq, v = cfg.linear_key_size, cfg.linear_value_size
     return {"conv_weight": (2 * kq + v, cfg.linear_conv_kernel_dim), "A_log": (hv,),
-            "dt_bias": (hv,), "in_proj_qkvz.weight": (2 * kq + 2 * v, h),
-            "in_proj_ba.weight": (2 * hv, h), "norm.weight": (cfg.linear_value_head_dim,),
-            "out_proj.weight": (h, v)}
+            "dt_bias": (hv,), "in_proj.weight": (2 * kq + 2 * v + 2 * hv, h),
+            "norm.weight": (cfg.linear_value_head_dim,), "out_proj.weight": (h, v)}
 
 
 def core_flops(cfg: ModelConfig, seq_length: int, window: int | None = None) -> float:
@@ -48,32 +47,63 @@ def core_flops(cfg: ModelConfig, seq_length: int, window: int | None = None) -> 
 
 def kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
                cp_comm_type: CPCommType = CPCommType.p2p) -> int:
-    """What the layer keeps for its backward (no full recompute): the projections' input
-    T*h*e, the convolution's input, padded copy and output (3*T*C/t*e), z, beta and g's terms,
-    and the chunked rule's tensors in fp32 (its q, k, v, the decays and per-chunk systems:
-    chunk_bytes); under selective recompute only the rule's inputs."""
-    T, t = k.T, k.t
-    conv = m.linear_conv_kernel_dim
-    C = (2 * m.linear_key_size + m.linear_value_size) // t
-    hv, V = m.linear_num_value_heads // t, m.linear_value_size // t
-    own = T * m.hidden_size * e + T * V * e + 3 * T * hv * FP32 + T * hv * e
+    """What the layer keeps for its backward (no full recompute), its rank's tokens T (all of
+    them after SP's gather) and heads (1/t): in_proj's input T*h*e, beta T*hv*e, the
+    decay's softplus input and output (fp32), z (T*V*e) and out_proj's input (T*V*e), the
+    gated norm's input (the rule's output: fp32, padded to whole chunks on one process; its
+    bf16 cast under bf16), and its core's (core_bytes) as each cp_comm_type runs it: on its
+    own tokens (none), the whole sequence for 1/C of the heads (a2a) or all of them
+    (all_gather); p2p keeps the core's inputs and the states and convolution inputs it
+    received, and rebuilds each chunk in backward. Selective recompute keeps the core's
+    inputs alone (q|k|v before the convolution, g)."""
+    T, t, b, s, S = k.T, k.t, k.b, k.s, k.S
+    hv, hk = m.linear_num_value_heads // t, m.linear_num_key_heads // t
+    dk, dv, width = m.linear_key_head_dim, m.linear_value_head_dim, m.linear_conv_kernel_dim
+    channels, values = 2 * hk * dk + hv * dv, hv * dv
+    own = T * m.hidden_size * e + T * hv * e + 2 * T * hv * FP32 + 2 * T * values * e
+    if e != FP32:
+        normed = T * values * e  # the rule's output cast to the compute dtype
+    elif k.cp:
+        normed = T * values * FP32  # the exchange's output, the rank's own tokens
+    else:
+        normed = b * _padded(s) * values * FP32  # a view of the rule's padded output
+    inputs = T * channels * e + T * hv * FP32  # q|k|v before the convolution, and g
     if recompute is RecomputeGranularity.selective:
-        return own + T * C * e + C * conv * e
-    return own + 3 * T * C * e + chunk_bytes(m, k)
+        return own + normed + inputs
+    if not k.cp:
+        core = core_bytes(m, b, s, hk, hv, e, t > 1)
+    elif cp_comm_type is CPCommType.p2p:  # what it received: two chunks' states and inputs
+        core = inputs + 2 * b * (hv * dk * dv * FP32 + (width - 1) * channels * e)
+    elif cp_comm_type is CPCommType.a2a:
+        c = S // s
+        core = core_bytes(m, b, S, hk // c, hv // c, e, True)
+    else:
+        core = core_bytes(m, b, S, hk, hv, e, t > 1)
+    return own + normed + core
 
 
-def chunk_bytes(m: ModelConfig, k: Tokens) -> int:
-    """The chunked rule's saved tensors (fp32), per value head: q and k (normalised and
-    repeated), v, the pairwise decays and the chunk's two systems (3 C^2 a chunk), the solved
-    values and key reads, the read and write weights, and each chunk's state (dk*dv), with
-    the output."""
-    T, t = k.T, k.t
-    dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
-    hv = m.linear_num_value_heads // t
-    chunks = -(-k.s // CHUNK) * k.b
-    padded = chunks * CHUNK
-    per_head = padded * (6 * dk + 4 * dv + 3 * CHUNK) + chunks * dk * dv
-    return hv * per_head * FP32 + T * hv * dv * FP32
+def _padded(s: int) -> int:
+    return -(-s // CHUNK) * CHUNK
+
+
+def core_bytes(m: ModelConfig, b: int, s: int, hk: int, hv: int, e: int, narrowed: bool
+               ) -> int:
+    """The core (convolution and chunked rule) on b x s tokens of hk key and hv value heads:
+    the convolution's padded input and its silu's input; q and k as the L2 norm keeps them
+    (fp32: views of the convolution's output, all of it; under bf16 their fp32 copies) with
+    their rsqrt; the rule's inputs padded to whole chunks (q, k, v, g, beta in fp32, the
+    document ids) and the state entering each chunk; the convolution's weight where it is a
+    copy (this rank's heads' channels, or a cast)."""
+    dk, dv, width = m.linear_key_head_dim, m.linear_value_head_dim, m.linear_conv_kernel_dim
+    T, channels = b * s, 2 * hk * dk + hv * dv
+    padded = _padded(s)
+    chunks = padded // CHUNK
+    conv = b * (s + width - 1) * channels * e + T * channels * e
+    norm = (T * channels if e == FP32 else 2 * T * hk * dk) * FP32 + 2 * T * hk * FP32
+    rule = (b * padded * (2 * hk * dk + hv * dv + 2 * hv) * FP32 + b * (padded + chunks) * 8
+            + chunks * b * hv * dk * dv * FP32)
+    weight = channels * width * e if narrowed or e != FP32 else 0
+    return conv + norm + rule + weight
 
 
 def hf_names(cfg: ModelConfig, ours: str, theirs: str, family) -> HfNames:
@@ -85,8 +115,8 @@ def hf_names(cfg: ModelConfig, ours: str, theirs: str, family) -> HfNames:
     return {f"{ours}attn.conv_weight": [(f"{la}conv1d.weight", 2 * kq + v)],
             f"{ours}attn.A_log": [(f"{la}A_log", hv)],
             f"{ours}attn.dt_bias": [(f"{la}dt_bias", hv)],
-            f"{ours}attn.in_proj_qkvz.weight": [(f"{la}in_proj_qkvz.weight", 2 * kq + 2 * v)],
-            f"{ours}attn.in_proj_ba.weight": [(f"{la}in_proj_ba.weight", 2 * hv)],
+            f"{ours}attn.in_proj.weight": [(f"{la}in_proj_qkvz.weight", 2 * kq + 2 * v),
+                                           (f"{la}in_proj_ba.weight", 2 * hv)],
             f"{ours}attn.norm.weight": [(f"{la}norm.weight", cfg.linear_value_head_dim)],
             f"{ours}attn.out_proj.weight": [(f"{la}out_proj.weight", h)]}
 
@@ -139,7 +169,10 @@ def check_hybrid(model: ModelConfig) -> None:
 
 GATED_DELTA_NET = Part(
     "gated_delta_net", "attn", "trainer.model.gdn:GatedDeltaNet", shapes,
-    tp_styles={"in_proj_qkvz": "column", "in_proj_ba": "column", "out_proj": "row"},
+    tp_styles={"in_proj": "column", "out_proj": "row"},
+    # qkvz | ba, each grouped by key head: each part split over TP by key heads
+    fused=lambda cfg: {"in_proj": (2 * cfg.linear_key_size + 2 * cfg.linear_value_size,
+                                   2 * cfg.linear_num_value_heads)},
     # not a linear, kept whole on every rank (each TP rank reads its channels); not Muon's
     whole=("conv_weight",),
     residual_outputs=("out_proj.weight",),

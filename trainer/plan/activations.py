@@ -109,9 +109,10 @@ def window_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranular
 
 
 def blocks_alike(m: ModelConfig) -> bool:
-    """Whether every block keeps the same: one kind of block, one window."""
-    return m.num_moe_experts is None and (m.window_size is None
-                                          or m.window_attn_skip_freq is None)
+    """Whether every block keeps the same: one kind of block (no experts, no hybrid), one
+    window."""
+    return m.num_moe_experts is None and m.experimental_attention_variant is None and (
+        m.window_size is None or m.window_attn_skip_freq is None)
 
 
 def head_activation_bytes(m: ModelConfig, k: Tokens, e: int,
