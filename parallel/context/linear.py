@@ -150,8 +150,9 @@ class _Relay(torch.autograd.Function):
         for i, chunk in enumerate(relay.mine):
             state, tail = _incoming(relay, chunk, carried, mixed, g, dims, width)
             received += [state, tail]
-            out, final, inputs = _chunk(relay, i, chunk, length, mixed, conv_weight, g, beta,
-                                        ids, dims, state, tail)
+            local = slice(i * length, (i + 1) * length)
+            out, final, inputs = _chunk(relay, chunk, mixed[:, local], conv_weight,
+                                        g[:, local], beta[:, local], ids, dims, state, tail)
             outs.append(out)
             carried, peer = None, relay.peer(chunk + 1)
             if chunk < relay.last and peer is None:
@@ -169,14 +170,20 @@ class _Relay(torch.autograd.Function):
         # every rank at the same point (before any of backward's messages)
         mixed, conv_weight, g, beta, *received = ctx.saved_tensors
         relay, length = ctx.relay, ctx.length
-        grads, sends, carried = {}, [], None
+        needs = ctx.needs_input_grad
+        # each chunk's gradients written into their place (the weight's summed), no copy
+        grads = [torch.zeros_like(t) if needs[j] else None
+                 for j, t in enumerate((mixed, conv_weight, g, beta))]
+        sends, carried = [], None
         for i in reversed(range(len(relay.mine))):
             chunk = relay.mine[i]
-            leaves = [t.detach().requires_grad_(True) for t in (mixed, conv_weight, g, beta,
-                                                                 *received[2 * i:2 * i + 2])]
+            local = slice(i * length, (i + 1) * length)
+            leaves = [t.detach().requires_grad_(True) for t in (
+                mixed[:, local], conv_weight, g[:, local], beta[:, local],
+                *received[2 * i:2 * i + 2])]
             with torch.enable_grad():
-                out, final, inputs = _chunk(relay, i, chunk, length, *leaves[:4], ctx.ids,
-                                            ctx.dims, *leaves[4:])
+                out, final, inputs = _chunk(relay, chunk, *leaves[:4], ctx.ids, ctx.dims,
+                                            *leaves[4:])
             peer = relay.peer(chunk + 1)
             if chunk == relay.last:
                 outgoing = (torch.zeros_like(final), torch.zeros_like(inputs))
@@ -185,30 +192,29 @@ class _Relay(torch.autograd.Function):
             else:
                 outgoing = _receive(relay.context, peer, chunk + 1, (final, inputs), 1)
             found = torch.autograd.grad([out, final, inputs], leaves,
-                                        [grad[:, i * length:(i + 1) * length], *outgoing],
-                                        allow_unused=True)
+                                        [grad[:, local], *outgoing], allow_unused=True)
             found = [torch.zeros_like(t) if d is None else d for t, d in zip(leaves, found)]
             for j, d in enumerate(found[:4]):
-                grads[j] = d if j not in grads else grads[j] + d
+                if grads[j] is not None:  # the convolution's weight is the chunks' sum
+                    (grads[j] if j == 1 else grads[j][:, local]).add_(d)
+            del out, final, inputs, leaves, found[:4]
             carried, peer = None, relay.peer(chunk - 1)
             if chunk > 0 and peer is None:
-                carried = (found[4], found[5])
+                carried = (found[0], found[1])
             elif peer is not None:
-                sends += _send(relay.context, peer, chunk, (found[4], found[5]), 1)
+                sends += _send(relay.context, peer, chunk, (found[0], found[1]), 1)
         for pending in sends:
             pending.wait()
-        needs = ctx.needs_input_grad
-        return (*(grads[j] if needs[j] else None for j in range(4)), None, None, None)
+        return (*grads, None, None, None)
 
 
-def _chunk(relay: RelayLinearAttention, i: int, chunk: int, length: int, mixed, conv_weight,
-           g, beta, ids, dims, state, tail):
-    """The core on this rank's i-th chunk (sequence chunk `chunk`) from `state` and `tail`
-    (the convolution's inputs before it) -> (its output, its final state, its last width-1
+def _chunk(relay: RelayLinearAttention, chunk: int, mixed, conv_weight, g, beta, ids, dims,
+           state, tail):
+    """The core on sequence chunk `chunk` (its mixed, g and beta) from `state` and `tail` (the
+    convolution's inputs before it) -> (its output, its final state, its last width-1
     inputs). A document starting at the chunk's first token drops the state it received; the
     convolution's taps into the tail are masked by the documents they belong to."""
-    width = conv_weight.shape[-1]
-    local = slice(i * length, (i + 1) * length)
+    width, length = conv_weight.shape[-1], mixed.shape[1]
     chunk_ids = before_ids = None
     if ids is not None:
         start = chunk * length
@@ -217,9 +223,9 @@ def _chunk(relay: RelayLinearAttention, i: int, chunk: int, length: int, mixed, 
         if start:
             state = state * (ids[:, start] == ids[:, start - 1]).to(state.dtype)[:, None, None,
                                                                                 None]
-    out, final = relay.core(mixed[:, local], conv_weight, g[:, local], beta[:, local],
-                            chunk_ids, dims, tail, state, before_ids=before_ids)
-    inputs = torch.cat([tail, mixed[:, local]], dim=1)[:, mixed[:, local].shape[1]:]
+    out, final = relay.core(mixed, conv_weight, g, beta, chunk_ids, dims, tail, state,
+                            before_ids=before_ids)
+    inputs = torch.cat([tail, mixed], dim=1)[:, length:]
     return out, final, inputs
 
 

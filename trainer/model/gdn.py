@@ -142,14 +142,15 @@ class _ChunkedRule(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, ids, state):
         n = v.shape[2]
         prev = torch.cat([ids[:, :, :1, 0], ids[:, :, :-1, -1]], dim=2)  # the entering state's
-        entering, out = [], []
+        # written in place chunk by chunk (a list then a stack would hold both at once)
+        entering = state.new_empty(n, *state.shape)
+        out = v.new_empty(*v.shape)
         for i in range(n):
-            entering.append(state)
-            o, state = _chunk_step(*(t[:, :, i] for t in (q, k, v, g, beta, ids)),
-                                   prev[:, :, i], state)
-            out.append(o)
-        ctx.save_for_backward(q, k, v, g, beta, ids, prev, torch.stack(entering))
-        return torch.stack(out, dim=2), state
+            entering[i] = state
+            out[:, :, i], state = _chunk_step(*(t[:, :, i] for t in (q, k, v, g, beta, ids)),
+                                              prev[:, :, i], state)
+        ctx.save_for_backward(q, k, v, g, beta, ids, prev, entering)
+        return out, state
 
     @staticmethod
     def backward(ctx, d_out, d_state):
@@ -273,8 +274,9 @@ def _gated_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: flo
 
 
 class _GatedNorm(torch.autograd.Function):
-    """The gated norm keeping its inputs only; backward rebuilds it (a few elementwise ops)
-    rather than keeping five tensors of the output's size for it."""
+    """The gated norm keeping its inputs only (not five tensors of its output's size); its
+    backward is written out, mostly in place: it holds three such tensors (fp32) beside the
+    gradient it is given, and a fourth for a moment (a product it sums)."""
 
     @staticmethod
     def forward(ctx, x, z, weight, eps):
@@ -284,12 +286,26 @@ class _GatedNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        x, z, weight = (t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors)
-        with torch.enable_grad():
-            out = _gated_norm(x, z, weight, ctx.eps)
-        wanted = [t for t in (x, z, weight) if t.requires_grad]
-        found = iter(torch.autograd.grad(out, wanted, grad))
-        return (*(next(found) if t.requires_grad else None for t in (x, z, weight)), None)
+        x, z, weight = ctx.saved_tensors
+        dtype = torch.promote_types(x.dtype, torch.float32)
+        wide = x.to(dtype)
+        rsqrt = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        normed = (wide * rsqrt).to(x.dtype).to(dtype)  # as the forward rounds it
+        del wide
+        # d(silu(z)) = grad * w * normed, times silu'(z) = sigmoid (1 + z (1 - sigmoid))
+        gate = torch.sigmoid(z.to(dtype))
+        slope = (1 - gate).mul_(z).add_(1).mul_(gate)
+        del gate
+        d_z = (weight * normed).mul_(grad).mul_(slope).to(z.dtype)
+        del slope
+        d_weighted = F.silu(z.to(dtype)).mul_(grad)  # d(w * normed)
+        d_weight = (d_weighted * normed).sum(tuple(range(x.ndim - 1))).to(weight.dtype) \
+            if ctx.needs_input_grad[2] else None
+        d_normed = d_weighted.mul_(weight)
+        # RMSNorm: dx = rsqrt (dn - n mean(dn n))
+        dot = (d_normed * normed).mean(-1, keepdim=True)
+        d_x = d_normed.sub_(normed.mul_(dot)).mul_(rsqrt).to(x.dtype)
+        return d_x, d_z, d_weight, None
 
 
 class GatedDeltaNet(nn.Module):

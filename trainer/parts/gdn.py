@@ -61,12 +61,7 @@ def kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularit
     dk, dv, width = m.linear_key_head_dim, m.linear_value_head_dim, m.linear_conv_kernel_dim
     channels, values = 2 * hk * dk + hv * dv, hv * dv
     own = T * m.hidden_size * e + T * hv * e + 2 * T * hv * FP32 + 2 * T * values * e
-    if e != FP32:
-        normed = T * values * e  # the rule's output cast to the compute dtype
-    elif k.cp:
-        normed = T * values * FP32  # the exchange's output, the rank's own tokens
-    else:
-        normed = b * _padded(s) * values * FP32  # a view of the rule's padded output
+    normed = _normed_bytes(m, k, e)
     inputs = T * channels * e + T * hv * FP32  # q|k|v before the convolution, and g
     if recompute is RecomputeGranularity.selective:
         return own + normed + inputs
@@ -80,6 +75,57 @@ def kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularit
     else:
         core = core_bytes(m, b, S, hk, hv, e, t > 1)
     return own + normed + core
+
+
+def backward_bytes(m: ModelConfig, k: Tokens, e: int, selective: bool,
+                   cp_comm_type: CPCommType = CPCommType.p2p) -> int:
+    """The most the layer's backward forms beside what its block keeps (the gradient entering
+    the block, Tr*h fp32, included), the larger of two moments. The gated norm's: its
+    backward's fp32 working set, four tensors of its output's size (4*T*V*4). The rule's: its
+    output's gradient and its inputs' gradients, padded to whole chunks (fp32; under bf16 the
+    output's gradient widened beside), and one chunk's step rebuilt (rule_backward_bytes),
+    out_proj's input and z let go by then (z's gradient in its place). Under selective
+    recompute the core is rebuilt first (core_bytes); under context parallel the core runs on
+    other tokens and heads: p2p rebuilds one of the rank's two chunks at a time (its core and
+    the rule's backward on it), a2a runs the whole sequence for 1/C of the heads, all_gather
+    all of it."""
+    t, b, s = k.t, k.b, k.s
+    hv, hk = m.linear_num_value_heads // t, m.linear_num_key_heads // t
+    values = hv * m.linear_value_head_dim
+    tokens, rebuilt = (b, s, hk, hv), 0
+    if k.cp:
+        c = k.S // s
+        tokens = {CPCommType.p2p: (b, s // 2, hk, hv), CPCommType.a2a: (b, k.S, hk // c, hv // c),
+                  CPCommType.all_gather: (b, k.S, hk, hv)}[cp_comm_type]
+        if cp_comm_type is CPCommType.p2p:  # and the gradients of the rank's core inputs
+            channels = 2 * hk * m.linear_key_head_dim + values
+            rebuilt = core_bytes(m, *tokens, e, True) + k.T * (channels * e + hv * (FP32 + e))
+    if selective and not rebuilt:
+        rebuilt = core_bytes(m, *tokens, e, t > 1 or k.cp)
+    widened = k.T * values * FP32 if e != FP32 else 0
+    rule = rebuilt + rule_backward_bytes(m, *tokens) + widened - k.T * values * e
+    norm = 4 * k.T * values * FP32
+    return k.Tr * m.hidden_size * FP32 + max(rule, norm)
+
+
+def rule_backward_bytes(m: ModelConfig, b: int, s: int, hk: int, hv: int) -> int:
+    """The chunked rule's backward on b x s tokens (fp32): its output's gradient and its
+    inputs', padded to whole chunks, and one chunk's step rebuilt with its gradients (its
+    C x C decays, systems and products, its C-row tensors)."""
+    dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+    padded = b * _padded(s)
+    step = b * hv * (6 * CHUNK * CHUNK + 6 * CHUNK * dk + 2 * CHUNK * dv)
+    return (padded * (2 * hv * dv + 2 * hk * dk + 2 * hv) + step) * FP32
+
+
+def _normed_bytes(m: ModelConfig, k: Tokens, e: int) -> int:
+    """The gated norm's input as kept: the rule's output cast to the compute dtype (bf16);
+    else the exchange's output, the rank's own tokens (context parallel), or a view of the
+    rule's padded output (one process)."""
+    values = m.linear_value_size // k.t
+    if e != FP32:
+        return k.T * values * e
+    return k.T * values * FP32 if k.cp else k.b * _padded(k.s) * values * FP32
 
 
 def _padded(s: int) -> int:
@@ -183,4 +229,5 @@ GATED_DELTA_NET = Part(
     hook="linear_attention_fn",
     tp_heads="heads_fn",
     head_norms=("conv_weight", "A_log", "dt_bias", "norm"),
-    core_flops=core_flops, kept_bytes=kept_bytes, hf_names=hf_names, rules=check_hybrid)
+    core_flops=core_flops, kept_bytes=kept_bytes, backward_bytes=backward_bytes,
+    hf_names=hf_names, rules=check_hybrid)

@@ -89,9 +89,10 @@ class Part:
     # Its terms of the memory plan (trainer.plan.activations; symbols there, k: a rank's
     # trainer.parts.tokens.Tokens, e: bytes of the compute dtype). kept_bytes(cfg, k, e,
     # recompute, cp_comm_type): what it keeps for its backward without full recompute;
-    # backward_bytes(cfg, k, e, selective): the most its backward forms beside that, the
-    # gradient entering the block included (an MLP's, the larger of a block's); rebuild_bytes(
-    # cfg, k, e): what its forward, rebuilt under full recompute, holds beyond its backward's.
+    # backward_bytes(cfg, k, e, selective[, cp_comm_type]: an attention part's): the most its
+    # backward forms beside that, the gradient entering the block included (a block's largest
+    # part's); rebuild_bytes(cfg, k, e): what its forward, rebuilt under full recompute, holds
+    # beyond its backward's.
     kept_bytes: Callable[..., int] = _nothing
     # lora_kept_bytes(cfg, k, e, recompute, cp_comm_type, adapted, grad_in, dropout): what it
     # keeps under peft=lora, its weights frozen (no input kept for a weight's gradient):

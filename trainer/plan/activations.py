@@ -68,6 +68,7 @@ from trainer.config import CPCommType, ModelConfig, RecomputeGranularity
 from trainer.parts import BlockParts, block_parts, mtp
 from trainer.parts.lora import Adapters, head_kept_bytes, local_adapter_elements, uncast_elements
 from trainer.parts.lora import block_kept_bytes as lora_block_bytes
+from trainer.parts.norm import block_norms
 from trainer.parts.tokens import FP32, Tokens, compute_bytes
 from trainer.plan.axis_costs.gtp_remat import REDUCES_IN_FLIGHT, gathered_bytes
 from trainer.plan.options import EngineOptions
@@ -144,12 +145,21 @@ def mtp_block_bytes(m: ModelConfig, k: Tokens, e: int,
 
 
 def block_backward_bytes(parts: BlockParts, m: ModelConfig, k: Tokens, e: int,
-                         selective: bool, gathered: int = 0, message: int = 0) -> int:
-    """The most a block's backward forms beside what it keeps: its MLP's moments, or a
-    zero-centred norm's (fp32 whatever the compute dtype: trainer.parts.norm), the larger;
+                         selective: bool, gathered: int = 0, message: int = 0,
+                         cp_comm_type: CPCommType = CPCommType.p2p) -> int:
+    """The most a block's backward forms beside what it keeps: its MLP's moments, its
+    attention's (Gated DeltaNet's rule: trainer.parts.gdn; softmax attention's never outgrow
+    the MLP's), or a zero-centred norm's (fp32 whatever the compute dtype: trainer.parts.norm),
+    the largest;
     with `gathered`, what weight sharding holds then, of which the fp32 gradient message
     (`message`) is not made yet at a norm's moment (no weight's gradient is)."""
+    # the attention's backward runs after the MLP's and its norm's: their activations are gone
+    recompute = RecomputeGranularity.selective if selective else None
+    mlp_side = parts.mlp.kept_bytes(m, k, e, recompute, cp_comm_type) + \
+        parts.norm.kept_bytes(m, k, e) // len(block_norms(m))
+    attention = parts.attention.backward_bytes(m, k, e, selective, cp_comm_type)
     return max(parts.mlp.backward_bytes(m, k, e, selective) + gathered,
+               attention - mlp_side + gathered if attention else 0,
                parts.norm.backward_bytes(m, k, e, selective) + gathered - message)
 
 
@@ -294,7 +304,8 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
     # recompute_num_layers of a chunk) is rebuilt after the chunk's later blocks have run their
     # backward and freed their activations.
     selective = options.recompute_granularity is RecomputeGranularity.selective
-    backward = max(block_backward_bytes(parts, m, k, e, selective) for parts in kinds)
+    backward = max(block_backward_bytes(parts, m, k, e, selective,
+                                        cp_comm_type=options.cp_comm_type) for parts in kinds)
     phases, bundles, alike = [], [], {}
     dense = blocks_alike(m)  # every block one kind: a chunk is known by its length
     for chunk in chunks:
@@ -367,11 +378,11 @@ def chunk_phases(m: ModelConfig, layout: Layout, options: EngineOptions, chunk: 
             # kept through its backward (and the rebuilt forward's own moment: a MoE block's
             # exchange over ETP)
             copies = weights[p] * e if e != FP32 and not sharded else 0
-            out.append((max(block_backward_bytes(kind, m, k, e, False, gathered, message),
+            out.append((max(block_backward_bytes(kind, m, k, e, False, gathered, message, comm),
                             kind.mlp.rebuild_bytes(m, k, e) + gathered)
                         + rebuilt_of[kind] + copies - kept_by_others, gathered))
         else:
-            out.append((block_backward_bytes(kind, m, k, e, selective, gathered, message),
+            out.append((block_backward_bytes(kind, m, k, e, selective, gathered, message, comm),
                         gathered))
         seen[key] = out[-1]
     return out
