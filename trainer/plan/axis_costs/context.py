@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from parallel.layout import Layout
 from parallel.layout.axes.context import CONTEXT, window_exchange
-from trainer.config import CPCommType, ModelConfig
+from trainer.config import CPCommType, ModelConfig, Precision
 from trainer.parts import block_parts
+from trainer.parts.gdn import GATED_DELTA_NET
 from trainer.parts.tokens import FP32
 from trainer.plan.axis_costs.entry import AxisCosts, Micro, Offer, divisors
 from trainer.plan.hardware import Hardware
@@ -77,16 +78,61 @@ def context_seconds(m: ModelConfig, layout: Layout, cp_comm_type: CPCommType, hw
     if c == 1:
         return 0.0, 0.0
     link = hw.link(layout, "context")
-    q_size, kv_size = block_parts(m, 0).attention.exchanged_widths(m)  # as the part moves them
+    linear = [m.is_linear_block(block) for block in range(m.num_layers)] or [False]
+    full = linear.count(False)
+    soft = (0.0, 0.0)
+    if full:  # the softmax attention's blocks (a hybrid's linear ones below)
+        soft = _softmax_seconds(m, layout, cp_comm_type, link, T, e, attention_s, overlaps)
+    lin = linear_seconds(m, layout, cp_comm_type, hw, link, T, e) if full < len(linear) \
+        else (0.0, 0.0)
+    return tuple((full * soft[i] + (len(linear) - full) * lin[i]) / len(linear)
+                 for i in (0, 1))
+
+
+def _softmax_seconds(m: ModelConfig, layout: Layout, cp_comm_type: CPCommType, link, T: int,
+                     e: int, attention_s: float, overlaps: bool) -> tuple[float, float]:
+    c, t = layout.runtime_context_parallel_size, layout.tp_size
+    attention = next(block_parts(m, i).attention for i in range(m.num_layers)
+                     if not m.is_linear_block(i))
+    q_size, kv_size = attention.exchanged_widths(m)  # as the part moves them
     kv = 2 * T * kv_size / t * e
     if cp_comm_type is CPCommType.p2p:
         hides = attention_s if overlaps else 0.0
-        windows = [m.window_of(block) for block in range(m.num_layers)] or [None]
+        windows = [m.window_of(block) for block in range(m.num_layers)
+                   if not m.is_linear_block(block)] or [None]
         times = {w: _p2p_seconds(layout, link, kv, e, w, hides) for w in set(windows)}
         return tuple(sum(times[w][i] for w in windows) / len(windows) for i in (0, 1))
     if cp_comm_type is CPCommType.all_gather:
         return link.ring(c, c * kv), link.ring(c, c * kv)
     moved = 2 * T * q_size / t * e + kv
+    return link.all_to_all(c, moved), link.all_to_all(c, moved)
+
+
+def linear_seconds(m: ModelConfig, layout: Layout, cp_comm_type: CPCommType, hw: Hardware,
+                   link, T: int, e: int) -> tuple[float, float]:
+    """(forward, backward) of a linear block's exchange over runtime CP C (parallel.context.
+    linear), the rank's own work on its T tokens not included. p2p: the relay is a chain of
+    2C chunks, so a rank waits for C-1 ranks' rule (its own chunks' worth each) forward and
+    in backward (twice the work, and the chunk rebuilt: three times), and for the 2C-1
+    messages of a state (hv/t x dk x dv fp32 a sample) and the convolution's last inputs.
+    all_gather: the inputs q|k|v, g and beta gathered whole, their gradients reduce-scattered,
+    and C times the rule's work (C-1 of it another rank's). a2a: the inputs and the output
+    moved between sequence and heads, both ways."""
+    c, t, b = layout.runtime_context_parallel_size, layout.tp_size, layout.micro_batch_size
+    dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+    hv = m.linear_num_value_heads // t
+    channels = (2 * m.linear_key_size + m.linear_value_size) // t
+    flops = hw.flops(Precision.bf16 if e != FP32 else Precision.fp32)
+    rule_s = T * GATED_DELTA_NET.core_flops(m, layout.seq_length or T) / t / flops
+    inputs = T * (channels * e + 2 * hv * FP32)  # q|k|v, g and beta of the rank's tokens
+    if cp_comm_type is CPCommType.p2p:
+        state = b * (hv * dk * dv * FP32 + (m.linear_conv_kernel_dim - 1) * channels * e)
+        hops = (2 * c - 1) * link.send(state)
+        return (c - 1) * rule_s + hops, 3 * (c - 1) * rule_s + hops
+    if cp_comm_type is CPCommType.all_gather:
+        gathered = link.ring(c, c * inputs)
+        return gathered + (c - 1) * rule_s, gathered + 3 * (c - 1) * rule_s
+    moved = inputs + T * hv * dv * FP32
     return link.all_to_all(c, moved), link.all_to_all(c, moved)
 
 
@@ -133,6 +179,7 @@ def options(offer: Offer, layout: Layout):
     for comm in CPCommType:
         try:
             check_comm_type(offer.problem.model, layout, comm)
+            check_linear(offer.problem.model, layout, comm)
         except ValueError:
             offer.dropped["cp_comm_type=a2a needs the TP-local heads divisible by runtime "
                           "CP"] += 1

@@ -69,21 +69,20 @@ def message_sizes(m: ModelConfig, layout: Layout) -> tuple[int, int]:
 
 
 @lru_cache(maxsize=4096)
-def _alive(stage: int, pp: int, m: int, v: int) -> tuple[tuple[int, int], ...]:
-    """The interleaved schedule's (micro-batch, chunk) pairs alive after each forward, as
-    (all of them, those of the last chunk), keeping only pairs no other exceeds in both. The
-    order of forwards does not depend on m and repeats every pp x v of them, so after the
-    warm-up ((v + 1) x pp forwards at most) two periods show every count there is: 4 x pp
-    micro-batches stand for any larger m."""
-    total = last = 0
-    seen: set[tuple[int, int]] = set()
+def _alive(stage: int, pp: int, m: int, v: int) -> tuple[tuple[int, ...], ...]:
+    """The interleaved schedule's micro-batches alive after each forward, counted by chunk,
+    keeping only counts no other exceeds in every chunk. The order of forwards does not depend
+    on m and repeats every pp x v of them, so after the warm-up ((v + 1) x pp forwards at
+    most) two periods show every count there is: 4 x pp micro-batches stand for any larger
+    m."""
+    counts = [0] * v
+    seen: set[tuple[int, ...]] = set()
     for action in stage_actions("interleaved_1f1b", stage, pp, min(m, 4 * pp), v):
         step = 1 if action.kind == FORWARD else -1
-        total += step
-        last += step if action.chunk == v - 1 else 0
+        counts[action.chunk] += step
         if step == 1:
-            seen.add((total, last))
-    return tuple(a for a in seen if not any(b != a and b[0] >= a[0] and b[1] >= a[1]
+            seen.add(tuple(counts))
+    return tuple(a for a in seen if not any(b != a and all(x >= y for x, y in zip(b, a))
                                             for b in seen))
 
 
@@ -98,16 +97,16 @@ def schedule_messages(schedule: str, stage: int, pp: int, m: int, v: int
 
 def kept_bytes(per_chunk: list[int], schedule: str, stage: int, layout: Layout) -> int:
     """stage_activation_bytes' peak over the schedule without walking every action, for a
-    stage's chunks (equal but for the head on the last): 1f1b keeps min(PP - stage, m)
-    micro-batches at most, gpipe all m."""
+    stage's chunks (what each keeps: equal but for the head on the last, or a hybrid's of
+    different blocks): 1f1b keeps min(PP - stage, m) micro-batches at most, gpipe all m."""
     pp, m, v = layout.pp_size, layout.num_microbatches, layout.virtual_pipeline_size
     if schedule == "gpipe":
         return m * per_chunk[0]
     if schedule == "1f1b":
         return min(pp - stage, m) * per_chunk[0]
-    chunk, extra = per_chunk[0], per_chunk[-1] - per_chunk[0]
-    assert all(b == chunk for b in per_chunk[:-1]), "a stage's chunks are equal"
-    return max(total * chunk + last * extra for total, last in _alive(stage, pp, m, v))
+    # each chunk's count times what it keeps (a hybrid's chunks may differ in kind)
+    return max(sum(n * b for n, b in zip(counts, per_chunk))
+               for counts in _alive(stage, pp, m, v))
 
 
 def send_seconds(m: ModelConfig, layout: Layout, hw: Hardware, chunks: int) -> float:
