@@ -245,6 +245,22 @@ TABLE = [
       ("model.name=gpt_oss", "model.moe_layer_freq=[1, 0, 1, 1]")),
     R("model=tiny_gpt_oss parallel.expert_model_parallel_size=2 cluster.procs_per_node=2 "
       "dry_run=true", (), OK),
+    # Qwen3-Next's hybrid (trainer/parts/gdn.py, trainer/plan/axis_costs/context.py, tensor.py)
+    R("model=tiny_qwen3_next model.linear_attention_freq=[1,1,1,1]",
+      ("model.linear_attention_freq=[1, 1, 1, 1]", "no full-attention block")),
+    R(f"model=tiny_qwen3_next {TP2} model.linear_num_key_heads=1 "
+      "model.linear_num_value_heads=2", ("model.linear_num_key_heads=1",
+                                          "parallel.tensor_model_parallel_size=2")),
+    R("model=tiny_qwen3_next parallel.context_parallel_size=2 cluster.procs_per_node=2 "
+      "parallel.cp_comm_type=a2a model.linear_num_key_heads=1 model.linear_num_value_heads=2",
+      ("parallel.cp_comm_type=a2a", "model.linear_num_key_heads=1")),
+    R("model=tiny_qwen3_next parallel.context_parallel_size=2 cluster.procs_per_node=2 "
+      "train.seq_length=8", ("model.linear_conv_kernel_dim=4", "train.seq_length=8")),
+    R("model=tiny_qwen3_next model.attention_output_gate=false",
+      ("model.name=qwen3_next", "model.attention_output_gate=True")),
+    R("model.rotary_percent=0.1", ("model.rotary_percent=0.1",)),
+    R("model=tiny_qwen3_next parallel.context_parallel_size=4 cluster.procs_per_node=4 "
+      "data.reset_attention_mask=true dry_run=true", (), OK),
     # Gemma 3's block (trainer/parts/norm.py, attention.py gemma_rules, families.py)
     R("model.sandwich_norm=true", ("model.sandwich_norm=true",
                                    "model.layernorm_zero_centered_gamma=true")),
