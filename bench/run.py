@@ -31,6 +31,7 @@ import documents  # noqa: E402
 import finetune  # noqa: E402
 import fsdp2  # noqa: E402
 import hf_interop  # noqa: E402
+import hybrid  # noqa: E402
 import loader  # noqa: E402
 import memory  # noqa: E402
 import moe  # noqa: E402
@@ -88,6 +89,7 @@ def sections(quick: bool) -> list[tuple[str, Callable[[dict], dict]]]:
         ("compiled blocks", one("compile", lambda: compile_blocks.measure(quick))),
         ("Muon against AdamW", one("muon", lambda: muon.measure(quick))),
         ("LoRA and DPO", one("finetune", lambda: finetune.measure(quick))),
+        ("hybrid linear attention", one("hybrid", lambda: hybrid.measure(quick))),
         ("soak (2 x 4,096 steps of 8 ranks)", one("soak", lambda: soak.measure(quick))),
     ]
 

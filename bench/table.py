@@ -172,6 +172,8 @@ def rows(figures: dict[str, Any]) -> list[dict[str, Any]]:
         out += _muon_rows(f["muon"])
     if "finetune" in f:  # nor before bench/finetune.py
         out += _finetune_rows(f["finetune"])
+    if "hybrid" in f:  # nor before bench/hybrid.py
+        out += _hybrid_rows(f["hybrid"])
     if "soak" in f:  # nor before bench/soak.py
         out += _soak_rows(f["soak"])
     if "deepseek" in f:  # nor before bench/deepseek.py
@@ -194,6 +196,27 @@ def _finetune_rows(t: dict) -> list[dict[str, Any]]:
         _row("dpo_step_over_two_lm_steps", t["dpo_step_over_two_lm_steps"]["value"], "<= 1.0",
              f"LoRA, reference = adapters off: {t['step_s']['lora_dpo']} s vs 2 x "
              f"{t['step_s']['lora']} s"),
+    ]
+
+
+def _hybrid_rows(h: dict) -> list[dict[str, Any]]:
+    """Qwen3-Next's hybrid: one process at 8k over its blocks all full attention (and where
+    the time goes), and CP 4 p2p's relay bytes over the analytic count and over the ring."""
+    one, cp = h["one_process"], h["context_parallel"]
+    where = one["where_the_time_goes"]
+    return [
+        _row("hybrid_step_over_full_attention_8k", one["step_time_hybrid_over_full"], "-",
+             f"step s {one['step_s']}; a linear block's core (convolution and chunked rule, "
+             f"forward and backward) {one['core_s']['linear']} s against softmax attention's "
+             f"fused kernel {one['core_s']['softmax']} s at 8k: the hybrid's cores "
+             f"{where['linear_cores_s']} + {where['softmax_cores_s']} s, all-full's "
+             f"{where['all_full_cores_s']} s; {one['setup']}"),
+        _row("hybrid_p2p_linear_bytes_over_analytic", cp["linear_bytes_over_analytic"], "1.00",
+             f"a linear block's relay bytes, the busiest rank's: {cp['linear_block_bytes']} B "
+             f"(analytic {cp['linear_block_analytic_bytes']} B); {cp['setup']}"),
+        _row("hybrid_p2p_linear_bytes_over_ring", cp["linear_bytes_over_ring"], "-",
+             f"over one full block's ring; step s {cp['step_s']} (the relay's chain waits on "
+             f"the ranks before: docs/hybrid.md)"),
     ]
 
 
