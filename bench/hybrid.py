@@ -74,7 +74,8 @@ def _cores(seq: int, repeats: int) -> dict:
     heads = m.linear_num_value_heads
     linear_in = [torch.randn(1, seq, channels, generator=gen),
                  torch.randn(channels, m.linear_conv_kernel_dim, generator=gen) * 0.5,
-                 -torch.rand(1, seq, heads, generator=gen), torch.rand(1, seq, heads, generator=gen)]
+                 -torch.rand(1, seq, heads, generator=gen),
+                 torch.rand(1, seq, heads, generator=gen)]
     dims = (m.linear_key_head_dim, m.linear_value_head_dim)
     q = torch.randn(1, m.num_heads, seq, m.head_dim, generator=gen)
     kv = [torch.randn(1, m.query_groups, seq, m.head_dim, generator=gen) for _ in range(2)]

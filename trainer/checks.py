@@ -27,8 +27,8 @@ from trainer.config import (
 from trainer.parts import model_parts, mtp
 from trainer.parts.assembly import parameter_shapes
 from trainer.parts.families import FAMILIES
-from trainer.parts.matrices import unmatched_patterns
 from trainer.parts.gdn import GATED_DELTA_NET, check_hybrid
+from trainer.parts.matrices import unmatched_patterns
 from trainer.parts.moe import MOE, check_moe
 from trainer.values import finite, one_of, positive_int
 

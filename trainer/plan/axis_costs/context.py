@@ -74,8 +74,7 @@ def context_seconds(m: ModelConfig, layout: Layout, cp_comm_type: CPCommType, hw
     hidden. Widths as the attention part exchanges them (Part.exchanged_widths: multi-latent
     attention's v padded to q's); the bytes the context group sends
     (tests/multirank/test_context_parallel.py)."""
-    c, t = layout.runtime_context_parallel_size, layout.tp_size
-    if c == 1:
+    if layout.runtime_context_parallel_size == 1:
         return 0.0, 0.0
     link = hw.link(layout, "context")
     linear = [m.is_linear_block(block) for block in range(m.num_layers)] or [False]
