@@ -56,7 +56,8 @@ def test_llama_exports_as_the_family_its_keys_make():
     assert hf_family(replace(base, num_moe_experts=4, qk_layernorm=True)).name == "qwen3_moe"
     assert hf_family(replace(base, multi_latent_attention=True)).name == "deepseek_v3"
     assert {f.name for f in FAMILIES.values()} == {"llama", "qwen3", "mixtral", "qwen3_moe",
-                                                   "deepseek_v3", "gpt_oss", "gemma3", "qwen3_next"}
+                                                   "deepseek_v3", "gpt_oss", "gemma3", "qwen3_next",
+                                                   "qwen3_5"}
 
 
 def test_every_family_has_its_hugging_face_mapping():

@@ -19,6 +19,7 @@ writing the tensors is trainer.checkpoint.hf's.
     Gemma3ForCausalLM      Gemma 3's text model (trainer.checkpoint.hf_gemma3)
     Qwen3NextForCausalLM   the hybrid: Gated DeltaNet blocks by layer_types between gated
                            full attention (trainer.checkpoint.hf_qwen3_next)
+    Qwen3_5ForCausalLM     Qwen3.5's text model: the same block, dense (ditto)
 
 Which of their tensors each of our parameters is comes from the model's parts (trainer.parts:
 each part names its own); the family (trainer.parts.families) gives a model.name to an imported
@@ -249,6 +250,8 @@ MAPPINGS = {
     "qwen3_next": HfMapping("qwen3_next", read=hf_qwen3_next.read, write=hf_qwen3_next.write,
                             holds=hf_qwen3_next.holds, layouts=hf_qwen3_next.layouts,
                             hybrid=True),
+    "qwen3_5": HfMapping("qwen3_5_text", read=hf_qwen3_next.read, write=hf_qwen3_next.write,
+                         holds=hf_qwen3_next.holds, layouts=hf_qwen3_next.layouts, hybrid=True),
 }
 
 

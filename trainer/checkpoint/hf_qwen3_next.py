@@ -1,16 +1,19 @@
-"""Qwen3-Next's config.json (Qwen3NextForCausalLM, model_type qwen3_next) <-> ModelConfig: the
-hybrid's layer pattern (layer_types, or full_attention_interval) and its Gated DeltaNet's
-widths, gated attention with partial rotary, zero-centred norms, and experts with a gated
-shared expert (or a dense MLP where num_experts is 0). Its HfMapping is trainer.checkpoint.
-hf_families' (MAPPINGS["qwen3_next"]); its tensors' names are the parts' (trainer.parts.gdn's,
-attention's, moe's with the family's shared_expert), its conv1d weights 3-D on disk (layouts).
+"""Qwen3-Next's config.json (Qwen3NextForCausalLM, model_type qwen3_next) and Qwen3.5's text
+model's (Qwen3_5ForCausalLM, model_type qwen3_5_text: the same block, dense, its linear blocks'
+projections stored by part) <-> ModelConfig: the hybrid's layer pattern (layer_types, or
+full_attention_interval) and its Gated DeltaNet's widths, gated attention with partial rotary,
+zero-centred norms, and experts with a gated shared expert (or a dense MLP where num_experts is
+0). Their HfMappings are trainer.checkpoint.hf_families' (MAPPINGS["qwen3_next"], ["qwen3_5"]);
+their tensors' names are the parts' (trainer.parts.gdn's, attention's, moe's with the family's
+shared_expert), their conv1d weights 3-D on disk and Qwen3-Next's input projections grouped by
+key head (layouts).
 """
 from __future__ import annotations
 
 from typing import Any
 
 from trainer.checkpoint.hf_fields import BOOL, INT, INTS, NUMBER, REQUIRED, TEXTS, Fields
-from trainer.checkpoint.hf_layout import Layout
+from trainer.checkpoint.hf_layout import Layout, reordered
 from trainer.config import ModelConfig
 
 LINEAR, FULL = "linear_attention", "full_attention"
@@ -74,6 +77,8 @@ def write(model: ModelConfig) -> dict:
     out = {"layer_types": types, "rope_parameters": rope,
            "partial_rotary_factor": model.rotary_percent,
            **{theirs: getattr(model, ours) for ours, theirs in WIDTHS.items()}}
+    if model.name == "qwen3_5":  # its config has no experts' fields
+        return out
     if model.num_moe_experts is None:
         return out | {"num_experts": 0, "mlp_only_layers": [],
                       "decoder_sparse_step": 1}
@@ -103,13 +108,38 @@ def holds(model: ModelConfig) -> list[tuple[str, Any, bool]]:
 
 
 def layouts(model: ModelConfig) -> dict[str, Layout]:
-    """Each linear block's conv1d weight: [channels, 1, width] on disk, our [channels, width]."""
+    """Each linear block's conv1d weight: [channels, 1, width] on disk, our [channels, width];
+    its in_proj_qkvz and in_proj_ba grouped by key head (each key head's q, k, then its value
+    heads' v and z; its value heads' b then a), ours by part (all q, all k, all v, all z;
+    all b, all a: Megatron's in_proj order)."""
     channels = 2 * model.linear_key_size + model.linear_value_size
     width = model.linear_conv_kernel_dim
-    return {f"model.layers.{i}.linear_attn.conv1d.weight":
-            Layout(lambda t: t.reshape(channels, width),
-                   lambda rows: rows.reshape(channels, 1, width), (channels, 1, width))
-            for i in range(model.num_layers) if model.is_linear_block(i)}
+    conv = Layout(lambda t: t.reshape(channels, width),
+                  lambda rows: rows.reshape(channels, 1, width), (channels, 1, width))
+    grouped = model.name == "qwen3_next"  # Qwen3.5's are by part already
+    qkvz, ba = (reordered(order) for order in grouped_orders(model)) if grouped else (None, None)
+    out = {}
+    for i in range(model.num_layers):
+        if model.is_linear_block(i):
+            la = f"model.layers.{i}.linear_attn."
+            out[f"{la}conv1d.weight"] = conv
+            if grouped:
+                out |= {f"{la}in_proj_qkvz.weight": qkvz, f"{la}in_proj_ba.weight": ba}
+    return out
+
+
+def grouped_orders(model: ModelConfig) -> tuple[list[int], list[int]]:
+    """Our rows as theirs (ours = theirs[order]) of in_proj_qkvz and of in_proj_ba."""
+    keys, dk, dv = model.linear_num_key_heads, model.linear_key_head_dim, \
+        model.linear_value_head_dim
+    share = model.linear_num_value_heads // keys
+    group = 2 * dk + 2 * share * dv  # one key head's rows of in_proj_qkvz
+    parts = ((0, dk), (dk, dk), (2 * dk, share * dv), (2 * dk + share * dv, share * dv))
+    qkvz = [g * group + start + i for start, rows in parts for g in range(keys)
+            for i in range(rows)]
+    ba = [g * 2 * share + start + i for start in (0, share) for g in range(keys)
+          for i in range(share)]
+    return qkvz, ba
 
 
 def not_held(model: ModelConfig) -> list[tuple[str, Any, bool]]:

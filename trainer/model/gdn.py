@@ -312,14 +312,15 @@ class GatedDeltaNet(nn.Module):
     def __init__(self, cfg: ModelConfig, block: int = 0):
         super().__init__()
         h, dk, dv = cfg.hidden_size, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-        self.dims, self.share = (dk, dv), cfg.linear_num_value_heads // cfg.linear_num_key_heads
-        # One projection of two fused parts (Megatron's in_proj): per key head q, k, then its
-        # value heads' v and z (transformers' and Qwen's in_proj_qkvz, grouped); then per key
-        # head its value heads' b (write strength) and a (decay) (their in_proj_ba). A
-        # tensor-parallel split of each part by rows keeps whole key heads with their value
-        # heads; one GEMM, one input kept (and cast), one gather under SP.
-        self.in_parts = (2 * cfg.linear_key_size + 2 * cfg.linear_value_size,
-                         2 * cfg.linear_num_value_heads)
+        self.dims = (dk, dv)
+        # One projection of six fused parts, Megatron's in_proj (and Qwen3.5's in_proj_qkv,
+        # _z, _b, _a): q, k, v (the convolution's channels, in its order), the output gate z,
+        # the write strength b and the decay's a, each of all heads in order. TP splits each
+        # part by heads (a key head's value heads are next to each other, so the rank's value
+        # heads are its key heads'); one GEMM, one input kept (and cast), one gather under SP.
+        key, value, heads = cfg.linear_key_size, cfg.linear_value_size, \
+            cfg.linear_num_value_heads
+        self.in_parts = (key, key, value, value, heads, heads)
         self.in_proj = nn.Linear(h, sum(self.in_parts), bias=False)
         # Depthwise over q|k|v's channels (each part's heads in order), not a linear: whole on
         # every rank, each TP rank's channels read through heads_fn.
@@ -336,20 +337,17 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 documents: torch.Tensor | None = None) -> torch.Tensor:
-        (dk, dv), share = self.dims, self.share
+        dv = self.dims[1]
         projected = self.in_proj(x)
-        qkvz, ba = projected.split([projected.shape[-1] * n // sum(self.in_parts)
-                                    for n in self.in_parts], dim=-1)
-        # Heads from the projections, not the config: a tensor-parallel rank has fewer.
-        b, s = qkvz.shape[:2]
-        qkvz = qkvz.view(b, s, -1, 2 * dk + 2 * share * dv)
-        q, k, v, z = qkvz.split([dk, dk, share * dv, share * dv], dim=-1)
-        beta, a = ba.view(b, s, -1, 2 * share).split([share, share], dim=-1)
-        mixed = torch.cat([q.reshape(b, s, -1), k.reshape(b, s, -1), v.reshape(b, s, -1)], -1)
-        beta = beta.reshape(b, s, -1).sigmoid()
+        # Widths from the projection, not the config: a tensor-parallel rank has fewer heads.
+        q, k, v, z, beta, a = projected.split(
+            [projected.shape[-1] * n // sum(self.in_parts) for n in self.in_parts], dim=-1)
+        b, s = projected.shape[:2]
+        mixed = torch.cat([q, k, v], dim=-1)  # its own copy: the core's input (as its
+        beta = beta.sigmoid()  # hook keeps it), not a view keeping all of in_proj's output
         fp32 = torch.promote_types(a.dtype, torch.float32)
         g = -self.heads_fn(self.A_log).to(fp32).exp() * F.softplus(
-            a.reshape(b, s, -1).to(fp32) + self.heads_fn(self.dt_bias).to(fp32))
+            a.to(fp32) + self.heads_fn(self.dt_bias).to(fp32))
         conv = self.heads_fn(self.conv_weight, self.conv_parts)
         ids = document_ids(documents, mixed.device)  # of the whole sequence, as documents
         o, _ = self.linear_attention_fn(mixed, conv, g, beta, ids, self.dims)

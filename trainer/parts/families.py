@@ -20,7 +20,9 @@ requires of the keys. Presets of each live in conf/model/.
                global ones (5:1), a softmax scale of its own
     qwen3_next the hybrid: Gated DeltaNet blocks (trainer.parts.gdn) between gated full
                attention (three to one), partial rotary, zero-centred norms, experts with a
-               gated shared expert (Qwen3-Next; Qwen3.5's text model is the same block)
+               gated shared expert (Qwen3-Next)
+    qwen3_5    Qwen3.5's text model: Qwen3-Next's block with a dense MLP, its linear blocks'
+               input projections stored by part (as Megatron's)
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ DEEPSEEK_V3 = "DeepseekV3ForCausalLM"  # Kimi K2's and Moonlight's too
 GPT_OSS = "GptOssForCausalLM"
 GEMMA3 = "Gemma3ForCausalLM"
 QWEN3_NEXT = "Qwen3NextForCausalLM"
+QWEN3_5 = "Qwen3_5ForCausalLM"  # Qwen3.5's text model
 
 
 def _requires(name: str, **wanted: Callable[[ModelConfig], bool]) -> Callable:
@@ -91,7 +94,16 @@ def _gemma3_rules(model: ModelConfig) -> None:
                              f" does, or model.name=llama for Llama's block with its variants.")
 
 
-def _qwen3_next_rules(model: ModelConfig) -> None:
+def _qwen3_5_rules(model: ModelConfig) -> None:
+    """Qwen3.5's text block: Qwen3-Next's, its MLP dense."""
+    _qwen3_next_rules(model, "qwen3_5")
+    if model.num_moe_experts is not None:
+        raise ValueError(f"model.name=qwen3_5 is Qwen3.5's dense text model, not "
+                         f"model.num_moe_experts={model.num_moe_experts}. Fix: model."
+                         f"num_moe_experts=null, or model.name=qwen3_next for experts.")
+
+
+def _qwen3_next_rules(model: ModelConfig, name: str = "qwen3_next") -> None:
     """Qwen3-Next's block: what its keys must say (conf/model/qwen3_next_80b_a3b.yaml has them
     all); its MLP dense, or experts with a gated shared expert."""
     wanted = (("experimental_attention_variant", "gated_delta_net"),
@@ -102,12 +114,12 @@ def _qwen3_next_rules(model: ModelConfig) -> None:
         wanted += (("moe_shared_expert_gate", True), ("moe_router_score_function", "softmax"))
     for key, want in wanted:
         if getattr(model, key) != want:
-            raise ValueError(f"model.name=qwen3_next needs model.{key}={want!r}, not "
+            raise ValueError(f"model.name={name} needs model.{key}={want!r}, not "
                              f"{getattr(model, key)!r}. Fix: set it as conf/model/"
                              f"qwen3_next_80b_a3b.yaml does, or model.name=llama for Llama's "
                              f"block with its variants.")
     if model.num_moe_experts is not None and not model.moe_shared_expert_intermediate_size:
-        raise ValueError("model.name=qwen3_next needs a shared expert beside its experts, not "
+        raise ValueError(f"model.name={name} needs a shared expert beside its experts, not "
                          "model.moe_shared_expert_intermediate_size=null. Fix: set it (Qwen3-"
                          "Next's 512), or model.num_moe_experts=null for a dense model.")
 
@@ -124,6 +136,9 @@ class Family:
                                                               "down_proj"))
     # its shared expert's module within the MoE module (its gate: this + "_gate")
     shared: str = "shared_experts"
+    # its linear blocks' input projections on disk (trainer.parts.gdn): Qwen3-Next's two,
+    # grouped by key head; Qwen3.5's four, as our in_proj's parts
+    linear_in: tuple[str, ...] = ("in_proj_qkvz", "in_proj_ba")
 
 
 FAMILIES = {f.name: f for f in (
@@ -143,6 +158,8 @@ FAMILIES = {f.name: f for f in (
     Family("gpt_oss", GPT_OSS, _gpt_oss_rules),
     Family("gemma3", GEMMA3, _gemma3_rules),
     Family("qwen3_next", QWEN3_NEXT, _qwen3_next_rules, shared="shared_expert"),
+    Family("qwen3_5", QWEN3_5, _qwen3_5_rules,
+           linear_in=("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),
 )}
 # The family an imported checkpoint's architecture becomes (llama's is chosen from the keys on
 # export, and its own on import).

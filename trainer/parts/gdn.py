@@ -2,11 +2,12 @@
 the blocks model.linear_attention_freq names linear (model.experimental_attention_variant=
 gated_delta_net). Its layer: trainer.model.gdn.
 
-Projections: in_proj, column-parallel, of two fused parts: transformers' in_proj_qkvz (per key
-head: q, k, then its value heads' v and z) and in_proj_ba (per key head: its value heads' b and
-a); TP splits each part by rows, which keeps whole key heads with their value heads. out_proj
-is row-parallel. The convolution's weight (depthwise over q|k|v's
-channels), A_log and dt_bias (per value head) and the gated norm's weight (per value dim,
+Projections: in_proj, column-parallel, of six fused parts as Megatron's (and Qwen3.5's
+in_proj_qkv, _z, _b and _a): q, k, v, z, b, a, each of all heads in order; TP splits each part
+by heads, which keeps a key head's value heads with it. out_proj is row-parallel. Qwen3-Next's
+files group in_proj_qkvz and in_proj_ba by key head instead: their rows are reordered on
+import and export (trainer.checkpoint.hf_qwen3_next). The convolution's weight (depthwise over
+q|k|v's channels), A_log and dt_bias (per value head) and the gated norm's weight (per value dim,
 shared by the heads) are whole on every rank: each TP rank reads its heads' entries through
 heads_fn, and their gradients are summed over TP (head_norms).
 
@@ -153,16 +154,20 @@ def core_bytes(m: ModelConfig, b: int, s: int, hk: int, hv: int, e: int, narrowe
 
 
 def hf_names(cfg: ModelConfig, ours: str, theirs: str, family) -> HfNames:
-    """Qwen3-Next's linear_attn: the same projections in the same grouped orders; its conv1d
-    weight is [channels, 1, width] on disk (hf_families' layouts)."""
+    """Qwen3-Next's or Qwen3.5's linear_attn: in_proj is Qwen3-Next's in_proj_qkvz then
+    in_proj_ba (each's rows regrouped from by key head to by part), or Qwen3.5's in_proj_qkv,
+    _z, _b and _a as they are; the conv1d weight is [channels, 1, width] on disk (the layouts:
+    trainer.checkpoint.hf_qwen3_next)."""
     h, hv = cfg.hidden_size, cfg.linear_num_value_heads
     kq, v = cfg.linear_key_size, cfg.linear_value_size
     la = f"{theirs}linear_attn."
+    # Qwen3-Next's qkvz and ba (grouped), or Qwen3.5's qkv, z, b and a (our parts' order)
+    rows = (2 * kq + 2 * v, 2 * hv) if len(family.linear_in) == 2 else (2 * kq + v, v, hv, hv)
     return {f"{ours}attn.conv_weight": [(f"{la}conv1d.weight", 2 * kq + v)],
             f"{ours}attn.A_log": [(f"{la}A_log", hv)],
             f"{ours}attn.dt_bias": [(f"{la}dt_bias", hv)],
-            f"{ours}attn.in_proj.weight": [(f"{la}in_proj_qkvz.weight", 2 * kq + 2 * v),
-                                           (f"{la}in_proj_ba.weight", 2 * hv)],
+            f"{ours}attn.in_proj.weight": [(f"{la}{name}.weight", n)
+                                           for name, n in zip(family.linear_in, rows)],
             f"{ours}attn.norm.weight": [(f"{la}norm.weight", cfg.linear_value_head_dim)],
             f"{ours}attn.out_proj.weight": [(f"{la}out_proj.weight", h)]}
 
@@ -216,9 +221,10 @@ def check_hybrid(model: ModelConfig) -> None:
 GATED_DELTA_NET = Part(
     "gated_delta_net", "attn", "trainer.model.gdn:GatedDeltaNet", shapes,
     tp_styles={"in_proj": "column", "out_proj": "row"},
-    # qkvz | ba, each grouped by key head: each part split over TP by key heads
-    fused=lambda cfg: {"in_proj": (2 * cfg.linear_key_size + 2 * cfg.linear_value_size,
-                                   2 * cfg.linear_num_value_heads)},
+    # q | k | v | z | b | a (Megatron's in_proj): each part split over TP by heads
+    fused=lambda cfg: {"in_proj": (cfg.linear_key_size, cfg.linear_key_size,
+                                   cfg.linear_value_size, cfg.linear_value_size,
+                                   cfg.linear_num_value_heads, cfg.linear_num_value_heads)},
     # not a linear, kept whole on every rank (each TP rank reads its channels); not Muon's
     whole=("conv_weight",),
     residual_outputs=("out_proj.weight",),
