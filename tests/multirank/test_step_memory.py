@@ -397,6 +397,10 @@ HYBRID_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
                             dict(cp_comm_type=CPCommType.a2a, precision=Precision.bf16), HYBRID),
     "hybrid_cp2_all_gather": (2, dict(context_parallel_size=2),
                               dict(cp_comm_type=CPCommType.all_gather), HYBRID),
+    # Qwen3-Next's experts: the shared expert's gate keeps its own copy of its input under SP
+    "hybrid_moe_tp2_sp": (2, TP2_SP, {}, dataclasses.replace(
+        HYBRID, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128,
+        moe_shared_expert_intermediate_size=128, moe_shared_expert_gate=True)),
 }
 ALL_CASES = {**CASES, **GQA_CASES, **QK_CASES, **LOCAL_CASES, **GEMMA_CASES,
              **{n: c[:3] for n, c in (MOE_CASES | MLA_CASES | MTP_CASES

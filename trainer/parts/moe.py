@@ -211,8 +211,10 @@ def moe_mlp_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranula
         # TP-split as a dense MLP; its input is a new tensor when gathered over TP or cast
         shared = (3 if selective else 4 + activation_units(m)) * k.T * fs // k.t * e + (
             k.T * h * e if e != FP32 or k.sp else 0)
-        if m.moe_shared_expert_gate:  # its output and the gate's sigmoid, for the product
-            shared += T * (h + 1) * e
+        if m.moe_shared_expert_gate:  # its output and the gate's sigmoid, for the product,
+            # and the gate's own copy of its input (its cast under bf16; under SP a contiguous
+            # copy, the input being a strided view of the sequence's scatter)
+            shared += T * (h + 1) * e + (T * h * e if e != FP32 or k.sp else 0)
     return router_bytes(m, T) + experts + copies + shared
 
 
