@@ -38,8 +38,7 @@ TOLERANCE = 2e-5  # logits, relative 2-norm
 
 
 def hf_model(folder: Path, **changes) -> transformers.Qwen3NextForCausalLM:
-    """transformers' random tiny Qwen3-Next, its norms and convolutions drawn wide too (theirs
-    start at zero or one: ours must be read, not assumed), saved with save_pretrained."""
+    """transformers' random tiny Qwen3-Next (drawn_and_saved)."""
     config = transformers.Qwen3NextConfig(**{
         **dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -48,7 +47,13 @@ def hf_model(folder: Path, **changes) -> transformers.Qwen3NextForCausalLM:
                num_experts_per_tok=2, moe_intermediate_size=32,
                shared_expert_intermediate_size=48, max_position_embeddings=512), **changes})
     torch.manual_seed(0)
-    model = transformers.Qwen3NextForCausalLM(config).eval()
+    return drawn_and_saved(transformers.Qwen3NextForCausalLM(config).eval(), folder)
+
+
+def drawn_and_saved(model, folder: Path):
+    """`model` with its norms and convolutions drawn wide (theirs start at zero or one: ours
+    must be read, not assumed), its attention drawn to depend on positions and the state,
+    saved with save_pretrained."""
     with torch.no_grad():
         for key, tensor in model.named_parameters():
             if "norm" in key:
@@ -56,7 +61,7 @@ def hf_model(folder: Path, **changes) -> transformers.Qwen3NextForCausalLM:
             elif "conv1d" in key:
                 tensor.normal_(0.0, 0.5)
             elif ("self_attn" in key or "linear_attn" in key) and tensor.ndim == 2:
-                tensor.normal_(0.0, 0.1)  # attention that depends on positions and the state
+                tensor.normal_(0.0, 0.1)
     model.save_pretrained(folder)
     return model
 
@@ -195,24 +200,14 @@ def test_what_we_do_not_build_is_one_line(change, names, tmp_path):
 
 def qwen3_5_model(folder: Path) -> transformers.Qwen3_5ForCausalLM:
     """transformers' random tiny Qwen3.5 text model (dense; its linear blocks' projections
-    stored by part, in_proj_qkv, _z, _b and _a), drawn as hf_model draws, saved."""
+    stored by part, in_proj_qkv, _z, _b and _a; drawn_and_saved)."""
     config = transformers.Qwen3_5TextConfig(
         vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
         linear_key_head_dim=16, linear_value_head_dim=8, linear_num_key_heads=2,
         linear_num_value_heads=4, max_position_embeddings=512)
     torch.manual_seed(0)
-    model = transformers.Qwen3_5ForCausalLM(config).eval()
-    with torch.no_grad():
-        for key, tensor in model.named_parameters():
-            if "norm" in key:
-                tensor.uniform_(-0.5, 0.5)
-            elif "conv1d" in key:
-                tensor.normal_(0.0, 0.5)
-            elif ("self_attn" in key or "linear_attn" in key) and tensor.ndim == 2:
-                tensor.normal_(0.0, 0.1)
-    model.save_pretrained(folder)
-    return model
+    return drawn_and_saved(transformers.Qwen3_5ForCausalLM(config).eval(), folder)
 
 
 def test_qwen3_5_text_imports_exports_and_generates_as_transformers(tmp_path):

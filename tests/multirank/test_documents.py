@@ -7,7 +7,9 @@ Losses, gradient norms and every weight after the steps match within the parity 
 (fp32 1e-5, fp64 1e-10): on one process, under every cp_comm_type with CP 2 and runtime CP 8,
 with sequence shards, TP with SP, pipeline stages with recompute, interleaved stages, a mixture
 of experts (one process and EP 2), gpt-oss's sliding windows and sinks (one process, CP 4
-p2p's window exchange, runtime CP 8 all_gather, TP 2 x SP x CP 2 a2a), and blocks compiled
+p2p's window exchange, runtime CP 8 all_gather, TP 2 x SP x CP 2 a2a), Qwen3-Next's hybrid (its
+state and convolution restarting at each document: one process, CP 4 p2p's relay, TP 2 x SP x
+CP 2 a2a, runtime CP 8 all_gather; fp64), and blocks compiled
 (one graph, no break, no recompile); in bf16 within test_parity's bf16 bounds. Documents of 1
 to 20 tokens and one of 45 cross the CP chunks (4 or 2 tokens) and the samples (32)."""
 from __future__ import annotations

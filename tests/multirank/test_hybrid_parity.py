@@ -4,8 +4,8 @@ real gloo ranks.
 
 The tiny hybrid has each of its parts: one gated full-attention block then three Gated DeltaNet
 blocks (partial rotary, qk norms, zero-centred norms), experts with a gated shared expert in
-every block. What each layout reaches: TP splits the linear blocks' key heads (with their value
-heads) through the grouped projections, and each rank reads its heads' convolution channels,
+every block. What each layout reaches: TP splits each of in_proj's six parts by heads (a key
+head with its value heads), and each rank reads its heads' convolution channels,
 A_log and dt_bias through heads_fn, their gradients (and the gated norm's) summed over TP; SP
 gathers the sequence before the projections; GTP_remat shards the projections' rows; PP cuts
 between linear and full blocks; EP (ETP = TP) splits the experts, the shared expert's gate
