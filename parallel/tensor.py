@@ -300,7 +300,15 @@ class _HeadsOfRank:
         self.tp = tp
 
     def __call__(self, weight: torch.Tensor, parts: tuple[int, ...] = (1,)) -> torch.Tensor:
-        rows = _part_rows(weight.shape[0], parts)
-        slices = [part.narrow(0, self.tp.rank * (n // self.tp.size), n // self.tp.size)
-                  for part, n in zip(weight.split(rows), rows)]
-        return slices[0] if len(slices) == 1 else torch.cat(slices)
+        return share_of_parts(weight, _part_rows(weight.shape[0], parts), self.tp.size,
+                              self.tp.rank)
+
+
+def share_of_parts(x: torch.Tensor, sizes, count: int, index: int, dim: int = 0
+                   ) -> torch.Tensor:
+    """Of x's `dim`, made of fused parts of `sizes` (each of whole heads), the index-th of
+    `count` equal slices of each part, joined in order (a TP rank's heads of q|k|v, a CP
+    rank's); views where there is one part, so a gradient reaches only those entries."""
+    slices = [part.narrow(dim, index * (n // count), n // count)
+              for part, n in zip(x.split(list(sizes), dim=dim), sizes)]
+    return slices[0] if len(slices) == 1 else torch.cat(slices, dim=dim)

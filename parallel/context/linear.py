@@ -35,16 +35,9 @@ from parallel.comm import Group, Pending
 from parallel.context.chunks import sequence_order
 from parallel.layout import Layout
 from parallel.regions import all_to_all, gather_along
+from parallel.tensor import share_of_parts
 
 Core = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-
-def _part_slices(x: torch.Tensor, parts: list[int], count: int, index: int) -> torch.Tensor:
-    """Of x's last dim, made of `parts` (widths, each of whole heads), the index-th of count
-    equal slices of each part, joined (a TP rank's or a CP rank's heads of q|k|v)."""
-    pieces = [p.narrow(-1, index * (w // count), w // count)
-              for p, w in zip(x.split(parts, dim=-1), parts)]
-    return torch.cat(pieces, dim=-1)
 
 
 def _widths(mixed: torch.Tensor, g: torch.Tensor, dims: tuple[int, int]) -> list[int]:
@@ -74,7 +67,7 @@ class AllToAllLinearAttention:
         q, k, v = self._gather(torch.cat(parts, -1)).split([p.shape[-1] for p in parts], -1)
         rates = torch.stack([g, beta.to(g.dtype)], -1).unflatten(-2, (c, -1)).flatten(-2)
         g_mine, beta_mine = self._gather(rates).unflatten(-1, (-1, 2)).unbind(-1)
-        conv = _part_slices(conv_weight.transpose(0, 1), widths, c, me).transpose(0, 1)
+        conv = share_of_parts(conv_weight, widths, c, me)  # our heads' channels
         out, _ = self.core(torch.cat([q, k, v], -1), conv, g_mine, beta_mine, ids, dims)
         out = out.unflatten(1, (chunks, -1)).index_select(1, self.inverse.to(out.device))
         out = out.flatten(1, 2)  # group order

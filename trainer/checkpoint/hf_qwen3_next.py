@@ -15,6 +15,7 @@ from typing import Any
 from trainer.checkpoint.hf_fields import BOOL, INT, INTS, NUMBER, REQUIRED, TEXTS, Fields
 from trainer.checkpoint.hf_layout import Layout, reordered
 from trainer.config import ModelConfig
+from trainer.parts.families import FAMILIES
 
 LINEAR, FULL = "linear_attention", "full_attention"
 DEFAULT_INTERVAL = 4  # Qwen3NextConfig's full_attention_interval
@@ -116,7 +117,7 @@ def layouts(model: ModelConfig) -> dict[str, Layout]:
     width = model.linear_conv_kernel_dim
     conv = Layout(lambda t: t.reshape(channels, width),
                   lambda rows: rows.reshape(channels, 1, width), (channels, 1, width))
-    grouped = model.name == "qwen3_next"  # Qwen3.5's are by part already
+    grouped = len(FAMILIES[model.name].linear_in) == 2  # Qwen3.5's are by part already
     qkvz, ba = (reordered(order) for order in grouped_orders(model)) if grouped else (None, None)
     out = {}
     for i in range(model.num_layers):

@@ -331,7 +331,7 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(cfg.linear_num_value_heads))
         self.norm = GatedRMSNorm(dv, cfg.norm_eps)
         self.out_proj = nn.Linear(cfg.linear_value_size, h, bias=False)
-        self.conv_parts = (cfg.linear_key_size, cfg.linear_key_size, cfg.linear_value_size)
+        self.conv_parts = self.in_parts[:3]  # q | k | v
         self.linear_attention_fn: LinearAttentionFn = linear_attention
         self.heads_fn = _identity
 

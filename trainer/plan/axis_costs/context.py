@@ -34,9 +34,10 @@ def check_linear(model: ModelConfig, layout: Layout, cp_comm_type: CPCommType) -
             f"tensor_model_parallel_size={tp} = {local}) divisible by runtime CP = {cp} "
             f"(parallel.context_parallel_size x sequence shards). Fix: use parallel."
             f"cp_comm_type=p2p, or a runtime CP that divides {local}.")
-    chunk = (layout.seq_length or 0) // (2 * cp)
-    if cp_comm_type is CPCommType.p2p and layout.seq_length and \
-            model.linear_conv_kernel_dim - 1 > chunk:
+    if cp_comm_type is not CPCommType.p2p or not layout.seq_length:
+        return
+    chunk = layout.context_local_length // 2  # a rank keeps two zigzag chunks
+    if model.linear_conv_kernel_dim - 1 > chunk:
         raise ValueError(
             f"model.linear_conv_kernel_dim={model.linear_conv_kernel_dim} reaches "
             f"{model.linear_conv_kernel_dim - 1} tokens back, past a context chunk of {chunk} "
