@@ -23,8 +23,8 @@ from parallel.layout import Layout  # noqa: E402
 from trainer.config import CPCommType, Precision, RecomputeGranularity  # noqa: E402
 from trainer.plan.options import EngineOptions  # noqa: E402
 
-MODEL = dataclasses.replace(memory.HYBRID, name="llama", vocab_size=128, ffn_hidden_size=16,
-                            num_layers=3, linear_attention_freq=[1, 1, 0],
+MODEL = dataclasses.replace(memory.HYBRID, name="llama", vocab_size=128, ffn_hidden_size=16, hidden_size=128,
+                            num_layers=3, linear_attention_freq=[0, 1, 1],
                             linear_num_key_heads=4, linear_num_value_heads=16)
 CASES = {"one_process": (1, {}, {}), "bf16": (1, {}, dict(precision=Precision.bf16)),
          "tp2_sp": (2, memory.TP2_SP, {}),
@@ -33,7 +33,15 @@ CASES = {"one_process": (1, {}, {}), "bf16": (1, {}, dict(precision=Precision.bf
          "cp2_all_gather": (2, dict(context_parallel_size=2),
                             dict(cp_comm_type=CPCommType.all_gather)),
          "selective": (1, {}, dict(recompute_granularity=RecomputeGranularity.selective)),
-         "full": (1, {}, dict(recompute_granularity=RecomputeGranularity.full))}
+         "full": (1, {}, dict(recompute_granularity=RecomputeGranularity.full)),
+         "tp2_sp_bf16": (2, memory.TP2_SP, dict(precision=Precision.bf16)),
+         "cp2_p2p_bf16": (2, dict(context_parallel_size=2), dict(precision=Precision.bf16)),
+         "cp2_a2a_bf16": (2, dict(context_parallel_size=2),
+                          dict(cp_comm_type=CPCommType.a2a, precision=Precision.bf16)),
+         "selective_bf16": (1, {}, dict(recompute_granularity=RecomputeGranularity.selective,
+                                        precision=Precision.bf16)),
+         "full_bf16": (1, {}, dict(recompute_granularity=RecomputeGranularity.full,
+                                   precision=Precision.bf16))}
 
 
 def main() -> None:

@@ -62,13 +62,15 @@ class AllToAllLinearAttention:
         widths = _widths(mixed, g, dims)
         heads = g.shape[-1]
         # part i: the i-th share of q's, k's and v's heads (and g's and beta's, in g's dtype:
-        # fp32 under bf16) of every local token
+        # fp32 under bf16) of every local token; gathered, our share of every token is q|k|v
+        # of our heads: the core's input as it is
         parts = [t.unflatten(-1, (c, -1)) for t in mixed.split(widths, -1)]
-        q, k, v = self._gather(torch.cat(parts, -1)).split([p.shape[-1] for p in parts], -1)
+        mine = self._gather(torch.cat(parts, -1))
+        del parts
         rates = torch.stack([g, beta.to(g.dtype)], -1).unflatten(-2, (c, -1)).flatten(-2)
         g_mine, beta_mine = self._gather(rates).unflatten(-1, (-1, 2)).unbind(-1)
         conv = share_of_parts(conv_weight, widths, c, me)  # our heads' channels
-        out, _ = self.core(torch.cat([q, k, v], -1), conv, g_mine, beta_mine, ids, dims)
+        out, _ = self.core(mine, conv, g_mine, beta_mine, ids, dims)
         out = out.unflatten(1, (chunks, -1)).index_select(1, self.inverse.to(out.device))
         out = out.flatten(1, 2)  # group order
         out = out.unflatten(1, (c, -1)).movedim(1, 0)  # part j: member j's tokens, our heads
@@ -177,25 +179,32 @@ class _Relay(torch.autograd.Function):
             with torch.enable_grad():
                 out, final, inputs = _chunk(relay, chunk, *leaves[:4], ctx.ids, ctx.dims,
                                             *leaves[4:])
-            peer = relay.peer(chunk + 1)
-            if chunk == relay.last:
-                outgoing = (torch.zeros_like(final), torch.zeros_like(inputs))
-            elif peer is None:
-                outgoing = carried
-            else:
-                outgoing = _receive(relay.context, peer, chunk + 1, (final, inputs), 1)
-            found = torch.autograd.grad([out, final, inputs], leaves,
-                                        [grad[:, local], *outgoing], allow_unused=True)
+            # the gradients of its final state and last inputs, from the chunk after it (none
+            # after the last): the inputs' are a view of the chunk's own, added in place
+            # below rather than through autograd (which would widen them to the chunk)
+            outputs, given, d_inputs = [out], [grad[:, local]], None
+            if chunk < relay.last:
+                peer = relay.peer(chunk + 1)
+                d_final, d_inputs = carried if peer is None else _receive(
+                    relay.context, peer, chunk + 1, (final, inputs), 1)
+                outputs.append(final)
+                given.append(d_final)
+            found = torch.autograd.grad(outputs, leaves, given, allow_unused=True)
             found = [torch.zeros_like(t) if d is None else d for t, d in zip(leaves, found)]
             for j, d in enumerate(found[:4]):
                 if grads[j] is not None:  # the convolution's weight is the chunks' sum
                     (grads[j] if j == 1 else grads[j][:, local]).add_(d)
-            del out, final, inputs, leaves, found[:4]
+            if d_inputs is not None and d_inputs.numel() and grads[0] is not None:
+                grads[0][:, local][:, length - d_inputs.shape[1]:].add_(d_inputs)
+            # the tail's gradient is a narrow view of the convolution's input gradient: a copy
+            # of its own, or it would keep all of that alive through the next chunk
+            d_state, d_tail = found[4], found[5].clone()
+            del out, final, inputs, leaves, found, outputs, given, d_inputs
             carried, peer = None, relay.peer(chunk - 1)
             if chunk > 0 and peer is None:
-                carried = (found[0], found[1])
+                carried = (d_state, d_tail)
             elif peer is not None:
-                sends += _send(relay.context, peer, chunk, (found[0], found[1]), 1)
+                sends += _send(relay.context, peer, chunk, (d_state, d_tail), 1)
         for pending in sends:
             pending.wait()
         return (*grads, None, None, None)
@@ -218,7 +227,9 @@ def _chunk(relay: RelayLinearAttention, chunk: int, mixed, conv_weight, g, beta,
                                                                                 None]
     out, final = relay.core(mixed, conv_weight, g, beta, chunk_ids, dims, tail, state,
                             before_ids=before_ids)
-    inputs = torch.cat([tail, mixed], dim=1)[:, length:]
+    # the convolution's last width-1 inputs: a view of the chunk's own (the check refuses a
+    # width past a chunk), not of a copy of its whole input
+    inputs = mixed[:, length - (width - 1):]
     return out, final, inputs
 
 

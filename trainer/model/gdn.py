@@ -266,32 +266,37 @@ class GatedRMSNorm(nn.Module):
         return _GatedNorm.apply(x, z, self.weight, self.eps)
 
 
-def _gated_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float
-                ) -> torch.Tensor:
+def _normed(x: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x's RMS-normed copy in fp32 at least, rounded to x's dtype as transformers' norm rounds
+    it before the weight; its rsqrt): one tensor of x's size in fp32 (and x's square for a
+    moment)."""
     dtype = torch.promote_types(x.dtype, torch.float32)
-    normed = x.to(dtype) * torch.rsqrt(x.to(dtype).pow(2).mean(-1, keepdim=True) + eps)
-    return (weight * normed.to(x.dtype) * F.silu(z.to(dtype))).to(x.dtype)
+    rsqrt = torch.rsqrt(x.to(dtype).pow(2).mean(-1, keepdim=True) + eps)
+    normed = x.to(dtype, copy=True).mul_(rsqrt)
+    if normed.dtype != x.dtype:
+        normed.copy_(normed.to(x.dtype))
+    return normed, rsqrt
 
 
 class _GatedNorm(torch.autograd.Function):
-    """The gated norm keeping its inputs only (not five tensors of its output's size); its
-    backward is written out, mostly in place: it holds three such tensors (fp32) beside the
-    gradient it is given, and a fourth for a moment (a product it sums)."""
+    """The gated norm keeping its inputs only (not five tensors of its output's size), both
+    ways written out, mostly in place: its forward holds two such tensors (fp32) beside its
+    output, its backward three beside the gradient it is given, and a fourth for a moment (a
+    product it sums)."""
 
     @staticmethod
     def forward(ctx, x, z, weight, eps):
         ctx.eps = eps
         ctx.save_for_backward(x, z, weight)
-        return _gated_norm(x, z, weight, eps)
+        out, _ = _normed(x, eps)
+        gate = F.silu(z.to(out.dtype))
+        return out.mul_(weight).mul_(gate).to(x.dtype)
 
     @staticmethod
     def backward(ctx, grad):
         x, z, weight = ctx.saved_tensors
-        dtype = torch.promote_types(x.dtype, torch.float32)
-        wide = x.to(dtype)
-        rsqrt = torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        normed = (wide * rsqrt).to(x.dtype).to(dtype)  # as the forward rounds it
-        del wide
+        normed, rsqrt = _normed(x, ctx.eps)  # as the forward rounds it
+        dtype = normed.dtype
         # d(silu(z)) = grad * w * normed, times silu'(z) = sigmoid (1 + z (1 - sigmoid))
         gate = torch.sigmoid(z.to(dtype))
         slope = (1 - gate).mul_(z).add_(1).mul_(gate)
@@ -339,18 +344,22 @@ class GatedDeltaNet(nn.Module):
                 documents: torch.Tensor | None = None) -> torch.Tensor:
         dv = self.dims[1]
         projected = self.in_proj(x)
+        b, s = projected.shape[:2]
         # Widths from the projection, not the config: a tensor-parallel rank has fewer heads.
         q, k, v, z, beta, a = projected.split(
             [projected.shape[-1] * n // sum(self.in_parts) for n in self.in_parts], dim=-1)
-        b, s = projected.shape[:2]
-        mixed = torch.cat([q, k, v], dim=-1)  # its own copy: the core's input (as its
-        beta = beta.sigmoid()  # hook keeps it), not a view keeping all of in_proj's output
+        # Each part as a tensor of its own (the core's input as its hook keeps it, z, beta and
+        # the decay), then the projection let go: a view would keep all of it to the end.
+        mixed = torch.cat([q, k, v], dim=-1)
+        z = z.reshape(b, s, -1, dv).contiguous()
+        beta = beta.sigmoid()
         fp32 = torch.promote_types(a.dtype, torch.float32)
         g = -self.heads_fn(self.A_log).to(fp32).exp() * F.softplus(
             a.to(fp32) + self.heads_fn(self.dt_bias).to(fp32))
+        del projected, q, k, v, a
         conv = self.heads_fn(self.conv_weight, self.conv_parts)
         ids = document_ids(documents, mixed.device)  # of the whole sequence, as documents
         o, _ = self.linear_attention_fn(mixed, conv, g, beta, ids, self.dims)
-        # z a copy of its own, whatever the heads (a view would keep all of in_proj's output)
-        o = self.norm(o.to(z.dtype), z.reshape(b, s, -1, dv).contiguous())
+        del mixed, g, beta
+        o = self.norm(o.to(z.dtype), z)
         return self.out_proj(o.reshape(b, s, -1))

@@ -98,25 +98,86 @@ def backward_bytes(m: ModelConfig, k: Tokens, e: int, selective: bool,
         c = k.S // s
         tokens = {CPCommType.p2p: (b, s // 2, hk, hv), CPCommType.a2a: (b, k.S, hk // c, hv // c),
                   CPCommType.all_gather: (b, k.S, hk, hv)}[cp_comm_type]
-        if cp_comm_type is CPCommType.p2p:  # and the gradients of the rank's core inputs
-            channels = 2 * hk * m.linear_key_head_dim + values
-            rebuilt = core_bytes(m, *tokens, e, True) + k.T * (channels * e + hv * (FP32 + e))
+        if cp_comm_type is CPCommType.p2p:  # and the gradients of the rank's core inputs,
+            # the rebuilt chunk's output (padded) and its other chunk's output gradient; three
+            # states (the rebuilt final one, the gradient received for it, the one sent or
+            # carried back from the chunk after) and two tails' gradients
+            dk, width = m.linear_key_head_dim, m.linear_conv_kernel_dim
+            channels = 2 * hk * dk + values
+            rebuilt = core_bytes(m, *tokens, e, True) + k.T * (channels * e + hv * (FP32 + e)) \
+                + (b * _padded(s // 2) + k.T - b * (s // 2)) * values * FP32 \
+                + b * (3 * hv * dk * m.linear_value_head_dim * FP32
+                       + 2 * (width - 1) * channels * e)
     if selective and not rebuilt:
         rebuilt = core_bytes(m, *tokens, e, t > 1 or k.cp)
-    widened = k.T * values * FP32 if e != FP32 else 0
-    rule = rebuilt + rule_backward_bytes(m, *tokens) + widened - k.T * values * e
+    rule = rebuilt + rule_backward_bytes(m, *tokens) - k.T * values * e \
+        - _normed_bytes(m, k, e)
     norm = 4 * k.T * values * FP32
     return k.Tr * m.hidden_size * FP32 + max(rule, norm)
 
 
+def forward_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
+                  cp_comm_type: CPCommType = CPCommType.p2p) -> int:
+    """The most the layer's forward holds beyond what it keeps once done (negative where what
+    it keeps after that moment outweighs it), at its rule's chunk loop: q|k|v before the
+    convolution as the caller holds it (unless kept), q and k normalised (fp32), one chunk's
+    step (forward_step_bytes) and what the core holds without keeping it: under selective
+    recompute or p2p (whose forward builds no graph) the convolution's output, the rule's
+    padded inputs, its output (p2p: and its other chunk's); a2a's gathered input and rates,
+    all_gather's whole sequence; less what the layer keeps that is made after: out_proj's
+    input and the gated norm's (where it is not the rule's output itself)."""
+    T, t, b, s, S = k.T, k.t, k.b, k.s, k.S
+    hv, hk = m.linear_num_value_heads // t, m.linear_num_key_heads // t
+    dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+    channels, values = 2 * hk * dk + hv * dv, hv * dv
+    selective = recompute is RecomputeGranularity.selective
+    c = S // s if k.cp else 1
+    core = {CPCommType.p2p: (b, s // 2, hk, hv), CPCommType.a2a: (b, S, hk // c, hv // c),
+            CPCommType.all_gather: (b, S, hk, hv)}[cp_comm_type] if k.cp else (b, s, hk, hv)
+    cb, cs, ck, cv = core
+    held = 0 if selective or (k.cp and cp_comm_type is CPCommType.p2p) else T * channels * e
+    own_out = e == FP32 and not k.cp  # the gated norm keeps the rule's output itself
+    working = 2 * cb * cs * ck * dk * FP32 + forward_step_bytes(m, cb, ck, cv)
+    out = cb * _padded(cs) * cv * dv * FP32  # the rule's output
+    if not own_out:
+        working += out
+    if e != FP32:  # v and beta as the rule is given them, widened
+        working += cb * cs * cv * (dv + 1) * FP32
+    if selective or (k.cp and cp_comm_type is CPCommType.p2p):
+        working += cb * cs * (2 * ck * dk + cv * dv) * e + _rule_bytes(m, *core)
+        if k.cp and cp_comm_type is CPCommType.p2p:  # the first chunk's output, waiting
+            working += out
+    if k.cp and cp_comm_type is CPCommType.a2a:
+        working += T * channels * e + 2 * T * hv * 2 * FP32
+    elif k.cp and cp_comm_type is CPCommType.all_gather:
+        working += c * T * (channels * e + hv * (FP32 + e))
+    after = T * values * e + (0 if own_out else _normed_bytes(m, k, e))
+    return held + working - after
+
+
+def forward_step_bytes(m: ModelConfig, b: int, hk: int, hv: int) -> int:
+    """One chunk's step of the rule without a graph, at its most (fp32), for each value head:
+    2 C x C, 2 C x dk (and q's and k's copies for the value heads, 2 C x dk, where key heads
+    are shared), 3 C x dv and 3 dk x dv (as the allocator counts it, for dk, dv >= C)."""
+    dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+    shared = 2 * CHUNK * dk if hk < hv else 0
+    return b * hv * (2 * CHUNK * CHUNK + 2 * CHUNK * dk + shared + 3 * CHUNK * dv
+                     + 3 * dk * dv) * FP32
+
+
 def rule_backward_bytes(m: ModelConfig, b: int, s: int, hk: int, hv: int) -> int:
-    """The chunked rule's backward on b x s tokens (fp32): its output's gradient and its
-    inputs', padded to whole chunks, and one chunk's step rebuilt with its gradients (its
-    C x C decays, systems and products, its C-row tensors)."""
+    """The chunked rule's backward on b x s tokens (fp32): its output's gradient (and its copy
+    padded to whole chunks where s is not), its inputs' gradients, padded, and one chunk's step
+    rebuilt with its gradients at their most, for each value head: 5 C x C, 6 C x dk (and q's
+    and k's copies for the value heads, 2 C x dk x hk/hv, where key heads are shared), 5 C x dv,
+    6 dk x dv and 8 C-long (C = CHUNK; as the allocator counts it, for any dk, dv >= C)."""
     dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
     padded = b * _padded(s)
-    step = b * hv * (6 * CHUNK * CHUNK + 6 * CHUNK * dk + 2 * CHUNK * dv)
-    return (padded * (2 * hv * dv + 2 * hk * dk + 2 * hv) + step) * FP32
+    shared = 2 * CHUNK * dk * hk // hv if hk < hv else 0
+    step = b * hv * (5 * CHUNK * CHUNK + 6 * CHUNK * dk + shared + 5 * CHUNK * dv
+                     + 6 * dk * dv + 8 * CHUNK)
+    output = b * s * hv * dv + (padded * hv * dv if padded != b * s else 0)
+    return (output + padded * (hv * dv + 2 * hk * dk + 2 * hv) + step) * FP32
 
 
 def _normed_bytes(m: ModelConfig, k: Tokens, e: int) -> int:
@@ -143,14 +204,20 @@ def core_bytes(m: ModelConfig, b: int, s: int, hk: int, hv: int, e: int, narrowe
     copy (this rank's heads' channels, or a cast)."""
     dk, dv, width = m.linear_key_head_dim, m.linear_value_head_dim, m.linear_conv_kernel_dim
     T, channels = b * s, 2 * hk * dk + hv * dv
-    padded = _padded(s)
-    chunks = padded // CHUNK
     conv = b * (s + width - 1) * channels * e + T * channels * e
     norm = (T * channels if e == FP32 else 2 * T * hk * dk) * FP32 + 2 * T * hk * FP32
-    rule = (b * padded * (2 * hk * dk + hv * dv + 2 * hv) * FP32 + b * (padded + chunks) * 8
-            + chunks * b * hv * dk * dv * FP32)
     weight = channels * width * e if narrowed or e != FP32 else 0
-    return conv + norm + rule + weight
+    return conv + norm + _rule_bytes(m, b, s, hk, hv) + weight
+
+
+def _rule_bytes(m: ModelConfig, b: int, s: int, hk: int, hv: int) -> int:
+    """What the chunked rule keeps on b x s tokens: its inputs padded to whole chunks (q, k, v,
+    g, beta in fp32), the document ids and the state entering each chunk."""
+    dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
+    padded = _padded(s)
+    chunks = padded // CHUNK
+    return (b * padded * (2 * hk * dk + hv * dv + 2 * hv) * FP32 + b * (padded + chunks) * 8
+            + chunks * b * hv * dk * dv * FP32)
 
 
 def hf_names(cfg: ModelConfig, ours: str, theirs: str, family) -> HfNames:
@@ -236,4 +303,5 @@ GATED_DELTA_NET = Part(
     tp_heads="heads_fn",
     head_norms=("conv_weight", "A_log", "dt_bias", "norm"),
     core_flops=core_flops, kept_bytes=kept_bytes, backward_bytes=backward_bytes,
+    forward_bytes=forward_bytes,
     hf_names=hf_names, rules=check_hybrid)

@@ -103,6 +103,10 @@ class Part:
     lora_kept_bytes: Callable[..., int] | None = None
     backward_bytes: Callable[..., int] = _nothing
     rebuild_bytes: Callable[..., int] = _nothing
+    # forward_bytes(cfg, k, e, recompute, cp_comm_type: an attention part's): the most its
+    # forward holds beyond what it keeps once done (negative: less); 0 where a backward
+    # moment always outgrows it
+    forward_bytes: Callable[..., int] = _nothing
     # Its Hugging Face names: hf_names(cfg, ours, theirs, family) for one block at prefixes
     # `ours` ("layers.3.") and `theirs` ("model.layers.3.").
     hf_names: Callable[[ModelConfig, str, str, Any], HfNames] = \

@@ -155,12 +155,27 @@ def block_backward_bytes(parts: BlockParts, m: ModelConfig, k: Tokens, e: int,
     (`message`) is not made yet at a norm's moment (no weight's gradient is)."""
     # the attention's backward runs after the MLP's and its norm's: their activations are gone
     recompute = RecomputeGranularity.selective if selective else None
-    mlp_side = parts.mlp.kept_bytes(m, k, e, recompute, cp_comm_type) + \
-        parts.norm.kept_bytes(m, k, e) // len(block_norms(m))
+    mlp_side = mlp_side_bytes(parts, m, k, e, recompute, cp_comm_type)
     attention = parts.attention.backward_bytes(m, k, e, selective, cp_comm_type)
     return max(parts.mlp.backward_bytes(m, k, e, selective) + gathered,
                attention - mlp_side + gathered if attention else 0,
                parts.norm.backward_bytes(m, k, e, selective) + gathered - message)
+
+
+def mlp_side_bytes(parts: BlockParts, m: ModelConfig, k: Tokens, e: int,
+                   recompute: RecomputeGranularity | None, cp_comm_type: CPCommType) -> int:
+    """What a block keeps after its attention: its MLP's activations and its second norm's."""
+    return parts.mlp.kept_bytes(m, k, e, recompute, cp_comm_type) + \
+        parts.norm.kept_bytes(m, k, e) // len(block_norms(m))
+
+
+def block_forward_bytes(parts: BlockParts, m: ModelConfig, k: Tokens, e: int,
+                        recompute: RecomputeGranularity | None, cp_comm_type: CPCommType) -> int:
+    """A block's attention's forward at its most, beside what the block keeps once done (its
+    MLP side not made yet): Gated DeltaNet's chunk loop (trainer.parts.gdn); other parts'
+    forwards never outgrow a backward (0)."""
+    forward = parts.attention.forward_bytes(m, k, e, recompute, cp_comm_type)
+    return forward - mlp_side_bytes(parts, m, k, e, recompute, cp_comm_type) if forward else 0
 
 
 def loss_bytes(m: ModelConfig, k: Tokens) -> int:
@@ -262,11 +277,14 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
     sharded = layout.gtp_remat_size > 1
     autocast = 0
     if e != FP32 and not sharded:  # a fully recomputed block keeps no copy of its weights
-        kept_copies = sum(options.recomputes(p) is not RecomputeGranularity.full
-                          for p in positions)
+        copied = [i for chunk in chunks for p, i in enumerate(chunk)
+                  if options.recomputes(p) is not RecomputeGranularity.full]
+        kept_copies = len(copied)
         if last and options.recompute_granularity is not RecomputeGranularity.full:
             autocast += mtp.depths(m) * depth_weights[0] * e  # the depths' blocks' copies
-        autocast += (kept_copies * block_weights + head_weights) * e
+        # each kept block's own weights (a hybrid's linear and full blocks differ)
+        autocast += (sum((kind_weights or {}).get(block_parts(m, i), block_weights)
+                         for i in copied) + head_weights) * e
         if lora is not None and lora.base_bf16:  # the frozen matrices are bf16 already:
             # the adapters' casts (and a tied head's, the fp32 embedding's) only
             autocast = int(kept_copies * local_adapter_elements(m, lora, k.t)
@@ -287,7 +305,18 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
     # above the backward's.
     forward = (1 + mtp.depths(m)) * local * e + (local * FP32 if e != FP32 else 0) \
         + (local * FP32 if k.t > 1 else 0)
-    logits = max(2 * loss_bytes(m, k) + cast, forward) if last else 0
+    # The final norm's backward (a zero-centred norm's fp32 gradients: a block's without the
+    # stream's gradient passing beside it and the one it hands on), the loss's softmax and the
+    # head's input freed by then: above the loss's own where the vocabulary is small.
+    final_norm = max(0, block_parts(m, m.num_layers - 1).norm.backward_bytes(m, k, e)
+                     - k.Tr * h * (FP32 + e)) - loss_bytes(m, k) - k.T * h * e
+    # The head's own forward under SP: the final norm's output still held while its gather
+    # (fp32) is copied into the head's kept input (a contiguous one; under bf16 its cast),
+    # beside the logits made, before the loss's softmax is.
+    gather = (k.Tr * h * FP32 + (k.T * h * FP32 if e != FP32 or k.b > 1 else 0)
+              if k.Tr != k.T else 0)
+    head_forward = gather + local * e - loss_bytes(m, k)
+    logits = max(2 * loss_bytes(m, k) + cast, forward, final_norm, head_forward) if last else 0
     sizes = [len(chunk) for chunk in chunks] or [0]
     if sharded:
         freed = max(block_activation_bytes(m, k, e, options.recompute_granularity, comm, parts,
@@ -358,9 +387,13 @@ def chunk_phases(m: ModelConfig, layout: Layout, options: EngineOptions, chunk: 
         if key not in kept_of:
             kept_of[key] = block_activation_bytes(m, k, e, key[0], comm, kind, windows[p])
     freed = [kept_of[options.recomputes(p), kind, windows[p]] for p, kind in enumerate(parts)]
-    # what the chunk's blocks that are not fully recomputed kept, freed by then
-    kept_by_others = sum(f for p, f in enumerate(freed)
-                         if options.recomputes(p) is not RecomputeGranularity.full)
+    # A block's backward runs after the chunk's later blocks' have freed what they kept (and
+    # under bf16 without weight sharding their weights' casts, unless rebuilt): a hybrid's
+    # linear block before a full-attention one peaks without the latter's activations.
+    casts = [weights[p] * e if e != FP32 and not sharded and options.lora is None and
+             options.recomputes(p) is not RecomputeGranularity.full else 0
+             for p in range(len(parts))]
+    later = [sum(freed[p + 1:]) + sum(casts[p + 1:]) for p in range(len(parts))]
     out, seen = [], {}
     for p, kind in enumerate(parts):
         # what the block's phase reads: its kind and recompute, its weights, the block before
@@ -369,7 +402,8 @@ def chunk_phases(m: ModelConfig, layout: Layout, options: EngineOptions, chunk: 
         key = (kind, options.recomputes(p), weights[p], weights[p - 1] if p else None,
                tuple(weights[ahead]), tuple(freed[ahead]))
         if key in seen:
-            out.append(seen[key])
+            phase, gathered = seen[key]
+            out.append((phase - later[p], gathered))
             continue
         gathered = bundle_bytes(layout, options, e, weights, freed, p) if sharded else 0
         message = weights[p] * FP32 if sharded else 0  # bundle_bytes' gradient message
@@ -378,13 +412,17 @@ def chunk_phases(m: ModelConfig, layout: Layout, options: EngineOptions, chunk: 
             # kept through its backward (and the rebuilt forward's own moment: a MoE block's
             # exchange over ETP)
             copies = weights[p] * e if e != FP32 and not sharded else 0
-            out.append((max(block_backward_bytes(kind, m, k, e, False, gathered, message, comm),
-                            kind.mlp.rebuild_bytes(m, k, e) + gathered)
-                        + rebuilt_of[kind] + copies - kept_by_others, gathered))
-        else:
-            out.append((block_backward_bytes(kind, m, k, e, selective, gathered, message, comm),
-                        gathered))
-        seen[key] = out[-1]
+            # (and its attention's forward, rebuilt)
+            phase = max(block_backward_bytes(kind, m, k, e, False, gathered, message, comm),
+                        kind.mlp.rebuild_bytes(m, k, e) + gathered,
+                        block_forward_bytes(kind, m, k, e, None, comm) + gathered) \
+                + rebuilt_of[kind] + copies
+        else:  # its backward, or its attention's forward (the chunk's later blocks not run)
+            recompute = options.recomputes(p)
+            phase = max(block_backward_bytes(kind, m, k, e, selective, gathered, message, comm),
+                        block_forward_bytes(kind, m, k, e, recompute, comm) + gathered)
+        seen[key] = phase, gathered
+        out.append((phase - later[p], gathered))
     return out
 
 
