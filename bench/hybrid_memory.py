@@ -1,16 +1,14 @@
-"""The memory plan where a linear block's backward is a step's largest moment: a hybrid of two
-Gated DeltaNet blocks (16 value heads of 64) and one full block, an MLP of 16, a vocabulary of
-128, so neither the MLP's nor the head's backward outgrows the linear block's. For each case,
-what the allocator holds at most during the micro-batches of a second step (above the rank's
-state) against the plan's step transients, on one simulated rank (the method and helpers of
-tests/multirank/test_step_memory.py). Not in CI: selective and full recompute are not yet
-within 2% (docs/hybrid.md).
+"""The memory plan where a linear block's own moments are the step's peak (the model
+tests/multirank/test_step_memory.py's LINEAR_HEAVY: a full block then two Gated DeltaNet
+blocks of 16 value heads, so neither the MLP's nor the head's moments outgrow theirs). For each
+case, what the allocator holds at most during the micro-batches of a second step (above the
+rank's state) against the plan's step transients, on one simulated rank (the method and helpers
+of that test, which runs four of these cases in CI).
 
     python bench/hybrid_memory.py [case ...]
 """
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 
@@ -23,9 +21,7 @@ from parallel.layout import Layout  # noqa: E402
 from trainer.config import CPCommType, Precision, RecomputeGranularity  # noqa: E402
 from trainer.plan.options import EngineOptions  # noqa: E402
 
-MODEL = dataclasses.replace(memory.HYBRID, name="llama", vocab_size=128, ffn_hidden_size=16, hidden_size=128,
-                            num_layers=3, linear_attention_freq=[0, 1, 1],
-                            linear_num_key_heads=4, linear_num_value_heads=16)
+MODEL = memory.LINEAR_HEAVY
 CASES = {"one_process": (1, {}, {}), "bf16": (1, {}, dict(precision=Precision.bf16)),
          "tp2_sp": (2, memory.TP2_SP, {}),
          "cp2_p2p": (2, dict(context_parallel_size=2), {}),

@@ -388,15 +388,25 @@ HYBRID = dataclasses.replace(
     experimental_attention_variant="gated_delta_net", linear_attention_freq=[1, 0],
     linear_key_head_dim=64, linear_value_head_dim=64, linear_num_key_heads=2,
     linear_num_value_heads=4)
+# Where a linear block's own moments are the step's peak (its backward's rule step, its chunk
+# loop's forward): a full block then two linear ones (16 value heads of 64), a hidden size of
+# 128, an MLP of 16 and a vocabulary of 128, so neither the MLP's nor the head's outgrow them.
+LINEAR_HEAVY = dataclasses.replace(
+    HYBRID, name="llama", vocab_size=128, hidden_size=128, ffn_hidden_size=16, num_layers=3,
+    linear_attention_freq=[0, 1, 1], linear_num_key_heads=4, linear_num_value_heads=16)
 HYBRID_CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs, model)
     "hybrid_one_process": (1, {}, {}, HYBRID),
     "hybrid_tp2_sp_bf16": (2, TP2_SP, dict(precision=Precision.bf16), HYBRID),
-    "hybrid_selective": (1, {}, dict(recompute_granularity=SELECTIVE), HYBRID),
-    "hybrid_cp2_p2p": (2, dict(context_parallel_size=2), {}, HYBRID),
     "hybrid_cp2_a2a_bf16": (2, dict(context_parallel_size=2),
                             dict(cp_comm_type=CPCommType.a2a, precision=Precision.bf16), HYBRID),
-    "hybrid_cp2_all_gather": (2, dict(context_parallel_size=2),
-                              dict(cp_comm_type=CPCommType.all_gather), HYBRID),
+    # the rule's backward step rebuilt (selective), or with the block (full, bf16)
+    "linear_heavy_selective": (1, {}, dict(recompute_granularity=SELECTIVE), LINEAR_HEAVY),
+    "linear_heavy_full_bf16": (1, {}, dict(recompute_granularity=FULL,
+                                           precision=Precision.bf16), LINEAR_HEAVY),
+    # p2p's relay: each chunk rebuilt, the states passed back; all_gather's forward
+    "linear_heavy_cp2_p2p": (2, dict(context_parallel_size=2), {}, LINEAR_HEAVY),
+    "linear_heavy_cp2_all_gather": (2, dict(context_parallel_size=2),
+                                    dict(cp_comm_type=CPCommType.all_gather), LINEAR_HEAVY),
     # Qwen3-Next's experts: the shared expert's gate keeps its own copy of its input under SP
     "hybrid_moe_tp2_sp": (2, TP2_SP, {}, dataclasses.replace(
         HYBRID, num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=128,
@@ -471,7 +481,7 @@ def test_allocator_counted_transients_against_the_plan(name):
                                 layout, model.tie_word_embeddings, lora=options.lora is not None)
     transients = plan["transient_bytes"]  # the micro-batches' (the update's is below)
     phase = "head" if plan["head_phase_bytes"] >= plan["block_phase_bytes"] else "block"
-    print(f"\n{name}: micro-batches {step:,} B, planned {transients:,} B ({phase}'s backward, "
+    print(f"\n{name}: micro-batches {step:,} B, planned {transients:,} B ({phase} phase, "
           f"{transients / step - 1:+.2%}); update {update:,} B, planned "
           f"{state.update_bytes:,} B ({update / state.update_bytes - 1:+.2%})")
     assert abs(update / state.update_bytes - 1) < 0.02

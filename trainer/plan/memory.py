@@ -35,8 +35,9 @@ from trainer.parts.lora import Adapters, is_adapter, whole_over_etp
 from trainer.parts.moe import dispatch_rows
 from trainer.parts.mtp import MTP
 from trainer.parts.tokens import Tokens, compute_bytes
-from trainer.plan.activations import StepMemory, stage_chunk_bytes, step_memory
+from trainer.plan.activations import stage_chunk_bytes
 from trainer.plan.axis_costs.pipeline import message_sizes, stage_activation_bytes
+from trainer.plan.moments import StepMemory, step_memory
 from trainer.plan.muon import (
     HeldBuffer,
     HeldMatrix,

@@ -24,7 +24,7 @@ def gathered_bytes(layout: Layout, options: EngineOptions, e: int, chunks: list[
     the next one is already gathering) live through its backward beside the message its
     gradients are added into (parallel.bundle: master dtype, one block's weights) before one
     reduce-scatter returns the shards'; the weight gradient being formed is a term of the
-    block's backward (trainer.plan.activations.backward_bytes). The head's (or embedding's)
+    block's backward (trainer.plan.moments.block_backward_bytes). The head's (or embedding's)
     weight is gathered with its gradient formed whole, under bf16 first narrow, then widened.
     chunks: the stage's blocks per model chunk; freed: what one block keeps for its backward
     (gone once its backward is done)."""
