@@ -10,13 +10,8 @@ import pytest
 import torch
 
 from trainer.config import ModelConfig
-from trainer.model.gdn import (
-    causal_conv,
-    document_ids,
-    gated_delta_rule,
-    prepared,
-    recurrent_gated_delta_rule,
-)
+from trainer.model.delta_rule import gated_delta_rule, recurrent_gated_delta_rule
+from trainer.model.gdn import causal_conv, document_ids, prepared
 from trainer.model.transformer import Transformer
 
 EXACT = 1e-12  # fp64, absolute, on outputs of order one

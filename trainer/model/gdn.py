@@ -1,20 +1,12 @@
 """Gated DeltaNet (Qwen3-Next's linear attention) as plain single-device PyTorch: the part
 "gated_delta_net" (trainer.parts.gdn).
 
-Each value head keeps a state S [key_dim, value_dim] instead of a growing key/value set. Token t
-decays it by exp(g_t), then writes its value with strength beta_t where the key already reads
-something (the delta rule), and its query reads it:
-
-    S_t = exp(g_t) S_{t-1} + beta_t k_t (v_t - exp(g_t) S_{t-1}^T k_t)^T,   o_t = S_t^T q_t
-
-q, k and v first pass a short causal convolution (model.linear_conv_kernel_dim taps per
-channel) and silu; q and k are L2-normalised, q scaled by key_dim ** -0.5. The output is normed
-per head and gated by silu(z) (a gated RMSNorm), then projected back.
-
-`gated_delta_rule` is the chunked form (chunks of CHUNK tokens in parallel, the state carried
-from chunk to chunk), `recurrent_gated_delta_rule` the token-by-token recurrence it is held to
-(and what generation decodes with). Within packed documents the state and the convolution
-restart at every document's first token, exactly as separate sequences would.
+Each value head keeps a state S [key_dim, value_dim] instead of a growing key/value set, written
+by the gated delta rule (trainer.model.delta_rule: chunked, and token by token). q, k and v
+first pass a short causal convolution (model.linear_conv_kernel_dim taps per channel) and silu;
+q and k are L2-normalised, q scaled by key_dim ** -0.5. The output is normed per head and gated
+by silu(z) (a gated RMSNorm), then projected back. Within packed documents the state and the
+convolution restart at every document's first token, exactly as separate sequences would.
 
 `linear_attention_fn` is a plain function attribute (the convolution and the rule, from the
 mixed q|k|v before the convolution, with the inputs and the state before them): selective
@@ -25,7 +17,6 @@ dt_bias), whole on every rank, through tensor parallel's narrowing to the rank's
 """
 from __future__ import annotations
 
-import math
 from typing import Callable
 
 import torch
@@ -33,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.config import ModelConfig
-from trainer.parts.gdn import CHUNK
+from trainer.model.delta_rule import gated_delta_rule, recurrent_gated_delta_rule
 
 L2_EPS = 1e-6  # q and k's L2 norm: x / sqrt(sum x^2 + eps), flash-linear-attention's
 # (mixed q|k|v [b, s, channels], conv weight [channels, width], g [b, s, value heads],
@@ -101,131 +92,6 @@ def prepared(q: torch.Tensor, k: torch.Tensor, dtype: torch.dtype
     q = q * torch.rsqrt((q * q).sum(-1, keepdim=True) + L2_EPS) * q.shape[-1] ** -0.5
     k = k * torch.rsqrt((k * k).sum(-1, keepdim=True) + L2_EPS)
     return q, k
-
-
-def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                     beta: torch.Tensor, ids: torch.Tensor | None = None,
-                     state: torch.Tensor | None = None, chunk: int = CHUNK
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The chunked gated delta rule. q, k [b, s, key heads, dk] (prepared), v [b, s, h, dv], g
-    and beta [b, s, h] (h value heads, a multiple of the key heads), all in one dtype; ids
-    [b, s] (document_ids) or None; state [b, h, dk, dv] the state before the first token
-    (None: zeros), read by the first document only -> (o [b, s, h, dv], the state after the
-    last token)."""
-    b, s, h, dv = v.shape
-    pad = -s % chunk
-    n = (s + pad) // chunk
-    if ids is None:
-        ids = torch.zeros(b, s, dtype=torch.long, device=q.device)
-    # padded positions write nothing (k, v, beta zero) and decay nothing (g zero): the final
-    # state is the last token's
-    ids = torch.cat([ids, ids[:, -1:].expand(b, pad)], dim=1).view(b, 1, n, chunk)
-    q, k, v = (F.pad(t, (0, 0, 0, 0, 0, pad)).transpose(1, 2).reshape(*t.shape[:1], -1, n,
-                                                                      chunk, t.shape[-1])
-               for t in (q, k, v))
-    g, beta = (F.pad(t, (0, 0, 0, pad)).transpose(1, 2).reshape(b, h, n, chunk)
-               for t in (g, beta))
-    if state is None:
-        state = q.new_zeros(b, h, q.shape[-1], dv)
-    o, final = _ChunkedRule.apply(q, k, v, g, beta, ids, state.to(q.dtype))
-    return o.reshape(b, h, n * chunk, dv)[:, :, :s].transpose(1, 2), final
-
-
-class _ChunkedRule(torch.autograd.Function):
-    """The chunks in order, each from the state the one before left (_chunk_step). It keeps
-    its inputs and the state entering each chunk ([chunks, b, h, dk, dv]); backward walks the
-    chunks in reverse, rebuilding one chunk's step at a time from them (flash-linear-
-    attention's way): the rule keeps O(tokens + chunks x state), never a chunk's C x C
-    matrices for the whole sequence, and backward holds one chunk's graph at a time."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, ids, state):
-        n = v.shape[2]
-        prev = torch.cat([ids[:, :, :1, 0], ids[:, :, :-1, -1]], dim=2)  # the entering state's
-        # written in place chunk by chunk (a list then a stack would hold both at once)
-        entering = state.new_empty(n, *state.shape)
-        out = v.new_empty(*v.shape)
-        for i in range(n):
-            entering[i] = state
-            out[:, :, i], state = _chunk_step(*(t[:, :, i] for t in (q, k, v, g, beta, ids)),
-                                              prev[:, :, i], state)
-        ctx.save_for_backward(q, k, v, g, beta, ids, prev, entering)
-        return out, state
-
-    @staticmethod
-    def backward(ctx, d_out, d_state):
-        q, k, v, g, beta, ids, prev, entering = ctx.saved_tensors
-        grads = [torch.zeros_like(t) for t in (q, k, v, g, beta)]
-        d_state = torch.zeros_like(entering[0]) if d_state is None else d_state
-        for i in reversed(range(v.shape[2])):
-            leaves = [t[:, :, i].detach().requires_grad_(True) for t in (q, k, v, g, beta)]
-            start = entering[i].detach().requires_grad_(True)
-            with torch.enable_grad():
-                o, final = _chunk_step(*leaves, ids[:, :, i], prev[:, :, i], start)
-            found = torch.autograd.grad([o, final], [*leaves, start], [d_out[:, :, i], d_state])
-            for grad, d in zip(grads, found[:5]):
-                grad[:, :, i] = d
-            d_state = found[5]
-        return (*grads, None, d_state)
-
-
-def _chunk_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor, ids: torch.Tensor, prev: torch.Tensor,
-                state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk: q, k [b, key heads, C, dk], v [b, h, C, dv], g, beta [b, h, C], ids [b, 1, C],
-    prev [b, 1] (the document of `state`, [b, h, dk, dv]) -> (o [b, h, C, dv], the state after
-    the chunk).
-
-    The delta rule's writes within the chunk are solved at once (a unit lower-triangular
-    system: the UT transform), the state read and written once. Across documents every
-    pairwise decay is zero, and so is a position's read of the carried state unless it is of
-    the state's document: exact per document, with no loop over them."""
-    chunk, share = v.shape[2], v.shape[1] // k.shape[1]
-    if share > 1:  # each key head serves `share` value heads
-        q, k = q.repeat_interleave(share, dim=1), k.repeat_interleave(share, dim=1)
-    same = ids[..., :, None] == ids[..., None, :]  # [b, 1, C, C]
-    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
-    cum = g.cumsum(-1)  # within the chunk; differences within a document are its decays
-    pair = torch.where(same & causal, cum[..., :, None] - cum[..., None, :], -math.inf).exp()
-    reads = torch.where(ids == prev[..., None], cum, -math.inf).exp()  # the state's decay
-    last = ids[..., -1:]
-    to_end = torch.where(ids == last, cum[..., -1:] - cum, -math.inf).exp()
-    carried = torch.where(last[..., 0] == prev, cum[..., -1], -math.inf).exp()
-    k_beta = k * beta[..., None]
-    system = ((k_beta @ k.transpose(-1, -2)) * pair).tril(-1)  # I + this: writes' interplay
-    system = system + torch.eye(chunk, dtype=q.dtype, device=q.device)
-    values = torch.linalg.solve_triangular(system, v * beta[..., None], upper=False,
-                                           unitriangular=True)
-    keys_read = torch.linalg.solve_triangular(system, k_beta * reads[..., None], upper=False,
-                                              unitriangular=True)
-    new = values - keys_read @ state
-    out = (q * reads[..., None]) @ state + ((q @ k.transpose(-1, -2)) * pair) @ new
-    state = state * carried[..., None, None] + (k * to_end[..., None]).transpose(-1, -2) @ new
-    return out, state
-
-
-def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               g: torch.Tensor, beta: torch.Tensor,
-                               ids: torch.Tensor | None = None,
-                               state: torch.Tensor | None = None
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same rule token by token (the definition; generation's decode step): the state
-    restarts at zero at each document's first token."""
-    b, s, h, dv = v.shape
-    share = h // k.shape[2]
-    if share > 1:
-        q, k = q.repeat_interleave(share, dim=2), k.repeat_interleave(share, dim=2)
-    state = q.new_zeros(b, h, k.shape[-1], dv) if state is None else state.to(q.dtype)
-    out = []
-    for t in range(s):
-        if ids is not None and t > 0:
-            state = state * (ids[:, t] == ids[:, t - 1]).to(q.dtype)[:, None, None, None]
-        state = state * g[:, t].exp()[..., None, None]
-        read = (state * k[:, t, :, :, None]).sum(-2)  # S^T k [b, h, dv]
-        write = (v[:, t] - read) * beta[:, t, :, None]
-        state = state + k[:, t, :, :, None] * write[:, :, None, :]
-        out.append((state * q[:, t, :, :, None]).sum(-2))
-    return torch.stack(out, dim=1), state
 
 
 def linear_attention(mixed: torch.Tensor, conv_weight: torch.Tensor, g: torch.Tensor,
@@ -346,8 +212,9 @@ class GatedDeltaNet(nn.Module):
         projected = self.in_proj(x)
         b, s = projected.shape[:2]
         # Widths from the projection, not the config: a tensor-parallel rank has fewer heads.
-        q, k, v, z, beta, a = projected.split(
-            [projected.shape[-1] * n // sum(self.in_parts) for n in self.in_parts], dim=-1)
+        width, total = projected.shape[-1], sum(self.in_parts)  # (not in a closure: the
+        q, k, v, z, beta, a = projected.split(  # `del` below must stay compilable)
+            [width * n // total for n in self.in_parts], dim=-1)
         # Each part as a tensor of its own (the core's input as its hook keeps it, z, beta and
         # the decay), then the projection let go: a view would keep all of it to the end.
         mixed = torch.cat([q, k, v], dim=-1)
