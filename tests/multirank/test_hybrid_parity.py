@@ -22,7 +22,6 @@ from trainer.config import CPCommType, Precision, RecomputeGranularity
 from trainer.plan.options import EngineOptions
 
 from harness import run_ranks
-from test_compile import compiled_rank
 from test_parity import (
     LAYOUTS,
     TINY,
@@ -81,25 +80,6 @@ def test_hybrid_matches_one_process(name, options, references):
     for weight in ("attn.conv_weight", "attn.A_log", "attn.dt_bias", "attn.norm.weight",
                    "mlp.shared_gate.weight"):
         assert ref["params"][f"layers.1.{weight}"].abs().max() > 1e-4, weight
-
-
-def test_compiled_hybrid_matches_one_process(references, tmp_path, monkeypatch):
-    """train.compile=blocks (one process, the hybrid's dense form: experts' routing has shapes
-    of its own): the chunked rule is two torch.library operators inside a compiled block
-    (trainer.model.delta_rule), so each kind of block (the full one, the linear ones) compiles
-    to one graph, unbroken, once; the same weights as eager within test_compile's fp32
-    tolerance (inductor reorders float work: in fp64 even the plain model's compiled weights
-    differ by 3e-8)."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
-    dense = replace(HYBRID, num_moe_experts=None, moe_router_topk=None, moe_ffn_hidden_size=None,
-                    moe_shared_expert_intermediate_size=None, moe_shared_expert_gate=False)
-    layout = make_layout(1, {})
-    batches, ref = references(layout.global_batch_size, torch.float32, dense)
-    results = run_ranks(1, compiled_rank, layout, batches, torch.float32,
-                        EngineOptions(compile_blocks=True), dense, timeout=300)
-    assert results[0]["graphs"] == [2] * len(results[0]["graphs"]), results[0]["graphs"]
-    assert not results[0]["breaks"], results[0]["breaks"]
-    assert_parity(results, ref, torch.float32, "qwen3_next compiled")
 
 
 def test_bf16_hybrid_trains_close_to_fp32(references):

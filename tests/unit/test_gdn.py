@@ -49,9 +49,14 @@ def test_chunked_rule_is_the_recurrence(packed, chunk):
         assert (got_state - want_state).abs().max() < EXACT
 
 
-def test_the_chunked_backward_is_the_recurrences():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "operators"])
+def test_the_chunked_backward_is_the_recurrences(compiled, monkeypatch):
     """The rule's backward (each chunk rebuilt from the state entering it, in reverse) gives
-    autograd's gradients through the recurrence, for every input and the entering state."""
+    autograd's gradients through the recurrence, for every input and the entering state:
+    eagerly (autograd's graph of each chunk), and by the torch.library operators a compiled
+    block calls (torch.func.vjp of each chunk), here run eagerly."""
+    if compiled:
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     q, k, v, g, beta = (t.requires_grad_(True) for t in inputs(s=100))
     ids = document_ids(documents(s=100)[:, :100], "cpu")
     state = torch.randn(2, 4, 8, 6, generator=torch.Generator().manual_seed(3), dtype=F64,
@@ -64,6 +69,21 @@ def test_the_chunked_backward_is_the_recurrences():
         grads.append(torch.autograd.grad(loss, (q, k, v, g, beta, state)))
     for got, want in zip(*grads):
         assert (got - want).abs().max() < EXACT * max(1.0, want.abs().max().item())
+
+
+def test_the_operators_pass_torch_library_checks():
+    """opcheck: the operators' schema, fake (meta) kernels, strides and autograd
+    registration agree with what they compute (a fake with other strides broke the compiled
+    backward once)."""
+    q, k, v, g, beta = (t[:, :32].contiguous() for t in inputs(s=32))
+    chunked = [t.transpose(1, 2).reshape(*t.transpose(1, 2).shape[:2], 2, 16, -1)
+               for t in (q, k, v)]
+    rates = [t.transpose(1, 2).reshape(2, 4, 2, 16) for t in (g, beta)]
+    ids = document_ids(documents(s=32), "cpu").view(2, 1, 2, 16)
+    state = torch.randn(2, 4, 8, 6, dtype=F64)
+    args = [t.requires_grad_(True) for t in (*chunked, *rates)]
+    torch.library.opcheck(torch.ops.gtp.gated_delta_rule.default,
+                          (*args, ids, state.requires_grad_(True)))
 
 
 def test_a_document_is_its_own_sequence():
