@@ -1,6 +1,6 @@
 """The memory plan where a linear block's own moments are the step's peak (the model
 tests/multirank/test_step_memory.py's LINEAR_HEAVY: a full block then two Gated DeltaNet
-blocks of 16 value heads, so neither the MLP's nor the head's moments outgrow theirs). For each
+blocks of 8 value heads, so neither the MLP's nor the head's moments outgrow theirs). For each
 case, what the allocator holds at most during the micro-batches of a second step (above the
 rank's state) against the plan's step transients, on one simulated rank (the method and helpers
 of that test, which runs four of these cases in CI).
