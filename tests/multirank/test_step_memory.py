@@ -636,7 +636,19 @@ GPT_OSS_DENSE = ["model=tiny_gpt_oss", "model.name=llama", "model.num_moe_expert
                  "model.original_max_position_embeddings=4096"]
 
 
-@pytest.mark.parametrize("model", [[], GPT_OSS_DENSE], ids=["llama", "gpt_oss_dense"])
+# Qwen3-Next's hybrid at that size (dense): a full block then three Gated DeltaNet blocks of 8
+# value heads of 64, the relay passing their states along runtime CP 16
+QWEN3_NEXT_DENSE = ["model=tiny_qwen3_next", "model.num_moe_experts=null",
+                    "model.moe_ffn_hidden_size=null",
+                    "model.moe_shared_expert_intermediate_size=null",
+                    "model.moe_shared_expert_gate=false", "model.moe_aux_loss_coeff=0.0",
+                    "model.kv_channels=64", "model.linear_key_head_dim=64",
+                    "model.linear_value_head_dim=64", "model.linear_num_key_heads=4",
+                    "model.linear_num_value_heads=8"]
+
+
+@pytest.mark.parametrize("model", [[], GPT_OSS_DENSE, QWEN3_NEXT_DENSE],
+                         ids=["llama", "gpt_oss_dense", "qwen3_next_dense"])
 def test_measured_dry_run_of_a_64_rank_world_matches_the_plan(tmp_path, model):
     """The real CLI: rank 9 of 64 (WS 8, SS 8, CP 2, DP 4), its engine built and one step run
     in this one process; the state it allocated is the plan's to the byte, what its allocator
