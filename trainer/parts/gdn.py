@@ -297,8 +297,8 @@ GATED_DELTA_NET = Part(
     residual_outputs=("out_proj.weight",),
     initial={"A_log": ("log_uniform", 1.0, 16.0), "dt_bias": ("ones",),
              "norm.weight": ("ones",)},  # Megatron's A range, its dt_bias; the norm at one
-    # Cheap to recompute, costly to keep: the convolution and the chunked rule. Context
-    # parallel would replace it (not built for these blocks: trainer.plan.axis_costs.context).
+    # Cheap to recompute, costly to keep: the convolution and the chunked rule (selective
+    # recompute wraps it; context parallel's exchanges wrap it: parallel.context.linear).
     hook="linear_attention_fn",
     tp_heads="heads_fn",
     head_norms=("conv_weight", "A_log", "dt_bias", "norm"),
