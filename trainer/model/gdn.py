@@ -212,9 +212,11 @@ class GatedDeltaNet(nn.Module):
         projected = self.in_proj(x)
         b, s = projected.shape[:2]
         # Widths from the projection, not the config: a tensor-parallel rank has fewer heads.
-        width, total = projected.shape[-1], sum(self.in_parts)  # (not in a closure: the
-        q, k, v, z, beta, a = projected.split(  # `del` below must stay compilable)
-            [width * n // total for n in self.in_parts], dim=-1)
+        # (Its width read outside the comprehension: a closure over `projected` would make
+        # the `del` below one that torch.compile cannot trace.)
+        width, total = projected.shape[-1], sum(self.in_parts)
+        q, k, v, z, beta, a = projected.split([width * n // total for n in self.in_parts],
+                                              dim=-1)
         # Each part as a tensor of its own (the core's input as its hook keeps it, z, beta and
         # the decay), then the projection let go: a view would keep all of it to the end.
         mixed = torch.cat([q, k, v], dim=-1)

@@ -46,6 +46,20 @@ def core_flops(cfg: ModelConfig, seq_length: int, window: int | None = None) -> 
     return cfg.linear_num_value_heads * (chunk * (5 * dk + 3 * dv) + 6 * dk * dv)
 
 
+def _core_tokens(m: ModelConfig, k: Tokens, cp_comm_type: CPCommType
+                 ) -> tuple[int, int, int, int]:
+    """(samples, tokens, key heads, value heads) the core runs on at once on this rank: its
+    own tokens without context parallel; under it, one of its two zigzag chunks at a time
+    (p2p), the whole sequence for 1/C of its heads (a2a) or for all of them (all_gather)."""
+    t, b, s = k.t, k.b, k.s
+    hv, hk = m.linear_num_value_heads // t, m.linear_num_key_heads // t
+    if not k.cp:
+        return b, s, hk, hv
+    c = k.S // s
+    return {CPCommType.p2p: (b, s // 2, hk, hv), CPCommType.a2a: (b, k.S, hk // c, hv // c),
+            CPCommType.all_gather: (b, k.S, hk, hv)}[cp_comm_type]
+
+
 def kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularity | None,
                cp_comm_type: CPCommType = CPCommType.p2p) -> int:
     """What the layer keeps for its backward (no full recompute), its rank's tokens T (all of
@@ -57,7 +71,7 @@ def kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularit
     (all_gather); p2p keeps the core's inputs and the states and convolution inputs it
     received, and rebuilds each chunk in backward. Selective recompute keeps the core's
     inputs alone (q|k|v before the convolution, g)."""
-    T, t, b, s, S = k.T, k.t, k.b, k.s, k.S
+    T, t, b = k.T, k.t, k.b
     hv, hk = m.linear_num_value_heads // t, m.linear_num_key_heads // t
     dk, dv, width = m.linear_key_head_dim, m.linear_value_head_dim, m.linear_conv_kernel_dim
     channels, values = 2 * hk * dk + hv * dv, hv * dv
@@ -66,15 +80,11 @@ def kept_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranularit
     inputs = T * channels * e + T * hv * FP32  # q|k|v before the convolution, and g
     if recompute is RecomputeGranularity.selective:
         return own + normed + inputs
-    if not k.cp:
-        core = core_bytes(m, b, s, hk, hv, e, t > 1)
-    elif cp_comm_type is CPCommType.p2p:  # what it received: two chunks' states and inputs
-        core = inputs + 2 * b * (hv * dk * dv * FP32 + (width - 1) * channels * e)
-    elif cp_comm_type is CPCommType.a2a:
-        c = S // s
-        core = core_bytes(m, b, S, hk // c, hv // c, e, True)
-    else:
-        core = core_bytes(m, b, S, hk, hv, e, t > 1)
+    if k.cp and cp_comm_type is CPCommType.p2p:  # what it received: two chunks' states and
+        core = inputs + 2 * b * (hv * dk * dv * FP32 + (width - 1) * channels * e)  # inputs
+    else:  # a2a's share of the heads is a copy of the convolution's channels
+        narrowed = t > 1 or (k.cp and cp_comm_type is CPCommType.a2a)
+        core = core_bytes(m, *_core_tokens(m, k, cp_comm_type), e, narrowed)
     return own + normed + core
 
 
@@ -83,9 +93,9 @@ def backward_bytes(m: ModelConfig, k: Tokens, e: int, selective: bool,
     """The most the layer's backward forms beside what its block keeps (the gradient entering
     the block, Tr*h fp32, included), the larger of two moments. The gated norm's: its
     backward's fp32 working set, four tensors of its output's size (4*T*V*4). The rule's: its
-    output's gradient and its inputs' gradients, padded to whole chunks (fp32; under bf16 the
-    output's gradient widened beside), and one chunk's step rebuilt (rule_backward_bytes),
-    out_proj's input and z let go by then (z's gradient in its place). Under selective
+    output's gradient and its inputs' gradients, padded to whole chunks (fp32), and one
+    chunk's step rebuilt (rule_backward_bytes), out_proj's input, z and the gated norm's input
+    let go by then (z's gradient in their place). Under selective
     recompute the core is rebuilt first (core_bytes); under context parallel the core runs on
     other tokens and heads: p2p rebuilds one of the rank's two chunks at a time (its core and
     the rule's backward on it), a2a runs the whole sequence for 1/C of the heads, all_gather
@@ -93,11 +103,8 @@ def backward_bytes(m: ModelConfig, k: Tokens, e: int, selective: bool,
     t, b, s = k.t, k.b, k.s
     hv, hk = m.linear_num_value_heads // t, m.linear_num_key_heads // t
     values = hv * m.linear_value_head_dim
-    tokens, rebuilt = (b, s, hk, hv), 0
+    tokens, rebuilt = _core_tokens(m, k, cp_comm_type), 0
     if k.cp:
-        c = k.S // s
-        tokens = {CPCommType.p2p: (b, s // 2, hk, hv), CPCommType.a2a: (b, k.S, hk // c, hv // c),
-                  CPCommType.all_gather: (b, k.S, hk, hv)}[cp_comm_type]
         if cp_comm_type is CPCommType.p2p:  # and the gradients of the rank's core inputs,
             # the rebuilt chunk's output (padded) and its other chunk's output gradient; three
             # states (the rebuilt final one, the gradient received for it, the one sent or
@@ -126,16 +133,15 @@ def forward_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranula
     padded inputs, its output (p2p: and its other chunk's); a2a's gathered input and rates,
     all_gather's whole sequence; less what the layer keeps that is made after: out_proj's
     input and the gated norm's (where it is not the rule's output itself)."""
-    T, t, b, s, S = k.T, k.t, k.b, k.s, k.S
+    T, t = k.T, k.t
     hv, hk = m.linear_num_value_heads // t, m.linear_num_key_heads // t
     dk, dv = m.linear_key_head_dim, m.linear_value_head_dim
     channels, values = 2 * hk * dk + hv * dv, hv * dv
     selective = recompute is RecomputeGranularity.selective
-    c = S // s if k.cp else 1
-    core = {CPCommType.p2p: (b, s // 2, hk, hv), CPCommType.a2a: (b, S, hk // c, hv // c),
-            CPCommType.all_gather: (b, S, hk, hv)}[cp_comm_type] if k.cp else (b, s, hk, hv)
+    relay = k.cp and cp_comm_type is CPCommType.p2p
+    core = _core_tokens(m, k, cp_comm_type)
     cb, cs, ck, cv = core
-    held = 0 if selective or (k.cp and cp_comm_type is CPCommType.p2p) else T * channels * e
+    held = 0 if selective or relay else T * channels * e
     own_out = e == FP32 and not k.cp  # the gated norm keeps the rule's output itself
     working = 2 * cb * cs * ck * dk * FP32 + forward_step_bytes(m, cb, ck, cv)
     out = cb * _padded(cs) * cv * dv * FP32  # the rule's output
@@ -143,14 +149,14 @@ def forward_bytes(m: ModelConfig, k: Tokens, e: int, recompute: RecomputeGranula
         working += out
     if e != FP32:  # v and beta as the rule is given them, widened
         working += cb * cs * cv * (dv + 1) * FP32
-    if selective or (k.cp and cp_comm_type is CPCommType.p2p):
+    if selective or relay:
         working += cb * cs * (2 * ck * dk + cv * dv) * e + _rule_bytes(m, *core)
-        if k.cp and cp_comm_type is CPCommType.p2p:  # the first chunk's output, waiting
+        if relay:  # the first chunk's output, waiting
             working += out
     if k.cp and cp_comm_type is CPCommType.a2a:
         working += T * channels * e + 2 * T * hv * 2 * FP32
     elif k.cp and cp_comm_type is CPCommType.all_gather:
-        working += c * T * (channels * e + hv * (FP32 + e))
+        working += k.S // k.s * T * (channels * e + hv * (FP32 + e))
     after = T * values * e + (0 if own_out else _normed_bytes(m, k, e))
     return held + working - after
 

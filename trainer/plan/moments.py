@@ -241,7 +241,9 @@ def chunk_phases(m: ModelConfig, layout: Layout, options: EngineOptions, chunk: 
     casts = [weights[p] * e if e != FP32 and not sharded and options.lora is None and
              options.recomputes(p) is not RecomputeGranularity.full else 0
              for p in range(len(parts))]
-    later = [sum(freed[p + 1:]) + sum(casts[p + 1:]) for p in range(len(parts))]
+    later = [0] * len(parts)  # what the blocks after each hold (a suffix sum)
+    for p in reversed(range(len(parts) - 1)):
+        later[p] = later[p + 1] + freed[p + 1] + casts[p + 1]
     out, seen = [], {}
     for p, kind in enumerate(parts):
         # what the block's phase reads: its kind and recompute, its weights, the block before
