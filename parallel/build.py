@@ -29,6 +29,7 @@ from parallel.layout import Layout
 from parallel.layout.axes import REGISTRY
 from parallel.layout.parallel_plan import ParallelPlan
 from parallel.sharding import CommDtypes
+from parallel.weight_grads import DeferredWeightGrads
 
 PHASES = ("cut", "shard", "wire")
 
@@ -97,6 +98,9 @@ class Build:
     part: StagePart | None = None
     pruned: Pruned = field(default_factory=lambda: Pruned([], []))
     chunks: list[nn.Module] = field(default_factory=list)
+    # Where the schedule splits the backward (zero bubble): the linears' weight gradients wait
+    # there for W (parallel.weight_grads); None: every backward is whole.
+    weight_grads: DeferredWeightGrads | None = None
 
     @property
     def sequence_parallel(self) -> bool:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from parallel.build import Build
 from parallel.comm import Group, Pending
 from parallel.sharding import IN_MASTER_DTYPE, CommDtypes, autocast_input
+from parallel.weight_grads import DeferredWeightGrads, run_now_or_defer
 
 
 def _in_backward() -> bool:
@@ -68,7 +69,8 @@ class _Pass:
     gradients, and each would still be reduced once: the sums do not change."""
 
     def __init__(self) -> None:
-        self.pending = 0
+        self.pending = 0  # uses whose weight gradient is not in the message yet
+        self.inputs_pending = 0  # uses whose input gradient is not formed yet (the weights' use)
         # The reduce-scatter's message, row i rank i's rows of every member (padding zero):
         # each use's gradient is added into its member's place as it is formed, so a block's
         # gradients are held once, not as well in pieces and padded copies.
@@ -122,14 +124,20 @@ class ShardBundle:
     """
 
     def __init__(self, group: Group, dtypes: CommDtypes = IN_MASTER_DTYPE,
-                 reduce_queue: GradReduceQueue | None = None):
+                 reduce_queue: GradReduceQueue | None = None,
+                 weight_grads: DeferredWeightGrads | None = None):
         self.group, self.dtypes, self.reduce_queue = group, dtypes, reduce_queue
+        # A split backward's (parallel.weight_grads): a use's input gradient in I, its weight
+        # gradient in W; the weights gathered for backward go when the pass's last I use is
+        # done, the reduce-scatter starts when its last W use is.
+        self.weight_grads = weight_grads
         self.members: list[tuple[torch.nn.Parameter, int]] = []  # (shard, TP-local rows)
         self.next: ShardBundle | None = None  # the block after this one in forward
         self.previous: ShardBundle | None = None
         self._forward: _Gathered | None = None
         self._backward: _Gathered | None = None
         self._pending = 0  # recorded uses whose backward has not run yet, over all passes
+        self._inputs_pending = 0  # of those, the ones whose input gradient is not formed yet
         self._passes: deque[_Pass] = deque()  # passes with uses left, oldest first
         self.key = torch.tensor(next(_KEYS), device="cpu")  # how its operators find it
         _BUNDLES[int(self.key)] = self
@@ -179,7 +187,9 @@ class ShardBundle:
             if this.pending == 0:
                 self._passes.append(this)
             this.pending += 1
+            this.inputs_pending += 1
             self._pending += 1
+            self._inputs_pending += 1
         return self._forward.weights()[index]
 
     def release_forward(self) -> None:
@@ -196,7 +206,7 @@ class ShardBundle:
         if not self._backward.used:
             self._backward.used = True
             # Only a block whose backward will come (recorded uses): nothing else frees it.
-            if self.previous is not None and self.previous._pending > 0:
+            if self.previous is not None and self.previous._inputs_pending > 0:
                 self.previous.prefetch_backward()
         return self._backward.weights()
 
@@ -208,21 +218,31 @@ class ShardBundle:
         """The members whose gradients the reduce-scatter's message carries, in order."""
         return [member for member in self.members if member[0].requires_grad]
 
-    def add_grad(self, index: int, grad_full: torch.Tensor | None) -> None:
-        """Member `index`'s gradient of one use (None for a frozen member: the use is only
-        accounted for, so the pass's weights are still freed when its last use is done)."""
-        if not self._passes:
+    def input_done(self) -> _Pass:
+        """One use's input gradient is formed (its I, or its whole backward): the pass it
+        belongs to (the oldest with input gradients owed; backwards run in the order of their
+        forwards). The pass's last one frees the weights gathered for backward."""
+        forward_pass = next((p for p in self._passes if p.inputs_pending > 0), None)
+        if forward_pass is None:
             raise RuntimeError("a bundled linear's backward ran with no forward use left to "
                                "account for: its gradient would be lost")
-        forward_pass = self._passes[0]
+        forward_pass.inputs_pending -= 1
+        self._inputs_pending -= 1
+        if forward_pass.inputs_pending == 0:
+            self._backward = None  # the pass's input gradients are done: its weights go
+        return forward_pass
+
+    def add_grad(self, forward_pass: _Pass, index: int, grad_full: torch.Tensor | None
+                 ) -> None:
+        """Member `index`'s gradient of one use of `forward_pass` (None for a frozen member:
+        the use is only accounted for). The pass's last one starts the reduce-scatter."""
         if grad_full is not None:
             self._place(forward_pass, index, grad_full)
         self._pending -= 1
         forward_pass.pending -= 1
         if forward_pass.pending > 0:
             return
-        self._passes.popleft()
-        self._backward = None  # the pass's backward is done: its weights go
+        self._passes.remove(forward_pass)  # the oldest, but for a W run out of order
         if forward_pass.message is None:  # every use was a frozen member's
             return
         flat, forward_pass.message = forward_pass.message.view(-1), None
@@ -295,16 +315,22 @@ def _(x, shard, key, index, rows, needs_grad):
 @torch.library.custom_op("gtp::bundled_linear_backward", mutates_args=())
 def _backward(grad_y: torch.Tensor, x: torch.Tensor, key: torch.Tensor, index: int
               ) -> torch.Tensor:
-    """x's gradient; the member's weight gradient goes into the bundle's message."""
+    """x's gradient; the member's weight gradient goes into the bundle's message, now or, in
+    a split backward's I, at its W."""
     bundle = _BUNDLES[int(key)]
-    weight = bundle.backward_weight(index).to(grad_y.dtype)
-    grad_w = None
-    if bundle.trains(index):
-        grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(
-            grad_y.dtype)
-        grad_w = grad_w.to(bundle.members[index][0].dtype)
-    bundle.add_grad(index, grad_w)
-    return grad_y @ weight
+    grad_x = grad_y @ bundle.backward_weight(index).to(grad_y.dtype)
+    forward_pass = bundle.input_done()
+
+    def weight_grad() -> None:
+        grad_w = None
+        if bundle.trains(index):
+            grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(
+                grad_y.dtype)
+            grad_w = grad_w.to(bundle.members[index][0].dtype)
+        bundle.add_grad(forward_pass, index, grad_w)
+
+    run_now_or_defer(bundle.weight_grads, weight_grad, grad_y, x)
+    return grad_x
 
 
 @_backward.register_fake
@@ -366,7 +392,7 @@ def bundle_blocks(build: Build) -> None:
         if hasattr(child, "join_bundle") and name.startswith(f"{plan.blocks}."):
             block = ".".join(name.split(".")[:2])
             if block not in bundles:
-                bundles[block] = ShardBundle(gtp, build.dtypes, queue)
+                bundles[block] = ShardBundle(gtp, build.dtypes, queue, build.weight_grads)
             child.join_bundle(bundles[block])
     for block, bundle in bundles.items():
         build.model.get_submodule(block).register_forward_hook(

@@ -25,6 +25,7 @@ from parallel.groups import Groups
 from parallel.layout import Layout
 from parallel.layout.axes import REGISTRY
 from parallel.layout.parallel_plan import ParallelPlan
+from parallel.layout.pipeline_schedules import SPLIT_BACKWARD
 from parallel.pipeline.runner import PipelineRunner
 from parallel.pipeline.stages import shared_weights
 from parallel.tensor import (
@@ -33,6 +34,7 @@ from parallel.tensor import (
     global_chunks,
     vocab_parallel_cross_entropy,
 )
+from parallel.weight_grads import DeferredWeightGrads
 
 ParallelLayer = (ParallelLinear, VocabParallelEmbedding)
 # (parameter name, its single-device shape, offsets, shape) -> that rectangle of its value
@@ -272,6 +274,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Gr
     A weight the model shares between layers (tied embeddings) stays one parameter: both
     replacements store the same shard, and autograd sums the two uses' gradients into it."""
     build = Build(model, plan, layout, groups, rank, options, options.dtypes(compute_dtype))
+    if options.pipeline_schedule in SPLIT_BACKWARD:
+        build.weight_grads = DeferredWeightGrads()
     _run(build, "cut")
     ties = shared_weights(model)  # before the layers are replaced: which weights are one
     _run(build, "shard")
@@ -291,7 +295,8 @@ def parallelize(model: nn.Module, plan: ParallelPlan, layout: Layout, groups: Gr
     parallel = ParallelModel(model, groups, build.sequence_parallel, plan.head, compute_dtype,
                              bundles, queue, vocab_size, stage, plan.head_norms,
                              bool(plan.experts))
-    parallel.runner = PipelineRunner(parallel, layout, options.pipeline_schedule, plan.hidden_size)
+    parallel.runner = PipelineRunner(parallel, layout, options.pipeline_schedule, plan.hidden_size,
+                                     build.weight_grads)
     return parallel
 
 

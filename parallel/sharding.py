@@ -9,11 +9,13 @@ message (parallel.bundle). Under bf16 the messages may be bf16 (CommDtypes); the
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from parallel.comm import Group
+from parallel.weight_grads import DeferredWeightGrads, accumulate
 
 
 @dataclass(frozen=True)
@@ -66,13 +68,55 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _weight_grad(grad_y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dW of y = x @ W^T: the matmul autograd runs for F.linear (grad_y^T x, 2-D), in grad_y's
+    dtype."""
+    return grad_y.reshape(-1, grad_y.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]).to(
+        grad_y.dtype))
+
+
+def _deferred(store: DeferredWeightGrads | None, param: torch.Tensor,
+              weight_grad: Callable[[], torch.Tensor], *holds: torch.Tensor) -> bool:
+    """Leave `param`'s gradient (computed from `holds`) for W where a split backward's I is
+    running (True); else the caller returns it to autograd, as a whole backward does."""
+    return store is not None and store.defer(lambda: accumulate(param, weight_grad()), *holds)
+
+
+class _SplitLinear(torch.autograd.Function):
+    """F.linear as autograd runs it (the same saved tensors: the input and the weight in the
+    compute dtype; the same matmuls), with the weight's gradient left for W inside a split
+    backward's I (parallel.weight_grads)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, store: DeferredWeightGrads):
+        x = autocast_input(x)
+        used = weight.to(x.dtype)
+        ctx.store = store
+        ctx.save_for_backward(x, used, weight)
+        return F.linear(x, used)
+
+    @staticmethod
+    def backward(ctx, grad_y: torch.Tensor):
+        x, used, weight = ctx.saved_tensors
+        grad_x = grad_y @ used if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[1]:
+            return grad_x, None, None
+
+        def weight_grad() -> torch.Tensor:
+            return _weight_grad(grad_y, x).to(weight.dtype)
+
+        if _deferred(ctx.store, weight, weight_grad, grad_y, x):
+            return grad_x, None, None
+        return grad_x, weight_grad(), None
+
+
 class _ShardedLinear(torch.autograd.Function):
     """y = x @ W^T with W gathered in forward, gathered again in backward, never saved."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, shard: torch.Tensor, group: Group, rows: int,
-                dtypes: CommDtypes):
-        ctx.group, ctx.rows, ctx.dtypes = group, rows, dtypes
+                dtypes: CommDtypes, store: DeferredWeightGrads | None = None):
+        ctx.group, ctx.rows, ctx.dtypes, ctx.store = group, rows, dtypes, store
         x = autocast_input(x)
         ctx.save_for_backward(x, shard)
         return F.linear(x, gather_rows(shard, group, rows, dtypes.gather))
@@ -85,12 +129,19 @@ class _ShardedLinear(torch.autograd.Function):
         # shard's) and returns to the shard's (master) dtype.
         weight = gather_rows(shard, ctx.group, ctx.rows, ctx.dtypes.gather).to(grad_y.dtype)
         grad_x = grad_y @ weight if ctx.needs_input_grad[0] else None
+        del weight
         if not ctx.needs_input_grad[1]:  # a frozen weight (peft=lora's base): nothing to sum
-            return grad_x, None, None, None, None
-        grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(
-            grad_y.dtype)
-        grad_w = _scatter_rows(grad_w.to(ctx.dtypes.reduce or shard.dtype), ctx.group)
-        return grad_x, grad_w.to(shard.dtype), None, None, None
+            return grad_x, None, None, None, None, None
+
+        group, reduce = ctx.group, ctx.dtypes.reduce or shard.dtype
+
+        def weight_grad() -> torch.Tensor:  # reduce-scattered where it is formed (in W)
+            grad_w = _scatter_rows(_weight_grad(grad_y, x).to(reduce), group)
+            return grad_w.to(shard.dtype)
+
+        if _deferred(ctx.store, shard, weight_grad, grad_y, x):
+            return grad_x, None, None, None, None, None
+        return grad_x, weight_grad(), None, None, None, None
 
 
 class _ShardedEmbedding(torch.autograd.Function):
@@ -121,10 +172,15 @@ class _ShardedEmbedding(torch.autograd.Function):
 
 
 def sharded_linear(x: torch.Tensor, shard: torch.Tensor, group: Group, rows: int,
-                   dtypes: CommDtypes = IN_MASTER_DTYPE) -> torch.Tensor:
-    if group.size == 1:  # autocast casts the weight to the compute dtype itself
+                   dtypes: CommDtypes = IN_MASTER_DTYPE,
+                   weight_grads: DeferredWeightGrads | None = None) -> torch.Tensor:
+    """weight_grads: set where the schedule splits the backward (its weight gradient may
+    wait for W)."""
+    if group.size == 1 and weight_grads is None:  # autocast casts the weight itself
         return F.linear(x, shard)
-    return _ShardedLinear.apply(x, shard, group, rows, dtypes)
+    if group.size == 1:
+        return _SplitLinear.apply(x, shard, weight_grads)
+    return _ShardedLinear.apply(x, shard, group, rows, dtypes, weight_grads)
 
 
 def sharded_embedding(ids: torch.Tensor, shard: torch.Tensor, group: Group, rows: int,

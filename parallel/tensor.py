@@ -31,6 +31,7 @@ from parallel.sharding import (
     sharded_embedding,
     sharded_linear,
 )
+from parallel.weight_grads import DeferredWeightGrads
 
 SEQ_DIM = 1  # activations are [batch, seq, features]
 
@@ -79,6 +80,9 @@ class ParallelLinear(nn.Module):
         self.bundle: ShardBundle | None = None  # set by join_bundle
         self.bundle_index = -1
         self.bundle_key: torch.Tensor | None = None  # the bundle's, read by its operators
+        # A split backward's (parallel.weight_grads): set by shard_layers where the schedule
+        # has one; the weight's gradient then waits for W.
+        self.weight_grads: DeferredWeightGrads | None = None
 
     def join_bundle(self, bundle: ShardBundle) -> None:
         """Gather and reduce-scatter together with the bundle's other layers."""
@@ -102,7 +106,8 @@ class ParallelLinear(nn.Module):
         if self.bundle_key is not None:  # (not the bundle: compiled, each would be a guard)
             y = bundled_linear(x, self.weight, self.bundle_key, self.bundle_index, self.rows)
         else:
-            y = sharded_linear(x, self.weight, self.gtp, self.rows, self.dtypes)
+            y = sharded_linear(x, self.weight, self.gtp, self.rows, self.dtypes,
+                               self.weight_grads)
         if self.style == "row":
             sp = self.sequence_parallel
             y = scatter_along(y, self.tp, SEQ_DIM) if sp else reduce_from(y, self.tp)
@@ -266,6 +271,7 @@ def shard_layers(build: Build) -> None:
             if style == "whole":  # kept as it is: whole on every rank
                 continue
             replacement = ParallelLinear(child, style, tp, gtp, sp, name, parts, build.dtypes)
+            replacement.weight_grads = build.weight_grads
         else:
             continue
         for hook in child._forward_hooks.values():  # the model's own (LoRA's adapters)

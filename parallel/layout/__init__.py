@@ -25,6 +25,7 @@ from parallel.layout.axes import (
 )
 from parallel.layout.axes.context import zigzag_chunks
 from parallel.layout.axes.pipeline import split_layers
+from parallel.layout.pipeline_schedules import model_chunk
 
 __all__ = ["AXES", "GROUP_AXES", "GROUP_NAMES", "GROUP_PURPOSE", "CONFIG_KEY", "Layout",
            "LayoutError", "RankCoords", "multiples_near"]
@@ -230,10 +231,12 @@ class Layout:
             cache[num_layers] = split_layers(self, num_layers)
         return list(cache[num_layers])
 
-    def stage_chunks(self, stage: int, num_layers: int) -> list[range]:
-        """The blocks of each of `stage`'s virtual chunks, in chunk order."""
+    def stage_chunks(self, stage: int, num_layers: int, v_shape: bool = False) -> list[range]:
+        """The blocks of each of `stage`'s virtual chunks, in chunk order (v_shape: a V's
+        placement, pipeline_schedules.model_chunk)."""
         chunks = self.pipeline_layers(num_layers)
-        return [chunks[c * self.pp_size + stage] for c in range(self.virtual_pipeline_size)]
+        return [chunks[model_chunk(stage, c, self.pp_size, v_shape)]
+                for c in range(self.virtual_pipeline_size)]
 
     def derived(self) -> dict[str, int]:
         """The values the config's read-only `layout` node carries, in DERIVED_KEYS order."""

@@ -5,21 +5,31 @@ a schedule's bubble and activation memory, and the executor replays the same lis
 group, so the figures printed before a run are the ones the run follows.
 
 A stage runs `virtual` model chunks; its chunk `c` is model chunk `c * pp + stage`, so a
-micro-batch walks stage 0..pp-1 once per chunk (Megatron's interleaved placement).
+micro-batch walks stage 0..pp-1 once per chunk (Megatron's interleaved placement), except under
+a V-shaped schedule (zbv): two chunks a stage, chunk 0 model chunk `stage` and chunk 1 model
+chunk `2 * pp - 1 - stage`, so a micro-batch goes down the stages and comes back up, and the
+last stage hands its first chunk's output to its second without a message.
+
+The zero-bubble schedules split each backward in two (the actions' kinds, torch.distributed.
+pipelining's names): I, the gradient of the chunk's input, which the previous stage waits for,
+and W, the gradients of its weights, which nothing waits for, so it can fill a bubble. B is the
+whole backward (I then W at once), what 1f1b, interleaved_1f1b and gpipe run.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe")
-FORWARD, BACKWARD = "F", "B"
+SCHEDULES = ("1f1b", "interleaved_1f1b", "gpipe", "zb_h1", "zbv")
+SPLIT_BACKWARD = ("zb_h1", "zbv")  # run I and W, not B
+V_SHAPED = ("zbv",)
+FORWARD, BACKWARD, INPUT, WEIGHT = "F", "B", "I", "W"
 
 
 @dataclass(frozen=True)
 class Action:
     """One forward or backward of one micro-batch through one of this stage's chunks."""
 
-    kind: str  # FORWARD or BACKWARD
+    kind: str  # FORWARD, BACKWARD (whole), INPUT (its input's gradient) or WEIGHT
     microbatch: int  # 0..m-1
     chunk: int  # this stage's virtual chunk, 0..v-1; the model chunk is chunk * pp + stage
 
@@ -27,15 +37,30 @@ class Action:
         return f"{self.kind}(mb={self.microbatch}, chunk={self.chunk})"
 
 
-def model_chunk(stage: int, chunk: int, pp: int) -> int:
+def model_chunk(stage: int, chunk: int, pp: int, v_shape: bool = False) -> int:
     """The model chunk (0 = first layers) that `stage` runs as its virtual chunk `chunk`."""
+    if v_shape:
+        return stage if chunk == 0 else 2 * pp - 1 - stage
     return chunk * pp + stage
+
+
+def stage_of(model_chunk_index: int, pp: int, v_shape: bool = False) -> int:
+    """The stage that runs model chunk `model_chunk_index` (model_chunk's inverse)."""
+    if v_shape and model_chunk_index >= pp:
+        return 2 * pp - 1 - model_chunk_index
+    return model_chunk_index % pp
+
+
+def ends_backward(kind: str) -> bool:
+    """Whether an action of `kind` ends a pair's activations (B or I: its input's gradient is
+    formed, and its graph freed)."""
+    return kind in (BACKWARD, INPUT)
 
 
 # ------------------------------------------------------------------------------ the schedules
 
 
-def _check_arguments(schedule: str, stage: int, pp: int, microbatches: int, virtual: int) -> None:
+def check_schedule(schedule: str, stage: int, pp: int, microbatches: int, virtual: int) -> None:
     """Reject what no schedule can run, naming the argument and the rule it breaks."""
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown pipeline schedule {schedule!r}; choose one of {SCHEDULES}.")
@@ -54,6 +79,11 @@ def _check_arguments(schedule: str, stage: int, pp: int, microbatches: int, virt
             raise ValueError(
                 f"schedule 'interleaved_1f1b' needs microbatches to be a multiple of pp: "
                 f"microbatches={microbatches} % pp={pp} = {microbatches % pp}.")
+    elif schedule == "zbv":
+        if virtual != 2:
+            raise ValueError(
+                f"schedule 'zbv' runs two model chunks per stage (a V), so virtual must be 2, "
+                f"got virtual={virtual}.")
     elif virtual != 1:
         raise ValueError(
             f"schedule {schedule!r} runs one model chunk per stage, so virtual must be 1, got "
@@ -85,7 +115,7 @@ def _interleaved_action(kind: str, k: int, pp: int, virtual: int) -> Action:
 def stage_actions(schedule: str, stage: int, pp: int, microbatches: int,
                   virtual: int = 1) -> list[Action]:
     """The order in which `stage` of `pp` runs every forward and backward of one step."""
-    _check_arguments(schedule, stage, pp, microbatches, virtual)
+    check_schedule(schedule, stage, pp, microbatches, virtual)
     m = microbatches
     if schedule == "gpipe":
         # All forwards then all backwards: simplest, but holds all m activations at once.
@@ -97,6 +127,10 @@ def stage_actions(schedule: str, stage: int, pp: int, microbatches: int,
         forwards = [Action(FORWARD, i, 0) for i in range(m)]
         backwards = [Action(BACKWARD, i, 0) for i in range(m)]
         return _warmup_steady_cooldown(forwards, backwards, min(pp - stage - 1, m))
+    if schedule == "zb_h1":
+        return _zero_bubble_h1(stage, pp, m)
+    if schedule == "zbv":
+        return _zero_bubble_v(stage, pp, m)
     total = m * virtual
     forwards = [_interleaved_action(FORWARD, k, pp, virtual) for k in range(total)]
     backwards = [_interleaved_action(BACKWARD, k, pp, virtual) for k in range(total)]
@@ -107,9 +141,68 @@ def stage_actions(schedule: str, stage: int, pp: int, microbatches: int,
     return _warmup_steady_cooldown(forwards, backwards, warmup)
 
 
+def _zero_bubble_h1(stage: int, pp: int, m: int) -> list[Action]:
+    """ZB-H1 (Qi et al., Zero Bubble Pipeline Parallelism, 2024): 1f1b's forwards and input
+    backwards, with each W right after its I except stage s's first s, which wait to the end:
+    they fill the time the last I's take to come back to stage 0, so a stage idles about a
+    third of 1f1b's bubble when F, I and W cost the same. At most pp micro-batches are alive
+    on every stage (their activations until I, W's inputs until W)."""
+    warmup = min(pp - stage - 1, m)
+    order = [Action(FORWARD, i, 0) for i in range(warmup)]
+    weights = iter(range(m))  # W's in the order of their I's
+    for k in range(m):
+        if warmup + k < m:
+            order.append(Action(FORWARD, warmup + k, 0))
+        order.append(Action(INPUT, k, 0))
+        if k >= stage:
+            order.append(Action(WEIGHT, next(weights), 0))
+    return order + [Action(WEIGHT, i, 0) for i in weights]
+
+
+def _zero_bubble_v(stage: int, pp: int, m: int) -> list[Action]:
+    """ZB-V (the same paper, section 6), as torch.distributed.pipelining builds it: two chunks
+    in a V, warmed up with 2 (pp - stage) - 1 forwards of chunk 0 and the stage's forwards
+    of chunk 1 interleaved; in the steady state F, I and W of each chunk in turn; the
+    cool-down's W's fill the time the I's take to come back. It is planned for at least
+    2 pp - 1 micro-batches, and the actions of those past m are dropped."""
+    n = max(2 * pp - 1, m)
+    done = {kind: [0, 0] for kind in (FORWARD, INPUT, WEIGHT)}  # actions run, per chunk
+    order: list[Action] = []
+
+    def run(kind: str, chunk: int) -> None:
+        order.append(Action(kind, done[kind][chunk], chunk))
+        done[kind][chunk] += 1
+
+    forwards = done[FORWARD]
+    for _ in range(2 * (pp - stage) - 1):
+        run(FORWARD, 0)
+    for _ in range(stage):
+        run(FORWARD, 1)
+        run(FORWARD, 0)
+    for _ in range(pp - stage):
+        for kind in (FORWARD, INPUT, WEIGHT):
+            run(kind, 1)
+    while forwards[1] < forwards[0] or forwards[0] < n:
+        if forwards[0] < n:
+            run(FORWARD, 0)
+        for kind, chunk in ((INPUT, 0), (WEIGHT, 0), (FORWARD, 1), (INPUT, 1), (WEIGHT, 1)):
+            run(kind, chunk)
+    for _ in range(stage):
+        run(INPUT, 0)
+        run(INPUT, 1)
+    for _ in range(pp - stage):
+        run(INPUT, 0)
+        run(WEIGHT, 0)
+    for chunk in (1, 0):
+        while done[WEIGHT][chunk] < done[INPUT][chunk]:
+            run(WEIGHT, chunk)
+    return [a for a in order if a.microbatch < m]
+
+
 def in_flight(actions: list[Action]) -> int:
-    """The most (micro-batch, chunk) activations the stage holds at once: forwarded, not yet
-    backwarded. In chunk units: with v chunks, one unit is 1/v of a stage's layers."""
+    """The most (micro-batch, chunk) activations the stage holds at once: forwarded, their
+    input's gradient not yet formed (by B or I). In chunk units: with v chunks, one unit is 1/v
+    of a stage's layers."""
     held: set[tuple[int, int]] = set()
     most = 0
     for action in actions:
@@ -117,8 +210,18 @@ def in_flight(actions: list[Action]) -> int:
         if action.kind == FORWARD:
             held.add(key)
             most = max(most, len(held))
-        else:
+        elif ends_backward(action.kind):
             held.discard(key)
+    return most
+
+
+def weights_pending(actions: list[Action]) -> int:
+    """The most (micro-batch, chunk) pairs whose I has run and W not yet (each holds what its
+    W needs: the linears' inputs and output gradients); 0 without a split backward."""
+    pending = most = 0
+    for action in actions:
+        pending += {INPUT: 1, WEIGHT: -1}.get(action.kind, 0)
+        most = max(most, pending)
     return most
 
 
@@ -127,27 +230,49 @@ def in_flight(actions: list[Action]) -> int:
 RECEIVE_AHEAD = 1
 
 
-def message_counts(actions: list[Action], stage: int, pp: int, virtual: int = 1
-                   ) -> set[tuple[int, int]]:
+def message_counts(actions: list[Action], stage: int, pp: int, virtual: int = 1,
+                   v_shape: bool = False) -> set[tuple[int, int]]:
     """The received messages a stage holds during each of its actions, as (hidden-state
     messages, position messages) pairs, the dominated ones dropped: the receives posted for the
     next RECEIVE_AHEAD actions (a forward of a chunk after the model's first: its hidden states
-    and their positions; a backward of a chunk before the last: the gradient), and the action's
-    own: a backward holds its gradient throughout, a forward its positions (its hidden states
-    become the chunk's input, which its activations count)."""
+    and their positions; a backward (B or I) of a chunk before the last: the gradient), and the
+    action's own: a backward holds its gradient throughout, a forward its positions (its hidden
+    states become the chunk's input, which its activations count). A V's turn is on the stage
+    itself: no receive is posted for it, and the gradient its second chunk's I hands the first
+    is held until the first's I uses it."""
     last = pp * virtual - 1
 
-    def received(action: Action, own: bool) -> tuple[int, int]:
-        chunk = model_chunk(stage, action.chunk, pp)
+    def source(action: Action) -> int | None:
+        """The model chunk whose output (or input's gradient) the action takes; None: none."""
+        chunk = model_chunk(stage, action.chunk, pp, v_shape)
         if action.kind == FORWARD:
-            return (0, 0) if chunk == 0 else (0 if own else 1, 1)
-        return (0, 0) if chunk == last else (1, 0)
+            return None if chunk == 0 else chunk - 1
+        if action.kind == WEIGHT or chunk == last:
+            return None
+        return chunk + 1
 
-    counts = set()
+    def received(action: Action, own: bool) -> tuple[int, int]:
+        if source(action) is None:
+            return (0, 0)
+        if action.kind == FORWARD:
+            return (0 if own else 1, 1)
+        return (1, 0)
+
+    def local(action: Action) -> bool:
+        return source(action) is not None and stage_of(source(action), pp, v_shape) == stage
+
+    counts, handed = set(), 0  # handed: gradients formed on this stage for its own later I
     for i, action in enumerate(actions):
-        ahead = [received(a, False) for a in actions[i + 1:i + 1 + RECEIVE_AHEAD]]
+        if action.kind != FORWARD and local(action):
+            handed -= 1  # now the action's own
+        ahead = [received(a, False) for a in actions[i + 1:i + 1 + RECEIVE_AHEAD]
+                 if not local(a)]
         own = received(action, True)
-        counts.add((own[0] + sum(a for a, _ in ahead), own[1] + sum(p for _, p in ahead)))
+        counts.add((own[0] + handed + sum(a for a, _ in ahead),
+                    own[1] + sum(p for _, p in ahead)))
+        chunk = model_chunk(stage, action.chunk, pp, v_shape)
+        if ends_backward(action.kind) and chunk > 0 and stage_of(chunk - 1, pp, v_shape) == stage:
+            handed += 1
     return {c for c in counts if not any(d != c and d[0] >= c[0] and d[1] >= c[1]
                                          for d in counts)}
 
@@ -164,83 +289,3 @@ def ideal_bubble_fraction(pp: int, microbatches: int, virtual: int = 1) -> float
         raise ValueError(f"pp={pp}, microbatches={microbatches} and virtual={virtual} must all "
                          f"be >= 1.")
     return (pp - 1) / (virtual * microbatches + pp - 1)
-
-
-# ------------------------------------------------------------------------------ the simulation
-
-
-@dataclass(frozen=True)
-class Simulation:
-    """What a schedule costs on one step: the time it takes and how idle and full each stage is."""
-
-    makespan: float
-    busy: tuple[float, ...]  # per stage, time spent computing
-    bubble_fraction: float  # 1 - mean(busy) / makespan
-    in_flight: tuple[int, ...]  # per stage, in_flight(stage_actions(...))
-
-
-def _input_of(action: Action, stage: int, pp: int, virtual: int) -> tuple[str, int, int] | None:
-    """(kind, micro-batch, model chunk) that must finish before `action` can start; None for the
-    forward of model chunk 0, whose input is the data."""
-    chunk = model_chunk(stage, action.chunk, pp)
-    if action.kind == FORWARD:
-        return None if chunk == 0 else (FORWARD, action.microbatch, chunk - 1)
-    if chunk == pp * virtual - 1:
-        return (FORWARD, action.microbatch, chunk)  # the loss: the last chunk's own forward
-    return (BACKWARD, action.microbatch, chunk + 1)
-
-
-def simulate_orders(orders: list[list[Action]], pp: int, virtual: int = 1,
-                    forward_time: float = 1.0, backward_time: float = 2.0,
-                    hop_time: float = 0.0) -> Simulation:
-    """Run each stage's order as a dataflow: an action starts once its stage is free and its input
-    has arrived (its producer finished, plus hop_time when that producer is another stage).
-    Raises RuntimeError if the orders deadlock, naming what each stuck stage waits for."""
-    if pp < 1 or len(orders) != pp:
-        raise ValueError(f"got {len(orders)} stage orders for pp={pp}; need one per stage.")
-    duration = {FORWARD: forward_time / virtual, BACKWARD: backward_time / virtual}
-    finished: dict[tuple[str, int, int], float] = {}
-    next_index = [0] * pp
-    stage_free = [0.0] * pp
-    busy = [0.0] * pp
-    remaining = sum(len(order) for order in orders)
-    while remaining:
-        progressed = False
-        for stage, order in enumerate(orders):
-            # Run this stage as far as its inputs allow before looking at the next one; the
-            # times do not depend on the sweep order, only on each stage's list order.
-            while next_index[stage] < len(order):
-                action = order[next_index[stage]]
-                needed = _input_of(action, stage, pp, virtual)
-                ready = 0.0
-                if needed is not None:
-                    if needed not in finished:
-                        break
-                    producer_stage = needed[2] % pp
-                    ready = finished[needed] + (hop_time if producer_stage != stage else 0.0)
-                start = max(stage_free[stage], ready)
-                stage_free[stage] = start + duration[action.kind]
-                busy[stage] += duration[action.kind]
-                finished[(action.kind, action.microbatch,
-                          model_chunk(stage, action.chunk, pp))] = stage_free[stage]
-                next_index[stage] += 1
-                remaining -= 1
-                progressed = True
-        if not progressed:
-            stuck = [f"stage {stage}: {order[next_index[stage]]} waits for "
-                     f"{_input_of(order[next_index[stage]], stage, pp, virtual)}"
-                     for stage, order in enumerate(orders) if next_index[stage] < len(order)]
-            raise RuntimeError("pipeline orders deadlock; " + "; ".join(stuck))
-    makespan = max(stage_free)
-    bubble = 1.0 - (sum(busy) / pp) / makespan if makespan > 0 else 0.0
-    return Simulation(makespan=makespan, busy=tuple(busy), bubble_fraction=bubble,
-                      in_flight=tuple(in_flight(order) for order in orders))
-
-
-def simulate(schedule: str, pp: int, microbatches: int, virtual: int = 1,
-             forward_time: float = 1.0, backward_time: float = 2.0,
-             hop_time: float = 0.0) -> Simulation:
-    """Simulate one step of `schedule` over all pp stages (see simulate_orders)."""
-    _check_arguments(schedule, 0, pp, microbatches, virtual)  # before any stage's list is built
-    orders = [stage_actions(schedule, stage, pp, microbatches, virtual) for stage in range(pp)]
-    return simulate_orders(orders, pp, virtual, forward_time, backward_time, hop_time)

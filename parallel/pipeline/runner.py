@@ -12,6 +12,11 @@ leaves a receive waiting, which the process group's timeout (cluster.timeout_s) 
 
 Without pipeline parallelism the same code runs each micro-batch forward then backward, with
 no messages: one path for every layout.
+
+A zero-bubble schedule splits a backward into I and W (parallel.weight_grads): I runs autograd's
+backward with the linears' weight gradients collected, sends the input's gradient on, and keeps
+the collection for the pair's W. A V-shaped schedule's turn (the last stage's first chunk into
+its second, and the gradient back) stays on the rank: handed over, not sent.
 """
 from __future__ import annotations
 
@@ -25,11 +30,16 @@ from parallel.comm import Pending
 from parallel.layout import Layout
 from parallel.layout.pipeline_schedules import (
     FORWARD,
+    INPUT,
     RECEIVE_AHEAD,
+    V_SHAPED,
+    WEIGHT,
     Action,
     model_chunk,
     stage_actions,
+    stage_of,
 )
+from parallel.weight_grads import Collected, DeferredWeightGrads
 
 # The last chunk's logits of micro-batch i -> the tensor its backward starts from (training),
 # or anything (evaluation). The caller keeps what it needs of the loss.
@@ -38,20 +48,26 @@ ACTIVATION, POSITIONS, GRADIENT = range(3)  # message kinds, part of each tag
 
 
 class PipelineRunner:
-    def __init__(self, model: torch.nn.Module, layout: Layout, schedule: str, hidden_size: int):
-        """model: a parallel.parallelize.ParallelModel (which builds its runner)."""
+    def __init__(self, model: torch.nn.Module, layout: Layout, schedule: str, hidden_size: int,
+                 weight_grads: DeferredWeightGrads | None = None):
+        """model: a parallel.parallelize.ParallelModel (which builds its runner);
+        weight_grads: its linears' store, where the schedule splits the backward."""
         self.model, self.layout, self.schedule = model, layout, schedule
+        self.weight_grads = weight_grads
         self.pp = model.groups.pp
         self.stage, self.size = self.pp.rank, self.pp.size
         self.virtual = layout.virtual_pipeline_size
+        self.v_shape = schedule in V_SHAPED
         self.last_chunk = self.size * self.virtual - 1
+        self.last_stage = stage_of(self.last_chunk, self.size, self.v_shape)  # the loss's
         # Between blocks the residual stream stays in the masters' dtype (parallel.sharding),
         # split over TP along the sequence with SP.
         self.dtype = next(model.parameters()).dtype
         self.hidden_shape = (layout.micro_batch_size, layout.residual_local_length, hidden_size)
         self.positions_shape = (layout.micro_batch_size, layout.context_local_length)
         # Set to measure what the schedule keeps: the bytes autograd saves in each forward
-        # (weights excluded), summed over the (micro-batch, chunk) pairs in flight; the most
+        # (weights excluded), summed over the (micro-batch, chunk) pairs in flight, and what
+        # the pairs between their I and W hold for W; the most
         # of the last run, and the most pairs in flight, beside the dry run's plan of them.
         # Also the most bytes of received messages held at once (posted receives, and the
         # action's own: a backward's gradient, a forward's positions).
@@ -86,6 +102,8 @@ class PipelineRunner:
                                               _message_bytes(flight, action))
             if action.kind == FORWARD:
                 self._forward(action, inputs, last, train, flight)
+            elif action.kind == WEIGHT:
+                self._weight(action, flight)
             else:
                 self._backward(action, flight)
             flight.sends = [s for s in flight.sends if not s.completed()]  # let buffers go
@@ -95,9 +113,12 @@ class PipelineRunner:
             send.wait()
         self.run_s = time.perf_counter() - started
 
+    def _model_chunk(self, action: Action) -> int:
+        return model_chunk(self.stage, action.chunk, self.size, self.v_shape)
+
     def _forward(self, action: Action, inputs: Sequence, last: LastStage, train: bool,
                  flight: _InFlight) -> None:
-        chunk = model_chunk(self.stage, action.chunk, self.size)
+        chunk = self._model_chunk(action)
         with torch.set_grad_enabled(train), _SavedBytes(self.measure, self.model) as size:
             x, positions = self._inputs(action, inputs, train, flight)
             busy = time.perf_counter()
@@ -109,81 +130,131 @@ class PipelineRunner:
                 out = last(action.microbatch, out)
             self.busy_s += time.perf_counter() - busy
             if chunk != self.last_chunk:
-                flight.sends += self._send_forward(chunk, action.microbatch, out, positions)
-                _release_data(out)
+                flight.sends += self._send_forward(chunk, action.microbatch, out, positions,
+                                                   flight)
+                if not self._local(chunk + 1):  # handed over, it is the next chunk's input
+                    _release_data(out)
         if train:  # kept until its backward: the pair's graph, and its input for the gradient
             key = (action.microbatch, action.chunk)
             flight.saved[key], flight.kept[key] = (x, out), size.bytes
             self.peak_in_flight = max(self.peak_in_flight, len(flight.saved))
-            self.peak_saved_bytes = max(self.peak_saved_bytes, sum(flight.kept.values()))
+            self._measure_kept(flight)
 
     def _backward(self, action: Action, flight: _InFlight) -> None:
-        chunk = model_chunk(self.stage, action.chunk, self.size)
-        x, out = flight.saved.pop((action.microbatch, action.chunk))
-        flight.kept.pop((action.microbatch, action.chunk))
+        """B, or I: the same backward with the linears' weight gradients left for W."""
+        chunk = self._model_chunk(action)
+        key = (action.microbatch, action.chunk)
+        x, out = flight.saved.pop(key)
+        flight.kept.pop(key)
         grad = None if chunk == self.last_chunk else self._received(action, flight)[0]
         busy = time.perf_counter()
-        torch.autograd.backward(out, grad)
+        if action.kind == INPUT:
+            with self.weight_grads.collect() as collected:
+                torch.autograd.backward(out, grad)
+            flight.weights[key] = collected
+            if self.measure:
+                flight.held[key] = collected.held_bytes()
+        else:
+            torch.autograd.backward(out, grad)
         self.model.wait_grad_reduces()  # this pass's reduce-scatters end with it
         self.busy_s += time.perf_counter() - busy
-        del out
+        del out, grad
         if chunk > 0:
-            flight.sends.append(self._send(x.grad, -1, chunk, action.microbatch, GRADIENT))
+            flight.sends += self._send(x.grad, chunk - 1, chunk, action.microbatch, GRADIENT,
+                                       flight)
+        self._measure_kept(flight)
+
+    def _weight(self, action: Action, flight: _InFlight) -> None:
+        """W: the weight gradients the pair's I left (and the reductions that follow them)."""
+        key = (action.microbatch, action.chunk)
+        collected: Collected = flight.weights.pop(key)
+        flight.held.pop(key, None)
+        busy = time.perf_counter()
+        collected.run()
+        self.model.wait_grad_reduces()
+        self.busy_s += time.perf_counter() - busy
+
+    def _measure_kept(self, flight: _InFlight) -> None:
+        if self.measure:
+            self.peak_saved_bytes = max(self.peak_saved_bytes, sum(flight.kept.values())
+                                        + sum(flight.held.values()))
+
+    def _local(self, chunk: int) -> bool:
+        """Whether model chunk `chunk` runs on this stage (a V's turn): its messages are
+        handed over, not sent."""
+        return stage_of(chunk, self.size, self.v_shape) == self.stage
 
     # ------------------------------------------------------------------------------ messages
 
     def _post_receives(self, action: Action, flight: _InFlight) -> None:
         """Post the receives `action` needs, once: gloo moves a message's bytes only once its
-        receive is posted, so one posted an action early arrives while this rank computes."""
+        receive is posted, so one posted an action early arrives while this rank computes.
+        What a V's turn hands over on this rank needs none."""
         key = (action.kind, action.microbatch, action.chunk)
-        chunk = model_chunk(self.stage, action.chunk, self.size)
+        chunk = self._model_chunk(action)
         if key in flight.posted:
             return
         flight.posted.add(key)
-        if action.kind == FORWARD and chunk > 0:
+        if action.kind == FORWARD and chunk > 0 and not self._local(chunk - 1):
             flight.receives[key] = [
-                self._recv(self.positions_shape, torch.long, -1, chunk, action.microbatch,
-                           POSITIONS),
-                self._recv(self.hidden_shape, self.dtype, -1, chunk, action.microbatch,
+                self._recv(self.positions_shape, torch.long, chunk - 1, chunk,
+                           action.microbatch, POSITIONS),
+                self._recv(self.hidden_shape, self.dtype, chunk - 1, chunk, action.microbatch,
                            ACTIVATION)]
-        elif action.kind != FORWARD and chunk < self.last_chunk:
-            flight.receives[key] = [self._recv(self.hidden_shape, self.dtype, +1, chunk + 1,
-                                               action.microbatch, GRADIENT)]
+        elif action.kind not in (FORWARD, WEIGHT) and chunk < self.last_chunk \
+                and not self._local(chunk + 1):
+            flight.receives[key] = [self._recv(self.hidden_shape, self.dtype, chunk + 1,
+                                               chunk + 1, action.microbatch, GRADIENT)]
 
     def _received(self, action: Action, flight: _InFlight) -> list[torch.Tensor]:
+        chunk = self._model_chunk(action)
+        kind = ACTIVATION if action.kind == FORWARD else GRADIENT
+        handed = flight.handed.pop((chunk, action.microbatch, kind), None)
+        if handed is not None:
+            return handed
         pending = flight.receives.pop((action.kind, action.microbatch, action.chunk))
         return [p.wait() for p in pending]
 
     def _inputs(self, action: Action, inputs: Sequence, train: bool, flight: _InFlight
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if model_chunk(self.stage, action.chunk, self.size) == 0:
+        if self._model_chunk(action) == 0:
             return inputs[action.microbatch][:2]
         positions, x = self._received(action, flight)
-        return x.requires_grad_(train), positions
+        return x.detach().requires_grad_(train), positions
 
     def _send_forward(self, chunk: int, microbatch: int, out: torch.Tensor,
-                      positions: torch.Tensor) -> list[Pending]:
+                      positions: torch.Tensor, flight: _InFlight) -> list[Pending]:
         if tuple(out.shape) != self.hidden_shape or out.dtype != self.dtype:
             raise RuntimeError(
                 f"pipeline stage {self.stage}: model chunk {chunk} returned "
                 f"{tuple(out.shape)} {out.dtype}, the next stage expects {self.hidden_shape} "
                 f"{self.dtype}")
-        return [self._send(positions, +1, chunk + 1, microbatch, POSITIONS),
-                self._send(out.detach(), +1, chunk + 1, microbatch, ACTIVATION)]
+        if self._local(chunk + 1):
+            flight.handed[(chunk + 1, microbatch, ACTIVATION)] = [positions, out.detach()]
+            return []
+        return (self._send(positions, chunk + 1, chunk + 1, microbatch, POSITIONS, flight)
+                + self._send(out.detach(), chunk + 1, chunk + 1, microbatch, ACTIVATION,
+                             flight))
 
     def _tag(self, chunk: int, microbatch: int, kind: int) -> int:
-        """Unique within a step: which micro-batch, which model chunk receives it, what."""
+        """Unique within a step: which micro-batch, which model chunk (the receiver of hidden
+        states, the sender of a gradient), what."""
         return (microbatch * (self.last_chunk + 1) + chunk) * 3 + kind
 
-    def _send(self, tensor: torch.Tensor, step: int, chunk: int, microbatch: int,
-              kind: int) -> Pending:
-        """To the stage `step` (+1 next, -1 previous; model chunks wrap around the stages)."""
-        return self.pp.start_send(tensor, (self.stage + step) % self.size,
-                                  self._tag(chunk, microbatch, kind))
+    def _send(self, tensor: torch.Tensor, to_chunk: int, chunk: int, microbatch: int,
+              kind: int, flight: _InFlight) -> list[Pending]:
+        """To the stage of model chunk `to_chunk` (`chunk`: the tag's); handed over where that
+        is this stage."""
+        destination = stage_of(to_chunk, self.size, self.v_shape)
+        if destination == self.stage:
+            flight.handed[(to_chunk, microbatch, kind)] = [tensor]
+            return []
+        return [self.pp.start_send(tensor, destination, self._tag(chunk, microbatch, kind))]
 
-    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, step: int, chunk: int,
+    def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, from_chunk: int, chunk: int,
               microbatch: int, kind: int) -> Pending:
-        return self.pp.start_recv(shape, dtype, self._device, (self.stage + step) % self.size,
+        return self.pp.start_recv(shape, dtype, self._device,
+                                  stage_of(from_chunk, self.size, self.v_shape),
                                   self._tag(chunk, microbatch, kind))
 
 
@@ -197,8 +268,9 @@ def _release_data(out: torch.Tensor) -> None:
 
 def _message_bytes(flight: _InFlight, action: Action) -> int:
     """Bytes of the receive buffers held as `action` runs: every posted one but the hidden
-    states a forward takes as its chunk's input (its activations count those)."""
-    total = 0
+    states a forward takes as its chunk's input (its activations count those), and what a V's
+    turn hands over (of hidden states, their positions only)."""
+    total = sum(t[0].nbytes for (_, _, kind), t in flight.handed.items())
     for key, pending in flight.receives.items():
         buffers = [p.output for p in pending]
         if key == (action.kind, action.microbatch, action.chunk) and action.kind == FORWARD:
@@ -215,6 +287,10 @@ class _InFlight:
     kept: dict[tuple[int, int], int] = field(default_factory=dict)  # their saved bytes (measure)
     sends: list[Pending] = field(default_factory=list)
     receives: dict[tuple[str, int, int], list[Pending]] = field(default_factory=dict)
+    # (model chunk, micro-batch, message kind) -> what a V's turn hands over on this stage
+    handed: dict[tuple[int, int, int], list[torch.Tensor]] = field(default_factory=dict)
+    weights: dict[tuple[int, int], Collected] = field(default_factory=dict)  # I's, for W
+    held: dict[tuple[int, int], int] = field(default_factory=dict)  # their bytes (measure)
     posted: set[tuple[str, int, int]] = field(default_factory=set)  # (kind, micro-batch, chunk)
 
 

@@ -145,6 +145,7 @@ def _masked_sum(losses: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def _from_last_stage(model: ParallelModel, value: torch.Tensor) -> torch.Tensor:
     """A loss sum over the global batch, on every rank: summed over the ranks that saw other
-    tokens, then sent from the last pipeline stage (the others hold 0) to every stage."""
+    tokens, then sent from the stage that runs the model's last chunk (the others hold 0) to
+    every stage."""
     model.groups.token_distinct.all_reduce(value)
-    return model.groups.pp.broadcast(value, root=model.groups.pp.size - 1)
+    return model.groups.pp.broadcast(value, root=model.runner.last_stage)

@@ -13,6 +13,8 @@ from parallel.layout.axes.pipeline import PIPELINE, VIRTUAL
 from parallel.layout.pipeline_schedules import (
     FORWARD,
     SCHEDULES,
+    SPLIT_BACKWARD,
+    V_SHAPED,
     Action,
     message_counts,
     stage_actions,
@@ -28,7 +30,8 @@ POSITION_BYTES = 8  # int64
 
 def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> None:
     """The blocks split over stages and chunks (Layout.pipeline_layers raises naming the keys);
-    interleaving and virtual chunks go together (Megatron: a virtual size selects it)."""
+    each schedule with the virtual chunks it runs (Megatron: a virtual size selects
+    interleaving; zbv's V is two chunks a stage) and what it cannot be combined with."""
     layout.pipeline_layers(model.num_layers)
     schedule, key = options.pipeline_schedule, "parallel.virtual_pipeline_model_parallel_size"
     if schedule not in SCHEDULES:
@@ -40,10 +43,27 @@ def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> N
             f"parallel.pipeline_schedule=interleaved_1f1b needs {key} >= 2 model chunks per "
             f"stage (it is {layout.virtual_pipeline_model_parallel_size}). Fix: set {key}=2, "
             f"or parallel.pipeline_schedule=1f1b.")
-    if schedule != "interleaved_1f1b" and v > 1:
+    if schedule == "zbv" and v != 2:
         raise ValueError(
-            f"{key}={v} needs parallel.pipeline_schedule=interleaved_1f1b (it is "
-            f"{schedule}). Fix: set that, or {key}=null.")
+            f"parallel.pipeline_schedule=zbv runs two model chunks per stage (a V), so it needs "
+            f"{key}=2 (it is {layout.virtual_pipeline_model_parallel_size}). Fix: set {key}=2, "
+            f"or parallel.pipeline_schedule=zb_h1.")
+    if schedule not in ("interleaved_1f1b", "zbv") and v > 1:
+        raise ValueError(
+            f"{key}={v} needs parallel.pipeline_schedule=interleaved_1f1b or zbv (it is "
+            f"{schedule}). Fix: set one of those, or {key}=null.")
+    if schedule in V_SHAPED:
+        for end in ("num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"):
+            if getattr(layout, end) is not None:
+                raise ValueError(
+                    f"parallel.{end}={getattr(layout, end)} with parallel.pipeline_schedule="
+                    f"{schedule}: a V's first stage runs both the model's first and last "
+                    f"chunks, so the ends are not separate stages. Fix: set parallel.{end}=null.")
+    if schedule in SPLIT_BACKWARD and options.compile_blocks:
+        raise ValueError(
+            f"parallel.pipeline_schedule={schedule} splits each backward into input and weight "
+            f"gradients, which compiled blocks cannot (their backward is one graph). Fix: set "
+            f"train.compile=none, or parallel.pipeline_schedule=1f1b.")
 
 
 def stage_activation_bytes(per_chunk: list[int], actions: list[Action]) -> int:
