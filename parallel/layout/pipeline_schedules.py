@@ -51,6 +51,12 @@ def stage_of(model_chunk_index: int, pp: int, v_shape: bool = False) -> int:
     return model_chunk_index % pp
 
 
+def last_stage(schedule: str, pp: int, virtual: int = 1) -> int:
+    """The stage that runs the model's last chunk (the head and the loss): pp - 1, or under a
+    V stage 0."""
+    return stage_of(pp * virtual - 1, pp, schedule in V_SHAPED)
+
+
 def ends_backward(kind: str) -> bool:
     """Whether an action of `kind` ends a pair's activations (B or I: its input's gradient is
     formed, and its graph freed)."""

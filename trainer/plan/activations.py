@@ -48,6 +48,13 @@ in the compute dtype: its norms keep e, not fp32; full recompute keeps Tr*h*e), 
 (2*Tr*h + Tr)*e, the head's input T*h*e and the loss's softmax T*V/t fp32. Counted with the
 head's, they are freed before the model's blocks' backward.
 
+A zero-bubble schedule's split backward (parallel.weight_grads) keeps, from a pair's I to its
+W, every TP linear's input and output gradient in the compute dtype: per block
+sum over its linears of T*(in + out)*e (TP-local widths; a column linear's input gathered
+over TP with SP, a row linear's output before its reduction), and the head's T*(h + V/t)*e
+on the last chunk: weight_grad_bytes. The experts' and the whole (not TP-split) linears form
+their weight gradients in I, as do norms and the embedding; under peft=lora nothing waits.
+
 What a step forms beyond them, and when: trainer.plan.moments.
 """
 from __future__ import annotations
@@ -56,6 +63,7 @@ from collections import Counter
 
 from parallel.layout import Layout
 from parallel.layout.axes.context import window_exchange
+from parallel.layout.pipeline_schedules import SPLIT_BACKWARD
 from trainer.config import CPCommType, ModelConfig, RecomputeGranularity
 from trainer.parts import BlockParts, block_parts, mtp
 from trainer.parts.lora import Adapters, head_kept_bytes
@@ -154,6 +162,35 @@ def chunk_activation_bytes(m: ModelConfig, layout: Layout, options: EngineOption
     return sum(count * block_activation_bytes(m, k, e, recompute, options.cp_comm_type, parts,
                                               window, lora, grad_in)
                for (recompute, parts, window, grad_in), count in kinds.items())
+
+
+def weight_grad_bytes(m: ModelConfig, layout: Layout, options: EngineOptions, chunk: range,
+                      head: bool) -> int:
+    """What one micro-batch's pair holds between its I and its W (see the docstring above):
+    the TP linears' inputs and output gradients of its blocks, and the head's (`head`)."""
+    if options.lora is not None:
+        return 0
+    k, e = Tokens.of(layout), compute_bytes(options.precision)
+    widths = 0
+    for block in chunk:
+        for part in block_parts(m, block):
+            shapes = part.shapes(m)
+            for module, style in part.tp_styles.items():
+                rows, cols = shapes[f"{module}.weight"]
+                widths += rows // k.t + cols if style == "column" else rows + cols // k.t
+    if head:
+        widths += m.hidden_size + m.padded_vocab_size // k.t
+    return k.T * widths * e
+
+
+def stage_weight_grad_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
+                            chunks: list[range], last: bool) -> list[int] | None:
+    """weight_grad_bytes of each of a stage's chunks (`last`: the head in its last), where
+    the schedule splits the backward; None where it does not."""
+    if options.pipeline_schedule not in SPLIT_BACKWARD:
+        return None
+    return [weight_grad_bytes(m, layout, options, chunk, last and i == len(chunks) - 1)
+            for i, chunk in enumerate(chunks)]
 
 
 def stage_chunk_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,

@@ -5,8 +5,9 @@ per parameter: the search sizes thousands of layouts, the dry run one.
 from __future__ import annotations
 
 from parallel.layout import Layout
+from parallel.layout.pipeline_schedules import V_SHAPED, last_stage
 from trainer.config import ModelConfig
-from trainer.plan.activations import stage_chunk_bytes
+from trainer.plan.activations import stage_chunk_bytes, stage_weight_grad_bytes
 from trainer.plan.axis_costs.pipeline import kept_bytes, schedule_messages
 from trainer.plan.memory import ModelWeights, StageWeights, stage_peak, stage_step
 from trainer.plan.muon import MuonPlan
@@ -24,19 +25,21 @@ class PeakPlanner:
         self.weights = ModelWeights(shapes, m.num_layers, m.tie_word_embeddings, muon=muon,
                                     lora=lora, reference=reference, base_bf16=base_bf16)
 
-    def stages(self, layout: Layout) -> list[StageWeights]:
-        return self.weights.stages(layout)
+    def stages(self, layout: Layout, schedule: str = "1f1b") -> list[StageWeights]:
+        return self.weights.stages(layout, schedule in V_SHAPED)
 
     def peak(self, layout: Layout, stages: list[StageWeights],
              options: EngineOptions) -> tuple[int, int]:
         """(the largest planned peak of any stage's rank in bytes, that stage)."""
-        worst, last_stage = (-1, 0), layout.pp_size - 1
-        for stage in sorted({0, min(1, last_stage), last_stage}):  # the middle stages hold
+        schedule, pp = options.pipeline_schedule, layout.pp_size
+        worst, last = (-1, 0), last_stage(schedule, pp, layout.virtual_pipeline_size)
+        for stage in sorted({0, min(1, pp - 1), pp - 1}):  # the middle stages hold
             weights = stages[stage]  # what stage 1 does, less
-            per_chunk = stage_chunk_bytes(self.m, layout, options, list(weights.chunks),
-                                          stage == last_stage)
-            kept = kept_bytes(per_chunk, options.pipeline_schedule, stage, layout)
-            messages = schedule_messages(options.pipeline_schedule, stage, layout.pp_size,
+            chunks = list(weights.chunks)
+            per_chunk = stage_chunk_bytes(self.m, layout, options, chunks, stage == last)
+            kept = kept_bytes(per_chunk, schedule, stage, layout, stage_weight_grad_bytes(
+                self.m, layout, options, chunks, stage == last))
+            messages = schedule_messages(schedule, stage, layout.pp_size,
                                          layout.num_microbatches, layout.virtual_pipeline_size)
             step = stage_step(self.m, layout, options, weights, kept, set(messages))
             worst = max(worst, (stage_peak(weights, step), stage))
@@ -52,4 +55,4 @@ def planned_peak(shapes: dict[str, tuple[int, ...]], m: ModelConfig, layout: Lay
                  options: EngineOptions, muon: MuonPlan | None = None) -> tuple[int, int]:
     """(the largest planned peak of any stage's rank in bytes, that stage)."""
     planner = PeakPlanner(shapes, m, muon)
-    return planner.peak(layout, planner.stages(layout), options)
+    return planner.peak(layout, planner.stages(layout, options.pipeline_schedule), options)

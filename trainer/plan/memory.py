@@ -16,11 +16,15 @@ from typing import Any
 
 from parallel.layout import Layout
 from parallel.layout.pipeline_schedules import (
+    V_SHAPED,
     in_flight,
+    last_stage,
     message_bytes,
     message_counts,
+    model_chunk,
     stage_actions,
 )
+from parallel.layout.pipeline_schedules import stage_of as stage_of_chunk
 from trainer.config import ModelConfig, PeftConfig
 from trainer.parts import BlockParts, block_parts
 from trainer.parts.assembly import (
@@ -35,7 +39,7 @@ from trainer.parts.lora import Adapters, is_adapter, whole_over_etp
 from trainer.parts.moe import dispatch_rows
 from trainer.parts.mtp import MTP
 from trainer.parts.tokens import Tokens, compute_bytes
-from trainer.plan.activations import stage_chunk_bytes
+from trainer.plan.activations import stage_chunk_bytes, stage_weight_grad_bytes
 from trainer.plan.axis_costs.pipeline import message_sizes, stage_activation_bytes
 from trainer.plan.moments import StepMemory, step_memory
 from trainer.plan.muon import (
@@ -211,7 +215,7 @@ class ModelWeights:
         self.embedding_frozen = lora
         self.buffer_bytes = buffer_bytes or [0] * num_layers
 
-    def stages(self, layout: Layout) -> list[StageWeights]:
+    def stages(self, layout: Layout, v_shape: bool = False) -> list[StageWeights]:
         """Each pipeline stage's rank, exactly as the trainer allocates it: shards padded by
         rows (GTP_remat), experts split over EP, and the optimizer's flat buffers (SHARDED,
         WHOLE, NORMS, EXPERTS) each padded to a multiple of its replicas (weight_replica, or
@@ -234,8 +238,10 @@ class ModelWeights:
         embedding = local_numel(EMBEDDING_WEIGHT, self.embedding, layout)[0]
         p_bytes, g_bytes, o_bytes = BYTES_PER_ELEMENT
         all_chunks, out = layout.pipeline_layers(self.num_layers), []
+        last = stage_of_chunk(len(all_chunks) - 1, pp, v_shape)  # the head's (a V's: 0)
         for stage in range(pp):
-            chunks = tuple(all_chunks[stage::pp])
+            chunks = tuple(all_chunks[model_chunk(stage, c, pp, v_shape)]
+                           for c in range(layout.virtual_pipeline_size))
             blocks = tuple(i for chunk in chunks for i in chunk)
             held = [kinds[self.kind_of[i]] for i in blocks]
             buffers = [sum(k[0][buffer] for k in held) for buffer in BUFFERS]
@@ -244,7 +250,7 @@ class ModelWeights:
             half = sum(k[4] for k in held) if self.base_bf16 else 0  # of them in bf16
             ends, depth = [], []
             for name, shape, is_frozen in self.outside:
-                if stage == (0 if name.startswith(f"{EMBEDDING}.") else pp - 1):
+                if stage == (0 if name.startswith(f"{EMBEDDING}.") else last):
                     muon = self.muon is not None and name in self.muon.names
                     numel, buffer = local_numel(name, shape, layout, muon)
                     if is_frozen:
@@ -260,9 +266,9 @@ class ModelWeights:
                         ends.append(numel * g)
             copy = 0
             # the head uses the embedding's weight, or multi-token prediction's depths embed
-            if (self.tied or self.mtp) and stage == pp - 1:
+            if (self.tied or self.mtp) and stage == last:
                 ends.append(embedding * g)
-                copy = embedding if pp > 1 else 0
+                copy = embedding if last != 0 else 0
             experts = (EXPERTS, MUON_EXPERTS)
             own = {b: layout.optimizer_part(n, b in experts) for b, n in enumerate(buffers) if n}
             flat = sum(part * layout.optimizer_replicas(b in experts) for b, part in own.items())
@@ -314,13 +320,14 @@ def stage_step(m: ModelConfig, layout: Layout, options: EngineOptions, stage: St
     (`kept`: trainer.plan.axis_costs.pipeline.stage_activation_bytes, or its closed form) and the
     messages it holds at once (parallel.layout.pipeline_schedules.message_counts)."""
     number = stage.memory.stage
+    v = layout.virtual_pipeline_size
+    last = number == last_stage(options.pipeline_schedule, layout.pp_size, v)
     kinds: dict[BlockParts, int] = {}  # each kind's gathered weights (the larger, if two)
     for block, gathered in zip(stage.memory.blocks, stage.gathered_by_block):
         parts = block_parts(m, block)
         kinds[parts] = max(kinds.get(parts, 0), gathered)
     return step_memory(m, layout, options, list(stage.chunks), stage.block_gathered,
-                       stage.ends_gathered, kept,
-                       number == layout.pp_size - 1, number == 0,
+                       stage.ends_gathered, kept, last, number == 0,
                        message_bytes(messages, *message_sizes(m, layout)),
                        (stage.depth_gathered, stage.depth_largest), kinds)
 
@@ -333,13 +340,14 @@ def stage_peak(stage: StageWeights, step: StepMemory) -> int:
 
 def _planned_step(m: ModelConfig, layout: Layout, options: EngineOptions,
                   stage: StageWeights) -> dict[str, int]:
-    number = stage.memory.stage
-    actions = stage_actions(options.pipeline_schedule, number, layout.pp_size,
-                            layout.num_microbatches, layout.virtual_pipeline_size)
-    per_chunk = stage_chunk_bytes(m, layout, options, list(stage.chunks),
-                                  number == layout.pp_size - 1)
-    kept = stage_activation_bytes(per_chunk, actions)
-    messages = message_counts(actions, number, layout.pp_size, layout.virtual_pipeline_size)
+    number, pp, v = stage.memory.stage, layout.pp_size, layout.virtual_pipeline_size
+    schedule = options.pipeline_schedule
+    actions = stage_actions(schedule, number, pp, layout.num_microbatches, v)
+    last = number == last_stage(schedule, pp, v)
+    per_chunk = stage_chunk_bytes(m, layout, options, list(stage.chunks), last)
+    kept = stage_activation_bytes(per_chunk, actions,
+                                  stage_weight_grad_bytes(m, layout, options, stage.chunks, last))
+    messages = message_counts(actions, number, pp, v, schedule in V_SHAPED)
     step = stage_step(m, layout, options, stage, kept, messages)
     return {**asdict(step), "transient_bytes": step.transient_bytes,
             "peak_bytes": stage_peak(stage, step),
@@ -364,7 +372,8 @@ def step_per_stage(shapes: dict[str, tuple[int, ...]], model: ModelConfig, layou
     lora = options.lora
     stages = ModelWeights(shapes, model.num_layers, model.tie_word_embeddings, muon=muon,
                           lora=lora is not None,
-                          base_bf16=lora is not None and lora.base_bf16).stages(layout)
+                          base_bf16=lora is not None and lora.base_bf16).stages(
+        layout, options.pipeline_schedule in V_SHAPED)
     return [_planned_step(model, layout, options, s) for s in stages]
 
 
@@ -394,7 +403,8 @@ def memory_plan(model: ModelConfig, layout: Layout, options: EngineOptions,
     shapes, lora = parameter_shapes(model, peft), peft is not None
     half = lora and Adapters.of(peft).base_bf16
     stages = ModelWeights(shapes, model.num_layers, model.tie_word_embeddings,
-                          block_buffer_bytes(model), muon, lora, reference, half).stages(layout)
+                          block_buffer_bytes(model), muon, lora, reference, half).stages(
+        layout, options.pipeline_schedule in V_SHAPED)
     plan = {"per_stage": [{**s.memory.as_dict(), **_planned_step(model, layout, options, s)}
                           for s in stages],
             "unsharded": unsharded_memory(shapes, muon, lora, half).as_dict()}

@@ -12,9 +12,11 @@ from parallel.layout import Layout
 from parallel.layout.axes.pipeline import PIPELINE, VIRTUAL
 from parallel.layout.pipeline_schedules import (
     FORWARD,
+    INPUT,
     SCHEDULES,
     SPLIT_BACKWARD,
     V_SHAPED,
+    WEIGHT,
     Action,
     message_counts,
     stage_actions,
@@ -66,16 +68,21 @@ def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> N
             f"train.compile=none, or parallel.pipeline_schedule=1f1b.")
 
 
-def stage_activation_bytes(per_chunk: list[int], actions: list[Action]) -> int:
+def stage_activation_bytes(per_chunk: list[int], actions: list[Action],
+                           per_chunk_weights: list[int] | None = None) -> int:
     """The most a pipeline stage keeps at once: its schedule (`actions`) runs micro-batches
     forward before their backwards, so the activations of every (micro-batch, chunk) in flight
     are alive together (1F1B: up to PP micro-batches on the first stage; without pipeline
     parallelism one). per_chunk: what one micro-batch keeps in each of the stage's chunks
-    (trainer.plan.activations.stage_chunk_bytes). kept_bytes is the same peak in closed
-    form."""
+    (trainer.plan.activations.stage_chunk_bytes); per_chunk_weights: what a split backward's
+    pair holds from its I to its W (activations.weight_grad_bytes). kept_bytes is the same
+    peak without walking a long schedule."""
     alive = peak = 0
     for action in actions:
-        alive += per_chunk[action.chunk] * (1 if action.kind == FORWARD else -1)
+        held = per_chunk[action.chunk]
+        weights = per_chunk_weights[action.chunk] if per_chunk_weights else 0
+        alive += {FORWARD: held, INPUT: weights - held, WEIGHT: -weights}.get(action.kind,
+                                                                              -held)
         peak = max(peak, alive)
     return peak
 
@@ -112,14 +119,20 @@ def schedule_messages(schedule: str, stage: int, pp: int, m: int, v: int
     """message_counts of a stage's schedule; as in _alive, 4 x pp micro-batches show every
     count a larger m has (the pattern repeats after the warm-up)."""
     actions = stage_actions(schedule, stage, pp, min(m, 4 * pp), v)
-    return frozenset(message_counts(actions, stage, pp, v))
+    return frozenset(message_counts(actions, stage, pp, v, schedule in V_SHAPED))
 
 
-def kept_bytes(per_chunk: list[int], schedule: str, stage: int, layout: Layout) -> int:
+def kept_bytes(per_chunk: list[int], schedule: str, stage: int, layout: Layout,
+               per_chunk_weights: list[int] | None = None) -> int:
     """stage_activation_bytes' peak over the schedule without walking every action, for a
     stage's chunks (what each keeps: equal but for the head on the last, or a hybrid's of
-    different blocks): 1f1b keeps min(PP - stage, m) micro-batches at most, gpipe all m."""
+    different blocks): 1f1b keeps min(PP - stage, m) micro-batches at most, gpipe all m; the
+    zero-bubble schedules' pattern repeats after the warm-up, so 4 x pp micro-batches show
+    their peak (as _alive's)."""
     pp, m, v = layout.pp_size, layout.num_microbatches, layout.virtual_pipeline_size
+    if schedule in SPLIT_BACKWARD:
+        return stage_activation_bytes(
+            per_chunk, stage_actions(schedule, stage, pp, min(m, 4 * pp), v), per_chunk_weights)
     if schedule == "gpipe":
         return m * per_chunk[0]
     if schedule == "1f1b":
