@@ -91,13 +91,15 @@ class _SplitLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, store: DeferredWeightGrads):
         x = autocast_input(x)
         used = weight.to(x.dtype)
-        ctx.store = store
-        ctx.save_for_backward(x, used, weight)
+        # The parameter itself, not a saved tensor: activation recompute hands saved tensors
+        # back detached, and a deferred gradient must reach the parameter's own .grad.
+        ctx.store, ctx.weight = store, weight
+        ctx.save_for_backward(x, used)
         return F.linear(x, used)
 
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
-        x, used, weight = ctx.saved_tensors
+        (x, used), weight = ctx.saved_tensors, ctx.weight
         grad_x = grad_y @ used if ctx.needs_input_grad[0] else None
         if not ctx.needs_input_grad[1]:
             return grad_x, None, None
@@ -117,6 +119,7 @@ class _ShardedLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, shard: torch.Tensor, group: Group, rows: int,
                 dtypes: CommDtypes, store: DeferredWeightGrads | None = None):
         ctx.group, ctx.rows, ctx.dtypes, ctx.store = group, rows, dtypes, store
+        ctx.shard = shard  # the parameter (recompute hands saved tensors back detached)
         x = autocast_input(x)
         ctx.save_for_backward(x, shard)
         return F.linear(x, gather_rows(shard, group, rows, dtypes.gather))
@@ -139,7 +142,7 @@ class _ShardedLinear(torch.autograd.Function):
             grad_w = _scatter_rows(_weight_grad(grad_y, x).to(reduce), group)
             return grad_w.to(shard.dtype)
 
-        if _deferred(ctx.store, shard, weight_grad, grad_y, x):
+        if _deferred(ctx.store, ctx.shard, weight_grad, grad_y, x):
             return grad_x, None, None, None, None, None
         return grad_x, weight_grad(), None, None, None, None
 

@@ -90,6 +90,8 @@ LAYOUTS = LAYOUTS | {
     "ep2_pp2": (4, {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2}),
     "pp2_virtual2": (2, {"pipeline_model_parallel_size": 2,
                          "virtual_pipeline_model_parallel_size": 2}),
+    # zb_h1's split backward: the experts' weight gradients form in I, the linears' in W
+    "ep2_pp2_zb_h1": (4, {"pipeline_model_parallel_size": 2, "expert_model_parallel_size": 2}),
     # Tensor parallel with sequence parallel, experts whole (ETP 1): each TP rank routes its
     # own part of the sequence; TP splits the attention and the shared expert.
     "tp2_sp_ep4": (4, TP2_SP | {"expert_model_parallel_size": 4}),
@@ -124,6 +126,7 @@ CASES = [  # (layout, cp_comm_type, model, dtype)
     ("cp2_ws2_ss2_ep4", P2P, "pre_softmax", torch.float32),
     ("pp2", P2P, "sigmoid_bias_seq", torch.float64), ("ep2_pp2", P2P, "aux_z", torch.float32),
     ("pp2_virtual2", P2P, "aux_z_4_layers", torch.float64),
+    ("ep2_pp2_zb_h1", P2P, "aux_z", torch.float64),
     ("ep2", P2P, "aux_z_allgather", torch.float64),
     ("ep4", P2P, "sigmoid_bias_seq_allgather", torch.float64),
     ("cp2_ws2_ss2_ep4", P2P, "aux_z_allgather", torch.float32),
@@ -160,6 +163,7 @@ def test_a_mixture_of_experts_matches_one_process(name, comm, model, dtype):
     samples = MICRO * layout.batch_parallel_size
     (ref,) = run_ranks(1, reference, batches, dtype, cfg, samples)
     schedule = "interleaved_1f1b" if layout.virtual_pipeline_size > 1 else "1f1b"
+    schedule = "zb_h1" if name.endswith("_zb_h1") else schedule
     results = run_ranks(world, train_rank, layout, batches, dtype,
                         EngineOptions(cp_comm_type=comm, pipeline_schedule=schedule), cfg,
                         timeout=120)

@@ -32,7 +32,10 @@ FOUR_LAYERS = replace(TINY, num_layers=4)
 FIVE_LAYERS = replace(TINY, num_layers=5)
 TIED = replace(TINY, tie_word_embeddings=True)
 MICRO_BATCHES = 4
-ONE_F_ONE_B, INTERLEAVED, GPIPE = (EngineOptions(pipeline_schedule=s) for s in SCHEDULES)
+ONE_F_ONE_B, INTERLEAVED, GPIPE, ZB_H1, ZBV = (EngineOptions(pipeline_schedule=s)
+                                               for s in SCHEDULES)
+EIGHT_LAYERS = replace(TINY, num_layers=8)
+V2 = dict(virtual_pipeline_model_parallel_size=2)
 # name -> (world, Layout keyword arguments, engine options, model)
 CASES = {
     "pp2": (2, dict(pipeline_model_parallel_size=2), ONE_F_ONE_B, TINY),
@@ -63,12 +66,35 @@ CASES = {
     "pp3_first1_last2": (3, dict(pipeline_model_parallel_size=3,
                                  num_layers_in_first_pipeline_stage=1,
                                  num_layers_in_last_pipeline_stage=2), ONE_F_ONE_B, FIVE_LAYERS),
+    # zero bubble (the split backward): PP 2 and 4 each, then every other axis once: GTP_remat
+    # bundles with CP; TP + SP with full recompute; data parallel (the sharded optimizer) with
+    # weight shards, both overlaps and selective recompute; the tied embedding on a V's stage 0
+    "pp2_zb_h1": (2, dict(pipeline_model_parallel_size=2), ZB_H1, TINY),
+    "pp4_zb_h1": (4, dict(pipeline_model_parallel_size=4), ZB_H1, FOUR_LAYERS),
+    "pp2_zbv": (2, dict(pipeline_model_parallel_size=2, **V2), ZBV, FOUR_LAYERS),
+    "pp4_zbv": (4, dict(pipeline_model_parallel_size=4, **V2), ZBV, EIGHT_LAYERS),
+    "pp2_zb_h1_ws2_cp2": (8, dict(pipeline_model_parallel_size=2,
+                                  tensor_parallel_num_weight_shards=2, context_parallel_size=2),
+                          ZB_H1, TINY),
+    "pp2_zbv_tp2_sp_full_recompute": (4, dict(pipeline_model_parallel_size=2,
+                                              tensor_model_parallel_size=2,
+                                              sequence_parallel=True, **V2), replace(
+        ZBV, recompute_granularity=RecomputeGranularity.full), FOUR_LAYERS),
+    "pp2_zbv_ws2_dp2_overlap": (8, dict(pipeline_model_parallel_size=2,
+                                        tensor_parallel_num_weight_shards=2, **V2), replace(
+        ZBV, overlap_grad_reduce=True, overlap_param_gather=True,
+        recompute_granularity=RecomputeGranularity.selective), FOUR_LAYERS),
+    "pp2_zbv_tied": (2, dict(pipeline_model_parallel_size=2, **V2), ZBV,
+                     replace(FOUR_LAYERS, tie_word_embeddings=True)),
 }
 UNEVEN = {"pp2_first1": [1, 3], "pp2_last1": [3, 1], "pp3_first1_last2": [1, 2, 2]}
-FP64 = {"pp2_ws2_cp2", "pp2_virtual2", *UNEVEN}
+FP64 = {"pp2_ws2_cp2", "pp2_virtual2", *UNEVEN, "pp2_zb_h1", "pp4_zb_h1", "pp2_zbv", "pp4_zbv",
+        "pp2_zb_h1_ws2_cp2", "pp2_zbv_ws2_dp2_overlap"}
+FP64_ONLY = {"pp4_zb_h1", "pp4_zbv", "pp2_zb_h1_ws2_cp2", "pp2_zbv_ws2_dp2_overlap"}
 PARAMS = [pytest.param(name, dtype, id=f"{name}-{label}") for name in CASES
           for dtype, label in ((torch.float32, "fp32"), (torch.float64, "fp64"))
-          if dtype == torch.float32 or name in FP64]
+          if (dtype == torch.float32 and name not in FP64_ONLY) or
+          (dtype == torch.float64 and name in FP64)]
 
 
 @pytest.fixture(scope="module")
@@ -91,18 +117,37 @@ def test_pipeline_layout_matches_one_process(name, dtype, references):
     assert_parity(results, ref, dtype, f"{name} {options.pipeline_schedule} (world {world})")
 
 
-def test_bf16_with_stages_trains_close_to_fp32(references):
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_bf16_with_stages_trains_close_to_fp32(schedule, references):
     """bf16 autocast across stages: within bf16 rounding of the fp32 reference (test_parity's
-    bound), and not equal to it (the hop carries the fp32 residual stream)."""
+    bound), and not equal to it (the hop carries the fp32 residual stream). zb_h1: the split
+    backward's linears cast as autocast does."""
     layout = make_layout(2, dict(pipeline_model_parallel_size=2), MICRO_BATCHES)
     batches, ref = references(layout.global_batch_size, torch.float32)
     got = run_ranks(2, train_rank, layout, batches, torch.float32,
-                    EngineOptions(Precision.bf16), timeout=120)[0]
+                    EngineOptions(Precision.bf16, pipeline_schedule=schedule), timeout=120)[0]
     losses = [relative(a, b) for a, b in zip(got["losses"], ref["losses"])]
     norms = [relative(a, b) for a, b in zip(got["norms"], ref["norms"])]
-    print(f"\nbf16 pp2: relative differences to fp32: loss {losses}, grad norm {norms}")
+    print(f"\nbf16 pp2 {schedule}: relative differences to fp32: loss {losses}, grad norm "
+          f"{norms}")
     assert max(losses) < 1e-2 and max(norms) < 5e-2
     assert max(norms) > 1e-4
+
+
+def test_split_backward_trains_as_the_whole_one_bit_for_bit(references):
+    """zb_h1's I then W against 1f1b's whole backward on one layout (GTP_remat's bundles: the
+    reduce-scatter at the pass's last W): fp64 losses, gradient norms and every parameter
+    identical, not only close."""
+    kwargs = dict(pipeline_model_parallel_size=2, tensor_parallel_num_weight_shards=2)
+    layout = make_layout(4, kwargs, MICRO_BATCHES)
+    batches, _ = references(layout.global_batch_size, torch.float64)
+    whole, split = (run_ranks(4, train_rank, layout, batches, torch.float64, options,
+                              timeout=120) for options in (ONE_F_ONE_B, ZB_H1))
+    for a, b in zip(whole, split):
+        assert a["losses"] == b["losses"] and a["norms"] == b["norms"]
+        assert (a["params"] is None) == (b["params"] is None)
+        for name, value in (a["params"] or {}).items():
+            assert torch.equal(value, b["params"][name]), name
 
 
 def kept_in_flight(rank: int, layout, options: EngineOptions, model) -> dict:
@@ -122,7 +167,7 @@ def kept_in_flight(rank: int, layout, options: EngineOptions, model) -> dict:
             "pairs": runner.peak_in_flight, "messages": runner.peak_message_bytes}
 
 
-@pytest.mark.parametrize("name", ["pp2", "pp2_virtual2"])
+@pytest.mark.parametrize("name", ["pp2", "pp2_virtual2", "pp2_zb_h1", "pp2_zbv"])
 def test_activations_in_flight_match_the_plan(name):
     """The dry run's activations per stage are the schedule's micro-batches in flight times
     what each keeps; measured on gloo ranks with autograd's saved-tensor hooks. Its message

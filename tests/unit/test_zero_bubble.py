@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from parallel.layout.pipeline_schedules import (
     BACKWARD,
@@ -125,7 +126,8 @@ class _Group:
     size = 1
 
 
-def _grads(dtype: torch.dtype, split: bool, autocast: bool) -> list[torch.Tensor]:
+def _grads(dtype: torch.dtype, split: bool, autocast: bool, recompute: bool
+           ) -> list[torch.Tensor]:
     """A norm between two linears (as in a block): the input's and every weight's gradient,
     from one whole backward or from I then W."""
     torch.manual_seed(0)
@@ -134,10 +136,16 @@ def _grads(dtype: torch.dtype, split: bool, autocast: bool) -> list[torch.Tensor
     w2 = torch.randn(8, 12, dtype=dtype, requires_grad=True)
     norm = torch.randn(12, dtype=dtype, requires_grad=True)
     store = DeferredWeightGrads() if split else None
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+
+    def block(x: torch.Tensor) -> torch.Tensor:
         h = sharded_linear(x, w1, _Group(), 12, weight_grads=store)
         h = F.rms_norm(h, (12,), norm.to(h.dtype))
-        y = sharded_linear(h, w2, _Group(), 8, weight_grads=store)
+        return sharded_linear(h, w2, _Group(), 8, weight_grads=store)
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        # full recompute's checkpoint hands the saved tensors back detached: the deferred
+        # gradients must still reach the parameters
+        y = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
     loss = y.float().square().sum()
     if not split:
         loss.backward()
@@ -152,10 +160,11 @@ def _grads(dtype: torch.dtype, split: bool, autocast: bool) -> list[torch.Tensor
     return [x.grad, w1.grad, w2.grad, norm.grad]
 
 
-@pytest.mark.parametrize("dtype,autocast", [(torch.float64, False), (torch.float32, False),
-                                            (torch.float32, True)])
-def test_input_then_weight_is_the_whole_backward_bit_for_bit(dtype, autocast):
-    whole, split = _grads(dtype, False, autocast), _grads(dtype, True, autocast)
+@pytest.mark.parametrize("dtype,autocast,recompute", [
+    (torch.float64, False, False), (torch.float32, False, False), (torch.float32, True, False),
+    (torch.float64, False, True), (torch.float32, True, True)])
+def test_input_then_weight_is_the_whole_backward_bit_for_bit(dtype, autocast, recompute):
+    whole, split = (_grads(dtype, s, autocast, recompute) for s in (False, True))
     for a, b in zip(whole, split):
         assert a.dtype == b.dtype and torch.equal(a, b)
 
