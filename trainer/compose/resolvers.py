@@ -65,7 +65,8 @@ def auto_problem(root: DictConfig) -> Problem | None:
         return None
     model: ModelConfig = OmegaConf.to_object(root.model)
     train, cluster, parallel = root.train, root.cluster, root.parallel
-    given = tuple((path, parallel[path.split(".")[1]]) for path in GIVEN)
+    given = tuple((path, parallel[path.split(".")[1]]) for path in GIVEN) + (
+        ("train.compile", _plain(train.compile)),)  # compiled blocks rule out zb_h1
     world = cluster.num_nodes * cluster.procs_per_node
     optim: OptimConfig = OmegaConf.to_object(root.optim)
     peft = None if root.get("peft") is None else OmegaConf.to_object(root.peft)

@@ -21,6 +21,7 @@ from parallel.layout.pipeline_schedules import (
     message_counts,
     stage_actions,
 )
+from parallel.layout.pipeline_simulation import simulate
 from trainer.config import ModelConfig
 from trainer.parts.tokens import FP32, Tokens
 from trainer.plan.axis_costs.entry import AxisCosts, Offer, divisors
@@ -150,11 +151,36 @@ def send_seconds(m: ModelConfig, layout: Layout, hw: Hardware, chunks: int) -> f
     return 2 * chunks * hw.link(layout, "pp").send(message_sizes(m, layout)[0])
 
 
-def bubble_seconds(micro_s: float, layout: Layout, hw: Hardware) -> float:
-    """The bubble: (PP-1)/v micro-batches more of the slowest stage, of which ranks sharing CPU
+@lru_cache(maxsize=4096)
+def bubble_microbatches(schedule: str, pp: int, m: int, v: int) -> float:
+    """A schedule's bubble in micro-batches of a stage (one F + B of all its chunks), as
+    pipeline_simulation.simulate gives it with a backward twice the forward, split evenly
+    into I and W: (PP-1)/v for the 1F1B family; about a third of 1F1B's for zb_h1 and
+    less for zbv. Idle time does not grow past the warm-up, so 4 x pp micro-batches stand
+    for more."""
+    result = simulate(schedule, pp, min(m, 4 * pp), v)
+    return (result.makespan - sum(result.busy) / pp) / 3.0
+
+
+def bubble_seconds(micro_s: float, layout: Layout, hw: Hardware, schedule: str = "1f1b"
+                   ) -> float:
+    """The bubble: bubble_microbatches of the slowest stage, of which ranks sharing CPU
     cores lose only Hardware.bubble_share(PP)."""
-    return micro_s * (layout.pp_size - 1) / layout.virtual_pipeline_size \
-        * hw.bubble_share(layout.pp_size)
+    pp = layout.pp_size
+    if pp == 1:
+        return 0.0
+    return micro_s * bubble_microbatches(schedule, pp, layout.num_microbatches,
+                                         layout.virtual_pipeline_size) * hw.bubble_share(pp)
+
+
+def floor_bubble(layout: Layout, hw: Hardware) -> float:
+    """The least bubble_microbatches any schedule the search offers at this layout gives
+    (zb_h1 without virtual chunks, interleaved_1f1b with), times bubble_share."""
+    pp, m, v = layout.pp_size, layout.num_microbatches, layout.virtual_pipeline_size
+    if pp == 1:
+        return 0.0
+    schedules = ("zb_h1",) if v == 1 else ("interleaved_1f1b",)
+    return min(bubble_microbatches(s, pp, m, v) for s in schedules) * hw.bubble_share(pp)
 
 
 PP_KEY, SCHEDULE_KEY = "parallel.pipeline_model_parallel_size", "parallel.pipeline_schedule"
@@ -198,19 +224,24 @@ def _microbatches(p, pp: int) -> int:
 
 
 def options(offer: Offer, layout: Layout):
-    """The schedule that goes with the layout's virtual stages, unless fixed."""
+    """The schedule that goes with the layout's virtual stages, unless fixed; without them
+    also zb_h1 (less bubble, more memory: the search weighs both), unless blocks compile."""
+    if SCHEDULE_KEY in offer.fixed:
+        yield {"pipeline_schedule": offer.fixed[SCHEDULE_KEY]}
+        return
     interleaved = layout.virtual_pipeline_model_parallel_size
-    yield {"pipeline_schedule": offer.fixed.get(
-        SCHEDULE_KEY, "interleaved_1f1b" if interleaved else "1f1b")}
+    yield {"pipeline_schedule": "interleaved_1f1b" if interleaved else "1f1b"}
+    compiled = dict(offer.problem.given).get("train.compile") == "blocks"
+    if layout.pp_size > 1 and not interleaved and not compiled:
+        yield {"pipeline_schedule": "zb_h1"}
 
 
 COSTS = AxisCosts(
     PIPELINE.name, check_model, kind="pipeline sends",
     stage_s=lambda k, chunks: send_seconds(k.model, k.layout, k.hw, chunks),
-    step_kind="pipeline bubble", step_s=lambda k, micro_s, _: bubble_seconds(micro_s, k.layout,
-                                                                             k.hw),
-    floor_microbatches=lambda k: (k.layout.pp_size - 1) / k.layout.virtual_pipeline_size
-    * k.hw.bubble_share(k.layout.pp_size),
+    step_kind="pipeline bubble", step_s=lambda k, micro_s, _: bubble_seconds(
+        micro_s, k.layout, k.hw, k.options.pipeline_schedule if k.options else "1f1b"),
+    floor_microbatches=lambda k: floor_bubble(k.layout, k.hw),
     degrees=degrees, variants=variants, options=options,
     labels=lambda lay, values: ((4, f"PP={lay.pp_size}"),) + (
         ((7, f"v={lay.virtual_pipeline_size}"),) if lay.virtual_pipeline_size > 1 else ()),
