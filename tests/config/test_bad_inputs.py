@@ -195,6 +195,17 @@ TABLE = [
     R(f"{PP2} model.num_layers=4 parallel.virtual_pipeline_model_parallel_size=2 "
       "parallel.pipeline_schedule=interleaved_1f1b train.global_batch_size=16 "
       "model.tie_word_embeddings=true", (), OK, torch=True),
+    # zero bubble: zbv's V is two chunks a stage; its first stage holds both ends; a split
+    # backward and compiled blocks do not go together
+    R(f"{PP2} parallel.pipeline_schedule=zbv",
+      ("pipeline_schedule=zbv", "virtual_pipeline_model_parallel_size=2", "zb_h1")),
+    R(f"{PP2} model.num_layers=4 parallel.virtual_pipeline_model_parallel_size=2 "
+      "parallel.pipeline_schedule=zbv train.global_batch_size=16 "
+      "parallel.num_layers_in_first_pipeline_stage=2",
+      ("num_layers_in_first_pipeline_stage=2", "zbv", "=null")),
+    R(f"{PP2} parallel.pipeline_schedule=zb_h1 train.compile=blocks",
+      ("pipeline_schedule=zb_h1", "train.compile=none")),
+    R(f"{PP2} parallel.pipeline_schedule=zb_h1", (), OK),
     R("model.num_layers=0", ("model.num_layers=0",)),
     R("model.vocab_size=0", ("model.vocab_size=0",)),
     R("model.vocab_size=200", ("model.vocab_size=200", "256")),
