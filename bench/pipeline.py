@@ -1,15 +1,21 @@
 """Pipeline parallel benchmarks on 2 gloo ranks (PP 2), all from one pair of rank processes:
 
 - bubble_over_ideal: each schedule's measured idle share over (p - 1) / (v * m + p - 1), for
-  1F1B and interleaved 1F1B (gpipe beside them). A step's bubble is 1 - mean busy / makespan,
-  as parallel.layout.pipeline_schedules.simulate_orders defines it: busy is the runner's busy_s per
+  1F1B and interleaved 1F1B (gpipe beside them), and every schedule's over 1F1B's ideal
+  (over_1f1b_ideal: the zero-bubble schedules' goal, zb_h1 <= 0.6 and zbv <= 0.5); beside
+  it the schedule's own bubble at the F, B, I and W times this run measured (simulated:
+  what the order allows at these costs, so measured over it is what the runner loses).
+  A step's bubble is 1 - mean busy / makespan,
+  as parallel.layout.pipeline_simulation.simulate_orders defines it: busy is the runner's busy_s per
   stage; the makespan runs from the first stage's start to the last end on any stage (run_s
   placed on the monotonic clock all processes share). Each stage's busy over its own run_s
   would miss the last stage's idle tail and read below the ideal.
 - step_time_vs_torch_pipelining: our runner's forwards + backwards of a step (the same span)
-  over torch.distributed.pipelining's Schedule1F1B on the same model, weights, micro-batches
-  and loss (schedule.step, spanned alike); no optimizer in either. The first-step losses must
-  agree: the check that both computed the same thing.
+  over torch.distributed.pipelining's same schedule on the same model, weights, micro-batches
+  and loss (schedule.step, spanned alike); no optimizer in either: Schedule1F1B, and for the
+  zero-bubble ones ScheduleInterleavedZeroBubble with one stage a rank (ZB-H1) and
+  ScheduleZBVZeroBubble. The first-step losses must agree: the check that both computed the
+  same thing.
 - What explains the bubble: a gloo hop's cost with the receive posted when needed or ahead
   (the runner posts each action's receives one action early), and each schedule's bubble
   with hops that cost that.
@@ -36,7 +42,12 @@ import torch.nn.functional as F
 from torch import nn
 
 # Imported once here, not in every forked rank (seconds each on a busy machine).
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
@@ -44,6 +55,7 @@ from ranks import run_ranks  # noqa: E402
 
 from parallel.layout import Layout  # noqa: E402
 from parallel.layout import pipeline_schedules as schedules  # noqa: E402
+from parallel.layout.pipeline_simulation import simulate  # noqa: E402
 from trainer.config import ModelConfig, OptimConfig  # noqa: E402
 from trainer.model.transformer import Transformer  # noqa: E402
 from trainer.plan.options import EngineOptions  # noqa: E402
@@ -59,11 +71,14 @@ MODEL = ModelConfig(name="llama", vocab_size=256, hidden_size=256, num_layers=8,
 OPTIM = OptimConfig(name="adamw", weight_decay=0.1, beta1=0.9, beta2=0.95, eps=1e-8,
                     clip_grad=1.0)
 PP, MICRO, SEQ, M, SEED, LR = 2, 1, 1024, 8, 1234, 1e-4
-SCHEDULES = {"1f1b": 1, "interleaved_1f1b": 2, "gpipe": 1}  # -> virtual chunks per stage
+SCHEDULES = {"1f1b": 1, "interleaved_1f1b": 2, "gpipe": 1, "zb_h1": 1, "zbv": 2}  # -> chunks
+SPLIT = ("zb_h1", "zbv")  # no late-receive model for these (it knows F and B only)
 MODES = {"quick": dict(warmup=1, steps=5), "full": dict(warmup=3, steps=15)}
 HOPS = 20  # hops timed per way of posting the receives
 TOLERANCE = 1e-5  # relative, on the first step's loss: same sums in fp32, another order
-TORCH = "torch_1f1b"
+# Ours -> torch.distributed.pipelining's schedule of the same name (its class, V-shaped)
+TORCH = {"1f1b": (Schedule1F1B, False), "zb_h1": (ScheduleInterleavedZeroBubble, False),
+         "zbv": (ScheduleZBVZeroBubble, True)}
 
 
 def make_layout(virtual: int) -> Layout:
@@ -82,37 +97,47 @@ def make_batches() -> list[MicroBatch]:
 
 
 class TorchStage(nn.Module):
-    """Half of the single-device Transformer (whose forward skips a module set to None); the
-    first half passes the positions on with the hidden states, as our runner does."""
+    """Model chunk `chunk` of `chunks` of the single-device Transformer (whose forward skips a
+    module set to None); all but the last pass the positions on with the hidden states, as
+    our runner does."""
 
-    def __init__(self, stage: int):
+    def __init__(self, chunk: int, chunks: int):
         super().__init__()
         model = Transformer(MODEL)
         model.init_weights(SEED)  # the same full weights our engine initialises from SEED
         for i in range(MODEL.num_layers):
-            if i * PP // MODEL.num_layers != stage:
+            if i * chunks // MODEL.num_layers != chunk:
                 del model.layers[str(i)]
-        if stage == 0:
-            model.norm = model.head = None
-        else:  # the last: takes hidden states, returns logits
+        if chunk != 0:
             model.embed = None
-        self.model, self.last = model, stage == PP - 1
+        if chunk != chunks - 1:  # the last takes hidden states and returns logits
+            model.norm = model.head = None
+        self.model, self.last = model, chunk == chunks - 1
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor):
         out = self.model(x, positions)
         return out if self.last else (out, positions)
 
 
-def torch_schedule(rank: int) -> tuple[Schedule1F1B, nn.Module]:
+def torch_schedule(rank: int, name: str):
+    """torch's schedule `name` on this rank, with its stage modules (ours' chunks: one a rank,
+    or a V's two), and whether this rank feeds the data and holds the loss."""
     def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # Global-token mean, like train_step: each micro-batch's sum over every token of the
         # batch, so scale_grads must stay off (it would divide by M once more).
         return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
                                reduction="sum") / (M * MICRO * SEQ)
 
-    module = TorchStage(rank)
-    stage = PipelineStage(module, rank, PP, torch.device("cpu"))
-    return Schedule1F1B(stage, n_microbatches=M, loss_fn=loss_fn, scale_grads=False), module
+    kind, v_shape = TORCH[name]
+    chunks = 2 * PP if v_shape else PP
+    mine = [rank, chunks - 1 - rank] if v_shape else [rank]
+    modules = [TorchStage(c, chunks) for c in mine]
+    stages = [PipelineStage(m, c, chunks, torch.device("cpu")) for m, c in zip(modules, mine)]
+    if kind is Schedule1F1B:
+        schedule = kind(stages[0], n_microbatches=M, loss_fn=loss_fn, scale_grads=False)
+    else:
+        schedule = kind(stages, n_microbatches=M, loss_fn=loss_fn, scale_grads=False)
+    return schedule, nn.ModuleList(modules), 0 in mine, chunks - 1 in mine
 
 
 def hop_s(rank: int, early: bool) -> dict | None:
@@ -195,27 +220,30 @@ def rank_steps(rank: int, warmup: int, steps: int) -> dict:
                for name, v in SCHEDULES.items()}
     for engine in engines.values():
         note_end(engine.model.runner)
-    schedule, module = torch_schedule(rank)
+    theirs = {f"torch_{name}": torch_schedule(rank, name) for name in TORCH}
     tokens, positions, labels = (torch.cat([getattr(mb, key) for mb in batches])
                                  for key in ("tokens", "positions", "labels"))
     # (start, end) of this rank's run on time.perf_counter: CLOCK_MONOTONIC, one for all ranks
-    out: dict = {name: {"span": [], "busy_s": [], "loss": None} for name in [*engines, TORCH]}
+    out: dict = {name: {"span": [], "busy_s": [], "busy_by_kind": [], "loss": None}
+                 for name in [*engines, *theirs]}
     for step in range(warmup + steps):
-        order = [*engines, TORCH]
+        order = [*engines, *theirs]
         for name in order if step % 2 == 0 else reversed(order):
             dist.barrier()  # every rank starts the step together
             record = out[name]
-            if name == TORCH:
+            if name in theirs:
+                schedule, modules, first, last = theirs[name]
                 losses: list[torch.Tensor] = []
-                module.zero_grad(set_to_none=False)  # accumulate in place, as ours do
+                modules.zero_grad(set_to_none=False)  # accumulate in place, as ours do
+                data = (tokens, positions) if first else ()
                 start = time.perf_counter()
-                if rank == 0:
-                    schedule.step(tokens, positions)
+                if last:
+                    schedule.step(*data, target=labels, losses=losses)
                 else:
-                    schedule.step(target=labels, losses=losses)
+                    schedule.step(*data)
                 end = time.perf_counter()
                 loss = torch.tensor(float(sum(x.detach() for x in losses)), dtype=torch.float64)
-                dist.broadcast(loss, src=PP - 1)  # the last stage holds it
+                dist.all_reduce(loss)  # the loss's rank holds it, the other 0
                 result = loss.item()
             else:
                 engine = engines[name]
@@ -223,6 +251,7 @@ def rank_steps(rank: int, warmup: int, steps: int) -> dict:
                 runner = engine.model.runner
                 start, end = runner.ended - runner.run_s, runner.ended
                 record["busy_s"].append(runner.busy_s)
+                record["busy_by_kind"].append(dict(runner.busy_by_kind))
             record["span"].append((start, end))
             if record["loss"] is None:
                 record["loss"] = result  # first step: same initial weights everywhere
@@ -230,10 +259,24 @@ def rank_steps(rank: int, warmup: int, steps: int) -> dict:
     return out
 
 
+def modelled_bubble(name: str, virtual: int, ranks: list[dict], timed: range) -> dict:
+    """The schedule's own bubble at this run's costs: each kind's mean action time (both
+    stages, the timed steps) as a whole stage's (x virtual), simulated."""
+    def mean_action(kind: str) -> float:
+        total = sum(r[name]["busy_by_kind"][i].get(kind, 0.0) for r in ranks for i in timed)
+        return total / (len(ranks) * len(timed) * M * virtual) * virtual
+    forward, weight = mean_action("F"), mean_action("W")
+    backward = mean_action("B") + mean_action("I") + weight
+    result = simulate(name, PP, M, virtual, forward, backward, 0.0, weight or None)
+    return {"bubble": round(result.bubble_fraction, 4),
+            "action_s": {"F": round(forward, 4), "backward": round(backward, 4),
+                         "W": round(weight, 4)}}
+
+
 def measure(quick: bool = True) -> dict:
     warmup, steps = (MODES["quick" if quick else "full"][k] for k in ("warmup", "steps"))
     print(f"pipeline: PP {PP} on gloo, {warmup} warm-up + {steps} timed steps of "
-          f"{', '.join(SCHEDULES)} and {TORCH} ...", flush=True)
+          f"{', '.join(SCHEDULES)} and torch's {', '.join(TORCH)} ...", flush=True)
     started = time.perf_counter()
     ranks = run_ranks(PP, rank_steps, warmup, steps)
     timed = range(warmup, warmup + steps)
@@ -247,40 +290,54 @@ def measure(quick: bool = True) -> dict:
           f"{late['pair'] * 1e3:.2f} ms with the receives posted when needed, "
           f"{hops['posted_ahead']['pair'] * 1e3:.2f} ms both posted ahead", flush=True)
     bubbles: dict = {}
+    one_f_one_b = schedules.ideal_bubble_fraction(PP, M)
     for name, v in SCHEDULES.items():
         busy = [[r[name]["busy_s"][i] for r in ranks] for i in timed]
         per_step = [1 - statistics.mean(b) / span(name, i) for b, i in zip(busy, timed)]
         measured, ideal = statistics.median(per_step), schedules.ideal_bubble_fraction(PP, M, v)
+        if name in SPLIT:  # their own ideal is near zero: only 1F1B's is a yardstick
+            ideal = one_f_one_b
         stage_busy = [statistics.median(b[s] for b in busy) for s in range(PP)]
-        modelled = late_receive_model(name, v, statistics.mean(stage_busy) / (3 * M), late)
+        modelled = None if name in SPLIT else late_receive_model(
+            name, v, statistics.mean(stage_busy) / (3 * M), late)
+        at_costs = modelled_bubble(name, v, ranks, timed)
         bubbles[name] = {
             "measured": round(measured, 4), "ideal": round(ideal, 4),
-            "ratio": round(measured / ideal, 3), "per_step": [round(b, 4) for b in per_step],
+            "ratio": round(measured / ideal, 3),
+            "over_1f1b_ideal": round(measured / one_f_one_b, 3),
+            "per_step": [round(b, 4) for b in per_step],
             # Busiest stage over the least busy (the ideal assumes 1.00), and each stage's busy.
             "stage_busy_imbalance": round(statistics.median(max(b) / min(b) for b in busy), 3),
             "stage_busy_s": [round(b, 4) for b in stage_busy],
-            "late_receive_model": round(modelled, 4),
-            "late_receive_model_ratio": round(modelled / ideal, 3),
+            "late_receive_model": modelled and round(modelled, 4),
+            "late_receive_model_ratio": modelled and round(modelled / ideal, 3),
+            "simulated_at_measured_costs": at_costs,
+            "over_simulated": round(measured / at_costs["bubble"], 3),
         }
         print(f"  bubble {name:17s} measured {measured:.4f}, ideal {ideal:.4f}, ratio "
-              f"{measured / ideal:.3f}; late-receive model {modelled:.4f}, busy imbalance "
-              f"{bubbles[name]['stage_busy_imbalance']}", flush=True)
-    step_s = {name: [span(name, i) for i in timed] for name in ("1f1b", TORCH)}
-    ours, theirs = (statistics.median(step_s[n]) for n in ("1f1b", TORCH))
-    loss_ours, loss_torch = ranks[0]["1f1b"]["loss"], ranks[0][TORCH]["loss"]
-    loss_error = abs(loss_ours - loss_torch) / abs(loss_torch)
-    versus = {
-        "ratio": round(ours / theirs, 3),
-        "ours_s_median": round(ours, 4), "torch_s_median": round(theirs, 4),
-        "ours_s": [round(s, 4) for s in step_s["1f1b"]],
-        "torch_s": [round(s, 4) for s in step_s[TORCH]],
-        "first_loss": {"ours": loss_ours, "torch": loss_torch,
-                       "relative_error": float(f"{loss_error:.2e}"),
-                       "within_tolerance": loss_error <= TOLERANCE},
-    }
-    print(f"  step time vs torch 1F1B: ours {ours:.4f} s, torch {theirs:.4f} s, ratio "
-          f"{ours / theirs:.3f}; first loss {loss_ours:.6f} vs {loss_torch:.6f} "
-          f"(relative {loss_error:.1e}) [{time.perf_counter() - started:.0f} s]", flush=True)
+              f"{measured / ideal:.3f}, over 1F1B's ideal "
+              f"{bubbles[name]['over_1f1b_ideal']:.3f}; simulated at its measured costs "
+              f"{at_costs['bubble']:.4f} ({at_costs['action_s']}); late-receive model "
+              f"{modelled}, busy imbalance {bubbles[name]['stage_busy_imbalance']}", flush=True)
+    versus = {}
+    for name in TORCH:
+        ours, torchs = (statistics.median(span(n, i) for i in timed)
+                        for n in (name, f"torch_{name}"))
+        loss_ours, loss_torch = ranks[0][name]["loss"], ranks[0][f"torch_{name}"]["loss"]
+        loss_error = abs(loss_ours - loss_torch) / abs(loss_torch)
+        versus[name] = {
+            "ratio": round(ours / torchs, 3),
+            "ours_s_median": round(ours, 4), "torch_s_median": round(torchs, 4),
+            "ours_s": [round(span(name, i), 4) for i in timed],
+            "torch_s": [round(span(f"torch_{name}", i), 4) for i in timed],
+            "first_loss": {"ours": loss_ours, "torch": loss_torch,
+                           "relative_error": float(f"{loss_error:.2e}"),
+                           "within_tolerance": loss_error <= TOLERANCE},
+        }
+        print(f"  step time vs torch's {name}: ours {ours:.4f} s, torch {torchs:.4f} s, "
+              f"ratio {ours / torchs:.3f}; first loss {loss_ours:.6f} vs {loss_torch:.6f} "
+              f"(relative {loss_error:.1e}) [{time.perf_counter() - started:.0f} s]",
+              flush=True)
     return {
         "bubble_over_ideal": bubbles,
         "gloo_hop_s": {k: {n: round(t, 5) for n, t in v.items()} for k, v in hops.items()},

@@ -131,10 +131,17 @@ def rows(figures: dict[str, Any]) -> list[dict[str, Any]]:
                  f"gloo's late-receive hops {bubble[name]['late_receive_model']}; gpipe "
                  f"{bubble['gpipe']['ratio']}; {pp['setup']}")
             for name in ("1f1b", "interleaved_1f1b")]
-    out.append(_row("pp2_step_vs_torch_pipelining", versus["ratio"], "<= 1.0",
-                    f"ours {versus['ours_s_median']} s, torch Schedule1F1B "
-                    f"{versus['torch_s_median']} s; first loss off by "
-                    f"{versus['first_loss']['relative_error']} (relative)"))
+    out += [_row(f"bubble_{name}_over_1f1b_ideal", bubble[name]["over_1f1b_ideal"], goal,
+                 f"measured {bubble[name]['measured']}, 1F1B's ideal {bubble[name]['ideal']}; "
+                 f"the schedule at this run's F/B/W costs "
+                 f"{bubble[name]['simulated_at_measured_costs']['bubble']} "
+                 f"({bubble[name]['simulated_at_measured_costs']['action_s']}); {pp['setup']}")
+            for name, goal in (("zb_h1", "<= 0.6"), ("zbv", "<= 0.5")) if name in bubble]
+    out += [_row("pp2_step_vs_torch_pipelining" + ("" if name == "1f1b" else f"_{name}"),
+                 v["ratio"], "<= 1.0",
+                 f"ours {v['ours_s_median']} s, torch's {name} {v['torch_s_median']} s; first "
+                 f"loss off by {v['first_loss']['relative_error']} (relative)")
+            for name, v in versus.items()]
     out += _auto_rows(f["auto"])
     prep = f["prepare"]
     out.append(_row("prepare_throughput_vs_lib", prep["prepare_throughput_vs_library"],

@@ -103,6 +103,13 @@ def simulate_orders(orders: list[list[Action]], pp: int, virtual: int = 1,
                       in_flight=tuple(in_flight(order) for order in orders))
 
 
+def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int = 1) -> float:
+    """The idle share of a step under `schedule` with a backward twice the forward, split
+    evenly into I and W: ideal_bubble_fraction for the 1F1B family and gpipe, about a third
+    of 1F1B's for zb_h1 and less for zbv (where W costs what I does; less where it is less)."""
+    return simulate(schedule, pp, microbatches, virtual).bubble_fraction
+
+
 def simulate(schedule: str, pp: int, microbatches: int, virtual: int = 1,
              forward_time: float = 1.0, backward_time: float = 2.0,
              hop_time: float = 0.0, weight_time: float | None = None) -> Simulation:

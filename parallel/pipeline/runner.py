@@ -76,6 +76,7 @@ class PipelineRunner:
         # Seconds of the last run: all of it, and computing (forwards, loss, backwards; not
         # waiting for messages). 1 - busy / total is the bubble this stage saw.
         self.run_s = self.busy_s = 0.0
+        self.busy_by_kind: dict[str, float] = {}  # of busy_s, per action kind (F, B, I, W)
         # Told (actions done, actions of the run, the action) after each action, where set
         # (the measured dry run's progress lines).
         self.progress: Callable[[int, int, Action], None] | None = None
@@ -93,7 +94,7 @@ class PipelineRunner:
         self._device = inputs[0][0].device
         flight = _InFlight()
         self.peak_saved_bytes = self.peak_in_flight = self.peak_message_bytes = 0
-        started, self.busy_s = time.perf_counter(), 0.0
+        started, self.busy_s, self.busy_by_kind = time.perf_counter(), 0.0, {}
         for i, action in enumerate(actions):
             for upcoming in actions[i:i + 1 + RECEIVE_AHEAD]:
                 self._post_receives(upcoming, flight)
@@ -128,7 +129,7 @@ class PipelineRunner:
                                            *inputs[action.microbatch][2:])
             if chunk == self.last_chunk:
                 out = last(action.microbatch, out)
-            self.busy_s += time.perf_counter() - busy
+            self._busy(action.kind, busy)
             if chunk != self.last_chunk:
                 flight.sends += self._send_forward(chunk, action.microbatch, out, positions,
                                                    flight)
@@ -157,7 +158,7 @@ class PipelineRunner:
         else:
             torch.autograd.backward(out, grad)
         self.model.wait_grad_reduces()  # this pass's reduce-scatters end with it
-        self.busy_s += time.perf_counter() - busy
+        self._busy(action.kind, busy)
         del out, grad
         if chunk > 0:
             flight.sends += self._send(x.grad, chunk - 1, chunk, action.microbatch, GRADIENT,
@@ -172,7 +173,12 @@ class PipelineRunner:
         busy = time.perf_counter()
         collected.run()
         self.model.wait_grad_reduces()
-        self.busy_s += time.perf_counter() - busy
+        self._busy(action.kind, busy)
+
+    def _busy(self, kind: str, since: float) -> None:
+        seconds = time.perf_counter() - since
+        self.busy_s += seconds
+        self.busy_by_kind[kind] = self.busy_by_kind.get(kind, 0.0) + seconds
 
     def _measure_kept(self, flight: _InFlight) -> None:
         if self.measure:

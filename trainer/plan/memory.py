@@ -23,6 +23,7 @@ from parallel.layout.pipeline_schedules import (
     message_counts,
     model_chunk,
     stage_actions,
+    weights_pending,
 )
 from parallel.layout.pipeline_schedules import stage_of as stage_of_chunk
 from trainer.config import ModelConfig, PeftConfig
@@ -351,7 +352,7 @@ def _planned_step(m: ModelConfig, layout: Layout, options: EngineOptions,
     step = stage_step(m, layout, options, stage, kept, messages)
     return {**asdict(step), "transient_bytes": step.transient_bytes,
             "peak_bytes": stage_peak(stage, step),
-            "in_flight": in_flight(actions)}
+            "in_flight": in_flight(actions), "weights_pending": weights_pending(actions)}
 
 
 def memory_per_stage(shapes: dict[str, tuple[int, ...]], num_layers: int, layout: Layout,

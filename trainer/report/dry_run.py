@@ -12,7 +12,8 @@ from typing import Any
 
 from parallel.layout import GROUP_AXES, GROUP_PURPOSE, Layout
 from parallel.layout.axes import group_names
-from parallel.layout.pipeline_schedules import ideal_bubble_fraction
+from parallel.layout.pipeline_schedules import SPLIT_BACKWARD, last_stage
+from parallel.layout.pipeline_simulation import bubble_fraction
 from trainer.auto.search import Candidate, Choice
 from trainer.compose.runspec import RunSpec
 from trainer.plan.axis_costs import describe_inputs
@@ -203,15 +204,23 @@ def pipeline_lines(schedule: str, layout: Layout, memory: dict[str, Any]) -> lis
     """The schedule's bubble and what each stage holds and keeps in flight."""
     p, v, m = layout.pp_size, layout.virtual_pipeline_size, layout.num_microbatches
     chunks = f", {v} model chunks per stage" if v > 1 else ""
+    if schedule in SPLIT_BACKWARD:
+        how = ("simulated: stages of equal time, a backward twice the forward, half of it the "
+               "weights' gradients (W)")
+    else:
+        how = f"(PP-1) / ({'v x ' if v > 1 else ''}m + PP-1), stages of equal time"
     lines = ["", f"pipeline: {p} stages, schedule {schedule}{chunks}, {m} micro-batches a step; "
-             f"bubble {100 * ideal_bubble_fraction(p, m, v):.1f}% of the step ((PP-1) / "
-             f"({'v x ' if v > 1 else ''}m + PP-1), stages of equal time)"]
+             f"bubble {100 * bubble_fraction(schedule, p, m, v):.1f}% of the step ({how})"]
+    last = last_stage(schedule, p, v)
     for entry in memory["per_stage"]:
         ends = (["embedding"] if entry["stage"] == 0 else []) + (
-            ["final norm, head, loss"] if entry["stage"] == p - 1 else [])
+            ["final norm, head, loss"] if entry["stage"] == last else [])
+        waiting = entry.get("weights_pending", 0)
         lines.append(f"  stage {entry['stage']}: blocks {_ranges(entry['blocks'])}"
                      f"{' + ' + ', '.join(ends) if ends else ''}; activations of "
-                     f"{entry['in_flight']} (micro-batch, chunk) pair(s) in flight at most")
+                     f"{entry['in_flight']} (micro-batch, chunk) pair(s) in flight at most"
+                     + (f", and what W needs of {waiting} more whose I has run" if waiting
+                        else ""))
     return lines
 
 

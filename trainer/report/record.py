@@ -10,7 +10,7 @@ from typing import Any
 
 from parallel.layout import AXES, Layout
 from parallel.layout.axes import EXPERT_AXES, PARALLEL_KEYS
-from parallel.layout.pipeline_schedules import ideal_bubble_fraction
+from parallel.layout.pipeline_simulation import bubble_fraction
 from trainer.compose.runspec import RunSpec
 
 
@@ -61,8 +61,9 @@ def layout_record(spec: RunSpec) -> dict[str, Any]:
         "groups": layout.all_groups(),
         "ranks": rank_rows(layout, config.cluster.procs_per_node),
         "memory": spec.memory,  # planned once, by settle
-        "pipeline": {"bubble_fraction": ideal_bubble_fraction(
-            layout.pp_size, layout.num_microbatches, layout.virtual_pipeline_size)},
+        "pipeline": {"bubble_fraction": bubble_fraction(
+            config.parallel.pipeline_schedule, layout.pp_size, layout.num_microbatches,
+            layout.virtual_pipeline_size)},
         "warnings": nvlink_warnings(layout, config.cluster.gpus_per_nvlink_domain),
         "training": training_record(spec),
     }
