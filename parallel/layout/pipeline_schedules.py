@@ -244,8 +244,9 @@ def message_counts(actions: list[Action], stage: int, pp: int, virtual: int = 1,
     and their positions; a backward (B or I) of a chunk before the last: the gradient), and the
     action's own: a backward holds its gradient throughout, a forward its positions (its hidden
     states become the chunk's input, which its activations count). A V's turn is on the stage
-    itself: no receive is posted for it, and the gradient its second chunk's I hands the first
-    is held until the first's I uses it."""
+    itself: no receive is posted for it; the first chunk's output is held until the second's
+    forward takes it, and the gradient the second's I hands the first until the first's I
+    uses it."""
     last = pp * virtual - 1
 
     def source(action: Action) -> int | None:
@@ -267,10 +268,11 @@ def message_counts(actions: list[Action], stage: int, pp: int, virtual: int = 1,
     def local(action: Action) -> bool:
         return source(action) is not None and stage_of(source(action), pp, v_shape) == stage
 
-    counts, handed = set(), 0  # handed: gradients formed on this stage for its own later I
+    # handed: outputs and gradients formed on this stage for its own later action
+    counts, handed = set(), 0
     for i, action in enumerate(actions):
-        if action.kind != FORWARD and local(action):
-            handed -= 1  # now the action's own
+        if local(action):
+            handed -= 1  # now the action's own (a forward's: its chunk's input)
         ahead = [received(a, False) for a in actions[i + 1:i + 1 + RECEIVE_AHEAD]
                  if not local(a)]
         own = received(action, True)
@@ -278,6 +280,8 @@ def message_counts(actions: list[Action], stage: int, pp: int, virtual: int = 1,
                     own[1] + sum(p for _, p in ahead)))
         chunk = model_chunk(stage, action.chunk, pp, v_shape)
         if ends_backward(action.kind) and chunk > 0 and stage_of(chunk - 1, pp, v_shape) == stage:
+            handed += 1
+        if action.kind == FORWARD and chunk < last and stage_of(chunk + 1, pp, v_shape) == stage:
             handed += 1
     return {c for c in counts if not any(d != c and d[0] >= c[0] and d[1] >= c[1]
                                          for d in counts)}

@@ -99,8 +99,8 @@ class PipelineRunner:
             for upcoming in actions[i:i + 1 + RECEIVE_AHEAD]:
                 self._post_receives(upcoming, flight)
             if self.measure:
-                self.peak_message_bytes = max(self.peak_message_bytes,
-                                              _message_bytes(flight, action))
+                self.peak_message_bytes = max(self.peak_message_bytes, _message_bytes(
+                    flight, action, self._model_chunk(action)))
             if action.kind == FORWARD:
                 self._forward(action, inputs, last, train, flight)
             elif action.kind == WEIGHT:
@@ -272,11 +272,14 @@ def _release_data(out: torch.Tensor) -> None:
     out.data = torch.empty(1, dtype=out.dtype, device=out.device).expand(out.shape)
 
 
-def _message_bytes(flight: _InFlight, action: Action) -> int:
-    """Bytes of the receive buffers held as `action` runs: every posted one but the hidden
-    states a forward takes as its chunk's input (its activations count those), and what a V's
-    turn hands over (of hidden states, their positions only)."""
-    total = sum(t[0].nbytes for (_, _, kind), t in flight.handed.items())
+def _message_bytes(flight: _InFlight, action: Action, chunk: int) -> int:
+    """Bytes of the receive buffers held as `action` (of model chunk `chunk`) runs: every
+    posted one but the hidden states a forward takes as its chunk's input (its activations
+    count those), and likewise what a V's turn hands over on the stage."""
+    total = 0
+    for (to_chunk, microbatch, _), tensors in flight.handed.items():
+        own = action.kind == FORWARD and (to_chunk, microbatch) == (chunk, action.microbatch)
+        total += sum(t.nbytes for t in (tensors[:1] if own else tensors))
     for key, pending in flight.receives.items():
         buffers = [p.output for p in pending]
         if key == (action.kind, action.microbatch, action.chunk) and action.kind == FORWARD:

@@ -507,6 +507,10 @@ PP_CASES = {  # name -> (world, Layout kwargs, schedule, model)
                 dataclasses.replace(PP_MODEL, mtp_num_layers=1)),
     # peft=lora: the model's first block (fed by the frozen embedding) on stage 0 only
     "pp2_lora": (2, dict(pipeline_model_parallel_size=2), "1f1b", PP_MODEL),
+    # the zero-bubble schedules: what W needs kept from I; a V's turn on stage 1, the head on 0
+    "pp2_zb_h1": (2, dict(pipeline_model_parallel_size=2), "zb_h1", PP_MODEL),
+    "pp2_zbv": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
+                "zbv", PP_MODEL),
 }
 PP_LORA = {"pp2_lora": ALL_TARGETS}
 
@@ -525,8 +529,8 @@ def test_allocator_counted_transients_of_pipeline_stages(name, stage):
     step, update = simulated(world, rank, allocated_transients, layout, options, model)
     shapes = parameter_shapes(model, peft_of(options))
     plan = step_per_stage(shapes, model, layout, options)[stage]
-    state = memory_per_stage(shapes, model.num_layers, layout,
-                             lora=options.lora is not None)[stage]
+    state = memory_per_stage(shapes, model.num_layers, layout, lora=options.lora is not None,
+                             v_shape=schedule == "zbv")[stage]
     transients = plan["peak_bytes"] - state.total_bytes
     print(f"\n{name} stage {stage}: micro-batches {step:,} B, planned {transients:,} B "
           f"({transients / step - 1:+.2%}, messages {plan['message_bytes']:,} B); update "

@@ -79,6 +79,13 @@ def backward_bytes(m: ModelConfig, k: Tokens, e: int, selective: bool) -> int:
     return k.Tr * h * FP32 + max(moments)
 
 
+def split_bytes(m: ModelConfig, k: Tokens, e: int) -> int:
+    """Under a split backward the product's moment (the largest) also holds the down
+    projection's input, silu(gate) * up, kept for its W where the whole backward frees it
+    with the down projection's backward: one [T, f/t] in the compute dtype."""
+    return k.T * m.ffn_hidden_size // k.t * e
+
+
 def hf_names(cfg: ModelConfig, ours: str, theirs: str, family) -> HfNames:
     f, h = cfg.ffn_hidden_size, cfg.hidden_size
     return {f"{ours}mlp.gate_up.weight": [(f"{theirs}mlp.{p}_proj.weight", f)
@@ -109,4 +116,5 @@ SWIGLU = Part(
     residual_outputs=("down.weight",),
     hook="activation_fn",  # silu(gate) * up: recomputed rather than kept (selective)
     kept_bytes=kept_bytes, lora_kept_bytes=lora_kept_bytes, backward_bytes=backward_bytes,
+    split_bytes=split_bytes,
     hf_names=hf_names, rules=activation_rules)

@@ -102,6 +102,11 @@ class Part:
     # adds the adapters' own tensors.
     lora_kept_bytes: Callable[..., int] | None = None
     backward_bytes: Callable[..., int] = _nothing
+    # split_bytes(cfg, k, e): what its backward holds more at its largest moment when a
+    # zero-bubble schedule's I runs it (parallel.weight_grads): the inputs W needs of the
+    # linears whose backward ran before that moment, which a whole backward has freed by
+    # then; 0 where none outlives its use there
+    split_bytes: Callable[..., int] = _nothing
     rebuild_bytes: Callable[..., int] = _nothing
     # forward_bytes(cfg, k, e, recompute, cp_comm_type: an attention part's): the most its
     # forward holds beyond what it keeps once done (negative: less); 0 where a backward

@@ -357,11 +357,13 @@ def _planned_step(m: ModelConfig, layout: Layout, options: EngineOptions,
 
 def memory_per_stage(shapes: dict[str, tuple[int, ...]], num_layers: int, layout: Layout,
                      tie_word_embeddings: bool = False, muon: MuonPlan | None = None,
-                     lora: bool = False, base_bf16: bool = False) -> list[StageMemory]:
+                     lora: bool = False, base_bf16: bool = False, v_shape: bool = False
+                     ) -> list[StageMemory]:
     """What one rank of each pipeline stage keeps between steps (lora: only the adapters in
-    `shapes` train; base_bf16: the frozen matrices in bf16)."""
+    `shapes` train; base_bf16: the frozen matrices in bf16; v_shape: a V's stages, zbv's)."""
     return [s.memory for s in ModelWeights(shapes, num_layers, tie_word_embeddings, muon=muon,
-                                           lora=lora, base_bf16=base_bf16).stages(layout)]
+                                           lora=lora, base_bf16=base_bf16).stages(
+        layout, v_shape)]
 
 
 def step_per_stage(shapes: dict[str, tuple[int, ...]], model: ModelConfig, layout: Layout,

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from parallel.layout import Layout
+from parallel.layout.pipeline_schedules import SPLIT_BACKWARD
 from trainer.config import CPCommType, ModelConfig, RecomputeGranularity
 from trainer.parts import BlockParts, block_parts, mtp
 from trainer.parts.lora import local_adapter_elements, uncast_elements
@@ -36,18 +37,20 @@ from trainer.plan.options import EngineOptions
 
 def block_backward_bytes(parts: BlockParts, m: ModelConfig, k: Tokens, e: int,
                          selective: bool, gathered: int = 0, message: int = 0,
-                         cp_comm_type: CPCommType = CPCommType.p2p) -> int:
+                         cp_comm_type: CPCommType = CPCommType.p2p, split: bool = False) -> int:
     """The most a block's backward forms beside what it keeps: its MLP's moments, its
     attention's (Gated DeltaNet's rule: trainer.parts.gdn; softmax attention's never outgrow
     the MLP's), or a zero-centred norm's (fp32 whatever the compute dtype: trainer.parts.norm),
     the largest;
     with `gathered`, what weight sharding holds then, of which the fp32 gradient message
-    (`message`) is not made yet at a norm's moment (no weight's gradient is)."""
+    (`message`) is not made yet at a norm's moment (no weight's gradient is); `split`: run
+    as a zero-bubble schedule's I, the MLP's moment with what W needs kept (Part.split_bytes)."""
     # the attention's backward runs after the MLP's and its norm's: their activations are gone
     recompute = RecomputeGranularity.selective if selective else None
     mlp_side = mlp_side_bytes(parts, m, k, e, recompute, cp_comm_type)
     attention = parts.attention.backward_bytes(m, k, e, selective, cp_comm_type)
-    return max(parts.mlp.backward_bytes(m, k, e, selective) + gathered,
+    split_extra = parts.mlp.split_bytes(m, k, e) if split else 0
+    return max(parts.mlp.backward_bytes(m, k, e, selective) + split_extra + gathered,
                attention - mlp_side + gathered if attention else 0,
                parts.norm.backward_bytes(m, k, e, selective) + gathered - message)
 
@@ -181,8 +184,10 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
     # recompute_num_layers of a chunk) is rebuilt after the chunk's later blocks have run their
     # backward and freed their activations.
     selective = options.recompute_granularity is RecomputeGranularity.selective
+    split = options.pipeline_schedule in SPLIT_BACKWARD
     backward = max(block_backward_bytes(parts, m, k, e, selective,
-                                        cp_comm_type=options.cp_comm_type) for parts in kinds)
+                                        cp_comm_type=options.cp_comm_type, split=split)
+                   for parts in kinds)
     phases, bundles, alike = [], [], {}
     dense = blocks_alike(m)  # every block one kind: a chunk is known by its length
     for chunk in chunks:
@@ -225,6 +230,7 @@ def chunk_phases(m: ModelConfig, layout: Layout, options: EngineOptions, chunk: 
     k, e, comm = Tokens.of(layout), compute_bytes(options.precision), options.cp_comm_type
     sharded = layout.gtp_remat_size > 1
     selective = options.recompute_granularity is RecomputeGranularity.selective
+    split = options.pipeline_schedule in SPLIT_BACKWARD
     # (the search asks this of thousands of layouts: each kind's terms are counted once)
     parts = [block_parts(m, 0)] * len(chunk) if blocks_alike(m) \
         else [block_parts(m, i) for i in chunk]
@@ -263,13 +269,15 @@ def chunk_phases(m: ModelConfig, layout: Layout, options: EngineOptions, chunk: 
             # exchange over ETP)
             copies = weights[p] * e if e != FP32 and not sharded else 0
             # (and its attention's forward, rebuilt)
-            phase = max(block_backward_bytes(kind, m, k, e, False, gathered, message, comm),
+            phase = max(block_backward_bytes(kind, m, k, e, False, gathered, message, comm,
+                                             split),
                         kind.mlp.rebuild_bytes(m, k, e) + gathered,
                         block_forward_bytes(kind, m, k, e, None, comm) + gathered) \
                 + rebuilt_of[kind] + copies
         else:  # its backward, or its attention's forward (the chunk's later blocks not run)
             recompute = options.recomputes(p)
-            phase = max(block_backward_bytes(kind, m, k, e, selective, gathered, message, comm),
+            phase = max(block_backward_bytes(kind, m, k, e, selective, gathered, message, comm,
+                                             split),
                         block_forward_bytes(kind, m, k, e, recompute, comm) + gathered)
         seen[key] = phase, gathered
         out.append((phase - later[p], gathered))

@@ -11,6 +11,7 @@ from functools import lru_cache
 from parallel.layout import Layout
 from parallel.layout.axes.pipeline import PIPELINE, VIRTUAL
 from parallel.layout.pipeline_schedules import (
+    BACKWARD,
     FORWARD,
     INPUT,
     SCHEDULES,
@@ -76,15 +77,21 @@ def stage_activation_bytes(per_chunk: list[int], actions: list[Action],
     are alive together (1F1B: up to PP micro-batches on the first stage; without pipeline
     parallelism one). per_chunk: what one micro-batch keeps in each of the stage's chunks
     (trainer.plan.activations.stage_chunk_bytes); per_chunk_weights: what a split backward's
-    pair holds from its I to its W (activations.weight_grad_bytes). kept_bytes is the same
-    peak without walking a long schedule."""
+    pair holds from its I to its W (activations.weight_grad_bytes). Counted where a moment
+    of the step's sits on it: after a forward, and as a backward (B or I) starts; after an I
+    the W's pile up, but what follows there (a W: one matmul; a forward) forms less than a
+    backward's moment, which the next I's start counts. kept_bytes is the same peak without
+    walking a long schedule."""
     alive = peak = 0
     for action in actions:
         held = per_chunk[action.chunk]
         weights = per_chunk_weights[action.chunk] if per_chunk_weights else 0
+        if action.kind in (BACKWARD, INPUT):
+            peak = max(peak, alive)
         alive += {FORWARD: held, INPUT: weights - held, WEIGHT: -weights}.get(action.kind,
                                                                               -held)
-        peak = max(peak, alive)
+        if action.kind == FORWARD:
+            peak = max(peak, alive)
     return peak
 
 
