@@ -382,9 +382,11 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = MISSING  # PP: pipeline stages
     # The order a stage runs its micro-batches in (parallel.layout.pipeline_schedules.SCHEDULES):
     # 1f1b (up to PP in flight), interleaved_1f1b (virtual chunks per stage: a smaller bubble
-    # for more messages) or gpipe (every forward, then every backward).
+    # for more messages), gpipe (every forward, then every backward), zb_h1 (zero bubble: each
+    # backward split into I, its input's gradient, and W, its weights', the W's filling the
+    # bubble) or zbv (zero bubble over two chunks a stage in a V).
     pipeline_schedule: str = MISSING
-    # Megatron's name: model chunks per stage for interleaved_1f1b; null = 1
+    # Megatron's name: model chunks per stage for interleaved_1f1b (2 for zbv); null = 1
     virtual_pipeline_model_parallel_size: Optional[int] = MISSING
     # blocks on the first stage; the others split the rest evenly; null: an even split
     num_layers_in_first_pipeline_stage: Optional[int] = MISSING
