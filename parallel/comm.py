@@ -255,11 +255,17 @@ class Group:
         return Pending(None, dist.isend(source, group=self.handle, group_dst=peer, tag=tag),
                        source, waits=self.wait(P2P))
 
+    def recv_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+                    ) -> torch.Tensor:
+        """A new tensor for start_recv to receive into (zeros under the fake group)."""
+        return self._new(torch.empty(0, dtype=dtype, device=device), shape)
+
     @kept_eager
     def start_recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device,
-                   peer: int, tag: int) -> Pending:
-        """The message group rank `peer` sends with `tag`, into a new tensor (Pending.wait())."""
-        out = self._new(torch.empty(0, dtype=dtype, device=device), shape)
+                   peer: int, tag: int, into: torch.Tensor | None = None) -> Pending:
+        """The message group rank `peer` sends with `tag`, into a new tensor (Pending.wait()),
+        or into `into` (recv_buffer's: allocated by the caller's thread)."""
+        out = into if into is not None else self.recv_buffer(shape, dtype, device)
         return Pending(out, dist.irecv(out, group=self.handle, group_src=peer, tag=tag),
                        waits=self.wait(P2P))
 

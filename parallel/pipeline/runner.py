@@ -8,7 +8,10 @@ next stage with their token positions; gradients come back the same way. Packed 
 has its micro-batches' own. Sends never block, and a receive is posted one action before its data is
 needed, so it arrives while the rank computes; a rank only waits for what it is about to use.
 Each message has its own tag, so two ranks may post theirs in any order. A peer that died or raised
-leaves a receive waiting, which the process group's timeout (cluster.timeout_s) fails.
+leaves a receive waiting, which the process group's timeout (cluster.timeout_s) fails. On CPU
+(gloo) one helper thread posts them into buffers this thread allocates: gloo's irecv takes the
+peer's lock, which its I/O thread holds while it moves another message, and posting from the
+computing thread stalled it up to 60 ms a step on a V's turning stage (bench/pipeline.py).
 
 Without pipeline parallelism the same code runs each micro-batch forward then backward, with
 no messages: one path for every layout.
@@ -21,6 +24,7 @@ its second, and the gradient back) stays on the rank: handed over, not sent.
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -58,6 +62,7 @@ class PipelineRunner:
         self.stage, self.size = self.pp.rank, self.pp.size
         self.virtual = layout.virtual_pipeline_size
         self.v_shape = schedule in V_SHAPED
+        self._poster: ThreadPoolExecutor | None = None  # posts the receives on CPU
         self.last_chunk = self.size * self.virtual - 1
         self.last_stage = stage_of(self.last_chunk, self.size, self.v_shape)  # the loss's
         # Between blocks the residual stream stays in the masters' dtype (parallel.sharding),
@@ -258,10 +263,25 @@ class PipelineRunner:
         return [self.pp.start_send(tensor, destination, self._tag(chunk, microbatch, kind))]
 
     def _recv(self, shape: tuple[int, ...], dtype: torch.dtype, from_chunk: int, chunk: int,
-              microbatch: int, kind: int) -> Pending:
-        return self.pp.start_recv(shape, dtype, self._device,
-                                  stage_of(from_chunk, self.size, self.v_shape),
-                                  self._tag(chunk, microbatch, kind))
+              microbatch: int, kind: int) -> Pending | _Posted:
+        args = (shape, dtype, self._device, stage_of(from_chunk, self.size, self.v_shape),
+                self._tag(chunk, microbatch, kind))
+        if self._device.type != "cpu":  # NCCL's receives stay on the thread that sends
+            return self.pp.start_recv(*args)
+        if self._poster is None:
+            self._poster = ThreadPoolExecutor(1, thread_name_prefix="pipeline-receives")
+        into = self.pp.recv_buffer(shape, dtype, self._device)  # counted on this thread
+        return _Posted(self._poster.submit(self.pp.start_recv, *args, into=into), into)
+
+
+class _Posted:
+    """A receive the helper thread posts (in the order asked) into `output`."""
+
+    def __init__(self, future: Future, output: torch.Tensor):
+        self._future, self.output = future, output
+
+    def wait(self) -> torch.Tensor:
+        return self._future.result().wait()
 
 
 def _release_data(out: torch.Tensor) -> None:
@@ -295,7 +315,7 @@ class _InFlight:
     saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     kept: dict[tuple[int, int], int] = field(default_factory=dict)  # their saved bytes (measure)
     sends: list[Pending] = field(default_factory=list)
-    receives: dict[tuple[str, int, int], list[Pending]] = field(default_factory=dict)
+    receives: dict[tuple[str, int, int], list[Pending | _Posted]] = field(default_factory=dict)
     # (model chunk, micro-batch, message kind) -> what a V's turn hands over on this stage
     handed: dict[tuple[int, int, int], list[torch.Tensor]] = field(default_factory=dict)
     weights: dict[tuple[int, int], Collected] = field(default_factory=dict)  # I's, for W
