@@ -23,10 +23,11 @@ def check_pipeline(layout) -> None:
             f"PP > 1.")
     if v > 1 and m % pp:
         raise LayoutError(
-            f"{VIRTUAL.config_key}={v}: the interleaved schedule runs micro-batches in groups of "
-            f"PP, so their number ({m} = train.global_batch_size {layout.global_batch_size} / "
-            f"(train.micro_batch_size {layout.micro_batch_size} x batch_parallel_size "
-            f"{layout.batch_parallel_size})) must be divisible by "
+            f"{VIRTUAL.config_key}={v}: virtual chunks run micro-batches in groups of PP "
+            f"(interleaved_1f1b's rule, which zbv's V keeps here), so their number ({m} = "
+            f"train.global_batch_size {layout.global_batch_size} / (train.micro_batch_size "
+            f"{layout.micro_batch_size} x batch_parallel_size {layout.batch_parallel_size})) "
+            f"must be divisible by "
             f"parallel.pipeline_model_parallel_size={pp}. Fix: set train.global_batch_size "
             f"to {multiples_near(layout.global_batch_size, pp * step)}.")
     for key in (FIRST, LAST):
