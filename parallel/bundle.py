@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from parallel.build import Build
 from parallel.comm import Group, Pending
-from parallel.sharding import IN_MASTER_DTYPE, CommDtypes, autocast_input
+from parallel.sharding import IN_MASTER_DTYPE, CommDtypes, autocast_input, linear_weight_grad
 from parallel.weight_grads import DeferredWeightGrads, run_now_or_defer
 
 
@@ -137,7 +137,6 @@ class ShardBundle:
         self._forward: _Gathered | None = None
         self._backward: _Gathered | None = None
         self._pending = 0  # recorded uses whose backward has not run yet, over all passes
-        self._inputs_pending = 0  # of those, the ones whose input gradient is not formed yet
         self._passes: deque[_Pass] = deque()  # passes with uses left, oldest first
         self.key = torch.tensor(next(_KEYS), device="cpu")  # how its operators find it
         _BUNDLES[int(self.key)] = self
@@ -189,7 +188,6 @@ class ShardBundle:
             this.pending += 1
             this.inputs_pending += 1
             self._pending += 1
-            self._inputs_pending += 1
         return self._forward.weights()[index]
 
     def release_forward(self) -> None:
@@ -206,7 +204,7 @@ class ShardBundle:
         if not self._backward.used:
             self._backward.used = True
             # Only a block whose backward will come (recorded uses): nothing else frees it.
-            if self.previous is not None and self.previous._inputs_pending > 0:
+            if self.previous is not None and self.previous._inputs_owed():
                 self.previous.prefetch_backward()
         return self._backward.weights()
 
@@ -218,6 +216,10 @@ class ShardBundle:
         """The members whose gradients the reduce-scatter's message carries, in order."""
         return [member for member in self.members if member[0].requires_grad]
 
+    def _inputs_owed(self) -> bool:
+        """Whether a recorded use's input gradient is still to come (a backward gather will)."""
+        return any(p.inputs_pending for p in self._passes)
+
     def input_done(self) -> _Pass:
         """One use's input gradient is formed (its I, or its whole backward): the pass it
         belongs to (the oldest with input gradients owed; backwards run in the order of their
@@ -227,7 +229,6 @@ class ShardBundle:
             raise RuntimeError("a bundled linear's backward ran with no forward use left to "
                                "account for: its gradient would be lost")
         forward_pass.inputs_pending -= 1
-        self._inputs_pending -= 1
         if forward_pass.inputs_pending == 0:
             self._backward = None  # the pass's input gradients are done: its weights go
         return forward_pass
@@ -324,9 +325,7 @@ def _backward(grad_y: torch.Tensor, x: torch.Tensor, key: torch.Tensor, index: i
     def weight_grad() -> None:
         grad_w = None
         if bundle.trains(index):
-            grad_w = grad_y.reshape(-1, grad_y.shape[-1]).t() @ x.reshape(-1, x.shape[-1]).to(
-                grad_y.dtype)
-            grad_w = grad_w.to(bundle.members[index][0].dtype)
+            grad_w = linear_weight_grad(grad_y, x).to(bundle.members[index][0].dtype)
         bundle.add_grad(forward_pass, index, grad_w)
 
     run_now_or_defer(bundle.weight_grads, weight_grad, grad_y, x)

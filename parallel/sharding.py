@@ -68,7 +68,7 @@ def autocast_input(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
-def _weight_grad(grad_y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+def linear_weight_grad(grad_y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """dW of y = x @ W^T: the matmul autograd runs for F.linear (grad_y^T x, 2-D), in grad_y's
     dtype."""
     return grad_y.reshape(-1, grad_y.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]).to(
@@ -105,7 +105,7 @@ class _SplitLinear(torch.autograd.Function):
             return grad_x, None, None
 
         def weight_grad() -> torch.Tensor:
-            return _weight_grad(grad_y, x).to(weight.dtype)
+            return linear_weight_grad(grad_y, x).to(weight.dtype)
 
         if _deferred(ctx.store, weight, weight_grad, grad_y, x):
             return grad_x, None, None
@@ -139,7 +139,7 @@ class _ShardedLinear(torch.autograd.Function):
         group, reduce = ctx.group, ctx.dtypes.reduce or shard.dtype
 
         def weight_grad() -> torch.Tensor:  # reduce-scattered where it is formed (in W)
-            grad_w = _scatter_rows(_weight_grad(grad_y, x).to(reduce), group)
+            grad_w = _scatter_rows(linear_weight_grad(grad_y, x).to(reduce), group)
             return grad_w.to(shard.dtype)
 
         if _deferred(ctx.store, ctx.shard, weight_grad, grad_y, x):

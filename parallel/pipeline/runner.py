@@ -39,6 +39,7 @@ from parallel.layout.pipeline_schedules import (
     V_SHAPED,
     WEIGHT,
     Action,
+    last_stage,
     model_chunk,
     stage_actions,
     stage_of,
@@ -64,7 +65,7 @@ class PipelineRunner:
         self.v_shape = schedule in V_SHAPED
         self._poster: ThreadPoolExecutor | None = None  # posts the receives on CPU
         self.last_chunk = self.size * self.virtual - 1
-        self.last_stage = stage_of(self.last_chunk, self.size, self.v_shape)  # the loss's
+        self.last_stage = last_stage(schedule, self.size, self.virtual)  # the loss's
         # Between blocks the residual stream stays in the masters' dtype (parallel.sharding),
         # split over TP along the sequence with SP.
         self.dtype = next(model.parameters()).dtype

@@ -8,7 +8,7 @@ wire: one view of the model per chunk, which the runner calls in the schedule's 
 from __future__ import annotations
 
 from parallel.build import Build, StagePart
-from parallel.layout.pipeline_schedules import V_SHAPED
+from parallel.layout.pipeline_schedules import V_SHAPED, last_stage
 from parallel.pipeline.stages import chunk_view, prune, shared_weights
 
 
@@ -16,9 +16,10 @@ def cut_to_stage(build: Build) -> None:
     layout, plan = build.layout, build.plan
     stage = layout.coords(build.rank).pp
     blocks = len(getattr(build.model, plan.blocks))
-    v_shape = build.options.pipeline_schedule in V_SHAPED  # the model's last chunk on stage 0
-    build.part = StagePart(layout.stage_chunks(stage, blocks, v_shape), stage == 0,
-                           stage == (0 if v_shape else layout.pp_size - 1))
+    schedule = build.options.pipeline_schedule
+    build.part = StagePart(layout.stage_chunks(stage, blocks, schedule in V_SHAPED), stage == 0,
+                           stage == last_stage(schedule, layout.pp_size,
+                                               layout.virtual_pipeline_size))
     if layout.pp_size > 1:
         build.pruned = prune(build.model, plan, build.part, shared_weights(build.model))
 

@@ -176,8 +176,8 @@ def weight_grad_bytes(m: ModelConfig, layout: Layout, options: EngineOptions, ch
         for part in block_parts(m, block):
             shapes = part.shapes(m)
             for module, style in part.tp_styles.items():
-                rows, cols = shapes[f"{module}.weight"]
-                widths += rows // k.t + cols if style == "column" else rows + cols // k.t
+                widths += sum(layout.tp_local_shape(*shapes[f"{module}.weight"],
+                                                    style == "column"))
     if head:
         widths += m.hidden_size + m.padded_vocab_size // k.t
     return k.T * widths * e
