@@ -494,7 +494,7 @@ def test_allocator_counted_transients_against_the_plan(name):
 # Four blocks over two stages, four micro-batches: messages in flight in both directions.
 PP_MODEL = dataclasses.replace(MODEL, num_layers=4)
 PP_MOE = dataclasses.replace(MOE_MODELS["moe_seq"], num_layers=4, moe_layer_freq=[1, 0, 1, 1])
-PP_CASES = {  # name -> (world, Layout kwargs, schedule, model)
+PP_CASES = {  # name -> (world, Layout kwargs, schedule, model[, EngineOptions kwargs])
     "pp2_1f1b": (2, dict(pipeline_model_parallel_size=2), "1f1b", PP_MODEL),
     "pp2_interleaved": (2, dict(pipeline_model_parallel_size=2,
                                 virtual_pipeline_model_parallel_size=2), "interleaved_1f1b",
@@ -512,6 +512,20 @@ PP_CASES = {  # name -> (world, Layout kwargs, schedule, model)
     "pp2_zbv": (2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2),
                 "zbv", PP_MODEL),
 }
+# bf16: autocast's weight copies, made anew by each micro-batch's forward, kept by each pair
+# in flight (two on stage 0; a chunk's own on each of a V's turns)
+PP_BF16 = dict(precision=Precision.bf16)
+PP_CASES |= {
+    "pp2_1f1b_bf16": (*PP_CASES["pp2_1f1b"], PP_BF16),
+    "pp2_interleaved_bf16": (*PP_CASES["pp2_interleaved"], PP_BF16),
+    "pp2_zb_h1_tp2_sp_bf16": (4, dict(pipeline_model_parallel_size=2, **TP2_SP), "zb_h1",
+                              PP_MODEL, PP_BF16),
+    "pp2_zbv_bf16": (*PP_CASES["pp2_zbv"], PP_BF16),
+    # a split backward under full recompute: W holds the rebuilt linears' inputs while the
+    # I rebuilds the blocks before; under weight sharding W forms the gradient messages
+    "pp2_zb_h1_full": (*PP_CASES["pp2_zb_h1"], dict(recompute_granularity=FULL)),
+    "pp2_zbv_ws2": (4, dict(PP_CASES["pp2_zbv"][1], **WS2), "zbv", PP_MODEL),
+}
 PP_LORA = {"pp2_lora": ALL_TARGETS}
 
 
@@ -521,10 +535,11 @@ def test_allocator_counted_transients_of_pipeline_stages(name, stage):
     """A simulated rank of each stage, its schedule's micro-batches and messages in flight:
     what the allocator holds at most is the stage's planned transients (activations of every
     pair in flight, the messages it holds, a backward's moment)."""
-    world, layout_kwargs, schedule, model = PP_CASES[name]
+    world, layout_kwargs, schedule, model, *option_kwargs = PP_CASES[name]
     layout = Layout(world, micro_batch_size=2, seq_length=512, global_batch_size=4 * world,
                     **layout_kwargs)
-    options = EngineOptions(pipeline_schedule=schedule, lora=PP_LORA.get(name))
+    options = EngineOptions(pipeline_schedule=schedule, lora=PP_LORA.get(name),
+                            **(option_kwargs[0] if option_kwargs else {}))
     rank = layout.groups("pp")[0][stage]
     step, update = simulated(world, rank, allocated_transients, layout, options, model)
     shapes = parameter_shapes(model, peft_of(options))

@@ -33,7 +33,8 @@ local q, k and v and the output: 3Q + 3K); full recompute keeps only the block i
 fp32) and rebuilds one block's activations at a time in backward. After the blocks: the final
 norm (2*Tr*h fp32), the head input (T*h*e) and the loss's softmax (T*V/t fp32). No type builds
 a mask. Under bf16 without weight sharding,
-autocast also keeps a bf16 copy of every local weight.
+autocast also keeps a bf16 copy of every local weight, one set per micro-batch in flight
+(trainer.plan.moments.autocast_copy_bytes).
 
 Under peft=lora (EngineOptions.lora) a frozen weight keeps no input for its gradient, the
 adapters keep their r-wide outputs, and the first block, fed by the frozen embedding, keeps

@@ -5,11 +5,10 @@ per parameter: the search sizes thousands of layouts, the dry run one.
 from __future__ import annotations
 
 from parallel.layout import Layout
-from parallel.layout.pipeline_schedules import V_SHAPED, last_stage
+from parallel.layout.pipeline_schedules import V_SHAPED
 from trainer.config import ModelConfig
-from trainer.plan.activations import stage_chunk_bytes, stage_weight_grad_bytes
-from trainer.plan.axis_costs.pipeline import kept_bytes, schedule_messages
-from trainer.plan.memory import ModelWeights, StageWeights, stage_peak, stage_step
+from trainer.plan.axis_costs.pipeline import schedule_messages
+from trainer.plan.memory import ModelWeights, StageWeights, stage_kept, stage_peak, stage_step
 from trainer.plan.muon import MuonPlan
 from trainer.plan.options import EngineOptions
 
@@ -32,13 +31,10 @@ class PeakPlanner:
              options: EngineOptions) -> tuple[int, int]:
         """(the largest planned peak of any stage's rank in bytes, that stage)."""
         schedule, pp = options.pipeline_schedule, layout.pp_size
-        worst, last = (-1, 0), last_stage(schedule, pp, layout.virtual_pipeline_size)
+        worst = (-1, 0)
         for stage in sorted({0, min(1, pp - 1), pp - 1}):  # the middle stages hold
             weights = stages[stage]  # what stage 1 does, less
-            chunks = list(weights.chunks)
-            per_chunk = stage_chunk_bytes(self.m, layout, options, chunks, stage == last)
-            kept = kept_bytes(per_chunk, schedule, stage, layout, stage_weight_grad_bytes(
-                self.m, layout, options, chunks, stage == last))
+            kept = stage_kept(self.m, layout, options, weights)
             messages = schedule_messages(schedule, stage, layout.pp_size,
                                          layout.num_microbatches, layout.virtual_pipeline_size)
             step = stage_step(self.m, layout, options, weights, kept, set(messages))

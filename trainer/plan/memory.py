@@ -17,6 +17,7 @@ from typing import Any
 from parallel.layout import Layout
 from parallel.layout.pipeline_schedules import (
     V_SHAPED,
+    Action,
     in_flight,
     last_stage,
     message_bytes,
@@ -41,8 +42,13 @@ from trainer.parts.moe import dispatch_rows
 from trainer.parts.mtp import MTP
 from trainer.parts.tokens import Tokens, compute_bytes
 from trainer.plan.activations import stage_chunk_bytes, stage_weight_grad_bytes
-from trainer.plan.axis_costs.pipeline import message_sizes, stage_activation_bytes
-from trainer.plan.moments import StepMemory, step_memory
+from trainer.plan.axis_costs.pipeline import (
+    Kept,
+    kept_bytes,
+    message_sizes,
+    stage_activation_bytes,
+)
+from trainer.plan.moments import StepMemory, autocast_copy_bytes, step_memory
 from trainer.plan.muon import (
     HeldBuffer,
     HeldMatrix,
@@ -315,22 +321,46 @@ class ModelWeights:
                           tuple(m for b, ms in matrices if b == buffer for m in ms))
 
 
-def stage_step(m: ModelConfig, layout: Layout, options: EngineOptions, stage: StageWeights,
-               kept: int, messages: set[tuple[int, int]]) -> StepMemory:
-    """A stage's activations and transients of one micro-batch, given what its schedule keeps
-    (`kept`: trainer.plan.axis_costs.pipeline.stage_activation_bytes, or its closed form) and the
-    messages it holds at once (parallel.layout.pipeline_schedules.message_counts)."""
-    number = stage.memory.stage
-    v = layout.virtual_pipeline_size
-    last = number == last_stage(options.pipeline_schedule, layout.pp_size, v)
-    kinds: dict[BlockParts, int] = {}  # each kind's gathered weights (the larger, if two)
+def stage_kept(m: ModelConfig, layout: Layout, options: EngineOptions, stage: StageWeights,
+               actions: list[Action] | None = None) -> Kept:
+    """What a stage's schedule keeps at once: its pairs' activations in flight (and what W
+    waits for) and their autocast copies, walking `actions` (the stage's schedule), or where
+    None, by kept_bytes' closed forms."""
+    number, schedule = stage.memory.stage, options.pipeline_schedule
+    last = number == last_stage(schedule, layout.pp_size, layout.virtual_pipeline_size)
+    chunks = list(stage.chunks)
+    per_chunk = stage_chunk_bytes(m, layout, options, chunks, last)
+    weights = stage_weight_grad_bytes(m, layout, options, chunks, last)
+    copies = autocast_copy_bytes(m, layout, options, chunks, stage.block_gathered,
+                                 stage.ends_gathered, last, number == 0, stage.depth_gathered,
+                                 _kind_weights(m, stage))
+    if actions is None:
+        return kept_bytes(per_chunk, schedule, number, layout, weights, copies)
+    return stage_activation_bytes(per_chunk, actions, weights, copies)
+
+
+def _kind_weights(m: ModelConfig, stage: StageWeights) -> dict[BlockParts, int]:
+    """Each kind of block's gathered 2-D weights on the stage (the larger, if two)."""
+    kinds: dict[BlockParts, int] = {}
     for block, gathered in zip(stage.memory.blocks, stage.gathered_by_block):
         parts = block_parts(m, block)
         kinds[parts] = max(kinds.get(parts, 0), gathered)
+    return kinds
+
+
+def stage_step(m: ModelConfig, layout: Layout, options: EngineOptions, stage: StageWeights,
+               kept: Kept, messages: set[tuple[int, int]]) -> StepMemory:
+    """A stage's activations and transients of one micro-batch, given what its schedule keeps
+    (`kept`: stage_kept) and the messages it holds at once
+    (parallel.layout.pipeline_schedules.message_counts)."""
+    number = stage.memory.stage
+    v = layout.virtual_pipeline_size
+    last = number == last_stage(options.pipeline_schedule, layout.pp_size, v)
     return step_memory(m, layout, options, list(stage.chunks), stage.block_gathered,
-                       stage.ends_gathered, kept, last, number == 0,
+                       stage.ends_gathered, kept.activations, last, number == 0,
                        message_bytes(messages, *message_sizes(m, layout)),
-                       (stage.depth_gathered, stage.depth_largest), kinds)
+                       (stage.depth_gathered, stage.depth_largest), _kind_weights(m, stage),
+                       kept.copies)
 
 
 def stage_peak(stage: StageWeights, step: StepMemory) -> int:
@@ -344,10 +374,7 @@ def _planned_step(m: ModelConfig, layout: Layout, options: EngineOptions,
     number, pp, v = stage.memory.stage, layout.pp_size, layout.virtual_pipeline_size
     schedule = options.pipeline_schedule
     actions = stage_actions(schedule, number, pp, layout.num_microbatches, v)
-    last = number == last_stage(schedule, pp, v)
-    per_chunk = stage_chunk_bytes(m, layout, options, list(stage.chunks), last)
-    kept = stage_activation_bytes(per_chunk, actions,
-                                  stage_weight_grad_bytes(m, layout, options, stage.chunks, last))
+    kept = stage_kept(m, layout, options, stage, actions)
     messages = message_counts(actions, number, pp, v, schedule in V_SHAPED)
     step = stage_step(m, layout, options, stage, kept, messages)
     return {**asdict(step), "transient_bytes": step.transient_bytes,

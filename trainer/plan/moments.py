@@ -30,6 +30,7 @@ from trainer.plan.activations import (
     head_activation_bytes,
     loss_bytes,
     mtp_block_bytes,
+    weight_grad_bytes,
 )
 from trainer.plan.axis_costs.gtp_remat import REDUCES_IN_FLIGHT, gathered_bytes
 from trainer.plan.options import EngineOptions
@@ -37,20 +38,24 @@ from trainer.plan.options import EngineOptions
 
 def block_backward_bytes(parts: BlockParts, m: ModelConfig, k: Tokens, e: int,
                          selective: bool, gathered: int = 0, message: int = 0,
-                         cp_comm_type: CPCommType = CPCommType.p2p, split: bool = False) -> int:
+                         cp_comm_type: CPCommType = CPCommType.p2p, split: bool = False,
+                         received: bool = False) -> int:
     """The most a block's backward forms beside what it keeps: its MLP's moments, its
     attention's (Gated DeltaNet's rule: trainer.parts.gdn; softmax attention's never outgrow
     the MLP's), or a zero-centred norm's (fp32 whatever the compute dtype: trainer.parts.norm),
     the largest;
     with `gathered`, what weight sharding holds then, of which the fp32 gradient message
     (`message`) is not made yet at a norm's moment (no weight's gradient is); `split`: run
-    as a zero-bubble schedule's I, the MLP's moment with what W needs kept (Part.split_bytes)."""
+    as a zero-bubble schedule's I, the MLP's moment with what W needs kept (Part.split_bytes);
+    `received`: the gradient entering it (the MLP's first) is a pipeline message, which the
+    stage's messages count (the last block of a chunk before the model's last)."""
     # the attention's backward runs after the MLP's and its norm's: their activations are gone
     recompute = RecomputeGranularity.selective if selective else None
     mlp_side = mlp_side_bytes(parts, m, k, e, recompute, cp_comm_type)
     attention = parts.attention.backward_bytes(m, k, e, selective, cp_comm_type)
     split_extra = parts.mlp.split_bytes(m, k, e) if split else 0
-    return max(parts.mlp.backward_bytes(m, k, e, selective) + split_extra + gathered,
+    entering = k.Tr * m.hidden_size * FP32 if received else 0
+    return max(parts.mlp.backward_bytes(m, k, e, selective) + split_extra + gathered - entering,
                attention - mlp_side + gathered if attention else 0,
                parts.norm.backward_bytes(m, k, e, selective) + gathered - message)
 
@@ -78,7 +83,7 @@ class StepMemory:
     activation_bytes: int  # kept by every block and the head at the end of forward
     backward_bytes: int  # a block's backward: the gradient entering it and its MLP's products
     recompute_bytes: int  # one block's activations rebuilt in backward (full recompute)
-    autocast_weight_bytes: int  # bf16 copies of unsharded weights autocast keeps
+    autocast_weight_bytes: int  # bf16 copies of unsharded weights its pairs in flight keep
     logits_bytes: int  # the local logits and the loss's backward buffers
     gathered_bytes: int  # gathered weights alive at once (one or two blocks) and their grads
     message_bytes: int = 0  # received pipeline messages held at once (parallel.pipeline)
@@ -96,15 +101,51 @@ class StepMemory:
                 + max(self.head_phase_bytes, self.block_phase_bytes))
 
 
+def autocast_copy_bytes(m: ModelConfig, layout: Layout, options: EngineOptions,
+                        chunks: list[range], block_weights: int, head_weights: int,
+                        last: bool, first: bool, depth_weights: int = 0,
+                        kind_weights: dict[BlockParts, int] | None = None) -> list[int]:
+    """The bf16 copies of its weights autocast makes in one micro-batch's forward through each
+    of a stage's chunks (arguments as step_memory's), which the matmuls keep for the backward.
+    autocast's cache lives for one forward call, so every (micro-batch, chunk) in flight holds
+    a set of its own, from its forward to its backward (B, or a split backward's I), like its
+    activations. Weight sharding gathers in bf16 and keeps none; a fully recomputed block
+    keeps none; embedding lookups are not cast, so only the stage with the head keeps its."""
+    e, k, lora = compute_bytes(options.precision), Tokens.of(layout), options.lora
+    if e == FP32 or layout.gtp_remat_size > 1:
+        return [0] * len(chunks)
+    full = RecomputeGranularity.full
+    per_chunk = []
+    for c, chunk in enumerate(chunks):
+        copied = [i for p, i in enumerate(chunk) if options.recomputes(p) is not full]
+        head = last and c == len(chunks) - 1
+        if lora is not None and lora.base_bf16:  # the frozen matrices are bf16 already:
+            # the adapters' casts (and a tied head's, the fp32 embedding's) only
+            elements = len(copied) * local_adapter_elements(m, lora, k.t) \
+                + (head_weights if head and m.tie_word_embeddings else 0)
+        else:  # each kept block's own weights (a hybrid's linear and full blocks differ)
+            elements = sum((kind_weights or {}).get(block_parts(m, i), block_weights)
+                           for i in copied) + (head_weights if head else 0)
+            if head and options.recompute_granularity is not full:
+                elements += mtp.depths(m) * depth_weights  # the depths' blocks' copies
+            if lora is not None and first and c == 0 and options.recomputes(0) is not full:
+                # the first block's input carries no gradient: some casts are not kept
+                elements -= uncast_elements(m, lora, k.t)
+        per_chunk.append(int(elements) * e)
+    return per_chunk
+
+
 def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: list[range],
                 block_weights: int, head_weights: int, kept: int, last: bool = True,
                 first: bool = True, messages: int = 0,
                 depth_weights: tuple[int, int] = (0, 0),
-                kind_weights: dict[BlockParts, int] | None = None) -> StepMemory:
+                kind_weights: dict[BlockParts, int] | None = None, copies: int = 0
+                ) -> StepMemory:
     """For a pipeline stage's blocks (`chunks`: its blocks by model chunk). block_weights:
     TP-local elements of one block's 2-D weights as gathered over GTP_remat (padding
     included); head_weights: the stage's head's or embedding's, the larger (0 for neither);
-    kept: its activations in flight (trainer.plan.axis_costs.pipeline.stage_activation_bytes); last:
+    kept: its activations in flight (trainer.plan.axis_costs.pipeline.stage_activation_bytes),
+    copies: autocast's copies its pairs in flight keep beside them (autocast_copy_bytes); last:
     it computes the loss; first: it holds the embedding; messages: its received pipeline
     messages held at once (trainer.plan.axis_costs.pipeline); depth_weights: a multi-token
     prediction depth's block's 2-D weights, as block_weights, and the largest of them (on the
@@ -126,24 +167,6 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
                   if full else 0 for parts in kinds}
     rebuilt = max(rebuilt_of.values())
     sharded = layout.gtp_remat_size > 1
-    autocast = 0
-    if e != FP32 and not sharded:  # a fully recomputed block keeps no copy of its weights
-        copied = [i for chunk in chunks for p, i in enumerate(chunk)
-                  if options.recomputes(p) is not RecomputeGranularity.full]
-        kept_copies = len(copied)
-        if last and options.recompute_granularity is not RecomputeGranularity.full:
-            autocast += mtp.depths(m) * depth_weights[0] * e  # the depths' blocks' copies
-        # each kept block's own weights (a hybrid's linear and full blocks differ)
-        autocast += (sum((kind_weights or {}).get(block_parts(m, i), block_weights)
-                         for i in copied) + head_weights) * e
-        if lora is not None and lora.base_bf16:  # the frozen matrices are bf16 already:
-            # the adapters' casts (and a tied head's, the fp32 embedding's) only
-            autocast = int(kept_copies * local_adapter_elements(m, lora, k.t)
-                           + (head_weights if m.tie_word_embeddings else 0)) * e
-        elif lora is not None and first and \
-                options.recomputes(0) is not RecomputeGranularity.full:
-            # the first block's input carries no gradient: some casts are not kept
-            autocast -= uncast_elements(m, lora, k.t) * e
     # Backward of the head: the gradient of the logits (fp32, and its scaled copy) beside the
     # saved softmax; under TP in bf16 also its bf16 cast, which autograd makes for the
     # vocab-parallel loss's input while the loss's own buffers are still held.
@@ -204,7 +227,9 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
     if not phases:  # a stage without blocks
         phases = [backward]
     block = max(bundles) if sharded and bundles else block
-    blocks_phase = max(phases) - head_kept
+    # freed when the blocks' backward starts, but what the head's W waits for (split)
+    head_waits = weight_grad_bytes(m, layout, options, range(0), True) if split and last else 0
+    blocks_phase = max(phases) - head_kept + head_waits
     if last and mtp.depths(m):
         # A weight used more than once holds its earlier uses' gradient in autograd's buffer
         # until its last use's backward: the head's (its depths' uses wait for the model's)
@@ -218,7 +243,7 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
                            depth_phase(m, k, e, options, depth_weights[1] * e if sharded
                                        else 0, depth_weights[0] * e if e != FP32 and
                                        not sharded else 0) + held)
-    return StepMemory(kept, backward, rebuilt, autocast, logits, max(block, head), messages,
+    return StepMemory(kept, backward, rebuilt, copies, logits, max(block, head), messages,
                       max(logits, head), blocks_phase)
 
 
@@ -247,22 +272,31 @@ def chunk_phases(m: ModelConfig, layout: Layout, options: EngineOptions, chunk: 
     casts = [weights[p] * e if e != FP32 and not sharded and options.lora is None and
              options.recomputes(p) is not RecomputeGranularity.full else 0
              for p in range(len(parts))]
-    later = [0] * len(parts)  # what the blocks after each hold (a suffix sum)
+    # Under a split backward (I) their W holds their linears' inputs and output gradients
+    # meanwhile: under full recompute, rebuilt inputs, more than the block input they free.
+    waits = [weight_grad_bytes(m, layout, options, range(i, i + 1), False)
+             for i in chunk] if options.pipeline_schedule in SPLIT_BACKWARD else [0] * len(parts)
+    later = [0] * len(parts)  # what the blocks after each free (a suffix sum)
     for p in reversed(range(len(parts) - 1)):
-        later[p] = later[p + 1] + freed[p + 1] + casts[p + 1]
+        later[p] = later[p + 1] + freed[p + 1] + casts[p + 1] - waits[p + 1]
     out, seen = [], {}
+    # the gradient entering a chunk before the model's last arrives as a message (counted
+    # with the stage's messages), its last block's
+    received = bool(chunk) and chunk[-1] != m.num_layers - 1
     for p, kind in enumerate(parts):
         # what the block's phase reads: its kind and recompute, its weights, the block before
         # it's and the few after it's (bundle_bytes); alike blocks are counted once
         ahead = slice(p + 1, p + 1 + REDUCES_IN_FLIGHT)
+        message_in = received and p == len(parts) - 1
         key = (kind, options.recomputes(p), weights[p], weights[p - 1] if p else None,
-               tuple(weights[ahead]), tuple(freed[ahead]))
+               tuple(weights[ahead]), tuple(freed[ahead]), message_in)
         if key in seen:
             phase, gathered = seen[key]
             out.append((phase - later[p], gathered))
             continue
-        gathered = bundle_bytes(layout, options, e, weights, freed, p) if sharded else 0
-        message = weights[p] * FP32 if sharded else 0  # bundle_bytes' gradient message
+        gathered = bundle_bytes(layout, options, e, weights, freed, p, split) if sharded else 0
+        # bundle_bytes' gradient message (a split backward's W makes it, not I)
+        message = weights[p] * FP32 if sharded and not split else 0
         if options.recomputes(p) is RecomputeGranularity.full:
             # a block rebuilt under bf16 without weight sharding casts its weights again,
             # kept through its backward (and the rebuilt forward's own moment: a MoE block's
@@ -270,14 +304,14 @@ def chunk_phases(m: ModelConfig, layout: Layout, options: EngineOptions, chunk: 
             copies = weights[p] * e if e != FP32 and not sharded else 0
             # (and its attention's forward, rebuilt)
             phase = max(block_backward_bytes(kind, m, k, e, False, gathered, message, comm,
-                                             split),
+                                             split, message_in),
                         kind.mlp.rebuild_bytes(m, k, e) + gathered,
                         block_forward_bytes(kind, m, k, e, None, comm) + gathered) \
                 + rebuilt_of[kind] + copies
         else:  # its backward, or its attention's forward (the chunk's later blocks not run)
             recompute = options.recomputes(p)
             phase = max(block_backward_bytes(kind, m, k, e, selective, gathered, message, comm,
-                                             split),
+                                             split, message_in),
                         block_forward_bytes(kind, m, k, e, recompute, comm) + gathered)
         seen[key] = phase, gathered
         out.append((phase - later[p], gathered))
@@ -285,7 +319,7 @@ def chunk_phases(m: ModelConfig, layout: Layout, options: EngineOptions, chunk: 
 
 
 def bundle_bytes(layout: Layout, options: EngineOptions, e: int, weights: list[int],
-                 freed: list[int], p: int) -> int:
+                 freed: list[int], p: int, split: bool = False) -> int:
     """Under weight sharding, what block `p` of a chunk holds of gathered weights and gradient
     messages in its backward (weights, freed: each block's gathered 2-D weights and what it
     keeps, in forward order): its weights, and with overlap_param_gather the block before
@@ -293,10 +327,11 @@ def bundle_bytes(layout: Layout, options: EngineOptions, e: int, weights: list[i
     are added into (fp32); with overlap_grad_reduce the packed gradients of up to
     REDUCES_IN_FLIGHT blocks after it (done first) and their outputs, where they outweigh the
     activations those blocks freed. trainer.plan.axis_costs.gtp_remat.gathered_bytes, block by
-    block: a dense block among a mixture of experts' gathers more than they do."""
+    block: a dense block among a mixture of experts' gathers more than they do. In a split
+    backward's I (`split`) its weights only: W forms the gradients and their messages."""
     previous = weights[p - 1] if options.overlap_param_gather and p > 0 else 0
-    held = (weights[p] + previous) * e + weights[p] * FP32
-    if options.overlap_grad_reduce:
+    held = (weights[p] + previous) * e + (0 if split else weights[p] * FP32)
+    if options.overlap_grad_reduce and not split:
         reduce_bytes = 2 if options.grad_reduce_in_bf16 else FP32
         done = range(p + 1, min(p + 1 + REDUCES_IN_FLIGHT, len(weights)))
         g = layout.gtp_remat_size

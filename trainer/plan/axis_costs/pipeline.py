@@ -7,6 +7,7 @@ parallel.layout.pipeline_schedules'.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import NamedTuple
 
 from parallel.layout import Layout
 from parallel.layout.axes.pipeline import PIPELINE, VIRTUAL
@@ -70,28 +71,41 @@ def check_model(model: ModelConfig, layout: Layout, options: EngineOptions) -> N
             f"train.compile=none, or parallel.pipeline_schedule=1f1b.")
 
 
+class Kept(NamedTuple):
+    """What a stage keeps at its most: activations (with what W waits for), and the bf16 weight
+    copies autocast made for the same pairs' forwards (trainer.plan.moments.autocast_copy_bytes),
+    apart so the dry run can show them."""
+
+    activations: int
+    copies: int = 0
+
+
 def stage_activation_bytes(per_chunk: list[int], actions: list[Action],
-                           per_chunk_weights: list[int] | None = None) -> int:
+                           per_chunk_weights: list[int] | None = None,
+                           per_chunk_copies: list[int] | None = None) -> Kept:
     """The most a pipeline stage keeps at once: its schedule (`actions`) runs micro-batches
     forward before their backwards, so the activations of every (micro-batch, chunk) in flight
     are alive together (1F1B: up to PP micro-batches on the first stage; without pipeline
     parallelism one). per_chunk: what one micro-batch keeps in each of the stage's chunks
     (trainer.plan.activations.stage_chunk_bytes); per_chunk_weights: what a split backward's
-    pair holds from its I to its W (activations.weight_grad_bytes). Counted where a moment
-    of the step's sits on it: after a forward, and as a backward (B or I) starts; after an I
-    the W's pile up, but what follows there (a W: one matmul; a forward) forms less than a
-    backward's moment, which the next I's start counts. kept_bytes is the same peak without
-    walking a long schedule."""
-    alive = peak = 0
+    pair holds from its I to its W (activations.weight_grad_bytes); per_chunk_copies: its
+    autocast copies, kept from its forward to its backward (B or I) like its activations.
+    Counted where a moment of the step's sits on it: after a forward, and as a backward (B or
+    I) starts; after an I the W's pile up, but what follows there (a W: one matmul; a forward)
+    forms less than a backward's moment, which the next I's start counts. kept_bytes is the
+    same peak without walking a long schedule."""
+    copies_of = per_chunk_copies or [0] * len(per_chunk)
+    alive, copies, peak = 0, 0, Kept(0)
     for action in actions:
-        held = per_chunk[action.chunk]
+        held, copy = per_chunk[action.chunk], copies_of[action.chunk]
         weights = per_chunk_weights[action.chunk] if per_chunk_weights else 0
-        if action.kind in (BACKWARD, INPUT):
-            peak = max(peak, alive)
+        if action.kind in (BACKWARD, INPUT) and alive + copies > sum(peak):
+            peak = Kept(alive, copies)
         alive += {FORWARD: held, INPUT: weights - held, WEIGHT: -weights}.get(action.kind,
                                                                               -held)
-        if action.kind == FORWARD:
-            peak = max(peak, alive)
+        copies += {FORWARD: copy, WEIGHT: 0}.get(action.kind, -copy)
+        if action.kind == FORWARD and alive + copies > sum(peak):
+            peak = Kept(alive, copies)
     return peak
 
 
@@ -131,23 +145,26 @@ def schedule_messages(schedule: str, stage: int, pp: int, m: int, v: int
 
 
 def kept_bytes(per_chunk: list[int], schedule: str, stage: int, layout: Layout,
-               per_chunk_weights: list[int] | None = None) -> int:
+               per_chunk_weights: list[int] | None = None,
+               per_chunk_copies: list[int] | None = None) -> Kept:
     """stage_activation_bytes' peak over the schedule without walking every action, for a
     stage's chunks (what each keeps: equal but for the head on the last, or a hybrid's of
     different blocks): 1f1b keeps min(PP - stage, m) micro-batches at most, gpipe all m; the
     zero-bubble schedules' pattern repeats after the warm-up, so 4 x pp micro-batches show
     their peak (as _alive's)."""
     pp, m, v = layout.pp_size, layout.num_microbatches, layout.virtual_pipeline_size
+    copies = per_chunk_copies or [0] * len(per_chunk)
     if schedule in SPLIT_BACKWARD:
         return stage_activation_bytes(
-            per_chunk, stage_actions(schedule, stage, pp, min(m, 4 * pp), v), per_chunk_weights)
-    if schedule == "gpipe":
-        return m * per_chunk[0]
-    if schedule == "1f1b":
-        return min(pp - stage, m) * per_chunk[0]
+            per_chunk, stage_actions(schedule, stage, pp, min(m, 4 * pp), v), per_chunk_weights,
+            copies)
+    if schedule in ("gpipe", "1f1b"):
+        n = m if schedule == "gpipe" else min(pp - stage, m)
+        return Kept(n * per_chunk[0], n * copies[0])
     # each chunk's count times what it keeps (a hybrid's chunks may differ in kind)
-    return max(sum(n * b for n, b in zip(counts, per_chunk))
-               for counts in _alive(stage, pp, m, v))
+    return max((Kept(sum(n * b for n, b in zip(counts, per_chunk)),
+                     sum(n * c for n, c in zip(counts, copies)))
+                for counts in _alive(stage, pp, m, v)), key=sum)
 
 
 def send_seconds(m: ModelConfig, layout: Layout, hw: Hardware, chunks: int) -> float:
