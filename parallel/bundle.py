@@ -321,6 +321,7 @@ def _backward(grad_y: torch.Tensor, x: torch.Tensor, key: torch.Tensor, index: i
     bundle = _BUNDLES[int(key)]
     grad_x = grad_y @ bundle.backward_weight(index).to(grad_y.dtype)
     forward_pass = bundle.input_done()
+    x = x.detach()  # held without its graph (parallel.sharding._held)
 
     def weight_grad() -> None:
         grad_w = None

@@ -169,6 +169,11 @@ class PipelineRunner:
         if chunk > 0:
             flight.sends += self._send(x.grad, chunk - 1, chunk, action.microbatch, GRADIENT,
                                        flight)
+            if self._local(chunk - 1):  # a V's turn: the first chunk's output was this input,
+                # kept by this chunk until now; the first's backward needs its graph only
+                turned = next(c for c in range(self.virtual) if model_chunk(
+                    self.stage, c, self.size, self.v_shape) == chunk - 1)
+                _release_data(flight.saved[(action.microbatch, turned)][1])
         self._measure_kept(flight)
 
     def _weight(self, action: Action, flight: _InFlight) -> None:
@@ -288,8 +293,9 @@ class _Posted:
 def _release_data(out: torch.Tensor) -> None:
     """Free a sent output's data (Megatron's deallocate_output_tensor): its backward needs only
     its graph (a chunk ends in the residual add, which saves nothing), and the send holds its
-    own reference until delivered. One element expanded to the output's shape keeps the shape
-    torch.autograd.backward checks its gradient against."""
+    own reference until delivered (a V's turn: the next chunk's input, until its backward).
+    One element expanded to the output's shape keeps the shape torch.autograd.backward checks
+    its gradient against."""
     out.data = torch.empty(1, dtype=out.dtype, device=out.device).expand(out.shape)
 
 

@@ -525,6 +525,8 @@ PP_CASES |= {
     # I rebuilds the blocks before; under weight sharding W forms the gradient messages
     "pp2_zb_h1_full": (*PP_CASES["pp2_zb_h1"], dict(recompute_granularity=FULL)),
     "pp2_zbv_ws2": (4, dict(PP_CASES["pp2_zbv"][1], **WS2), "zbv", PP_MODEL),
+    "pp2_zbv_ws2_full": (4, dict(PP_CASES["pp2_zbv"][1], **WS2), "zbv", PP_MODEL,
+                         dict(recompute_granularity=FULL)),
 }
 PP_LORA = {"pp2_lora": ALL_TARGETS}
 
