@@ -10,6 +10,9 @@
   stage; the makespan runs from the first stage's start to the last end on any stage (run_s
   placed on the monotonic clock all processes share). Each stage's busy over its own run_s
   would miss the last stage's idle tail and read below the ideal.
+- zero_bubble_where_w_is_near_i: 1F1B and ZB-H1 again on a shape of the same matmul work
+  whose W costs about what I does (the zero-bubble paper's F = B = W), as the main shape's
+  does not (LINEAR_HEAVY says why): what the schedule gains where its premise holds.
 - step_time_vs_torch_pipelining: our runner's forwards + backwards of a step (the same span)
   over torch.distributed.pipelining's same schedule on the same model, weights, micro-batches
   and loss (schedule.step, spanned alike); no optimizer in either: Schedule1F1B, and for the
@@ -81,18 +84,28 @@ TORCH = {"1f1b": (Schedule1F1B, False), "zb_h1": (ScheduleInterleavedZeroBubble,
          "zbv": (ScheduleZBVZeroBubble, True)}
 
 
-def make_layout(virtual: int) -> Layout:
-    return Layout(PP, pipeline_model_parallel_size=PP, micro_batch_size=MICRO, seq_length=SEQ,
+# The zero-bubble schedules' gain rests on W's share of the work: ZB-H1 idles (p - 1) x
+# (F + I - W) where 1F1B idles (p - 1) x (F + I + W). Above, attention over 1,024 tokens of a
+# 256-wide model (no weights) and the elementwise work leave W a sixth of a micro-batch's.
+# This shape has about the main one's matmul work per micro-batch, with W near I (as the ZB
+# paper's F = B = W): 512 wide, 256 tokens. Only ours, 1F1B and ZB-H1.
+LINEAR_HEAVY = (ModelConfig(name="llama", vocab_size=256, hidden_size=512, num_layers=8,
+                            num_heads=8, ffn_hidden_size=1376, rope_theta=10000.0,
+                            norm_eps=1e-5, init_std=0.02), 256, ("1f1b", "zb_h1"))
+
+
+def make_layout(virtual: int, seq: int = SEQ) -> Layout:
+    return Layout(PP, pipeline_model_parallel_size=PP, micro_batch_size=MICRO, seq_length=seq,
                   global_batch_size=MICRO * M,
                   virtual_pipeline_model_parallel_size=virtual if virtual > 1 else None)
 
 
-def make_batches() -> list[MicroBatch]:
+def make_batches(model: ModelConfig = MODEL, seq: int = SEQ) -> list[MicroBatch]:
     """The same M micro-batches on both ranks and every step (content does not change the
-    work); no ignored labels, so the token count is M * MICRO * SEQ."""
+    work); no ignored labels, so the token count is M * MICRO * seq."""
     gen = torch.Generator().manual_seed(SEED)
-    samples = torch.randint(0, MODEL.vocab_size, (M * MICRO, SEQ + 1), generator=gen)
-    positions = torch.arange(SEQ).expand(MICRO, -1)
+    samples = torch.randint(0, model.vocab_size, (M * MICRO, seq + 1), generator=gen)
+    positions = torch.arange(seq).expand(MICRO, -1)
     return [MicroBatch(s[:, :-1], s[:, 1:], positions) for s in samples.split(MICRO)]
 
 
@@ -213,14 +226,17 @@ def note_end(runner) -> None:
     runner.run = run
 
 
-def rank_steps(rank: int, warmup: int, steps: int) -> dict:
-    batches = make_batches()
-    engines = {name: build_engine(MODEL, OPTIM, SEED, make_layout(v), torch.device("cpu"),
-                                  EngineOptions(pipeline_schedule=name))
-               for name, v in SCHEDULES.items()}
+def rank_steps(rank: int, warmup: int, steps: int, linear_heavy: bool = False) -> dict:
+    """Each schedule's steps on this rank (linear_heavy: LINEAR_HEAVY's, ours alone)."""
+    model, seq, names = LINEAR_HEAVY if linear_heavy else (MODEL, SEQ, tuple(SCHEDULES))
+    batches = make_batches(model, seq)
+    engines = {name: build_engine(model, OPTIM, SEED, make_layout(SCHEDULES[name], seq),
+                                  torch.device("cpu"), EngineOptions(pipeline_schedule=name))
+               for name in names}
     for engine in engines.values():
         note_end(engine.model.runner)
-    theirs = {f"torch_{name}": torch_schedule(rank, name) for name in TORCH}
+    theirs = {} if linear_heavy else {f"torch_{name}": torch_schedule(rank, name)
+                                      for name in TORCH}
     tokens, positions, labels = (torch.cat([getattr(mb, key) for mb in batches])
                                  for key in ("tokens", "positions", "labels"))
     # (start, end) of this rank's run on time.perf_counter: CLOCK_MONOTONIC, one for all ranks
@@ -255,22 +271,72 @@ def rank_steps(rank: int, warmup: int, steps: int) -> dict:
             record["span"].append((start, end))
             if record["loss"] is None:
                 record["loss"] = result  # first step: same initial weights everywhere
-    out["hop_s"] = {"posted_when_needed": hop_s(rank, False), "posted_ahead": hop_s(rank, True)}
+    if not linear_heavy:
+        out["hop_s"] = {"posted_when_needed": hop_s(rank, False),
+                        "posted_ahead": hop_s(rank, True)}
     return out
 
 
 def modelled_bubble(name: str, virtual: int, ranks: list[dict], timed: range) -> dict:
     """The schedule's own bubble at this run's costs: each kind's mean action time (both
-    stages, the timed steps) as a whole stage's (x virtual), simulated."""
+    stages, the timed steps) as a whole stage's (x virtual), simulated; and with each stage's
+    actions scaled by its busy time over the stages' mean (the last stage also runs the head
+    and the loss, the first the embedding: the ideal assumes equal stages)."""
     def mean_action(kind: str) -> float:
         total = sum(r[name]["busy_by_kind"][i].get(kind, 0.0) for r in ranks for i in timed)
         return total / (len(ranks) * len(timed) * M * virtual) * virtual
     forward, weight = mean_action("F"), mean_action("W")
     backward = mean_action("B") + mean_action("I") + weight
     result = simulate(name, PP, M, virtual, forward, backward, 0.0, weight or None)
+    busy = [statistics.mean(r[name]["busy_s"][i] for i in timed) for r in ranks]
+    scale = tuple(b / statistics.mean(busy) for b in busy)
+    unequal = simulate(name, PP, M, virtual, forward, backward, 0.0, weight or None, scale)
     return {"bubble": round(result.bubble_fraction, 4),
             "action_s": {"F": round(forward, 4), "backward": round(backward, 4),
-                         "W": round(weight, 4)}}
+                         "W": round(weight, 4)},
+            "bubble_at_stage_costs": round(unequal.bubble_fraction, 4),
+            "stage_scale": [round(x, 4) for x in scale]}
+
+
+def schedule_bubble(name: str, ranks: list[dict], timed: range, late: dict | None) -> dict:
+    """One schedule's bubble figures from both ranks' timed steps (late: the gloo hops for the
+    late-receive model; None: not modelled)."""
+    v = SCHEDULES[name]
+
+    def span(i: int) -> float:  # from stage 0's start: barrier skew stays out
+        return max(r[name]["span"][i][1] for r in ranks) - ranks[0][name]["span"][i][0]
+
+    one_f_one_b = schedules.ideal_bubble_fraction(PP, M)
+    busy = [[r[name]["busy_s"][i] for r in ranks] for i in timed]
+    per_step = [1 - statistics.mean(b) / span(i) for b, i in zip(busy, timed)]
+    measured, ideal = statistics.median(per_step), schedules.ideal_bubble_fraction(PP, M, v)
+    if name in SPLIT:  # their own ideal is near zero: only 1F1B's is a yardstick
+        ideal = one_f_one_b
+    stage_busy = [statistics.median(b[s] for b in busy) for s in range(PP)]
+    modelled = None if name in SPLIT or late is None else late_receive_model(
+        name, v, statistics.mean(stage_busy) / (3 * M), late)
+    at_costs = modelled_bubble(name, v, ranks, timed)
+    figures = {
+        "measured": round(measured, 4), "ideal": round(ideal, 4),
+        "ratio": round(measured / ideal, 3),
+        "over_1f1b_ideal": round(measured / one_f_one_b, 3),
+        "per_step": [round(b, 4) for b in per_step],
+        # Busiest stage over the least busy (the ideal assumes 1.00), and each stage's busy.
+        "stage_busy_imbalance": round(statistics.median(max(b) / min(b) for b in busy), 3),
+        "stage_busy_s": [round(b, 4) for b in stage_busy],
+        "late_receive_model": modelled and round(modelled, 4),
+        "late_receive_model_ratio": modelled and round(modelled / ideal, 3),
+        "simulated_at_measured_costs": at_costs,
+        "over_simulated": round(measured / at_costs["bubble"], 3),
+        # what the runner loses: over the same with each stage's own busy time
+        "over_simulated_at_stage_costs": round(measured / at_costs["bubble_at_stage_costs"], 3),
+    }
+    print(f"  bubble {name:17s} measured {measured:.4f}, ideal {ideal:.4f}, ratio "
+          f"{measured / ideal:.3f}, over 1F1B's ideal {figures['over_1f1b_ideal']:.3f}; "
+          f"simulated at its measured costs {at_costs['bubble']:.4f} ({at_costs['action_s']}), "
+          f"at each stage's {at_costs['bubble_at_stage_costs']:.4f}; late-receive model "
+          f"{modelled}, busy imbalance {figures['stage_busy_imbalance']}", flush=True)
+    return figures
 
 
 def measure(quick: bool = True) -> dict:
@@ -289,36 +355,15 @@ def measure(quick: bool = True) -> dict:
     print(f"  gloo hop, one message / positions + activations: {late['one'] * 1e3:.2f} / "
           f"{late['pair'] * 1e3:.2f} ms with the receives posted when needed, "
           f"{hops['posted_ahead']['pair'] * 1e3:.2f} ms both posted ahead", flush=True)
-    bubbles: dict = {}
-    one_f_one_b = schedules.ideal_bubble_fraction(PP, M)
-    for name, v in SCHEDULES.items():
-        busy = [[r[name]["busy_s"][i] for r in ranks] for i in timed]
-        per_step = [1 - statistics.mean(b) / span(name, i) for b, i in zip(busy, timed)]
-        measured, ideal = statistics.median(per_step), schedules.ideal_bubble_fraction(PP, M, v)
-        if name in SPLIT:  # their own ideal is near zero: only 1F1B's is a yardstick
-            ideal = one_f_one_b
-        stage_busy = [statistics.median(b[s] for b in busy) for s in range(PP)]
-        modelled = None if name in SPLIT else late_receive_model(
-            name, v, statistics.mean(stage_busy) / (3 * M), late)
-        at_costs = modelled_bubble(name, v, ranks, timed)
-        bubbles[name] = {
-            "measured": round(measured, 4), "ideal": round(ideal, 4),
-            "ratio": round(measured / ideal, 3),
-            "over_1f1b_ideal": round(measured / one_f_one_b, 3),
-            "per_step": [round(b, 4) for b in per_step],
-            # Busiest stage over the least busy (the ideal assumes 1.00), and each stage's busy.
-            "stage_busy_imbalance": round(statistics.median(max(b) / min(b) for b in busy), 3),
-            "stage_busy_s": [round(b, 4) for b in stage_busy],
-            "late_receive_model": modelled and round(modelled, 4),
-            "late_receive_model_ratio": modelled and round(modelled / ideal, 3),
-            "simulated_at_measured_costs": at_costs,
-            "over_simulated": round(measured / at_costs["bubble"], 3),
-        }
-        print(f"  bubble {name:17s} measured {measured:.4f}, ideal {ideal:.4f}, ratio "
-              f"{measured / ideal:.3f}, over 1F1B's ideal "
-              f"{bubbles[name]['over_1f1b_ideal']:.3f}; simulated at its measured costs "
-              f"{at_costs['bubble']:.4f} ({at_costs['action_s']}); late-receive model "
-              f"{modelled}, busy imbalance {bubbles[name]['stage_busy_imbalance']}", flush=True)
+    bubbles = {name: schedule_bubble(name, ranks, timed, late) for name in SCHEDULES}
+    model, seq, names = LINEAR_HEAVY
+    print(f"  where W is near I: llama {model.num_layers} x {model.hidden_size}, {seq} tokens, "
+          f"{', '.join(names)} ...", flush=True)
+    heavy = run_ranks(PP, rank_steps, warmup, steps, True)
+    linear_heavy = {name: schedule_bubble(name, heavy, timed, None) for name in names}
+    linear_heavy["setup"] = (f"the same, but llama {model.num_layers} layers x "
+                             f"{model.hidden_size} (ffn {model.ffn_hidden_size}), micro-batches "
+                             f"of {MICRO} x {seq} tokens")
     versus = {}
     for name in TORCH:
         ours, torchs = (statistics.median(span(n, i) for i in timed)
@@ -340,6 +385,7 @@ def measure(quick: bool = True) -> dict:
               flush=True)
     return {
         "bubble_over_ideal": bubbles,
+        "zero_bubble_where_w_is_near_i": linear_heavy,
         "gloo_hop_s": {k: {n: round(t, 5) for n, t in v.items()} for k, v in hops.items()},
         "step_time_vs_torch_pipelining": versus,
         "setup": f"{PP} gloo ranks, PP {PP}, llama {MODEL.num_layers} layers x "

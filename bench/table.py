@@ -52,6 +52,16 @@ def _row(figure: str, value: Any, goal: str, notes: str) -> dict[str, Any]:
             "notes": notes}
 
 
+def _stage_costs(bubble: dict[str, Any]) -> str:
+    """Where a schedule's bubble goes beyond its ideal: the stages' unequal work (the head's
+    and the loss's on the last), simulated; the rest is the runner's and gloo's."""
+    at = bubble.get("simulated_at_measured_costs", {})
+    if "bubble_at_stage_costs" not in at:  # a run before it was measured
+        return ""
+    return (f"; the schedule at each stage's measured busy time {at['bubble_at_stage_costs']} "
+            f"(measured over it {bubble['over_simulated_at_stage_costs']})")
+
+
 def rows(figures: dict[str, Any]) -> list[dict[str, Any]]:
     f = figures
     over, w2, w4 = f["overhead_vs_plain_loop"], f["step_time_vs_fsdp2_w2"], \
@@ -133,8 +143,9 @@ def rows(figures: dict[str, Any]) -> list[dict[str, Any]]:
     bubble, versus = pp["bubble_over_ideal"], pp["step_time_vs_torch_pipelining"]
     out += [_row(f"bubble_{name}_over_ideal", bubble[name]["ratio"], "<= 1.1",
                  f"measured {bubble[name]['measured']}, ideal {bubble[name]['ideal']}; with "
-                 f"gloo's late-receive hops {bubble[name]['late_receive_model']}; gpipe "
-                 f"{bubble['gpipe']['ratio']}; {pp['setup']}")
+                 f"gloo's late-receive hops {bubble[name]['late_receive_model']}"
+                 + _stage_costs(bubble[name]) + f"; gpipe {bubble['gpipe']['ratio']}; "
+                 f"{pp['setup']}")
             for name in ("1f1b", "interleaved_1f1b")]
     out += [_row(f"bubble_{name}_over_1f1b_ideal", bubble[name]["over_1f1b_ideal"], goal,
                  f"measured {bubble[name]['measured']}, 1F1B's ideal {bubble[name]['ideal']}; "
@@ -142,6 +153,16 @@ def rows(figures: dict[str, Any]) -> list[dict[str, Any]]:
                  f"{bubble[name]['simulated_at_measured_costs']['bubble']} "
                  f"({bubble[name]['simulated_at_measured_costs']['action_s']}); {pp['setup']}")
             for name, goal in (("zb_h1", "<= 0.6"), ("zbv", "<= 0.5")) if name in bubble]
+    near = pp.get("zero_bubble_where_w_is_near_i")
+    if near:
+        zb = near["zb_h1"]
+        out.append(_row(
+            "bubble_zb_h1_over_1f1b_ideal_w_near_i", zb["over_1f1b_ideal"], "-",
+            f"the same where W costs about what I does (the zero-bubble paper's premise; above, "
+            f"W is a sixth of a micro-batch's work): measured {zb['measured']}, the schedule at "
+            f"this run's costs {zb['simulated_at_measured_costs']['bubble']} "
+            f"({zb['simulated_at_measured_costs']['action_s']}); 1F1B "
+            f"{near['1f1b']['ratio']} of its ideal; {near['setup']}"))
     if "ratio" in versus:  # a run before the zero-bubble schedules: 1F1B's alone
         versus = {"1f1b": versus}
     out += [_row("pp2_step_vs_torch_pipelining" + ("" if name == "1f1b" else f"_{name}"),

@@ -53,11 +53,13 @@ def _input_of(action: Action, stage: int, pp: int, virtual: int, v_shape: bool
 def simulate_orders(orders: list[list[Action]], pp: int, virtual: int = 1,
                     forward_time: float = 1.0, backward_time: float = 2.0,
                     hop_time: float = 0.0, weight_time: float | None = None,
-                    v_shape: bool = False) -> Simulation:
+                    v_shape: bool = False, stage_scale: tuple[float, ...] | None = None
+                    ) -> Simulation:
     """Run each stage's order as a dataflow: an action starts once its stage is free and its input
     has arrived (its producer finished, plus hop_time when that producer is another stage).
     A whole stage's F takes forward_time, B backward_time, of which W takes weight_time
-    (default half) and I the rest; a chunk's, 1/virtual of those.
+    (default half) and I the rest; a chunk's, 1/virtual of those; stage_scale: each stage's
+    actions take that multiple (stages of unequal work: the embedding's, the head's).
     Raises RuntimeError if the orders deadlock, naming what each stuck stage waits for."""
     if pp < 1 or len(orders) != pp:
         raise ValueError(f"got {len(orders)} stage orders for pp={pp}; need one per stage.")
@@ -84,8 +86,9 @@ def simulate_orders(orders: list[list[Action]], pp: int, virtual: int = 1,
                     producer_stage = stage_of(needed[2], pp, v_shape)
                     ready = finished[needed] + (hop_time if producer_stage != stage else 0.0)
                 start = max(stage_free[stage], ready)
-                stage_free[stage] = start + duration[action.kind]
-                busy[stage] += duration[action.kind]
+                took = duration[action.kind] * (stage_scale[stage] if stage_scale else 1.0)
+                stage_free[stage] = start + took
+                busy[stage] += took
                 what = action.kind if action.kind in (FORWARD, WEIGHT) else GRADIENT
                 finished[(what, action.microbatch,
                           model_chunk(stage, action.chunk, pp, v_shape))] = stage_free[stage]
@@ -112,9 +115,10 @@ def bubble_fraction(schedule: str, pp: int, microbatches: int, virtual: int = 1)
 
 def simulate(schedule: str, pp: int, microbatches: int, virtual: int = 1,
              forward_time: float = 1.0, backward_time: float = 2.0,
-             hop_time: float = 0.0, weight_time: float | None = None) -> Simulation:
+             hop_time: float = 0.0, weight_time: float | None = None,
+             stage_scale: tuple[float, ...] | None = None) -> Simulation:
     """Simulate one step of `schedule` over all pp stages (see simulate_orders)."""
     check_schedule(schedule, 0, pp, microbatches, virtual)  # before any stage's list is built
     orders = [stage_actions(schedule, stage, pp, microbatches, virtual) for stage in range(pp)]
     return simulate_orders(orders, pp, virtual, forward_time, backward_time, hop_time,
-                           weight_time, schedule in V_SHAPED)
+                           weight_time, schedule in V_SHAPED, stage_scale)
