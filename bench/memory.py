@@ -34,8 +34,9 @@ from ranks import run_ranks  # noqa: E402
 from parallel.layout import Layout  # noqa: E402
 from trainer.config import ModelConfig, OptimConfig, Precision  # noqa: E402
 from trainer.parts.assembly import parameter_shapes  # noqa: E402
-from trainer.plan.memory import memory_per_stage, step_per_stage  # noqa: E402
+from trainer.plan.memory import memory_per_stage  # noqa: E402
 from trainer.plan.options import EngineOptions  # noqa: E402
+from trainer.plan.stage_plan import step_per_stage  # noqa: E402
 
 SEED = ["experiment=seed_128rank_cp2", "model.num_layers=2", "train.seq_length=8192"]
 MID = ["model.hidden_size=512", "model.num_layers=4", "model.num_heads=8",

@@ -173,7 +173,7 @@ def test_activations_in_flight_match_the_plan(name):
     what each keeps; measured on gloo ranks with autograd's saved-tensor hooks. Its message
     term is the receive buffers the runner really held at once (real gloo messages)."""
     from trainer.parts.assembly import parameter_shapes
-    from trainer.plan.memory import step_per_stage
+    from trainer.plan.stage_plan import step_per_stage
 
     world, kwargs, options, model = CASES[name]
     layout = make_layout(world, kwargs, MICRO_BATCHES)

@@ -35,8 +35,9 @@ from trainer.config import (
 )
 from trainer.parts.assembly import parameter_shapes
 from trainer.parts.lora import Adapters
-from trainer.plan.memory import memory_per_stage, step_per_stage
+from trainer.plan.memory import memory_per_stage
 from trainer.plan.options import EngineOptions
+from trainer.plan.stage_plan import step_per_stage
 
 from config_helpers import ROOT
 

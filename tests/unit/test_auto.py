@@ -20,8 +20,8 @@ from trainer.parts.assembly import parameter_shapes
 from trainer.plan.cost import estimate, floor_s
 from trainer.plan.fit import planned_peak
 from trainer.plan.hardware import Hardware
-from trainer.plan.memory import step_per_stage
 from trainer.plan.options import EngineOptions
+from trainer.plan.stage_plan import step_per_stage
 
 from config_helpers import CONF_DIR, ROOT, compose_config
 

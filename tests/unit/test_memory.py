@@ -5,12 +5,8 @@ import math
 from dataclasses import replace
 
 from parallel.layout import Layout
-from trainer.plan.memory import (
-    memory_per_stage,
-    parameter_shapes,
-    stage_of,
-    unsharded_memory,
-)
+from trainer.parts.assembly import parameter_shapes
+from trainer.plan.memory import memory_per_stage, stage_of, unsharded_memory
 
 from test_model import TINY
 

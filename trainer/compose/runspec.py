@@ -20,9 +20,9 @@ from trainer.parts.lora import check_peft
 from trainer.plan.accounting import RunPlan
 from trainer.plan.axis_costs import check_model_fits_layout
 from trainer.plan.lr_schedule import LrSchedule, WeightDecaySchedule
-from trainer.plan.memory import memory_plan
 from trainer.plan.muon import muon_plan
 from trainer.plan.options import EngineOptions
+from trainer.plan.stage_plan import memory_plan
 
 
 @dataclass(frozen=True)

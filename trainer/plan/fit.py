@@ -8,9 +8,10 @@ from parallel.layout import Layout
 from parallel.layout.pipeline_schedules import V_SHAPED
 from trainer.config import ModelConfig
 from trainer.plan.axis_costs.pipeline import schedule_messages
-from trainer.plan.memory import ModelWeights, StageWeights, stage_kept, stage_peak, stage_step
+from trainer.plan.memory import ModelWeights, StageWeights
 from trainer.plan.muon import MuonPlan
 from trainer.plan.options import EngineOptions
+from trainer.plan.stage_plan import stage_kept, stage_peak, stage_step
 
 
 class PeakPlanner:
