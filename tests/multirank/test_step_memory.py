@@ -118,6 +118,7 @@ def planned(layout: Layout, options: EngineOptions, model: ModelConfig = MODEL
 
 
 FULL, SELECTIVE = RecomputeGranularity.full, RecomputeGranularity.selective
+OVERLAPS = dict(overlap_param_gather=True, overlap_grad_reduce=True)
 CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs)
     "one_process": (1, {}, {}),
     "tp2_sp": (2, dict(tensor_model_parallel_size=2, sequence_parallel=True), {}),
@@ -137,6 +138,12 @@ CASES = {  # name -> (world, Layout kwargs, EngineOptions kwargs)
                          dict(recompute_granularity=FULL, recompute_num_layers=1)),
     "bf16": (1, {}, dict(precision=Precision.bf16)),
     "bf16_ws2": (2, dict(tensor_parallel_num_weight_shards=2), dict(precision=Precision.bf16)),
+    # the trainer's defaults (parallel.overlap_param_gather and overlap_grad_reduce on): a
+    # block's backward beside the previous block's prefetch (and the prefetch's packed input)
+    # and the later blocks' reduce-scatters in flight
+    "ws2_overlaps": (2, dict(tensor_parallel_num_weight_shards=2), OVERLAPS),
+    "ws2_full_overlaps": (2, dict(tensor_parallel_num_weight_shards=2),
+                          dict(OVERLAPS, recompute_granularity=FULL)),
 }
 # Grouped-query attention (8 heads, 2 K/V groups: k and v a quarter of q), with tied embeddings
 # and a vocabulary of 1000 padded to 1024.

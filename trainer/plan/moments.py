@@ -323,20 +323,21 @@ def bundle_bytes(layout: Layout, options: EngineOptions, e: int, weights: list[i
     """Under weight sharding, what block `p` of a chunk holds of gathered weights and gradient
     messages in its backward (weights, freed: each block's gathered 2-D weights and what it
     keeps, in forward order): its weights, and with overlap_param_gather the block before
-    it's (its backward prefetches them), both in the compute dtype; the message its gradients
+    it's (its backward prefetches them, and holds the gather's input, this rank's shards,
+    until it is waited on), all in the compute dtype; the message its gradients
     are added into (fp32); with overlap_grad_reduce the packed gradients of up to
-    REDUCES_IN_FLIGHT blocks after it (done first) and their outputs, where they outweigh the
-    activations those blocks freed. trainer.plan.axis_costs.gtp_remat.gathered_bytes, block by
+    REDUCES_IN_FLIGHT blocks after it (done first) and their outputs (what those blocks kept
+    and freed, chunk_phases takes off). trainer.plan.axis_costs.gtp_remat.gathered_bytes, block by
     block: a dense block among a mixture of experts' gathers more than they do. In a split
     backward's I (`split`) its weights only: W forms the gradients and their messages."""
+    g = layout.gtp_remat_size
     previous = weights[p - 1] if options.overlap_param_gather and p > 0 else 0
-    held = (weights[p] + previous) * e + (0 if split else weights[p] * FP32)
+    # the prefetch's input, this rank's shards packed, is held until the gather is waited on
+    held = (weights[p] + previous + previous // g) * e + (0 if split else weights[p] * FP32)
     if options.overlap_grad_reduce and not split:
         reduce_bytes = 2 if options.grad_reduce_in_bf16 else FP32
         done = range(p + 1, min(p + 1 + REDUCES_IN_FLIGHT, len(weights)))
-        g = layout.gtp_remat_size
-        held += max(0, sum((weights[j] + weights[j] // g) * reduce_bytes - freed[j]
-                           for j in done))
+        held += sum((weights[j] + weights[j] // g) * reduce_bytes for j in done)
     return held
 
 
