@@ -22,7 +22,13 @@ import torch.nn.functional as F
 
 from parallel.build import Build
 from parallel.comm import Group, Pending
-from parallel.sharding import IN_MASTER_DTYPE, CommDtypes, autocast_input, linear_weight_grad
+from parallel.sharding import (
+    IN_MASTER_DTYPE,
+    CommDtypes,
+    autocast_input,
+    held_input,
+    linear_weight_grad,
+)
 from parallel.weight_grads import DeferredWeightGrads, run_now_or_defer
 
 
@@ -321,7 +327,7 @@ def _backward(grad_y: torch.Tensor, x: torch.Tensor, key: torch.Tensor, index: i
     bundle = _BUNDLES[int(key)]
     grad_x = grad_y @ bundle.backward_weight(index).to(grad_y.dtype)
     forward_pass = bundle.input_done()
-    x = x.detach()  # held without its graph (parallel.sharding._held)
+    x = held_input(x)
 
     def weight_grad() -> None:
         grad_w = None

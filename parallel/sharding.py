@@ -75,7 +75,7 @@ def linear_weight_grad(grad_y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         grad_y.dtype))
 
 
-def _held(x: torch.Tensor) -> torch.Tensor:
+def held_input(x: torch.Tensor) -> torch.Tensor:
     """A linear's saved input as its weight gradient holds it, perhaps until W: without its
     graph. Under activation recompute it is the rebuilt tensor, whose rebuilt graph never runs
     backward; held with it, that graph would keep the rebuilt block's input and saved tensors
@@ -108,7 +108,7 @@ class _SplitLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         (x, used), weight = ctx.saved_tensors, ctx.weight
-        x = _held(x)
+        x = held_input(x)
         grad_x = grad_y @ used if ctx.needs_input_grad[0] else None
         if not ctx.needs_input_grad[1]:
             return grad_x, None, None
@@ -136,7 +136,7 @@ class _ShardedLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y: torch.Tensor):
         x, shard = ctx.saved_tensors
-        x = _held(x)
+        x = held_input(x)
         # Under autocast the forward ran in grad_y's dtype; backward runs outside autocast, so
         # it casts explicitly. The gradient is summed in the reduce dtype (default: the
         # shard's) and returns to the shard's (master) dtype.

@@ -32,7 +32,7 @@ from trainer.plan.activations import (
     mtp_block_bytes,
     weight_grad_bytes,
 )
-from trainer.plan.axis_costs.gtp_remat import REDUCES_IN_FLIGHT, gathered_bytes
+from trainer.plan.axis_costs.gtp_remat import REDUCES_IN_FLIGHT, head_gathered_bytes
 from trainer.plan.options import EngineOptions
 
 
@@ -195,10 +195,10 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
     if sharded:
         freed = max(block_activation_bytes(m, k, e, options.recompute_granularity, comm, parts,
                                            w, lora) for parts in kinds for w in windows)
-        block, head = gathered_bytes(layout, options, e, sizes, block_weights, head_weights,
-                                     freed, first, last)
+        head = head_gathered_bytes(layout, options, e, sizes, block_weights, head_weights,
+                                   freed, first, last)
     else:  # weights are used in place; the head's gradient is formed before it is added
-        block, head = 0, head_weights * FP32
+        head = head_weights * FP32
     # freed when the model's blocks' backward starts (the depths' included)
     head_kept = head_activation_bytes(m, k, e, options.recompute_granularity, comm, lora) \
         if last else 0
@@ -226,7 +226,7 @@ def step_memory(m: ModelConfig, layout: Layout, options: EngineOptions, chunks: 
             bundles.append(gathered)
     if not phases:  # a stage without blocks
         phases = [backward]
-    block = max(bundles) if sharded and bundles else block
+    block = max(bundles, default=0)  # gathered weights and messages (0 unsharded)
     # freed when the blocks' backward starts, but what the head's W waits for (split)
     head_waits = weight_grad_bytes(m, layout, options, range(0), True) if split and last else 0
     blocks_phase = max(phases) - head_kept + head_waits
@@ -289,12 +289,12 @@ def chunk_phases(m: ModelConfig, layout: Layout, options: EngineOptions, chunk: 
         ahead = slice(p + 1, p + 1 + REDUCES_IN_FLIGHT)
         message_in = received and p == len(parts) - 1
         key = (kind, options.recomputes(p), weights[p], weights[p - 1] if p else None,
-               tuple(weights[ahead]), tuple(freed[ahead]), message_in)
+               tuple(weights[ahead]), message_in)
         if key in seen:
             phase, gathered = seen[key]
             out.append((phase - later[p], gathered))
             continue
-        gathered = bundle_bytes(layout, options, e, weights, freed, p, split) if sharded else 0
+        gathered = bundle_bytes(layout, options, e, weights, p, split) if sharded else 0
         # bundle_bytes' gradient message (a split backward's W makes it, not I)
         message = weights[p] * FP32 if sharded and not split else 0
         if options.recomputes(p) is RecomputeGranularity.full:
@@ -318,17 +318,17 @@ def chunk_phases(m: ModelConfig, layout: Layout, options: EngineOptions, chunk: 
     return out
 
 
-def bundle_bytes(layout: Layout, options: EngineOptions, e: int, weights: list[int],
-                 freed: list[int], p: int, split: bool = False) -> int:
+def bundle_bytes(layout: Layout, options: EngineOptions, e: int, weights: list[int], p: int,
+                 split: bool = False) -> int:
     """Under weight sharding, what block `p` of a chunk holds of gathered weights and gradient
-    messages in its backward (weights, freed: each block's gathered 2-D weights and what it
-    keeps, in forward order): its weights, and with overlap_param_gather the block before
+    messages in its backward (weights: each block's gathered 2-D weights, in forward order):
+    its weights, and with overlap_param_gather the block before
     it's (its backward prefetches them, and holds the gather's input, this rank's shards,
     until it is waited on), all in the compute dtype; the message its gradients
     are added into (fp32); with overlap_grad_reduce the packed gradients of up to
     REDUCES_IN_FLIGHT blocks after it (done first) and their outputs (what those blocks kept
-    and freed, chunk_phases takes off). trainer.plan.axis_costs.gtp_remat.gathered_bytes, block by
-    block: a dense block among a mixture of experts' gathers more than they do. In a split
+    and freed, chunk_phases takes off). Block by block: a dense block among a mixture of
+    experts' gathers more than they do. In a split
     backward's I (`split`) its weights only: W forms the gradients and their messages."""
     g = layout.gtp_remat_size
     previous = weights[p - 1] if options.overlap_param_gather and p > 0 else 0

@@ -16,38 +16,28 @@ from trainer.plan.options import EngineOptions
 REDUCES_IN_FLIGHT = 2
 
 
-def gathered_bytes(layout: Layout, options: EngineOptions, e: int, chunks: list[int],
-                   block_weights: int, head_weights: int, freed: int,
-                   first: bool, last: bool) -> tuple[int, int]:
-    """(a block's, the head's or embedding's) gathered weights and gradients alive at once.
-    A gathered weight is the TP-local full weight; a block's weights (two blocks' with overlap:
-    the next one is already gathering) live through its backward beside the message its
-    gradients are added into (parallel.bundle: master dtype, one block's weights) before one
-    reduce-scatter returns the shards'; the weight gradient being formed is a term of the
-    block's backward (trainer.plan.moments.block_backward_bytes). The head's (or embedding's)
-    weight is gathered with its gradient formed whole, under bf16 first narrow, then widened.
-    chunks: the stage's blocks per model chunk; freed: what one block keeps for its backward
-    (gone once its backward is done)."""
+def head_gathered_bytes(layout: Layout, options: EngineOptions, e: int, chunks: list[int],
+                        block_weights: int, head_weights: int, freed: int,
+                        first: bool, last: bool) -> int:
+    """The head's (or embedding's) gathered weight and its gradient alive at once: the TP-local
+    full weight, gathered with its gradient formed whole (under bf16 first narrow, then
+    widened). A block's are counted block by block (trainer.plan.moments.bundle_bytes).
+    chunks: the stage's blocks per model chunk; block_weights: one block's gathered 2-D
+    weights; freed: what one block keeps for its backward (gone once its backward is done)."""
     narrow = e if e != FP32 else 0
-    alive = 2 if options.overlap_param_gather else 1
-    block = alive * block_weights * e + block_weights * FP32
     head = head_weights * (e + narrow + FP32)
-    if options.overlap_grad_reduce:
-        # parallel.bundle.GradReduceQueue: in a chunk's backward the packed gradients of up to
-        # REDUCES_IN_FLIGHT blocks already done, and their reduce-scatters' outputs (1/G of
-        # each), stay alive beside the next block's backward; those blocks' kept activations
-        # are gone by then. The runner ends the queue with each pass, so the head (first in its
-        # chunk's backward) sees none; a first stage's embedding (last) sees up to the depth
-        # (with the head on the stage too, the head's larger transient is the one the plan
-        # takes for both).
+    if options.overlap_grad_reduce and first and not last and head_weights:
+        # parallel.bundle.GradReduceQueue: the packed gradients of up to REDUCES_IN_FLIGHT
+        # blocks already done, and their reduce-scatters' outputs (1/G of each), stay alive
+        # beside the next backward; those blocks' kept activations are gone by then. The runner
+        # ends the queue with each pass, so the head (first in its chunk's backward) sees none;
+        # a first stage's embedding (last) sees up to the depth (with the head on the stage
+        # too, the head's larger transient is the one the plan takes for both).
         reduce_bytes = 2 if options.grad_reduce_in_bf16 else FP32
         queued = (block_weights + block_weights // layout.gtp_remat_size) * reduce_bytes
-        before = min(REDUCES_IN_FLIGHT, max(chunks) - 1)
-        block += max(0, before * (queued - freed))
-        if first and not last and head_weights:
-            done = chunks[0]
-            head += max(0, min(REDUCES_IN_FLIGHT, done) * queued - done * freed)
-    return block, head
+        done = chunks[0]
+        head += max(0, min(REDUCES_IN_FLIGHT, done) * queued - done * freed)
+    return head
 
 
 def gather_seconds(layout: Layout, options: EngineOptions, hw: Hardware, weights: float,
